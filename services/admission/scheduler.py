@@ -1,0 +1,443 @@
+"""The round scheduler of one server, with SP and soft reservations as switches.
+
+A pure state machine: `step(event, now) -> actions`, `next_wakeup()`; no I/O,
+no sleeps. The admission service drives it with the scaled wall clock; the
+simulator drives the very same object with a virtual clock.
+
+Rules (docs/scheduler.md states them for users; keep the two in step):
+
+1. Per server, models take slots in turn. A slot of model M opens when M is
+   active (after a switch, or at once if M already is); that instant is the
+   slot's *admission point*: M's queued calls are admitted FIFO while their KV
+   (prompt + max_tokens) fits the KV budget.
+2. A call of M arriving while M's slot is open waits for M's next slot, unless
+   (a) no other model has demand — then the round has one member and the slot
+   simply continues, admitting it now — or (b) SP is on, it is a
+   continuation, the slot's quantum has not passed and its estimated service
+   time fits what is left of it (plus `sp_overrun_s`).
+3. The slot closes, with the drain rule, once its admitted work has finished
+   and another model has demand (never idling while others wait), except that
+   a live soft reservation of M holds it open until the reservation is used
+   or expires, at most until the quantum. With the preempt rule it also
+   closes at the quantum: running calls go back to the head of the queue.
+4. The next slot goes to the next model with demand in round-robin order, or,
+   with `oldest-first`, to the model whose oldest queued call waited longest.
+   A model with no queued calls gets no slot.
+5. Soft reservations (when on): when a call finishes, its session's KV is
+   protected and a claim is held for `hold = clamp(quantile(gaps) * factor)`
+   model seconds, from the session's observed tool gaps only. It yields: it
+   never blocks an admission, and it is dropped when its model's slot closes.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+
+from services.engine.costmodel import CostModel
+from shared.catalog import ModelSpec
+from shared.policy import PolicyConfig
+
+DEFAULT_OUTPUT_PRIOR = 200  # tokens: published median output per call (CALIBRATION.md), used before any history
+
+
+# -- inputs --------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class AdmissionCall:
+    """What admission may know about a call: its prompt, its bound and the
+    session's history. No output length and no next tool gap, by construction."""
+
+    call_id: str
+    session_id: str
+    model: str
+    prompt_tokens: int
+    prefix_tokens: int
+    max_tokens: int
+    arrived_at: float
+    continuation: bool
+    gap_history: tuple[float, ...] = ()
+    output_history: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Arrive:
+    call: AdmissionCall
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    call_id: str
+    session_id: str
+    context_tokens: int  # prompt + output, the KV the session now holds
+
+
+@dataclass(frozen=True, slots=True)
+class SwitchDone:
+    model: str
+    kv_capacity_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Tick:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class SessionEnded:
+    session_id: str
+
+
+Event = Arrive | Finished | SwitchDone | Tick | SessionEnded
+
+
+# -- outputs -------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Dispatch:
+    call: AdmissionCall
+    reserved_tokens: int
+    slot_id: int
+    waited_s: float
+    switch_wait_s: float
+    round_wait: bool  # it arrived during its model's open slot and missed it
+
+
+@dataclass(frozen=True, slots=True)
+class StartSwitch:
+    from_model: str | None
+    to_model: str
+
+
+@dataclass(frozen=True, slots=True)
+class Stage:
+    model: str
+
+
+@dataclass(frozen=True, slots=True)
+class Preempt:
+    call_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class Protect:
+    session_id: str
+    model: str
+    on: bool
+
+
+@dataclass(frozen=True, slots=True)
+class SlotOpened:
+    model: str
+    slot_id: int
+    at: float
+
+
+@dataclass(frozen=True, slots=True)
+class SlotClosed:
+    model: str
+    slot_id: int
+    at: float
+    reason: str
+
+
+Action = Dispatch | StartSwitch | Stage | Preempt | Protect | SlotOpened | SlotClosed
+
+
+@dataclass(slots=True)
+class Reservation:
+    session_id: str
+    model: str
+    made_at: float
+    expires_at: float
+    tokens: int
+
+
+@dataclass(slots=True)
+class _Queued:
+    call: AdmissionCall
+    switch_clock_at_arrival: float
+    open_slot_at_arrival: int | None  # slot id of its model open when it arrived
+
+
+@dataclass(slots=True)
+class _Running:
+    call: AdmissionCall
+    reserved_tokens: int
+    slot_id: int
+
+
+@dataclass
+class SchedulerStats:
+    switches: int = 0
+    slots: int = 0
+    round_waits: int = 0
+    sp_admits: int = 0
+    preemptions: int = 0
+    reservations_made: int = 0
+    reservations_hit: int = 0
+    reservations_expired: int = 0
+    reserved_idle_s: float = 0.0  # time the server sat idle holding a slot for reservations
+    max_wait_s: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class RoundScheduler:
+    server_id: str
+    models: dict[str, ModelSpec]  # in round-robin order
+    cost: CostModel
+    policy: PolicyConfig
+    queues: dict[str, deque[_Queued]] = field(default_factory=dict)
+    active: str | None = None
+    phase: str = "idle"  # idle | switching | open
+    switch_to: str | None = None
+    switch_started_at: float = 0.0
+    slot_id: int = 0
+    slot_open_at: float = 0.0
+    slot_deadline: float = 0.0
+    kv_capacity: int = 0
+    running: dict[str, _Running] = field(default_factory=dict)
+    reservations: dict[str, Reservation] = field(default_factory=dict)
+    switch_clock: float = 0.0  # total model seconds spent switching so far
+    staged_hint: str | None = None
+    idle_hold_since: float | None = None
+    stats: SchedulerStats = field(default_factory=SchedulerStats)
+
+    def __post_init__(self) -> None:
+        for m in self.models:
+            self.queues.setdefault(m, deque())
+            self.stats.max_wait_s.setdefault(m, 0.0)
+
+    # -- public ------------------------------------------------------------------
+    def step(self, event: Event, now: float) -> list[Action]:
+        actions: list[Action] = []
+        match event:
+            case Arrive(call=call):
+                if call.model not in self.models:
+                    raise ValueError(f"{self.server_id}: model {call.model!r} is not served here")
+                if any(r.call.call_id == call.call_id for r in self.running.values()) or any(
+                    q.call.call_id == call.call_id for q in self.queues[call.model]
+                ):
+                    return actions  # at most once per call_id
+                res = self.reservations.pop(call.session_id, None)
+                if res is not None:
+                    self.stats.reservations_hit += 1
+                    actions.append(Protect(res.session_id, res.model, on=False))
+                open_slot = self.slot_id if (self.phase == "open" and self.active == call.model) else None
+                self.queues[call.model].append(_Queued(call, self._switch_clock(now), open_slot))
+            case Finished(call_id=cid, session_id=sid, context_tokens=ctx):
+                run = self.running.pop(cid, None)
+                if run is not None and self.policy.reservations and run.call.model == self.active:
+                    hold = self.hold_s(run.call.gap_history)
+                    self.reservations[sid] = Reservation(sid, run.call.model, now, now + hold, ctx)
+                    self.stats.reservations_made += 1
+                    actions.append(Protect(sid, run.call.model, on=True))
+            case SwitchDone(model=model, kv_capacity_tokens=cap):
+                if self.phase == "switching" and self.switch_to == model:
+                    self.switch_clock += now - self.switch_started_at
+                    self.active = model
+                    self.kv_capacity = cap
+                    self._open_slot(now, actions)
+            case SessionEnded(session_id=sid):
+                res = self.reservations.pop(sid, None)
+                if res is not None:
+                    actions.append(Protect(sid, res.model, on=False))
+            case Tick():
+                pass
+        self._expire_reservations(now, actions)
+        self._schedule(now, actions)
+        return actions
+
+    def next_wakeup(self) -> float | None:
+        times: list[float] = [r.expires_at for r in self.reservations.values()]
+        if self.phase == "open":
+            times.append(self.slot_deadline)
+        return min(times) if times else None
+
+    def hold_s(self, gaps: tuple[float, ...]) -> float:
+        p = self.policy
+        if not gaps:
+            return p.hold_min_s
+        ordered = sorted(gaps)
+        q = ordered[min(len(ordered) - 1, int(p.hold_quantile * len(ordered)))]
+        return max(p.hold_min_s, min(p.hold_max_s, q * p.hold_factor))
+
+    def queued(self, model: str | None = None) -> int:
+        if model is not None:
+            return len(self.queues[model])
+        return sum(len(q) for q in self.queues.values())
+
+    def pending_calls(self) -> list[AdmissionCall]:
+        return [q.call for qs in self.queues.values() for q in qs]
+
+    def reserved_kv_tokens(self) -> int:
+        return sum(r.reserved_tokens for r in self.running.values())
+
+    # -- internals ---------------------------------------------------------------
+    def _switch_clock(self, now: float) -> float:
+        extra = now - self.switch_started_at if self.phase == "switching" else 0.0
+        return self.switch_clock + extra
+
+    def _reserve_for(self, call: AdmissionCall) -> int:
+        limit = self.models[call.model].context_limit
+        return min(limit, call.prompt_tokens + call.max_tokens)
+
+    def _others_waiting(self) -> bool:
+        return any(q for m, q in self.queues.items() if m != self.active)
+
+    def _expire_reservations(self, now: float, actions: list[Action]) -> None:
+        for sid, r in list(self.reservations.items()):
+            if r.expires_at <= now + 1e-9:
+                del self.reservations[sid]
+                self.stats.reservations_expired += 1
+                actions.append(Protect(sid, r.model, on=False))
+
+    def _pick_next(self, exclude: str | None = None) -> str | None:
+        names = list(self.models)
+        candidates = [m for m in names if self.queues[m] and m != exclude]
+        if not candidates:
+            return None
+        if self.policy.next_model == "oldest-first":
+            return min(candidates, key=lambda m: self.queues[m][0].call.arrived_at)
+        start = names.index(self.active) + 1 if self.active in names else 0
+        for i in range(len(names)):
+            m = names[(start + i) % len(names)]
+            if m in candidates:
+                return m
+        return None
+
+    def _open_slot(self, now: float, actions: list[Action]) -> None:
+        assert self.active is not None
+        self.phase = "open"
+        self.slot_id += 1
+        self.stats.slots += 1
+        self.slot_open_at = now
+        self.slot_deadline = now + self.policy.slot_s
+        self.idle_hold_since = None
+        actions.append(SlotOpened(self.active, self.slot_id, now))
+        self._admit(now, actions, admission_point=True)
+        self._hint_staging(actions)
+
+    def _hint_staging(self, actions: list[Action]) -> None:
+        nxt = self._pick_next(exclude=self.active)
+        if nxt is None:
+            # nobody waits yet: guess the next model in round-robin order
+            names = list(self.models)
+            if len(names) > 1 and self.active in names:
+                nxt = names[(names.index(self.active) + 1) % len(names)]
+        if nxt is not None and nxt != self.staged_hint:
+            self.staged_hint = nxt
+            actions.append(Stage(nxt))
+
+    def _fits(self, call: AdmissionCall) -> bool:
+        return self.reserved_kv_tokens() + self._reserve_for(call) <= self.kv_capacity
+
+    def _estimated_service_s(self, call: AdmissionCall) -> float:
+        spec = self.models[call.model]
+        out = int(statistics.median(call.output_history)) if call.output_history else DEFAULT_OUTPUT_PRIOR
+        out = min(out, call.max_tokens)
+        new = max(1, call.prompt_tokens - call.prefix_tokens)
+        batch = len(self.running) + 1
+        ctx = sum(r.call.prompt_tokens for r in self.running.values()) + call.prompt_tokens
+        return self.cost.prefill_s(spec, new, call.prefix_tokens) + out * self.cost.itl_s(spec, batch, ctx)
+
+    def _admit(self, now: float, actions: list[Action], admission_point: bool) -> None:
+        m = self.active
+        assert m is not None
+        q = self.queues[m]
+        alone = not self._others_waiting()
+        kept: deque[_Queued] = deque()
+        blocked = False
+        while q:
+            item = q.popleft()
+            c = item.call
+            ok = not blocked and self._fits(c)
+            sp = False
+            if ok and not (admission_point or alone):
+                sp = (
+                    self.policy.session_prefill
+                    and c.continuation
+                    and now < self.slot_deadline
+                    and now + self._estimated_service_s(c) <= self.slot_deadline + self.policy.sp_overrun_s
+                )
+                ok = sp
+            if not ok:
+                if not self._fits(c):
+                    blocked = True  # FIFO: nobody overtakes a call that does not fit
+                kept.append(item)
+                continue
+            if sp:
+                self.stats.sp_admits += 1
+            self._dispatch(item, now, actions)
+        q.extend(kept)
+
+    def _dispatch(self, item: _Queued, now: float, actions: list[Action]) -> None:
+        c = item.call
+        reserved = self._reserve_for(c)
+        self.running[c.call_id] = _Running(c, reserved, self.slot_id)
+        waited = now - c.arrived_at
+        round_wait = item.open_slot_at_arrival is not None and item.open_slot_at_arrival != self.slot_id
+        if round_wait:
+            self.stats.round_waits += 1
+        self.stats.max_wait_s[c.model] = max(self.stats.max_wait_s[c.model], waited)
+        switch_wait = max(0.0, min(waited, self._switch_clock(now) - item.switch_clock_at_arrival))
+        res = self.reservations.pop(c.session_id, None)
+        if res is not None:
+            actions.append(Protect(c.session_id, res.model, on=False))
+        actions.append(Dispatch(c, reserved, self.slot_id, waited, switch_wait, round_wait))
+
+    def _close(self, now: float, actions: list[Action], reason: str) -> None:
+        assert self.active is not None
+        if self.idle_hold_since is not None:
+            self.stats.reserved_idle_s += now - self.idle_hold_since
+            self.idle_hold_since = None
+        for sid, r in list(self.reservations.items()):
+            if r.model == self.active:
+                del self.reservations[sid]
+                self.stats.reservations_expired += 1
+                actions.append(Protect(sid, r.model, on=False))
+        actions.append(SlotClosed(self.active, self.slot_id, now, reason))
+        self.phase = "idle"
+
+    def _schedule(self, now: float, actions: list[Action]) -> None:
+        for _ in range(4 * len(self.models) + 4):  # bounded: each pass changes the phase or stops
+            if self.phase == "switching":
+                return
+            if self.phase == "idle":
+                nxt = self._pick_next()
+                if nxt is None:
+                    return
+                if nxt == self.active:
+                    self._open_slot(now, actions)
+                else:
+                    self.phase = "switching"
+                    self.switch_to = nxt
+                    self.switch_started_at = now
+                    self.stats.switches += 1
+                    self.staged_hint = None
+                    actions.append(StartSwitch(self.active, nxt))
+                    return
+                continue
+            # phase == open
+            self._admit(now, actions, admission_point=False)
+            others = self._others_waiting()
+            if not others:
+                self.idle_hold_since = None
+                return
+            m_running = [r for r in self.running.values() if r.call.model == self.active]
+            if m_running:
+                if self.policy.closing == "preempt" and now >= self.slot_deadline - 1e-9:
+                    for r in m_running:
+                        del self.running[r.call.call_id]
+                        self.queues[r.call.model].appendleft(_Queued(r.call, self._switch_clock(now), None))
+                        self.stats.preemptions += 1
+                        actions.append(Preempt(r.call.call_id))
+                    self._close(now, actions, "preempted at quantum")
+                    continue
+                self._hint_staging(actions)
+                return
+            held = [r for r in self.reservations.values() if r.model == self.active and r.expires_at > now]
+            if held and now < self.slot_deadline:
+                if self.idle_hold_since is None:
+                    self.idle_hold_since = now
+                return
+            self._close(now, actions, "drained" if now < self.slot_deadline else "quantum")

@@ -1,0 +1,234 @@
+"""The `sim` engine backend: one model's engine on one server, as a state machine.
+
+Driven by `submit(call, now)`, `advance(now)` and `next_event_at()`; it never
+sleeps. Between events the batch is stepped analytically: while a prefill is
+running the decoders wait (prefill-first scheduling, as vLLM without chunking);
+otherwise every running call decodes one token per ITL(batch, context). So a
+960-call trace needs a few thousand events, not one per token.
+
+The engine keeps its own KV table like a prefix cache: idle sessions' KV stays
+in HBM (LRU) until room is needed; `host_kv` is the restorable view the
+substrate hands over at wake-up. It never over-commits: running calls' KV must
+fit `kv_capacity_tokens` (the admission scheduler checks before dispatch, and
+`submit` refuses otherwise).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+
+from services.engine.costmodel import CostModel
+from shared.catalog import ModelSpec
+
+EPS = 1e-9
+
+
+class EngineError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class EngineCall:
+    """What an engine receives. `stop_tokens` is the model's own stopping point:
+    it reaches only the engine (a real model decides it by emitting EOS)."""
+
+    call_id: str
+    session_id: str
+    model: str
+    prompt_tokens: int
+    prefix_tokens: int
+    max_tokens: int
+    stop_tokens: int
+    reserved_tokens: int  # KV the admission scheduler set aside for it
+
+
+@dataclass(frozen=True, slots=True)
+class CallResult:
+    call_id: str
+    session_id: str
+    model: str
+    prompt_tokens: int
+    cached_tokens: int      # prefix found in HBM
+    restored_tokens: int    # prefix restored from host DRAM
+    reprefill_tokens: int   # prefix that had to be computed again
+    output_tokens: int
+    submitted_at: float
+    first_token_at: float
+    finished_at: float
+    restore_s: float
+    prefill_s: float
+    decode_s: float
+
+
+@dataclass(slots=True)
+class _Running:
+    call: EngineCall
+    submitted_at: float
+    cached: int
+    restored: int
+    restore_s: float
+    prefill_s: float
+    prefill_left: float
+    tokens_left: float
+    produced: float = 0.0
+    first_token_at: float | None = None
+
+
+@dataclass
+class SimEngine:
+    model: ModelSpec
+    cost: CostModel
+    active: bool = False
+    kv_capacity_tokens: int = 0
+    hbm_kv: OrderedDict[str, int] = field(default_factory=OrderedDict)
+    host_kv: dict[str, int] = field(default_factory=dict)
+    protected: set[str] = field(default_factory=set)
+    running: dict[str, _Running] = field(default_factory=dict)
+    prefill_queue: deque[str] = field(default_factory=deque)
+    t: float = 0.0
+
+    # -- lifecycle -------------------------------------------------------------
+    def wake(self, now: float, kv_capacity_tokens: int, host_kv: dict[str, int], hbm_kv: dict[str, int] | None = None) -> None:
+        self.t = now
+        self.active = True
+        self.kv_capacity_tokens = kv_capacity_tokens
+        self.host_kv = dict(host_kv)
+        self.hbm_kv = OrderedDict(hbm_kv or {})
+        self._evict_to_fit(0)
+
+    def sleep(self, now: float) -> dict[str, int]:
+        """Stop; return the idle KV table that was in HBM (the substrate decides
+        whether it goes to host DRAM or is dropped)."""
+        self.advance(now)
+        if self.running:
+            raise EngineError(f"{self.model.name}: sleep with {len(self.running)} calls running")
+        out = dict(self.hbm_kv)
+        self.hbm_kv.clear()
+        self.host_kv.clear()
+        self.active = False
+        return out
+
+    # -- KV accounting -----------------------------------------------------------
+    def running_kv_tokens(self) -> int:
+        return sum(r.call.prompt_tokens + int(r.produced) for r in self.running.values())
+
+    def reserved_kv_tokens(self) -> int:
+        return sum(r.call.reserved_tokens for r in self.running.values())
+
+    def idle_kv_tokens(self) -> int:
+        return sum(self.hbm_kv.values())
+
+    def _evict_to_fit(self, extra: int) -> None:
+        """Drop idle cached KV (unprotected first, then protected, LRU order)
+        until reserved running KV + idle cache + extra fits."""
+        budget = self.kv_capacity_tokens - self.reserved_kv_tokens() - extra
+        for protected_pass in (False, True):
+            for sid in list(self.hbm_kv):
+                if self.idle_kv_tokens() <= budget:
+                    return
+                if (sid in self.protected) == protected_pass:
+                    del self.hbm_kv[sid]
+
+    # -- events ------------------------------------------------------------------
+    def submit(self, call: EngineCall, now: float) -> None:
+        if not self.active:
+            raise EngineError(f"{self.model.name}: call {call.call_id} submitted to a sleeping engine")
+        if call.call_id in self.running:
+            return  # at most once
+        self.advance(now)
+        if self.reserved_kv_tokens() + call.reserved_tokens > self.kv_capacity_tokens:
+            raise EngineError(
+                f"{self.model.name}: call {call.call_id} needs {call.reserved_tokens} KV tokens, "
+                f"{self.kv_capacity_tokens - self.reserved_kv_tokens()} free"
+            )
+        prefix = call.prefix_tokens
+        cached = min(prefix, self.hbm_kv.pop(call.session_id, 0))
+        restored = 0
+        restore_s = 0.0
+        host = self.host_kv.pop(call.session_id, 0)
+        if cached < prefix and host > cached:
+            restored = min(prefix, host) - cached
+            restore_s = self.cost.kv_restore_s(self.model, restored)
+        self._evict_to_fit(call.reserved_tokens)
+        reused = cached + restored
+        prefill_s = self.cost.prefill_s(self.model, call.prompt_tokens - reused, reused)
+        self.running[call.call_id] = _Running(
+            call=call,
+            submitted_at=now,
+            cached=cached,
+            restored=restored,
+            restore_s=restore_s,
+            prefill_s=prefill_s,
+            prefill_left=restore_s + prefill_s,
+            tokens_left=float(max(1, min(call.stop_tokens, call.max_tokens))),
+        )
+        self.prefill_queue.append(call.call_id)
+
+    def next_event_at(self) -> float | None:
+        if not self.running:
+            return None
+        if self.prefill_queue:
+            return self.t + self.running[self.prefill_queue[0]].prefill_left
+        step = self._itl()
+        return self.t + min(r.tokens_left for r in self.running.values()) * step
+
+    def _itl(self) -> float:
+        ctx = sum(r.call.prompt_tokens + int(r.produced) for r in self.running.values())
+        return self.cost.itl_s(self.model, len(self.running), ctx)
+
+    def advance(self, now: float) -> list[CallResult]:
+        """Move the batch forward to `now`; return the calls that finished."""
+        done: list[CallResult] = []
+        while self.running and self.t < now - EPS:
+            nxt = self.next_event_at()
+            assert nxt is not None
+            target = min(now, nxt)
+            dt = target - self.t
+            if self.prefill_queue:
+                head = self.running[self.prefill_queue[0]]
+                head.prefill_left -= dt
+                if head.prefill_left <= EPS:
+                    self.prefill_queue.popleft()
+                    head.prefill_left = 0.0
+            else:
+                tokens = dt / self._itl()
+                for r in self.running.values():
+                    if r.first_token_at is None:
+                        r.first_token_at = self.t
+                    r.tokens_left -= tokens
+                    r.produced += tokens
+            self.t = target
+            for cid in [c for c, r in self.running.items() if not self.prefill_queue or c != self.prefill_queue[0]]:
+                r = self.running[cid]
+                if r.prefill_left <= 0 and r.tokens_left <= 1e-6:
+                    done.append(self._finish(cid))
+        if not self.running:
+            self.t = max(self.t, now)
+        return done
+
+    def _finish(self, call_id: str) -> CallResult:
+        r = self.running.pop(call_id)
+        c = r.call
+        output = max(1, min(c.stop_tokens, c.max_tokens))
+        first = r.first_token_at if r.first_token_at is not None else self.t
+        # the session's whole context stays cached (LRU, most recent last)
+        self.hbm_kv[c.session_id] = c.prompt_tokens + output
+        self.hbm_kv.move_to_end(c.session_id)
+        self._evict_to_fit(0)
+        return CallResult(
+            call_id=c.call_id,
+            session_id=c.session_id,
+            model=c.model,
+            prompt_tokens=c.prompt_tokens,
+            cached_tokens=r.cached,
+            restored_tokens=r.restored,
+            reprefill_tokens=max(0, c.prefix_tokens - r.cached - r.restored),
+            output_tokens=output,
+            submitted_at=r.submitted_at,
+            first_token_at=first,
+            finished_at=self.t,
+            restore_s=r.restore_s,
+            prefill_s=r.prefill_s,
+            decode_s=self.t - first,
+        )

@@ -1,0 +1,209 @@
+"""Reader and writer for agent-session traces (JSON Lines; spec: /work/shared/TRACE-FORMAT.md).
+
+One session per line. The replay driver and the simulator both read traces
+through `parse_trace`/`load_trace`, so a malformed file is rejected the same
+way everywhere: a `TraceError` naming the line and the field, and nothing
+partial is returned.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Annotated, Any
+
+import msgspec
+
+__all__ = [
+    "TraceCall",
+    "TraceSession",
+    "TraceError",
+    "parse_trace",
+    "load_trace",
+    "dump_trace",
+    "encode_trace",
+    "session_prompts",
+]
+
+PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
+NonNegFloat = Annotated[float, msgspec.Meta(ge=0.0)]
+
+
+class TraceCall(msgspec.Struct, frozen=True, forbid_unknown_fields=False, omit_defaults=True):
+    """One LLM call of a session (omit_defaults: `compact` is written only when true)."""
+
+    new_input_tokens: PositiveInt
+    output_tokens: PositiveInt
+    tool_s: NonNegFloat
+    compact: bool = False
+
+
+class TraceSession(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
+    session_id: str
+    model: str
+    arrival_s: NonNegFloat
+    calls: Annotated[list[TraceCall], msgspec.Meta(min_length=1)]
+
+
+class TraceError(ValueError):
+    """A trace line failed to parse; `line` is 1-based, `field` a path like `calls[2].output_tokens`."""
+
+    def __init__(self, source: str, line: int, field: str, problem: str) -> None:
+        self.source = source
+        self.line = line
+        self.field = field
+        self.problem = problem
+        where = f"{source} line {line}" + (f", field {field}" if field else "")
+        super().__init__(f"{where}: {problem}")
+
+
+# What each field must be, in words, for error messages (keyed by the last path element).
+_REQUIREMENT = {
+    "session_id": "must be a string",
+    "model": "must be a string",
+    "arrival_s": "must be a finite number >= 0",
+    "calls": "must be a non-empty list of call objects",
+    "new_input_tokens": "must be an integer >= 1",
+    "output_tokens": "must be an integer >= 1",
+    "tool_s": "must be a finite number >= 0",
+    "compact": "must be true or false",
+}
+
+_PATH_RE = re.compile(r"\.([A-Za-z_][A-Za-z0-9_]*)|\[(\d+)\]")
+_MSG_RE = re.compile(r"^(?P<msg>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.S)
+_MISSING_RE = re.compile(r"Object missing required field `([^`]+)`")
+
+
+def _split_path(path: str) -> list[str | int]:
+    return [name if name else int(idx) for name, idx in _PATH_RE.findall(path)]
+
+
+def _fmt_path(parts: Sequence[str | int]) -> str:
+    out = ""
+    for p in parts:
+        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else p)
+    return out
+
+
+def _lookup(obj: Any, parts: Sequence[str | int]) -> Any:
+    for p in parts:
+        obj = obj[p]
+    return obj
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value, allow_nan=True)  # NaN/Infinity spelled as in the input
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _translate(exc: msgspec.ValidationError, raw: Any, source: str, line: int) -> TraceError:
+    """Turn msgspec's `Expected ... - at `$.calls[0].x`` into a TraceError with a field name."""
+    m = _MSG_RE.match(str(exc))
+    msg, path = (m.group("msg"), m.group("path") or "") if m else (str(exc), "")
+    parts = _split_path(path)
+    missing = _MISSING_RE.match(msg)
+    if missing:
+        parts = [*parts, missing.group(1)]
+        leaf = parts[-1]
+        need = _REQUIREMENT.get(leaf, "is required") if isinstance(leaf, str) else "is required"
+        return TraceError(source, line, _fmt_path(parts), f"is missing ({need.replace('must be', 'required:', 1)})")
+    if not parts:
+        return TraceError(source, line, "", f"a line must be a JSON object describing one session (got {_short(raw)})")
+    leaf = parts[-1]
+    if isinstance(leaf, int):  # an element of `calls` that is not an object
+        need = "must be a call object"
+    else:
+        need = _REQUIREMENT.get(leaf, msg)
+    try:
+        got = _short(_lookup(raw, parts))
+    except (KeyError, IndexError, TypeError):
+        got = "?"
+    return TraceError(source, line, _fmt_path(parts), f"{need} (got {got})")
+
+
+def _check_finite(s: TraceSession, source: str, line: int) -> None:
+    # msgspec's ge=0 rejects NaN and -inf but lets +inf through (JSON 1e999 or Infinity).
+    if not math.isfinite(s.arrival_s):
+        raise TraceError(source, line, "arrival_s", f"{_REQUIREMENT['arrival_s']} (got {_short(s.arrival_s)})")
+    for i, c in enumerate(s.calls):
+        if not math.isfinite(c.tool_s):
+            raise TraceError(source, line, f"calls[{i}].tool_s", f"{_REQUIREMENT['tool_s']} (got {_short(c.tool_s)})")
+
+
+def parse_trace(
+    text: str, *, source: str = "<trace>", known_models: Iterable[str] | None = None
+) -> list[TraceSession]:
+    """Parse a whole JSONL trace; raise TraceError at the first bad line (nothing partial is returned).
+
+    Blank lines are skipped. With `known_models`, a session naming another model
+    is an error here, i.e. before any replay starts.
+    """
+    known = None if known_models is None else frozenset(known_models)
+    sessions: list[TraceSession] = []
+    first_line: dict[str, int] = {}
+    for lineno, raw_line in enumerate(text.splitlines(), start=1):
+        if not raw_line.strip():
+            continue
+        # json (not msgspec.json) so NaN/Infinity/1e999 reach validation and get a field name.
+        try:
+            raw = json.loads(raw_line)
+        except json.JSONDecodeError as exc:
+            raise TraceError(source, lineno, "", f"invalid JSON: {exc.msg} at column {exc.colno}") from None
+        try:
+            session = msgspec.convert(raw, TraceSession)
+        except msgspec.ValidationError as exc:
+            raise _translate(exc, raw, source, lineno) from None
+        _check_finite(session, source, lineno)
+        if session.session_id in first_line:
+            raise TraceError(
+                source,
+                lineno,
+                "session_id",
+                f"duplicate session_id {session.session_id!r} (lines {first_line[session.session_id]} and {lineno})",
+            )
+        if known is not None and session.model not in known:
+            raise TraceError(
+                source, lineno, "model", f"unknown model {session.model!r}; the catalog has {sorted(known)}"
+            )
+        first_line[session.session_id] = lineno
+        sessions.append(session)
+    return sessions
+
+
+def load_trace(path: str | Path, known_models: Iterable[str] | None = None) -> list[TraceSession]:
+    p = Path(path)
+    return parse_trace(p.read_text(encoding="utf-8"), source=str(p), known_models=known_models)
+
+
+_encoder = msgspec.json.Encoder()
+
+
+def encode_trace(sessions: Iterable[TraceSession]) -> bytes:
+    """The JSONL bytes of `sessions`: one compact object per line in field order, trailing newline."""
+    return b"".join(_encoder.encode(s) + b"\n" for s in sessions)
+
+
+def dump_trace(sessions: Iterable[TraceSession], path: str | Path) -> None:
+    Path(path).write_bytes(encode_trace(sessions))
+
+
+def session_prompts(session: TraceSession) -> list[tuple[int, int]]:
+    """Per call, (prompt_tokens, reusable_prefix_tokens).
+
+    The prompt is everything since the last compaction (earlier inputs and
+    outputs) plus this call's new input; the reusable prefix is that earlier
+    part. A compact call restarts the context, so its prefix is 0, as is the
+    first call's.
+    """
+    out: list[tuple[int, int]] = []
+    context = 0
+    for call in session.calls:
+        if call.compact:
+            context = 0
+        prompt = context + call.new_input_tokens
+        out.append((prompt, context))
+        context = prompt + call.output_tokens
+    return out
