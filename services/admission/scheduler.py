@@ -200,6 +200,7 @@ class RoundScheduler:
     switch_clock: float = 0.0  # total model seconds spent switching so far
     staged_hint: str | None = None
     idle_hold_since: float | None = None
+    last_step_at: float = 0.0
     stats: SchedulerStats = field(default_factory=SchedulerStats)
 
     def __post_init__(self) -> None:
@@ -209,6 +210,7 @@ class RoundScheduler:
 
     # -- public ------------------------------------------------------------------
     def step(self, event: Event, now: float) -> list[Action]:
+        self.last_step_at = now
         actions: list[Action] = []
         match event:
             case Arrive(call=call):
@@ -249,7 +251,7 @@ class RoundScheduler:
 
     def next_wakeup(self) -> float | None:
         times: list[float] = [r.expires_at for r in self.reservations.values()]
-        if self.phase == "open":
+        if self.phase == "open" and self.slot_deadline > self.last_step_at + 1e-9:
             times.append(self.slot_deadline)
         return min(times) if times else None
 

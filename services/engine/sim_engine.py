@@ -207,6 +207,19 @@ class SimEngine:
             self.t = max(self.t, now)
         return done
 
+    def abort(self, call_id: str, now: float) -> None:
+        """Preempted: the call's progress is lost; what it had prefilled stays cached."""
+        self.advance(now)
+        r = self.running.pop(call_id, None)
+        if r is None:
+            return
+        if call_id in self.prefill_queue:
+            self.prefill_queue.remove(call_id)
+        kept = r.call.prompt_tokens if r.prefill_left <= 0 else r.cached + r.restored
+        if kept:
+            self.hbm_kv[r.call.session_id] = kept
+        self._evict_to_fit(0)
+
     def _finish(self, call_id: str) -> CallResult:
         r = self.running.pop(call_id)
         c = r.call
@@ -232,3 +245,4 @@ class SimEngine:
             prefill_s=r.prefill_s,
             decode_s=self.t - first,
         )
+
