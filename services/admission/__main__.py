@@ -1,0 +1,4 @@
+from services.admission.service import main
+
+if __name__ == "__main__":
+    main()

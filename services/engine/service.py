@@ -1,0 +1,142 @@
+"""engine-worker: one (server, model) engine behind NATS.
+
+Runs the `sim` backend's SimEngine state machine on the scaled clock: a timer
+task sleeps until the engine's next event, advances it and publishes what
+finished. Replies go straight to the agent's reply subject and into the reply
+cache (so a retried call id gets the same reply, never a second generation).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import structlog
+from nats.aio.msg import Msg
+
+from services.engine.costmodel import CostModel
+from services.engine.sim_engine import CallResult, EngineCall, SimEngine
+from shared.bus import ServiceProcess, run_service, trace_headers
+from shared.keys import CALL_TTL_S, SESSION_TTL_S
+from shared.schema import (
+    Abort, CallFinished, CallReply, CallRunning, ControlOk, ProtectKv, RunCall, Sleep, Wake,
+    control_decoder, encode, run_decoder,
+)
+
+
+class EngineWorker(ServiceProcess):
+    name = "engine"
+
+    @property
+    def instance(self) -> str:
+        return f"engine-{self.settings.server_id}-{self.settings.model}"
+
+    async def setup(self) -> None:
+        s = self.settings
+        if s.model not in self.catalog.models:
+            raise SystemExit(f"engine-worker: unknown model {s.model!r}")
+        self.log = self.log.bind(model=s.model)
+        cost = CostModel(self.catalog, self.catalog.server(s.server_profile), s.switch_cost_scale, s.prefill_speed_scale)
+        self.engine = SimEngine(self.catalog.model(s.model), cost)
+        self.calls: dict[str, RunCall] = {}
+        self.wakeup = asyncio.Event()
+        await self.nc.subscribe(self.subjects.engine_run(s.server_id, s.model), queue="engine",
+                                cb=self.guarded_handler(self.on_run, "run"))
+        await self.nc.subscribe(self.subjects.engine_control(s.server_id, s.model), queue="engine",
+                                cb=self.guarded_handler(self.on_control, "control"))
+        self.spawn(self.timer(), "engine-timer")
+
+    async def on_run(self, msg: Msg) -> None:
+        rc = run_decoder.decode(msg.data)
+        with structlog.contextvars.bound_contextvars(session_id=rc.session_id, call_id=rc.call_id):
+            cached = await self.redis.get(self.keys.reply(rc.call_id))
+            if cached is not None:  # already served: hand back the same reply
+                await self.nc.publish(rc.reply_to, cached)
+                self.log.info("engine.duplicate_run", served_from="reply-cache")
+                return
+            if rc.call_id in self.calls:
+                return
+            now = self.clock.now()
+            self.engine.submit(
+                EngineCall(rc.call_id, rc.session_id, rc.model, rc.prompt_tokens, rc.prefix_tokens,
+                           rc.max_tokens, rc.stop_tokens, rc.reserved_tokens),
+                now,
+            )
+            self.calls[rc.call_id] = rc
+            self.log.info("engine.started", at=round(now, 3), prompt_tokens=rc.prompt_tokens, prefix_tokens=rc.prefix_tokens)
+            await self.nc.publish(rc.reply_to, encode(CallRunning(call_id=rc.call_id, server_id=self.settings.server_id)))
+            self.wakeup.set()
+
+    async def on_control(self, msg: Msg) -> None:
+        cmd = control_decoder.decode(msg.data)
+        now = self.clock.now()
+        out = ControlOk()
+        match cmd:
+            case Sleep():
+                await self._publish(self.engine.advance(now))
+                kv = self.engine.sleep(now)
+                out = ControlOk(kv_out=kv)
+                self.log.info("engine.sleep", kv_sessions=len(kv), at=round(now, 3))
+            case Wake(kv_capacity_tokens=cap, host_kv=host):
+                self.engine.wake(now, cap, host)
+                self.log.info("engine.wake", kv_capacity_tokens=cap, host_kv_sessions=len(host), at=round(now, 3))
+            case Abort(call_id=cid):
+                self.engine.abort(cid, now)
+                self.calls.pop(cid, None)
+            case ProtectKv(session_id=sid, on=on):
+                (self.engine.protected.add if on else self.engine.protected.discard)(sid)
+        self.wakeup.set()
+        if msg.reply:
+            await self.nc.publish(msg.reply, encode(out))
+
+    async def timer(self) -> None:
+        while True:
+            nxt = self.engine.next_event_at()
+            self.wakeup.clear()
+            if nxt is None:
+                await self.wakeup.wait()
+                continue
+            delay = self.clock.wall_s(nxt - self.clock.now())
+            if delay > 0:
+                try:
+                    await asyncio.wait_for(self.wakeup.wait(), timeout=delay)
+                    continue  # something changed: recompute
+                except TimeoutError:
+                    pass
+            await self._publish(self.engine.advance(self.clock.now()))
+
+    async def _publish(self, done: list[CallResult]) -> None:
+        s = self.settings
+        for r in done:
+            rc = self.calls.pop(r.call_id, None)
+            if rc is None:
+                continue
+            reply = CallReply(
+                call_id=r.call_id, session_id=r.session_id, server_id=s.server_id, model=r.model,
+                prompt_tokens=r.prompt_tokens, cached_tokens=r.cached_tokens, restored_tokens=r.restored_tokens,
+                reprefill_tokens=r.reprefill_tokens, output_tokens=r.output_tokens, arrived_at=rc.arrived_at,
+                finished_at=r.finished_at, waited_s=rc.waited_s, switch_wait_s=rc.switch_wait_s,
+                round_wait=rc.round_wait, restore_s=r.restore_s, prefill_s=r.prefill_s, decode_s=r.decode_s,
+            )
+            data = encode(reply)
+            skey = self.keys.session(r.session_id)
+            pipe = self.redis.pipeline(transaction=True)
+            pipe.set(self.keys.reply(r.call_id), data, ex=CALL_TTL_S)
+            pipe.hset(skey, mapping={"last_finish": repr(r.finished_at), "last_server": s.server_id})
+            pipe.rpush(skey + ":outputs", r.output_tokens)
+            pipe.expire(skey, SESSION_TTL_S)
+            pipe.expire(skey + ":outputs", SESSION_TTL_S)
+            pipe.hset(self.keys.kv_locality(r.session_id), s.server_id, "hbm")
+            await pipe.execute()
+            hdrs = trace_headers(r.session_id, r.call_id)
+            await self.nc.publish(rc.reply_to, data, headers=hdrs)
+            await self.nc.publish(self.subjects.call_finished(s.server_id),
+                                  encode(CallFinished(call_id=r.call_id, session_id=r.session_id,
+                                                      context_tokens=r.prompt_tokens + r.output_tokens)), headers=hdrs)
+            self.log.info("engine.finished", session_id=r.session_id, call_id=r.call_id, at=round(r.finished_at, 3),
+                          cached_tokens=r.cached_tokens, restored_tokens=r.restored_tokens,
+                          reprefill_tokens=r.reprefill_tokens, output_tokens=r.output_tokens,
+                          prefill_s=round(r.prefill_s, 3), decode_s=round(r.decode_s, 3))
+
+
+def main() -> None:
+    run_service(EngineWorker)

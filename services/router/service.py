@@ -1,0 +1,190 @@
+"""router: the agent API's front door (a NATS queue group; stateless).
+
+Validates each request (typed errors for anything wrong), deduplicates call
+ids, reads the session and the servers' state from Redis, ranks placements
+with the pure `placement.rank`, logs the candidates and scores on one line,
+and forwards the call to the chosen server's admission.
+"""
+
+from __future__ import annotations
+
+import msgspec
+import structlog
+from nats.aio.msg import Msg
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeout
+
+from services.router.placement import ServerView, rank
+from shared.bus import ServiceProcess, run_service, trace_headers
+from shared.keys import CALL_TTL_S, SESSION_TTL_S
+from shared.schema import (
+    MAX_MESSAGE_BYTES, AdmissionCallMsg, ApiError, CallAccepted, CallRequest, EndSession, Info, InfoRequest, Ok,
+    OpenSession, SessionEndedEvent, SessionOpened, SubmitCall, api_request_decoder, encode, reply_decoder,
+    submit_reply_decoder,
+)
+
+SUBMIT_TIMEOUT_WALL_S = 5.0
+HISTORY = 16  # gaps and outputs the decisions may look back on
+
+
+class Router(ServiceProcess):
+    name = "router"
+    per_server = False
+
+    @property
+    def instance(self) -> str:
+        import os
+
+        return f"router-{os.getpid()}"
+
+    async def setup(self) -> None:
+        self.served = set(self.settings.models)
+        for subject in (self.subjects.api_call, self.subjects.api_session_open, self.subjects.api_session_end, self.subjects.api_info):
+            await self.nc.subscribe(subject, queue="router", cb=self.guarded_handler(self.on_api, "api"))
+
+    async def on_api(self, msg: Msg) -> None:
+        if len(msg.data) > MAX_MESSAGE_BYTES:
+            await self.reply_error(msg.reply, "too_large", f"message of {len(msg.data)} bytes exceeds {MAX_MESSAGE_BYTES}")
+            return
+        req = api_request_decoder.decode(msg.data)
+        match req:
+            case CallRequest():
+                await self.on_call(req, msg)
+            case OpenSession(session_id=sid, model=model):
+                await self.on_open(sid, model, msg.reply)
+            case EndSession(session_id=sid):
+                await self.on_end(sid, msg.reply)
+            case InfoRequest():
+                if msg.reply:
+                    s = self.settings
+                    await self.nc.publish(msg.reply, encode(Info(time_scale=s.time_scale, clock_epoch=s.clock_epoch,
+                                                                 policy=s.policy.name, servers=s.servers, models=s.models)))
+
+    def _model_error(self, model: str) -> str | None:
+        if model not in self.catalog.models:
+            return f"unknown model {model!r}; the catalog has {sorted(self.catalog.models)}"
+        if model not in self.served:
+            return f"model {model!r} is not served by this deployment (serving {sorted(self.served)})"
+        return None
+
+    async def on_open(self, sid: str, model: str, reply: str | None) -> None:
+        if (err := self._model_error(model)) is not None:
+            await self.reply_error(reply, "unknown_model", err)
+            return
+        key = self.keys.session(sid)
+        existing = await self.redis.hget(key, "model")
+        if existing is not None and existing.decode() != model:
+            await self.reply_error(reply, "malformed", f"session {sid} is open for {existing.decode()}, not {model}")
+            return
+        await self.redis.hset(key, mapping={"model": model})
+        await self.redis.expire(key, SESSION_TTL_S)
+        self.log.info("session.opened", session_id=sid, model=model)
+        if reply:
+            await self.nc.publish(reply, encode(SessionOpened(session_id=sid, model=model,
+                                                              context_limit=self.catalog.model(model).context_limit)))
+
+    async def on_end(self, sid: str, reply: str | None) -> None:
+        await self.nc.publish(self.subjects.session_ended, encode(SessionEndedEvent(session_id=sid)))
+        self.log.info("session.ended", session_id=sid)
+        if reply:
+            await self.nc.publish(reply, encode(Ok()))
+
+    async def on_call(self, req: CallRequest, msg: Msg) -> None:
+        reply_to = req.reply_to or msg.reply
+        with structlog.contextvars.bound_contextvars(session_id=req.session_id, call_id=req.call_id):
+            if not reply_to:
+                self.log.warning("call.rejected", reason="no reply subject")
+                return
+            if (err := self._model_error(req.model)) is not None:
+                await self.reply_error(reply_to, "unknown_model", err, req.call_id)
+                return
+            spec = self.catalog.model(req.model)
+            if req.prefix_tokens >= req.prompt_tokens:
+                await self.reply_error(reply_to, "malformed", "prefix_tokens must be smaller than prompt_tokens", req.call_id)
+                return
+            if req.prompt_tokens + 1 > spec.context_limit:
+                await self.reply_error(reply_to, "context_limit",
+                                       f"prompt of {req.prompt_tokens} tokens exceeds {req.model}'s context limit of {spec.context_limit}",
+                                       req.call_id)
+                return
+            skey = self.keys.session(req.session_id)
+            session = await self.redis.hgetall(skey)
+            if not session:
+                await self.reply_error(reply_to, "unknown_session", f"session {req.session_id} is not open (open it first)", req.call_id)
+                return
+            if session.get(b"model", b"").decode() != req.model:
+                await self.reply_error(reply_to, "malformed", f"session {req.session_id} is open for another model", req.call_id)
+                return
+            # at most once per call_id: the first placement wins, a retry gets the reply or a fresh ack
+            ckey = self.keys.call(req.call_id)
+            if not await self.redis.set(ckey, "placing", nx=True, ex=CALL_TTL_S):
+                cached = await self.redis.get(self.keys.reply(req.call_id))
+                if cached is not None:
+                    dup = msgspec.structs.replace(reply_decoder.decode(cached), duplicate=True)
+                    await self.nc.publish(reply_to, encode(dup))
+                    self.log.info("call.duplicate", served_from="reply-cache")
+                else:
+                    where = (await self.redis.get(ckey) or b"").decode()
+                    await self.nc.publish(reply_to, encode(CallAccepted(call_id=req.call_id, server_id=where)))
+                    self.log.info("call.duplicate", served_from="in-flight", server_id=where)
+                return
+            await self._place_and_submit(req, reply_to, session)
+
+    async def _place_and_submit(self, req: CallRequest, reply_to: str, session: dict[bytes, bytes]) -> None:
+        now = self.clock.now()
+        skey = self.keys.session(req.session_id)
+        last_finish = session.get(b"last_finish")
+        calls_before = int(session.get(b"calls", b"0"))
+        pipe = self.redis.pipeline(transaction=False)
+        if last_finish is not None and calls_before > 0:
+            pipe.rpush(skey + ":gaps", f"{max(0.0, now - float(last_finish)):.4f}")
+        pipe.hincrby(skey, "calls", 1)
+        pipe.lrange(skey + ":gaps", -HISTORY, -1)
+        pipe.lrange(skey + ":outputs", -HISTORY, -1)
+        pipe.hgetall(self.keys.kv_locality(req.session_id))
+        pipe.expire(skey + ":gaps", SESSION_TTL_S)
+        results = await pipe.execute()
+        gaps_raw, outputs_raw, kv_raw = results[-4], results[-3], results[-2]
+        kv = {k.decode(): v.decode() for k, v in kv_raw.items()}
+        views = []
+        for server_id in self.settings.servers:
+            h = await self.redis.hgetall(self.keys.server(server_id))
+            g = {k.decode(): v.decode() for k, v in h.items()}
+            models = frozenset(filter(None, g.get("models", ",".join(self.settings.models)).split(",")))
+            views.append(ServerView(
+                server_id=server_id, models=models, active_model=g.get("active") or None,
+                staged_model=g.get("staged") or None, queued_calls=int(g.get("queued", 0)),
+                running_calls=int(g.get("running", 0)), kv_occupancy=float(g.get("kv_occupancy", 0.0)),
+                reservations_for_others=int(g.get("reservations", 0)), session_kv=kv.get(server_id, "none"),  # type: ignore[arg-type]
+            ))
+        ranked = rank(req.model, views, self.settings.policy)
+        self.log.info("router.placed", model=req.model, at=round(now, 3),
+                      candidates=[{"server": c.server_id, "score": round(c.score, 3), "residency": c.residency,
+                                   "kv": c.kv, "pressure": round(c.pressure, 2)} for c in ranked])
+        call = AdmissionCallMsg(
+            call_id=req.call_id, session_id=req.session_id, model=req.model, prompt_tokens=req.prompt_tokens,
+            prefix_tokens=req.prefix_tokens, max_tokens=req.max_tokens, arrived_at=now,
+            continuation=calls_before > 0, gap_history=tuple(float(x) for x in gaps_raw),
+            output_history=tuple(int(x) for x in outputs_raw),
+        )
+        sub = SubmitCall(call=call, reply_to=reply_to, sim_output_tokens=req.sim_output_tokens)
+        for cand in ranked:
+            try:
+                resp = await self.nc.request(self.subjects.admission_submit(cand.server_id), encode(sub),
+                                             timeout=SUBMIT_TIMEOUT_WALL_S, headers=trace_headers(req.session_id, req.call_id))
+            except (NoRespondersError, NatsTimeout) as exc:
+                self.log.warning("router.admission_unavailable", server_id=cand.server_id, error=type(exc).__name__)
+                continue
+            out = submit_reply_decoder.decode(resp.data)
+            if isinstance(out, ApiError):
+                self.log.warning("router.admission_refused", server_id=cand.server_id, reason=out.message)
+                continue
+            await self.redis.set(self.keys.call(req.call_id), cand.server_id, ex=CALL_TTL_S)
+            await self.nc.publish(reply_to, encode(CallAccepted(call_id=req.call_id, server_id=cand.server_id)))
+            return
+        await self.redis.delete(self.keys.call(req.call_id))  # nothing took it: a retry may place it again
+        await self.reply_error(reply_to, "no_capacity", f"no server could take a {req.model} call now", req.call_id, retry_after_s=1.0)
+
+
+def main() -> None:
+    run_service(Router)

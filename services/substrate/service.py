@@ -1,0 +1,102 @@
+"""substrate-manager: owns one server's memory ledger and executes switches.
+
+A switch request from admission is carried out as: put the old engine to
+sleep (it hands back its idle KV table), plan the switch on the ledger (host-KV
+spill, staged weights, fixed costs), wait the planned duration on the model
+clock, wake the new engine with its KV budget and host-KV view, answer. The
+ledger is mirrored into Redis for the router; the engines only report.
+"""
+
+from __future__ import annotations
+
+from nats.aio.msg import Msg
+
+from services.engine.costmodel import CostModel
+from services.substrate.ledger import SubstrateLedger
+from shared.bus import ServiceProcess, run_service
+from shared.schema import (
+    ApiError, ControlOk, Sleep, StageRequest, SwitchRequest, SwitchResult, Wake,
+    control_reply_decoder, encode, substrate_decoder,
+)
+
+CONTROL_TIMEOUT_WALL_S = 10.0
+
+
+class SubstrateManager(ServiceProcess):
+    name = "substrate"
+
+    @property
+    def instance(self) -> str:
+        return f"substrate-{self.settings.server_id}"
+
+    async def setup(self) -> None:
+        s = self.settings
+        profile = self.catalog.server(s.server_profile)
+        cost = CostModel(self.catalog, profile, s.switch_cost_scale, s.prefill_speed_scale)
+        self.ledger = SubstrateLedger(profile, {m: self.catalog.model(m) for m in sorted(s.models)}, cost, s.policy)
+        await self.nc.subscribe(self.subjects.substrate_switch(s.server_id), queue="substrate",
+                                cb=self.guarded_handler(self.on_request, "substrate"))
+        await self.nc.subscribe(self.subjects.substrate_stage(s.server_id), queue="substrate",
+                                cb=self.guarded_handler(self.on_request, "substrate"))
+        await self._mirror()
+
+    async def on_request(self, msg: Msg) -> None:
+        req = substrate_decoder.decode(msg.data)
+        match req:
+            case StageRequest(model=m):
+                if m in self.ledger.models:
+                    st = self.ledger.stage(m, self.clock.now())
+                    if st is not None:
+                        self.log.info("substrate.stage", model=m, staged_gb=round(st.nbytes / 1e9, 1))
+                    await self._mirror()
+            case SwitchRequest():
+                # a switch takes model time: run it beside the subscription
+                self.spawn(self._switch(req, msg.reply), "switch")
+
+    async def _control(self, model: str, cmd: object) -> ControlOk:
+        subject = self.subjects.engine_control(self.settings.server_id, model)
+        resp = await self.nc.request(subject, encode(cmd), timeout=CONTROL_TIMEOUT_WALL_S)  # type: ignore[arg-type]
+        out = control_reply_decoder.decode(resp.data)
+        if isinstance(out, ApiError):
+            raise RuntimeError(f"engine {model}: {out.message}")
+        return out
+
+    async def _switch(self, req: SwitchRequest, reply: str | None) -> None:
+        if req.to_model not in self.ledger.models:
+            await self.reply_error(reply, "unknown_model", f"{req.to_model} is not served on {self.settings.server_id}")
+            return
+        t0 = self.clock.now()
+        kv_out: dict[str, int] = {}
+        if req.from_model:
+            kv_out = (await self._control(req.from_model, Sleep())).kv_out
+        plan = self.ledger.plan_switch(self.clock.now(), req.to_model, kv_out)
+        self.ledger.check_bounds()
+        self.log.info("substrate.switch", from_model=req.from_model, to_model=req.to_model,
+                      duration_s=round(plan.duration_s, 3), weights_in_s=round(plan.weights_in_s, 3),
+                      weights_out_s=round(plan.weights_out_s, 3), kv_out_s=round(plan.kv_out_s, 3),
+                      fixed_s=round(plan.fixed_s, 3), staged_gb=round(plan.staged_bytes / 1e9, 1),
+                      kv_to_host_tokens=plan.kv_to_host_tokens, kv_dropped_tokens=plan.kv_dropped_tokens,
+                      region_reservations=self.ledger.region_reservations)
+        await self.clock.sleep_until(t0 + plan.duration_s)
+        await self._control(req.to_model, Wake(kv_capacity_tokens=plan.kv_capacity_tokens, host_kv=plan.host_kv_view))
+        await self._mirror()
+        if reply:
+            await self.nc.publish(reply, encode(SwitchResult(
+                to_model=req.to_model, kv_capacity_tokens=plan.kv_capacity_tokens, duration_s=plan.duration_s,
+                staged_bytes=plan.staged_bytes, kv_to_host_tokens=plan.kv_to_host_tokens,
+                kv_dropped_tokens=plan.kv_dropped_tokens)))
+
+    async def _mirror(self) -> None:
+        led = self.ledger
+        key = self.keys.server(self.settings.server_id)
+        await self.redis.hset(key, mapping={
+            "resident": led.active or "",
+            "staged": led.staging.model if led.staging else "",
+            "host_kv_gb": f"{led.host_kv_bytes() / 1e9:.1f}",
+            "region_reservations": led.region_reservations,
+            "switches": led.switches,
+        })
+
+
+def main() -> None:
+    run_service(SubstrateManager)

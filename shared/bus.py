@@ -1,0 +1,187 @@
+"""What every service process shares: connections, health, lag, shutdown.
+
+A service subclasses `ServiceProcess`, implements `setup()` (subscriptions)
+and is run by `run_service(cls)` as its module's entry point. NATS connects
+with unlimited reconnects; the service registers as a NATS micro service so
+`$SRV.PING` answers its health; SIGTERM/SIGINT stop taking work and drain.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import sys
+from collections.abc import Awaitable, Callable
+
+import msgspec
+import nats
+import redis.asyncio as aioredis
+import structlog
+from nats.aio.msg import Msg
+from nats.micro import add_service
+from nats.micro.service import EndpointConfig, ServiceConfig
+
+from shared.catalog import Catalog, load_catalog
+from shared.clock import LagMonitor, ScaledClock
+from shared.keys import Keys
+from shared.logs import configure_logging
+from shared.schema import ApiError, encode
+from shared.settings import Settings
+from shared.subjects import HEADER_CALL, HEADER_SESSION, Subjects
+
+VERSION = "0.1.0"
+
+
+def trace_headers(session_id: str, call_id: str | None = None) -> dict[str, str]:
+    h = {HEADER_SESSION: session_id}
+    if call_id:
+        h[HEADER_CALL] = call_id
+    return h
+
+
+def trace_context(msg: Msg) -> dict[str, str]:
+    h = msg.headers or {}
+    out = {}
+    if HEADER_SESSION in h:
+        out["session_id"] = h[HEADER_SESSION]
+    if HEADER_CALL in h:
+        out["call_id"] = h[HEADER_CALL]
+    return out
+
+
+async def connect_nats(urls: list[str], name: str, log: structlog.stdlib.BoundLogger) -> nats.NATS:
+    async def on_error(e: Exception) -> None:
+        log.warning("nats.error", error=str(e))
+
+    async def on_disconnect() -> None:
+        log.warning("nats.disconnected")
+
+    async def on_reconnect() -> None:
+        log.info("nats.reconnected")
+
+    return await nats.connect(
+        servers=urls,
+        name=name,
+        max_reconnect_attempts=-1,   # never give up
+        reconnect_time_wait=0.5,
+        allow_reconnect=True,
+        connect_timeout=5,
+        error_cb=on_error,
+        disconnected_cb=on_disconnect,
+        reconnected_cb=on_reconnect,
+    )
+
+
+class ServiceProcess:
+    name = "service"
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.log = configure_logging(self.name).bind(server_id=settings.server_id) if self.per_server else configure_logging(self.name)
+        self.subjects = Subjects(settings.subject_prefix)
+        self.keys = Keys(settings.key_prefix)
+        self.clock = ScaledClock(settings.time_scale, settings.clock_epoch)
+        self.catalog: Catalog = load_catalog(settings.catalog_path)
+        self.lag = LagMonitor()
+        self.nc: nats.NATS
+        self.redis: aioredis.Redis
+        self._tasks: set[asyncio.Task] = set()
+        self._stop = asyncio.Event()
+
+    per_server = True
+
+    @property
+    def instance(self) -> str:
+        return self.name
+
+    async def setup(self) -> None:  # subscriptions
+        raise NotImplementedError
+
+    def spawn(self, coro: Awaitable[object], what: str) -> asyncio.Task:
+        """A background task whose failure is logged, never silently lost."""
+
+        async def guarded() -> None:
+            try:
+                await coro
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                self.log.exception("task.failed", task=what)
+
+        t = asyncio.ensure_future(guarded())
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
+        return t
+
+    async def reply_error(self, reply: str | None, code: str, message: str, call_id: str | None = None,
+                          retry_after_s: float | None = None) -> None:
+        self.log.warning("request.rejected", code=code, reason=message, call_id=call_id)
+        if reply:
+            await self.nc.publish(reply, encode(ApiError(code=code, message=message, call_id=call_id, retry_after_s=retry_after_s)))  # type: ignore[arg-type]
+
+    def guarded_handler(self, handler: Callable[[Msg], Awaitable[None]], what: str) -> Callable[[Msg], Awaitable[None]]:
+        """Wrap a subscription callback: a malformed message gets a typed error
+        reply and a log line; nothing escapes to kill the subscription."""
+
+        async def cb(msg: Msg) -> None:
+            ctx = trace_context(msg)
+            with structlog.contextvars.bound_contextvars(**ctx):
+                try:
+                    await handler(msg)
+                except msgspec.ValidationError as exc:
+                    await self.reply_error(msg.reply, "malformed", f"{what}: {exc}")
+                except msgspec.DecodeError as exc:
+                    await self.reply_error(msg.reply, "malformed", f"{what}: not a valid message ({exc})")
+                except Exception as exc:  # last resort: log, answer, keep serving
+                    self.log.exception("handler.failed", handler=what)
+                    await self.reply_error(msg.reply, "internal", f"{what}: {type(exc).__name__}")
+
+        return cb
+
+    async def _lag_reporter(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            with contextlib.suppress(Exception):
+                await self.redis.set(self.keys.lag(self.instance), f"{self.lag.worst_s:.4f}", ex=3600)
+
+    async def run(self) -> None:
+        self.nc = await connect_nats(self.settings.nats_urls, self.instance, self.log)
+        self.redis = aioredis.Redis.from_url(self.settings.redis_url, health_check_interval=10, retry_on_timeout=True)
+        svc = await add_service(self.nc, ServiceConfig(name=f"talaria-{self.name}", version=VERSION,
+                                                       description=f"Talaria {self.name}", metadata={"instance": self.instance}))
+
+        async def health(req) -> None:  # type: ignore[no-untyped-def]
+            await req.respond(b'{"status":"ok"}')
+
+        await svc.add_endpoint(EndpointConfig(name="health", handler=health, subject=f"{self.settings.subject_prefix}.health.{self.instance}"))
+        self.spawn(self.lag.run(), "lag-monitor")
+        self.spawn(self._lag_reporter(), "lag-reporter")
+        await self.setup()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._stop.set)
+        self.log.info("service.started", instance=self.instance, time_scale=self.settings.time_scale,
+                      policy=self.settings.policy.name)
+        await self._stop.wait()
+        self.log.info("service.stopping")
+        with contextlib.suppress(Exception):
+            await svc.stop()
+        with contextlib.suppress(Exception):
+            await self.nc.drain()
+        for t in list(self._tasks):
+            t.cancel()
+        with contextlib.suppress(Exception):
+            await self.redis.aclose()
+
+
+def run_service(cls: type[ServiceProcess], argv: list[str] | None = None) -> None:
+    settings = Settings.from_env(argv if argv is not None else sys.argv[1:])
+    try:
+        import uvloop
+
+        factory = uvloop.new_event_loop
+    except ImportError:  # pragma: no cover - uvloop is optional off Linux
+        factory = None
+    with asyncio.Runner(loop_factory=factory) as runner:
+        runner.run(cls(settings).run())

@@ -1,0 +1,46 @@
+"""The one clock: model seconds, scaled from wall time.
+
+Every timer in every service (slot quantum, reservation expiry, engine
+progress, tool gaps in the replay) is expressed in model seconds through this
+clock, so the time scale never changes an answer. All processes of a stack
+share the epoch (TALARIA_CLOCK_EPOCH, wall seconds since 1970).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class ScaledClock:
+    scale: float = 1.0        # model seconds per wall second
+    epoch: float = 0.0        # wall time (time.time()) of model time 0
+
+    def now(self) -> float:
+        return (time.time() - self.epoch) * self.scale
+
+    def wall_s(self, model_s: float) -> float:
+        return model_s / self.scale
+
+    async def sleep(self, model_s: float) -> None:
+        await asyncio.sleep(max(0.0, model_s) / self.scale)
+
+    async def sleep_until(self, model_t: float) -> None:
+        await asyncio.sleep(max(0.0, model_t - self.now()) / self.scale)
+
+
+class LagMonitor:
+    """Measures event-loop lag: how late a short sleep wakes up."""
+
+    def __init__(self, interval_s: float = 0.05) -> None:
+        self.interval_s = interval_s
+        self.worst_s = 0.0
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            t0 = loop.time()
+            await asyncio.sleep(self.interval_s)
+            self.worst_s = max(self.worst_s, loop.time() - t0 - self.interval_s)

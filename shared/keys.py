@@ -1,0 +1,46 @@
+"""Every Redis key Talaria uses, in one place (cf. arq's constants module).
+
+All keys sit under a deployment prefix (TALARIA_KEY_PREFIX) so an embedded
+stack or a test has its own key space. Everything here is soft state with a
+TTL, rebuilt from the services' announcements after a loss.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+CALL_TTL_S = 6 * 3600       # dedupe and cached replies outlive any replay
+SESSION_TTL_S = 6 * 3600
+
+
+@dataclass(frozen=True, slots=True)
+class Keys:
+    prefix: str = "talaria:"
+
+    def call(self, call_id: str) -> str:
+        """String: the server a call was placed on (SET NX = first placement wins)."""
+        return f"{self.prefix}call:{call_id}"
+
+    def reply(self, call_id: str) -> str:
+        """Bytes: the encoded final reply, so a retried call gets it again."""
+        return f"{self.prefix}reply:{call_id}"
+
+    def session(self, session_id: str) -> str:
+        """Hash: model, last_server, last_finish, gaps (JSON), outputs (JSON)."""
+        return f"{self.prefix}session:{session_id}"
+
+    def kv_locality(self, session_id: str) -> str:
+        """Hash: server id -> tier (hbm|host) of the session's prefix."""
+        return f"{self.prefix}kv:{session_id}"
+
+    def server(self, server_id: str) -> str:
+        """Hash: active model, staged model, queued, running, kv occupancy, reservations."""
+        return f"{self.prefix}server:{server_id}"
+
+    def servers(self) -> str:
+        """Set: known server ids."""
+        return f"{self.prefix}servers"
+
+    def lag(self, service: str) -> str:
+        """String: worst event-loop lag (wall seconds) a service has seen."""
+        return f"{self.prefix}lag:{service}"

@@ -1,0 +1,258 @@
+"""Every message on the bus, as msgspec structs: one module, tagged unions per
+subject family, one reused encoder and one decoder per family.
+
+Schema evolution: new fields get defaults and go at the end; unknown fields
+are ignored; an unknown tag or a wrong type raises `msgspec.ValidationError`,
+which every handler turns into a typed `ApiError` reply and a log line.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+from msgspec import Meta
+
+Tokens = Annotated[int, Meta(ge=1, le=10_000_000)]
+TokensOrZero = Annotated[int, Meta(ge=0, le=10_000_000)]
+Id = Annotated[str, Meta(min_length=1, max_length=200)]
+
+MAX_MESSAGE_BYTES = 4 * 1024 * 1024  # refused at the front door above this
+
+
+class Base(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", forbid_unknown_fields=False):
+    pass
+
+
+# -- errors (every family) ---------------------------------------------------------
+ErrorCode = Literal[
+    "malformed", "unknown_model", "unknown_session", "context_limit", "no_capacity",
+    "timeout", "too_large", "internal",
+]
+
+
+class ApiError(Base, tag="error"):
+    code: ErrorCode
+    message: str
+    call_id: str | None = None
+    retry_after_s: float | None = None
+
+
+# -- agent API (agent -> router) -----------------------------------------------------
+class OpenSession(Base, tag="open_session"):
+    session_id: Id
+    model: Id
+
+
+class EndSession(Base, tag="end_session"):
+    session_id: Id
+
+
+class InfoRequest(Base, tag="info"):
+    pass
+
+
+class CallRequest(Base, tag="call"):
+    call_id: Id
+    session_id: Id
+    model: Id
+    prompt_tokens: Tokens
+    prefix_tokens: TokensOrZero = 0   # leading tokens shared with the session's previous context
+    max_tokens: Tokens = 4096
+    reply_to: Id = ""                 # subject the call's events and reply go to
+    # the sim engine's stopping point (a real model decides by itself); never read by a decision
+    sim_output_tokens: Tokens | None = None
+    prompt_text: str | None = None
+    prompt_token_ids: list[int] | None = None
+
+
+ApiRequest = OpenSession | EndSession | InfoRequest | CallRequest
+
+
+class SessionOpened(Base, tag="session_opened"):
+    session_id: str
+    model: str
+    context_limit: int
+
+
+class Ok(Base, tag="ok"):
+    pass
+
+
+class Info(Base, tag="info_reply"):
+    time_scale: float
+    clock_epoch: float
+    policy: str
+    servers: list[str]
+    models: list[str]
+
+
+# -- call events (to the agent's reply subject) -------------------------------------
+class CallAccepted(Base, tag="accepted"):
+    call_id: str
+    server_id: str
+
+
+class CallQueued(Base, tag="queued"):
+    call_id: str
+    server_id: str
+    waited_s: float
+
+
+class CallRunning(Base, tag="running"):
+    call_id: str
+    server_id: str
+
+
+class CallReply(Base, tag="reply"):
+    call_id: str
+    session_id: str
+    server_id: str
+    model: str
+    prompt_tokens: int
+    cached_tokens: int
+    restored_tokens: int
+    reprefill_tokens: int
+    output_tokens: int
+    arrived_at: float          # model seconds (the stack's clock)
+    finished_at: float
+    waited_s: float
+    switch_wait_s: float
+    round_wait: bool
+    restore_s: float
+    prefill_s: float
+    decode_s: float
+    duplicate: bool = False    # served from the reply cache for a retried call_id
+    text: str | None = None
+    token_ids: list[int] | None = None
+
+
+CallEvent = CallAccepted | CallQueued | CallRunning | CallReply | ApiError
+
+
+# -- router -> admission ---------------------------------------------------------------
+class AdmissionCallMsg(msgspec.Struct, frozen=True, kw_only=True):
+    call_id: str
+    session_id: str
+    model: str
+    prompt_tokens: int
+    prefix_tokens: int
+    max_tokens: int
+    arrived_at: float
+    continuation: bool
+    gap_history: tuple[float, ...] = ()
+    output_history: tuple[int, ...] = ()
+
+
+class SubmitCall(Base, tag="submit"):
+    call: AdmissionCallMsg
+    reply_to: str
+    # engine-only payload, kept beside the call and never handed to the scheduler
+    sim_output_tokens: int | None = None
+
+
+class Submitted(Base, tag="submitted"):
+    call_id: str
+    server_id: str
+
+
+AdmissionRequest = SubmitCall
+
+
+# -- admission -> engine ---------------------------------------------------------------
+class RunCall(Base, tag="run"):
+    call_id: str
+    session_id: str
+    model: str
+    prompt_tokens: int
+    prefix_tokens: int
+    max_tokens: int
+    stop_tokens: int
+    reserved_tokens: int
+    reply_to: str
+    arrived_at: float
+    waited_s: float
+    switch_wait_s: float
+    round_wait: bool
+
+
+class Sleep(Base, tag="sleep"):
+    pass
+
+
+class Wake(Base, tag="wake"):
+    kv_capacity_tokens: int
+    host_kv: dict[str, int] = {}
+
+
+class Abort(Base, tag="abort"):
+    call_id: str
+
+
+class ProtectKv(Base, tag="protect"):
+    session_id: str
+    on: bool
+
+
+EngineControl = Sleep | Wake | Abort | ProtectKv
+
+
+class ControlOk(Base, tag="control_ok"):
+    kv_out: dict[str, int] = {}
+
+
+class CallFinished(Base, tag="finished"):
+    call_id: str
+    session_id: str
+    context_tokens: int
+
+
+class SessionEndedEvent(Base, tag="session_ended"):
+    session_id: str
+
+
+# -- admission -> substrate --------------------------------------------------------------
+class SwitchRequest(Base, tag="switch"):
+    from_model: str | None
+    to_model: str
+
+
+class SwitchResult(Base, tag="switch_result"):
+    to_model: str
+    kv_capacity_tokens: int
+    duration_s: float
+    staged_bytes: float = 0.0
+    kv_to_host_tokens: int = 0
+    kv_dropped_tokens: int = 0
+
+
+class StageRequest(Base, tag="stage"):
+    model: str
+
+
+SubstrateRequest = SwitchRequest | StageRequest
+
+
+# -- codecs: one encoder, one decoder per family ------------------------------------------
+encoder = msgspec.json.Encoder()
+api_request_decoder = msgspec.json.Decoder(ApiRequest)
+call_event_decoder = msgspec.json.Decoder(CallEvent)
+admission_decoder = msgspec.json.Decoder(AdmissionRequest)
+submit_reply_decoder = msgspec.json.Decoder(Submitted | ApiError)
+run_decoder = msgspec.json.Decoder(RunCall)
+control_decoder = msgspec.json.Decoder(EngineControl)
+control_reply_decoder = msgspec.json.Decoder(ControlOk | ApiError)
+finished_decoder = msgspec.json.Decoder(CallFinished)
+session_ended_decoder = msgspec.json.Decoder(SessionEndedEvent)
+substrate_decoder = msgspec.json.Decoder(SubstrateRequest)
+switch_reply_decoder = msgspec.json.Decoder(SwitchResult | ApiError)
+api_reply_decoder = msgspec.json.Decoder(SessionOpened | Ok | Info | ApiError)
+reply_decoder = msgspec.json.Decoder(CallReply)
+
+
+def encode(msg: msgspec.Struct) -> bytes:
+    return encoder.encode(msg)
+
+
+def describe_decode_error(exc: Exception) -> str:
+    return f"malformed message: {exc}"

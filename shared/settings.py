@@ -1,0 +1,79 @@
+"""Service settings from environment variables (and flags that override them).
+
+Every setting has one environment variable; `.env.example` lists them all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, field
+
+from shared.policy import PolicyConfig, decode_policy, resolve_policy
+
+
+def _env(name: str, default: str) -> str:
+    return os.environ.get(name, default)
+
+
+@dataclass(frozen=True)
+class Settings:
+    nats_urls: list[str] = field(default_factory=lambda: ["nats://127.0.0.1:4222"])
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    subject_prefix: str = "talaria"
+    key_prefix: str = "talaria:"
+    time_scale: float = 1.0
+    clock_epoch: float = 0.0
+    policy: PolicyConfig = field(default_factory=lambda: resolve_policy("baseline"))
+    servers: list[str] = field(default_factory=lambda: ["s0"])
+    server_profile: str = "h100x8"
+    models: list[str] = field(default_factory=list)
+    server_id: str = "s0"
+    model: str = ""
+    heartbeat_wall_s: float = 1.0
+    catalog_path: str | None = None
+    switch_cost_scale: float = 1.0
+    prefill_speed_scale: float = 1.0
+
+    @classmethod
+    def from_env(cls, argv: list[str] | None = None) -> "Settings":
+        p = argparse.ArgumentParser(description="Talaria service (settings from TALARIA_* environment variables)")
+        p.add_argument("--nats", default=_env("TALARIA_NATS_URL", "nats://127.0.0.1:4222"), help="comma-separated NATS URLs")
+        p.add_argument("--redis", default=_env("TALARIA_REDIS_URL", "redis://127.0.0.1:6379/0"))
+        p.add_argument("--subject-prefix", default=_env("TALARIA_SUBJECT_PREFIX", "talaria"))
+        p.add_argument("--key-prefix", default=_env("TALARIA_KEY_PREFIX", "talaria:"))
+        p.add_argument("--time-scale", type=float, default=float(_env("TALARIA_TIME_SCALE", "1")))
+        p.add_argument("--clock-epoch", type=float, default=float(_env("TALARIA_CLOCK_EPOCH", "0")))
+        p.add_argument("--policy", default=_env("TALARIA_POLICY", "baseline"), help="preset name or JSON PolicyConfig")
+        p.add_argument("--servers", default=_env("TALARIA_SERVERS", "s0"))
+        p.add_argument("--server-profile", default=_env("TALARIA_SERVER_PROFILE", "h100x8"))
+        p.add_argument("--models", default=_env("TALARIA_MODELS", "glm-4.5-fp8,qwen3-235b-a22b-fp8,glm-4.5-air-fp8"))
+        p.add_argument("--server-id", default=_env("TALARIA_SERVER_ID", "s0"))
+        p.add_argument("--model", default=_env("TALARIA_MODEL", ""))
+        p.add_argument("--heartbeat-wall-s", type=float, default=float(_env("TALARIA_HEARTBEAT_WALL_S", "1.0")))
+        p.add_argument("--catalog", default=os.environ.get("TALARIA_CATALOG"))
+        p.add_argument("--switch-cost-scale", type=float, default=float(_env("TALARIA_SWITCH_COST_SCALE", "1")))
+        p.add_argument("--prefill-speed-scale", type=float, default=float(_env("TALARIA_PREFILL_SPEED_SCALE", "1")))
+        a = p.parse_args(argv)
+        pol = a.policy.strip()
+        policy = decode_policy(pol) if pol.startswith("{") else resolve_policy(pol)
+        if a.time_scale <= 0:
+            p.error("--time-scale must be > 0")
+        return cls(
+            nats_urls=[u.strip() for u in a.nats.split(",") if u.strip()],
+            redis_url=a.redis,
+            subject_prefix=a.subject_prefix,
+            key_prefix=a.key_prefix,
+            time_scale=a.time_scale,
+            clock_epoch=a.clock_epoch,
+            policy=policy,
+            servers=[s for s in a.servers.split(",") if s],
+            server_profile=a.server_profile,
+            models=[m for m in a.models.split(",") if m],
+            server_id=a.server_id,
+            model=a.model,
+            heartbeat_wall_s=a.heartbeat_wall_s,
+            catalog_path=a.catalog,
+            switch_cost_scale=a.switch_cost_scale,
+            prefill_speed_scale=a.prefill_speed_scale,
+        )

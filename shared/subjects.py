@@ -1,0 +1,71 @@
+"""Every NATS subject Talaria uses, in one place.
+
+Subjects carry a deployment prefix (TALARIA_SUBJECT_PREFIX, default
+"talaria") so an embedded stack or a test never crosses another's traffic.
+Admission, substrate and engine subjects are sharded by server id.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Subjects:
+    prefix: str = "talaria"
+
+    # agent API (router queue group)
+    @property
+    def api_call(self) -> str:
+        return f"{self.prefix}.api.call"
+
+    @property
+    def api_session_open(self) -> str:
+        return f"{self.prefix}.api.session.open"
+
+    @property
+    def api_session_end(self) -> str:
+        return f"{self.prefix}.api.session.end"
+
+    @property
+    def api_info(self) -> str:
+        return f"{self.prefix}.api.info"
+
+    def reply_inbox(self, client_id: str, call_id: str) -> str:
+        return f"{self.prefix}.reply.{client_id}.{_token(call_id)}"
+
+    # admission, one per server
+    def admission_submit(self, server: str) -> str:
+        return f"{self.prefix}.admission.{server}.submit"
+
+    # substrate-manager, one per server
+    def substrate_switch(self, server: str) -> str:
+        return f"{self.prefix}.substrate.{server}.switch"
+
+    def substrate_stage(self, server: str) -> str:
+        return f"{self.prefix}.substrate.{server}.stage"
+
+    # engine-worker, one per (server, model)
+    def engine_run(self, server: str, model: str) -> str:
+        return f"{self.prefix}.engine.{server}.{_token(model)}.run"
+
+    def engine_control(self, server: str, model: str) -> str:
+        return f"{self.prefix}.engine.{server}.{_token(model)}.control"
+
+    # events
+    def call_finished(self, server: str) -> str:
+        return f"{self.prefix}.events.{server}.finished"
+
+    @property
+    def session_ended(self) -> str:
+        return f"{self.prefix}.events.session_ended"
+
+
+def _token(name: str) -> str:
+    """A model or call name as one subject token (no dots, spaces or wildcards)."""
+    return "".join(ch if ch.isalnum() or ch in "-_" else "_" for ch in name)
+
+
+# NATS headers that carry the trace context across services
+HEADER_SESSION = "Talaria-Session"
+HEADER_CALL = "Talaria-Call"
