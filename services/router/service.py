@@ -35,7 +35,7 @@ class Router(ServiceProcess):
     def instance(self) -> str:
         import os
 
-        return f"router-{os.getpid()}"
+        return f"router-{os.environ.get('TALARIA_INSTANCE_ID') or os.getpid()}"
 
     async def setup(self) -> None:
         self.served = set(self.settings.models)

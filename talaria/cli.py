@@ -1,0 +1,216 @@
+"""The `talaria` command: up, replay, sim, generate."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+from pathlib import Path
+
+from shared.catalog import CatalogError, load_catalog
+from shared.policy import PRESETS, PolicyError, resolve_policy
+from shared.trace import TraceError, TraceSession, load_trace
+from talaria import generate as gen
+from talaria.report import add_speedups, format_table, oracle_sct, slowest_sessions, summarize
+from talaria.stack import DEFAULT_MODELS, EmbeddedStack, StackSpec, default_log_dir
+
+
+def _fail(msg: str, code: int = 2) -> int:
+    print(f"talaria: error: {msg}", file=sys.stderr)
+    return code
+
+
+def _policies(arg: str) -> list:
+    return [resolve_policy(p.strip()) for p in arg.split(",") if p.strip()]
+
+
+def _load(path: str) -> list[TraceSession]:
+    return load_trace(path, known_models=load_catalog().models)
+
+
+def _models_of(sessions: list[TraceSession]) -> list[str]:
+    return sorted({s.model for s in sessions})
+
+
+def _print_results(runs: list[dict]) -> None:
+    add_speedups(runs)
+    print()
+    print(format_table(runs))
+    for r in runs:
+        slow = ", ".join(f"{sid} {v:.0f}s" for sid, v in slowest_sessions(r, 3))
+        print(f"  {r['policy']}: slowest sessions {slow}; longest wait for a slot by model "
+              + ", ".join(f"{m} {w:.0f}s" for m, w in r["max_wait_s_by_model"].items()))
+
+
+# -- sim ---------------------------------------------------------------------------
+def cmd_sim(a: argparse.Namespace) -> int:
+    from talaria.replay import write_json
+    from talaria.simulator import simulate
+
+    sessions = _load(a.trace)
+    catalog = load_catalog()
+    oracle = oracle_sct(sessions, catalog, a.server_profile)
+    runs = []
+    total_wall = 0.0
+    for pol in _policies(a.policy):
+        r = simulate(sessions, catalog, pol, servers=a.servers, server_profile=a.server_profile,
+                     switch_cost_scale=a.switch_cost_scale, prefill_speed_scale=a.prefill_speed_scale,
+                     check_invariants=a.check)
+        total_wall += r.wall_s
+        run = summarize(pol.name, sessions, r.sct, r.records, oracle, extra={
+            "wall_s": r.wall_s, "switches": r.stats["switches"], "sp_admits": r.stats["sp_admits"],
+            "reservations": {k: r.stats[k] for k in ("reservations_made", "reservations_hit", "reservations_expired", "reserved_idle_s")},
+            "kv_bytes_to_host": r.stats["kv_bytes_to_host"], "region_reservations": r.stats["region_reservations"],
+            "utilisation": sum(s["busy_s"] for s in r.servers) / (r.horizon_s * len(r.servers)) if r.horizon_s else 0.0,
+        })
+        runs.append(run)
+        print(f"[{pol.name}] simulated {run['calls_completed']}/{run['calls_total']} calls in {r.wall_s:.2f} s wall", file=sys.stderr)
+    _print_results(runs)
+    print(f"wall_s {total_wall:.2f}")
+    if a.out:
+        write_json(a.out, {"trace": a.trace, "engine": "sim", "servers": a.servers, "server_profile": a.server_profile,
+                           "oracle": {"sct_p50_s": runs[0]["oracle_p50_s"], "sct_p95_s": runs[0]["oracle_p95_s"]},
+                           "wall_s": total_wall, "runs": runs})
+        print(f"results written to {a.out}")
+    return 0
+
+
+# -- replay ------------------------------------------------------------------------
+def cmd_replay(a: argparse.Namespace) -> int:
+    from talaria.replay import replay_embedded, replay_external, write_json
+
+    sessions = _load(a.trace)
+    catalog = load_catalog()
+    policies = _policies(a.policy)
+    oracle = oracle_sct(sessions, catalog, a.server_profile)
+    outcomes = []
+    for pol in policies:
+        if a.nats:
+            out = asyncio.run(replay_external(sessions, a.nats.split(","), a.subject_prefix, a.redis, a.key_prefix))
+        else:
+            spec = StackSpec(policy=pol, models=_models_of(sessions), servers=a.servers, server_profile=a.server_profile,
+                             time_scale=a.time_scale, log_dir=Path(a.log_dir) / pol.name,
+                             switch_cost_scale=a.switch_cost_scale, prefill_speed_scale=a.prefill_speed_scale)
+            out = asyncio.run(replay_embedded(sessions, pol, spec))
+        outcomes.append(out)
+    runs = []
+    lag_bad = []
+    for out in outcomes:
+        run = summarize(out.policy, sessions, out.sct, out.records, oracle, extra={
+            "wall_s": out.wall_s, "time_scale": a.time_scale, "failures": out.failures,
+            "calls_duplicated": out.duplicates, "worst_loop_lag_model_s": out.worst_lag_model_s,
+            "worst_loop_lag_service": out.worst_lag_service,
+            "switches": None,
+        })
+        run.pop("switches")
+        runs.append(run)
+        if out.worst_lag_model_s > a.max_lag_s:
+            lag_bad.append(f"{out.policy}: {out.worst_lag_service} lagged {out.worst_lag_model_s:.2f} model s")
+    _print_results(runs)
+    for r in runs:
+        print(f"  {r['policy']}: worst event-loop lag {r['worst_loop_lag_model_s']:.3f} model s ({r['worst_loop_lag_service']})")
+    if a.out:
+        write_json(a.out, {"trace": a.trace, "engine": "sim", "servers": a.servers, "server_profile": a.server_profile,
+                           "oracle": {"sct_p50_s": runs[0]["oracle_p50_s"], "sct_p95_s": runs[0]["oracle_p95_s"]},
+                           "runs": runs})
+        print(f"results written to {a.out}")
+    failed = [f for o in outcomes for f in o.failures]
+    if failed:
+        for f in failed[:10]:
+            print(f"  failed: {f}", file=sys.stderr)
+        return _fail(f"{len(failed)} sessions did not complete", 1)
+    if lag_bad:
+        return _fail("event-loop lag would distort the result (lower --time-scale): " + "; ".join(lag_bad), 3)
+    return 0
+
+
+# -- up ------------------------------------------------------------------------------
+def cmd_up(a: argparse.Namespace) -> int:
+    async def run() -> None:
+        spec = StackSpec(policy=resolve_policy(a.policy), models=a.models.split(","), servers=a.servers,
+                         server_profile=a.server_profile, time_scale=a.time_scale, log_dir=Path(a.log_dir),
+                         nats_urls=a.nats.split(",") if a.nats else None, redis_url=a.redis,
+                         subject_prefix=a.subject_prefix, key_prefix=a.key_prefix)
+        stack = EmbeddedStack(spec)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        try:
+            await stack.start()
+            print(f"talaria is up: NATS {','.join(stack.nats_urls)}  Redis {stack.redis_url}\n"
+                  f"  subject prefix {stack.subject_prefix}  key prefix {stack.key_prefix}  policy {spec.policy.name}  "
+                  f"time scale {spec.time_scale:g}x\n  logs in {stack.log_dir}; Ctrl-C stops everything", flush=True)
+            await stop.wait()
+        finally:
+            print("stopping ...", flush=True)
+            await stack.stop()
+
+    asyncio.run(run())
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="talaria", description="Serve large LLMs to tool-using agents (see README.md)")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    def common(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("--servers", type=int, default=1, help="number of servers (default 1)")
+        sp.add_argument("--server-profile", default="h100x8", help="server profile from the catalog (default h100x8)")
+        sp.add_argument("--switch-cost-scale", type=float, default=1.0, help="sensitivity: scale model-switch costs")
+        sp.add_argument("--prefill-speed-scale", type=float, default=1.0, help="sensitivity: scale prefill speed")
+
+    s = sub.add_parser("sim", help="simulate policies on a trace on a virtual clock (same policy code)")
+    s.add_argument("trace")
+    s.add_argument("--policy", default="baseline", help=f"comma-separated: {', '.join(PRESETS)}")
+    s.add_argument("--out", help="write results JSON here")
+    s.add_argument("--check", action="store_true", help="check memory and KV bounds at every event")
+    common(s)
+    s.set_defaults(fn=cmd_sim)
+
+    r = sub.add_parser("replay", help="replay a trace's agents through the live services over NATS")
+    r.add_argument("trace")
+    r.add_argument("--policy", default="baseline", help=f"comma-separated: {', '.join(PRESETS)}")
+    r.add_argument("--time-scale", type=float, default=50.0, help="model seconds per wall second (default 50)")
+    r.add_argument("--out", help="write results JSON here")
+    r.add_argument("--nats", help="replay against a running deployment at these NATS URLs (comma-separated)")
+    r.add_argument("--redis", help="with --nats: the deployment's Redis, to read its loop-lag reports")
+    r.add_argument("--subject-prefix", default="talaria")
+    r.add_argument("--key-prefix", default="talaria:")
+    r.add_argument("--log-dir", default=str(default_log_dir()))
+    r.add_argument("--max-lag-s", type=float, default=5.0, help="fail when a service's loop lag exceeds this many model seconds")
+    common(r)
+    r.set_defaults(fn=cmd_replay)
+
+    u = sub.add_parser("up", help="bring up NATS, Redis and every service; Ctrl-C stops everything")
+    u.add_argument("--policy", default="baseline")
+    u.add_argument("--models", default=",".join(DEFAULT_MODELS))
+    u.add_argument("--time-scale", type=float, default=50.0)
+    u.add_argument("--nats", help="use this NATS (comma-separated URLs) instead of starting one")
+    u.add_argument("--redis", help="use this Redis URL instead of starting one")
+    u.add_argument("--subject-prefix", default=None)
+    u.add_argument("--key-prefix", default=None)
+    u.add_argument("--log-dir", default=str(default_log_dir()))
+    u.add_argument("--servers", type=int, default=1)
+    u.add_argument("--server-profile", default="h100x8")
+    u.set_defaults(fn=cmd_up)
+
+    g = sub.add_parser("generate", help="generate a SWE-bench-like trace from a settings file")
+    gen.configure_parser(g)
+    g.set_defaults(fn=gen.run)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.fn(args) or 0)
+    except (TraceError, CatalogError, PolicyError) as exc:
+        return _fail(str(exc))
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

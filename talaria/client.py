@@ -1,0 +1,176 @@
+"""A small async client for agents: open a session, make calls, end it.
+
+    async with await TalariaClient.connect(["nats://127.0.0.1:4222"]) as client:
+        session = await client.open_session("glm-4.5-fp8")
+        reply = await session.call(prompt_tokens=8000, max_tokens=1024)
+        await session.end()
+
+A call waiting for its model's slot is alive: the services send `queued` and
+`running` heartbeats, and the client only gives up when it has heard nothing
+for `silence_s` (wall seconds). Then it retries the same call id (served at
+most once) up to `retries` times before raising `CallTimeout`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Callable
+from typing import Self
+
+import msgspec
+import nats
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeout
+
+from shared.schema import (
+    ApiError, CallAccepted, CallEvent, CallQueued, CallReply, CallRequest, CallRunning, EndSession, Info,
+    InfoRequest, OpenSession, SessionOpened, api_reply_decoder, call_event_decoder, encode,
+)
+from shared.subjects import Subjects
+
+
+class TalariaError(Exception):
+    """A typed error from the service (code as in `shared.schema.ErrorCode`)."""
+
+    def __init__(self, code: str, message: str, retry_after_s: float | None = None) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+        self.retry_after_s = retry_after_s
+
+
+class UnknownModel(TalariaError): ...
+class UnknownSession(TalariaError): ...
+class NoCapacity(TalariaError): ...
+class Malformed(TalariaError): ...
+class ContextLimit(TalariaError): ...
+class CallTimeout(TalariaError): ...
+
+
+_ERRORS: dict[str, type[TalariaError]] = {
+    "unknown_model": UnknownModel, "unknown_session": UnknownSession, "no_capacity": NoCapacity,
+    "malformed": Malformed, "too_large": Malformed, "context_limit": ContextLimit, "timeout": CallTimeout,
+}
+
+
+def raise_for(err: ApiError) -> None:
+    raise _ERRORS.get(err.code, TalariaError)(err.code, err.message, err.retry_after_s)
+
+
+class TalariaClient:
+    def __init__(self, nc: nats.NATS, subject_prefix: str = "talaria", silence_s: float = 15.0,
+                 retries: int = 3, request_timeout_s: float = 5.0) -> None:
+        self.nc = nc
+        self.subjects = Subjects(subject_prefix)
+        self.silence_s = silence_s
+        self.retries = retries
+        self.request_timeout_s = request_timeout_s
+        self.client_id = uuid.uuid4().hex[:12]
+
+    @classmethod
+    async def connect(cls, urls: list[str] | str, **kw: object) -> Self:
+        nc = await nats.connect(servers=urls, max_reconnect_attempts=-1, reconnect_time_wait=0.5, name="talaria-agent")
+        return cls(nc, **kw)  # type: ignore[arg-type]
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if not self.nc.is_closed:
+            await self.nc.drain()
+
+    async def _request(self, subject: str, msg: msgspec.Struct) -> object:
+        last: Exception | None = None
+        for _ in range(self.retries + 1):
+            try:
+                resp = await self.nc.request(subject, encode(msg), timeout=self.request_timeout_s)
+            except NoRespondersError as exc:
+                last = exc
+                await asyncio.sleep(0.5)
+                continue
+            except NatsTimeout as exc:
+                last = exc
+                continue
+            out = api_reply_decoder.decode(resp.data)
+            if isinstance(out, ApiError):
+                raise_for(out)
+            return out
+        raise CallTimeout("timeout", f"no router answered on {subject} ({type(last).__name__})")
+
+    async def info(self) -> Info:
+        out = await self._request(self.subjects.api_info, InfoRequest())
+        assert isinstance(out, Info)
+        return out
+
+    async def open_session(self, model: str, session_id: str | None = None) -> "Session":
+        sid = session_id or f"sess-{uuid.uuid4().hex[:12]}"
+        out = await self._request(self.subjects.api_session_open, OpenSession(session_id=sid, model=model))
+        assert isinstance(out, SessionOpened)
+        return Session(self, sid, model, out.context_limit)
+
+    async def end_session(self, session_id: str) -> None:
+        await self._request(self.subjects.api_session_end, EndSession(session_id=session_id))
+
+    async def call(
+        self,
+        session_id: str,
+        model: str,
+        *,
+        prompt_tokens: int,
+        prefix_tokens: int = 0,
+        max_tokens: int = 4096,
+        call_id: str | None = None,
+        sim_output_tokens: int | None = None,
+        on_event: Callable[[CallEvent], None] | None = None,
+    ) -> CallReply:
+        cid = call_id or uuid.uuid4().hex
+        inbox = self.subjects.reply_inbox(self.client_id, cid)
+        req = CallRequest(call_id=cid, session_id=session_id, model=model, prompt_tokens=prompt_tokens,
+                          prefix_tokens=prefix_tokens, max_tokens=max_tokens, reply_to=inbox,
+                          sim_output_tokens=sim_output_tokens)
+        data = encode(req)
+        sub = await self.nc.subscribe(inbox)
+        try:
+            attempts = 0
+            while attempts <= self.retries:
+                attempts += 1
+                await self.nc.publish(self.subjects.api_call, data)
+                while True:
+                    try:
+                        msg = await sub.next_msg(timeout=self.silence_s)
+                    except NatsTimeout:
+                        break  # silence: retry under the same call id
+                    try:
+                        ev = call_event_decoder.decode(msg.data)
+                    except msgspec.ValidationError:
+                        continue
+                    if on_event is not None:
+                        on_event(ev)
+                    match ev:
+                        case CallReply():
+                            return ev
+                        case ApiError():
+                            raise_for(ev)
+                        case CallAccepted() | CallQueued() | CallRunning():
+                            continue
+            raise CallTimeout("timeout", f"call {cid}: no answer for {self.silence_s:.0f} s, {attempts} attempts")
+        finally:
+            await sub.unsubscribe()
+
+
+class Session:
+    def __init__(self, client: TalariaClient, session_id: str, model: str, context_limit: int) -> None:
+        self.client = client
+        self.session_id = session_id
+        self.model = model
+        self.context_limit = context_limit
+
+    async def call(self, **kw: object) -> CallReply:
+        return await self.client.call(self.session_id, self.model, **kw)  # type: ignore[arg-type]
+
+    async def end(self) -> None:
+        await self.client.end_session(self.session_id)

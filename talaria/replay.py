@@ -1,0 +1,183 @@
+"""`talaria replay`: play a trace's agents against the running services.
+
+Each session is a coroutine: it waits for its arrival, opens its session,
+issues each call over NATS request-reply through the agent client, waits the
+tool gap on the stack's model clock, and ends the session. SCT comes from the
+driver's own timestamps (first call issued -> last reply received).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import redis.asyncio as aioredis
+
+from shared.clock import ScaledClock
+from shared.keys import Keys
+from shared.policy import PolicyConfig
+from shared.schema import CallReply
+from shared.trace import TraceSession
+from talaria.agent import DEFAULT_MAX_TOKENS, call_id_for, plan_session
+from talaria.client import TalariaClient, TalariaError
+from talaria.records import CallRecord
+from talaria.stack import EmbeddedStack, StackSpec
+
+
+@dataclass
+class ReplayOutcome:
+    policy: str
+    sct: dict[str, float]
+    records: list[CallRecord]
+    failures: list[str] = field(default_factory=list)
+    wall_s: float = 0.0
+    worst_lag_model_s: float = 0.0
+    worst_lag_service: str = ""
+    duplicates: int = 0
+
+
+class Progress:
+    def __init__(self, policy: str, total_calls: int, total_sessions: int, stream=sys.stderr) -> None:
+        self.policy = policy
+        self.total_calls = total_calls
+        self.total_sessions = total_sessions
+        self.calls_done = 0
+        self.sessions_done = 0
+        self.queued_events = 0
+        self.stream = stream
+
+    def line(self, model_t: float) -> str:
+        return (f"[{self.policy}] model t={model_t:8.1f} s  calls {self.calls_done}/{self.total_calls}  "
+                f"sessions {self.sessions_done}/{self.total_sessions}")
+
+    async def run(self, clock: ScaledClock, t0: float, every_wall_s: float = 5.0) -> None:
+        while True:
+            await asyncio.sleep(every_wall_s)
+            print(self.line(clock.now() - t0), file=self.stream, flush=True)
+
+
+async def drive(
+    client: TalariaClient,
+    clock: ScaledClock,
+    sessions: list[TraceSession],
+    policy_name: str,
+    *,
+    max_tokens: int = DEFAULT_MAX_TOKENS,
+    run_tag: str = "",
+    progress_every_wall_s: float = 5.0,
+) -> ReplayOutcome:
+    total_calls = sum(len(s.calls) for s in sessions)
+    prog = Progress(policy_name, total_calls, len(sessions))
+    records: list[CallRecord] = []
+    sct: dict[str, float] = {}
+    failures: list[str] = []
+    t0 = clock.now()
+    dup = 0
+
+    async def run_session(s: TraceSession) -> None:
+        nonlocal dup
+        await clock.sleep_until(t0 + s.arrival_s)
+        sid = f"{run_tag}{s.session_id}"
+        sess = await client.open_session(s.model, session_id=sid)
+        started = clock.now()
+        for pc in plan_session(s, max_tokens):
+            issued = clock.now()
+            reply: CallReply = await sess.call(
+                prompt_tokens=pc.prompt_tokens, prefix_tokens=pc.prefix_tokens, max_tokens=pc.max_tokens,
+                call_id=call_id_for(sid, pc.index), sim_output_tokens=pc.sim_stop_tokens,
+            )
+            received = clock.now()
+            dup += int(reply.duplicate)
+            records.append(CallRecord(
+                call_id=reply.call_id, session_id=s.session_id, model=s.model, index=pc.index,
+                server_id=reply.server_id, issued_at=issued - t0, finished_at=received - t0,
+                waited_s=reply.waited_s, switch_wait_s=reply.switch_wait_s, round_wait=reply.round_wait,
+                restore_s=reply.restore_s, prefill_s=reply.prefill_s, decode_s=reply.decode_s,
+                prompt_tokens=reply.prompt_tokens, cached_tokens=reply.cached_tokens,
+                restored_tokens=reply.restored_tokens, reprefill_tokens=reply.reprefill_tokens,
+                output_tokens=reply.output_tokens,
+            ))
+            prog.calls_done += 1
+            if pc.tool_s > 0:
+                await clock.sleep(pc.tool_s)
+        sct[s.session_id] = clock.now() - started
+        prog.sessions_done += 1
+        with contextlib.suppress(TalariaError):
+            await sess.end()
+
+    wall0 = time.perf_counter()
+    ticker = asyncio.ensure_future(prog.run(clock, t0, progress_every_wall_s))
+    try:
+        results = await asyncio.gather(*(run_session(s) for s in sessions), return_exceptions=True)
+    finally:
+        ticker.cancel()
+    for s, r in zip(sessions, results):
+        if isinstance(r, BaseException):
+            failures.append(f"{s.session_id}: {type(r).__name__}: {r}")
+    print(prog.line(clock.now() - t0), file=sys.stderr, flush=True)
+    return ReplayOutcome(policy=policy_name, sct=sct, records=records, failures=failures,
+                         wall_s=time.perf_counter() - wall0, duplicates=dup)
+
+
+async def worst_lag(redis_url: str, key_prefix: str) -> tuple[str, float]:
+    r = aioredis.Redis.from_url(redis_url)
+    try:
+        worst = ("", 0.0)
+        async for key in r.scan_iter(match=Keys(key_prefix).lag("*")):
+            v = float(await r.get(key) or 0)
+            if v > worst[1]:
+                worst = (key.decode().rsplit(":", 1)[-1], v)
+        return worst
+    finally:
+        await r.aclose()
+
+
+async def replay_embedded(sessions: list[TraceSession], policy: PolicyConfig, spec: StackSpec) -> ReplayOutcome:
+    spec.policy = policy
+    print(f"[{policy.name}] starting the embedded stack (NATS, Redis, {len(spec.models) + 3} service processes) ...", file=sys.stderr, flush=True)
+    async with EmbeddedStack(spec) as stack:
+        print(f"[{policy.name}] stack up; logs in {stack.log_dir}; replaying at {spec.time_scale:g}x", file=sys.stderr, flush=True)
+        client = await TalariaClient.connect(stack.nats_urls, subject_prefix=stack.subject_prefix)
+        try:
+            clock = ScaledClock(spec.time_scale, stack.clock_epoch)
+            out = await drive(client, clock, sessions, policy.name)
+        finally:
+            await client.close()
+        name, lag = await worst_lag(stack.redis_url, stack.key_prefix)
+        out.worst_lag_service, out.worst_lag_model_s = name, lag * spec.time_scale
+        return out
+
+
+async def replay_external(sessions: list[TraceSession], nats_urls: list[str], subject_prefix: str,
+                          redis_url: str | None, key_prefix: str) -> ReplayOutcome:
+    client = await TalariaClient.connect(nats_urls, subject_prefix=subject_prefix)
+    try:
+        info = await client.info()  # doubles as the health check of the deployment's router
+        clock = ScaledClock(info.time_scale, info.clock_epoch)
+        out = await drive(client, clock, sessions, info.policy, run_tag=f"r{uuid.uuid4().hex[:6]}-")
+    finally:
+        await client.close()
+    if redis_url:
+        name, lag = await worst_lag(redis_url, key_prefix)
+        out.worst_lag_service, out.worst_lag_model_s = name, lag * info.time_scale
+    return out
+
+
+def write_json(path: str | Path, payload: dict) -> None:
+    def clean(o):  # NaN is not JSON
+        if isinstance(o, float) and math.isnan(o):
+            return None
+        if isinstance(o, dict):
+            return {k: clean(v) for k, v in o.items()}
+        if isinstance(o, list):
+            return [clean(v) for v in o]
+        return o
+
+    Path(path).write_text(json.dumps(clean(payload), indent=2) + "\n")

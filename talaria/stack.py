@@ -1,0 +1,160 @@
+"""The embedded stack: NATS and Redis (when none is given) plus every service
+as its own process, on free ports with a private subject and key prefix.
+
+`talaria up` runs one until Ctrl-C; `talaria replay` brings one up per policy
+for the length of a run. A NATS or Redis that already runs on the machine is
+never written to unless its URL is passed explicitly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import nats
+
+from shared.policy import PolicyConfig, encode_policy
+from talaria.infra import NatsServer, ProcessGroup, RedisServer
+
+DEFAULT_MODELS = ["glm-4.5-fp8", "qwen3-235b-a22b-fp8", "glm-4.5-air-fp8"]
+
+
+@dataclass
+class StackSpec:
+    policy: PolicyConfig
+    models: list[str] = field(default_factory=lambda: list(DEFAULT_MODELS))
+    servers: int = 1
+    server_profile: str = "h100x8"
+    time_scale: float = 50.0
+    log_dir: Path = Path(".talaria/logs")
+    nats_urls: list[str] | None = None   # external NATS; None = start one
+    redis_url: str | None = None         # external Redis; None = start one
+    subject_prefix: str | None = None
+    key_prefix: str | None = None
+    switch_cost_scale: float = 1.0
+    prefill_speed_scale: float = 1.0
+    log_format: str = "json"
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+
+class EmbeddedStack:
+    def __init__(self, spec: StackSpec) -> None:
+        self.spec = spec
+        tag = uuid.uuid4().hex[:8]
+        self.subject_prefix = spec.subject_prefix or f"tal{tag}"
+        self.key_prefix = spec.key_prefix or f"tal{tag}:"
+        self.server_ids = [f"s{i}" for i in range(spec.servers)]
+        self.nats: NatsServer | None = None
+        self.redis: RedisServer | None = None
+        self.group = ProcessGroup()
+        self.clock_epoch = time.time()
+        self.log_dir = Path(spec.log_dir)
+        self._supervisor: asyncio.Task | None = None
+        self._stop_supervising = asyncio.Event()
+
+    @property
+    def nats_urls(self) -> list[str]:
+        if self.spec.nats_urls:
+            return self.spec.nats_urls
+        assert self.nats is not None
+        return [self.nats.url]
+
+    @property
+    def redis_url(self) -> str:
+        if self.spec.redis_url:
+            return self.spec.redis_url
+        assert self.redis is not None
+        return self.redis.url
+
+    def base_env(self) -> dict[str, str]:
+        s = self.spec
+        return {
+            "TALARIA_NATS_URL": ",".join(self.nats_urls),
+            "TALARIA_REDIS_URL": self.redis_url,
+            "TALARIA_SUBJECT_PREFIX": self.subject_prefix,
+            "TALARIA_KEY_PREFIX": self.key_prefix,
+            "TALARIA_TIME_SCALE": repr(s.time_scale),
+            "TALARIA_CLOCK_EPOCH": repr(self.clock_epoch),
+            "TALARIA_POLICY": encode_policy(s.policy),
+            "TALARIA_SERVERS": ",".join(self.server_ids),
+            "TALARIA_SERVER_PROFILE": s.server_profile,
+            "TALARIA_MODELS": ",".join(s.models),
+            "TALARIA_SWITCH_COST_SCALE": repr(s.switch_cost_scale),
+            "TALARIA_PREFILL_SPEED_SCALE": repr(s.prefill_speed_scale),
+            "TALARIA_LOG_FORMAT": s.log_format,
+            "PYTHONUNBUFFERED": "1",
+            **s.extra_env,
+        }
+
+    def service_table(self) -> list[tuple[str, str, dict[str, str]]]:
+        """(instance name, module, extra env) of every service process."""
+        out: list[tuple[str, str, dict[str, str]]] = [("router-0", "services.router", {"TALARIA_INSTANCE_ID": "0"})]
+        for sid in self.server_ids:
+            out.append((f"admission-{sid}", "services.admission", {"TALARIA_SERVER_ID": sid}))
+            out.append((f"substrate-{sid}", "services.substrate", {"TALARIA_SERVER_ID": sid}))
+            for m in self.spec.models:
+                out.append((f"engine-{sid}-{m}", "services.engine", {"TALARIA_SERVER_ID": sid, "TALARIA_MODEL": m}))
+        return out
+
+    async def start(self, timeout_s: float = 90.0) -> None:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        if not self.spec.nats_urls:
+            self.nats = NatsServer(jetstream=True, log_file=self.log_dir / "nats-server.log")
+            await self.nats.astart()
+        if not self.spec.redis_url:
+            self.redis = RedisServer(log_file=self.log_dir / "redis-server.log")
+            await self.redis.astart()
+        env = self.base_env()
+        for name, module, extra in self.service_table():
+            self.group.add(name, [sys.executable, "-m", module], env={**env, **extra}, log_path=self.log_dir / f"{name}.log")
+        self.group.start_all()
+        self._supervisor = asyncio.ensure_future(self.group.supervise(self._stop_supervising))
+        await self.wait_healthy(timeout_s)
+
+    async def wait_healthy(self, timeout_s: float) -> None:
+        """Every service answers its health endpoint (NATS micro) before we go on."""
+        nc = await nats.connect(servers=self.nats_urls, name="talaria-stack")
+        try:
+            deadline = time.monotonic() + timeout_s
+            pending = [name for name, _, _ in self.service_table()]
+            while pending:
+                name = pending[0]
+                try:
+                    await nc.request(f"{self.subject_prefix}.health.{name}", b"", timeout=1.0)
+                    pending.pop(0)
+                except Exception:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"service {name} did not become healthy in {timeout_s:.0f} s; see {self.log_dir}/{name}.log") from None
+                    await asyncio.sleep(0.2)
+        finally:
+            await nc.close()
+
+    async def stop(self) -> None:
+        self._stop_supervising.set()
+        if self._supervisor is not None:
+            await asyncio.wait([self._supervisor], timeout=5)
+        await self.group.astop_all(timeout=10)
+        if self.redis is not None:
+            await self.redis.astop()
+        if self.nats is not None:
+            await self.nats.astop()
+
+    async def __aenter__(self) -> "EmbeddedStack":
+        try:
+            await self.start()
+        except BaseException:
+            await self.stop()
+            raise
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+
+def default_log_dir() -> Path:
+    return Path(os.environ.get("TALARIA_LOG_DIR", ".talaria/logs"))
