@@ -87,6 +87,13 @@ class SimEngine:
     running: dict[str, _Running] = field(default_factory=dict)
     prefill_queue: deque[str] = field(default_factory=deque)
     t: float = 0.0
+    # calls that finished during an advance made inside submit/sleep/abort,
+    # handed out by the next public advance() so none is ever lost
+    completed: list[CallResult] = field(default_factory=list)
+    # ITL of the current decode batch, fixed at the last batch change (submit,
+    # prefill done, finish, abort), so that where `advance` is observed never
+    # changes the answer
+    _batch_itl: float | None = None
 
     # -- lifecycle -------------------------------------------------------------
     def wake(self, now: float, kv_capacity_tokens: int, host_kv: dict[str, int], hbm_kv: dict[str, int] | None = None) -> None:
@@ -100,7 +107,7 @@ class SimEngine:
     def sleep(self, now: float) -> dict[str, int]:
         """Stop; return the idle KV table that was in HBM (the substrate decides
         whether it goes to host DRAM or is dropped)."""
-        self.advance(now)
+        self._advance_to(now)
         if self.running:
             raise EngineError(f"{self.model.name}: sleep with {len(self.running)} calls running")
         out = dict(self.hbm_kv)
@@ -136,7 +143,7 @@ class SimEngine:
             raise EngineError(f"{self.model.name}: call {call.call_id} submitted to a sleeping engine")
         if call.call_id in self.running:
             return  # at most once
-        self.advance(now)
+        self._advance_to(now)
         if self.reserved_kv_tokens() + call.reserved_tokens > self.kv_capacity_tokens:
             raise EngineError(
                 f"{self.model.name}: call {call.call_id} needs {call.reserved_tokens} KV tokens, "
@@ -164,6 +171,7 @@ class SimEngine:
             tokens_left=float(max(1, min(call.stop_tokens, call.max_tokens))),
         )
         self.prefill_queue.append(call.call_id)
+        self._batch_itl = None
 
     def next_event_at(self) -> float | None:
         if not self.running:
@@ -174,12 +182,20 @@ class SimEngine:
         return self.t + min(r.tokens_left for r in self.running.values()) * step
 
     def _itl(self) -> float:
-        ctx = sum(r.call.prompt_tokens + int(r.produced) for r in self.running.values())
-        return self.cost.itl_s(self.model, len(self.running), ctx)
+        if self._batch_itl is None:
+            ctx = sum(r.call.prompt_tokens + int(r.produced) for r in self.running.values())
+            self._batch_itl = self.cost.itl_s(self.model, len(self.running), ctx)
+        return self._batch_itl
 
     def advance(self, now: float) -> list[CallResult]:
-        """Move the batch forward to `now`; return the calls that finished."""
-        done: list[CallResult] = []
+        """Move the batch forward to `now`; return every call that finished
+        since the last call to advance (including inside submit/abort)."""
+        self._advance_to(now)
+        done, self.completed = self.completed, []
+        return done
+
+    def _advance_to(self, now: float) -> None:
+        done = self.completed
         while self.running and self.t < now - EPS:
             nxt = self.next_event_at()
             assert nxt is not None
@@ -191,6 +207,7 @@ class SimEngine:
                 if head.prefill_left <= EPS:
                     self.prefill_queue.popleft()
                     head.prefill_left = 0.0
+                    self._batch_itl = None
             else:
                 tokens = dt / self._itl()
                 for r in self.running.values():
@@ -205,16 +222,16 @@ class SimEngine:
                     done.append(self._finish(cid))
         if not self.running:
             self.t = max(self.t, now)
-        return done
 
     def abort(self, call_id: str, now: float) -> None:
         """Preempted: the call's progress is lost; what it had prefilled stays cached."""
-        self.advance(now)
+        self._advance_to(now)
         r = self.running.pop(call_id, None)
         if r is None:
             return
         if call_id in self.prefill_queue:
             self.prefill_queue.remove(call_id)
+        self._batch_itl = None
         kept = r.call.prompt_tokens if r.prefill_left <= 0 else r.cached + r.restored
         if kept:
             self.hbm_kv[r.call.session_id] = kept
@@ -222,6 +239,7 @@ class SimEngine:
 
     def _finish(self, call_id: str) -> CallResult:
         r = self.running.pop(call_id)
+        self._batch_itl = None
         c = r.call
         output = max(1, min(c.stop_tokens, c.max_tokens))
         first = r.first_token_at if r.first_token_at is not None else self.t
