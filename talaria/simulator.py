@@ -31,7 +31,6 @@ class _Server:
     scheduler: sch.RoundScheduler
     ledger: SubstrateLedger
     engines: dict[str, SimEngine]
-    busy_s: float = 0.0
     switch_s: float = 0.0
 
 
@@ -152,7 +151,8 @@ class Simulator:
             sct=sct,
             wall_s=time.perf_counter() - wall0,
             horizon_s=self.now,
-            servers=[{"server_id": s.server_id, "busy_s": s.busy_s, "switch_s": s.switch_s} for s in self.servers.values()],
+            servers=[{"server_id": s.server_id, "busy_s": sum(e.busy_s for e in s.engines.values()), "switch_s": s.switch_s}
+                     for s in self.servers.values()],
             stats=stats,
         )
 
@@ -286,7 +286,6 @@ class Simulator:
             rec.restore_s, rec.prefill_s, rec.decode_s = r.restore_s, r.prefill_s, r.decode_s
             rec.cached_tokens, rec.restored_tokens, rec.reprefill_tokens = r.cached_tokens, r.restored_tokens, r.reprefill_tokens
             rec.output_tokens = r.output_tokens
-            srv.busy_s += r.restore_s + r.prefill_s + r.decode_s
             if self.check and eng.reserved_kv_tokens() > eng.kv_capacity_tokens:
                 raise AssertionError(f"{srv.server_id}/{model}: KV over-committed")
             self._admission_step(srv, sch.Finished(r.call_id, r.session_id, r.prompt_tokens + r.output_tokens))

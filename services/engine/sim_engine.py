@@ -90,6 +90,7 @@ class SimEngine:
     # calls that finished during an advance made inside submit/sleep/abort,
     # handed out by the next public advance() so none is ever lost
     completed: list[CallResult] = field(default_factory=list)
+    busy_s: float = 0.0  # model seconds with at least one call running (utilisation)
     # ITL of the current decode batch, fixed at the last batch change (submit,
     # prefill done, finish, abort), so that where `advance` is observed never
     # changes the answer
@@ -201,6 +202,7 @@ class SimEngine:
             assert nxt is not None
             target = min(now, nxt)
             dt = target - self.t
+            self.busy_s += dt
             if self.prefill_queue:
                 head = self.running[self.prefill_queue[0]]
                 head.prefill_left -= dt
