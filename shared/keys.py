@@ -37,6 +37,20 @@ class Keys:
         """Hash: active model, staged model, queued, running, kv occupancy, reservations."""
         return f"{self.prefix}server:{server_id}"
 
+    def reservation(self, session_id: str) -> str:
+        """String "server|expires_at": the session's soft reservation. Made with
+        SET NX (one claim per session, whichever admission is first), expiring
+        in model time (PX = hold / time scale), released by compare-and-delete."""
+        return f"{self.prefix}resv:{session_id}"
+
+    def session_gaps(self, session_id: str) -> str:
+        """List: the session's observed tool gaps (model seconds)."""
+        return f"{self.prefix}session:{session_id}:gaps"
+
+    def session_outputs(self, session_id: str) -> str:
+        """List: the session's past output lengths."""
+        return f"{self.prefix}session:{session_id}:outputs"
+
     def servers(self) -> str:
         """Set: known server ids."""
         return f"{self.prefix}servers"

@@ -6,9 +6,14 @@ the simulator, so a policy means the same thing everywhere.
 
 from __future__ import annotations
 
+import tomllib
+from functools import lru_cache
+from pathlib import Path
 from typing import Literal
 
 import msgspec
+
+TUNED_PATH = Path(__file__).parent / "data" / "tuned.toml"
 
 Closing = Literal["drain", "preempt"]
 NextModel = Literal["round-robin", "oldest-first"]
@@ -37,6 +42,7 @@ class PolicyConfig(msgspec.Struct, frozen=True, kw_only=True):
     w_residency: float = 4.0             # placement weights (see docs/mechanisms.md)
     w_kv_locality: float = 3.0
     w_pressure: float = 1.0
+    w_reservation: float = 2.0
     # what a call reserves for its output when admitted (max_tokens is the bound)
     admission_output_estimate: Literal["max_tokens", "history"] = "max_tokens"
 
@@ -70,18 +76,31 @@ class PolicyError(ValueError):
     pass
 
 
-def resolve_policy(name: str, overrides: dict[str, object] | None = None) -> PolicyConfig:
-    """A preset by name, with optional field overrides (e.g. a tuned slot_s)."""
+@lru_cache(maxsize=1)
+def tuned_overrides() -> dict[str, dict[str, object]]:
+    """Parameters chosen by `talaria study tune` (shared/data/tuned.toml):
+    [baseline] applies to the baseline, [talaria] to talaria and every ablation."""
+    if not TUNED_PATH.exists():
+        return {}
+    return tomllib.loads(TUNED_PATH.read_text())
+
+
+def resolve_policy(name: str, overrides: dict[str, object] | None = None, *, tuned: bool = True) -> PolicyConfig:
+    """A preset by name with its tuned parameters, then optional field overrides."""
     try:
         base = PRESETS[name]
     except KeyError:
         raise PolicyError(f"unknown policy {name!r}; choose from {', '.join(PRESETS)}") from None
-    if not overrides:
+    merged: dict[str, object] = {}
+    if tuned:
+        merged |= tuned_overrides().get("baseline" if name == "baseline" else "talaria", {})
+    merged |= overrides or {}
+    if not merged:
         return base
-    unknown = set(overrides) - set(PolicyConfig.__struct_fields__)
+    unknown = set(merged) - set(PolicyConfig.__struct_fields__)
     if unknown:
         raise PolicyError(f"unknown policy fields {sorted(unknown)}")
-    data = msgspec.structs.asdict(base) | overrides
+    data = msgspec.structs.asdict(base) | merged
     return msgspec.convert(data, PolicyConfig)
 
 

@@ -16,6 +16,7 @@ from msgspec import Meta
 Tokens = Annotated[int, Meta(ge=1, le=10_000_000)]
 TokensOrZero = Annotated[int, Meta(ge=0, le=10_000_000)]
 Id = Annotated[str, Meta(min_length=1, max_length=200)]
+Count = Annotated[int, Meta(ge=0)]  # a size with no front-door cap (e.g. a KV budget in tokens)
 
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024  # refused at the front door above this
 
@@ -135,9 +136,9 @@ class AdmissionCallMsg(msgspec.Struct, frozen=True, kw_only=True):
     call_id: str
     session_id: str
     model: str
-    prompt_tokens: int
-    prefix_tokens: int
-    max_tokens: int
+    prompt_tokens: Tokens
+    prefix_tokens: TokensOrZero
+    max_tokens: Tokens
     arrived_at: float
     continuation: bool
     gap_history: tuple[float, ...] = ()
@@ -148,7 +149,7 @@ class SubmitCall(Base, tag="submit"):
     call: AdmissionCallMsg
     reply_to: str
     # engine-only payload, kept beside the call and never handed to the scheduler
-    sim_output_tokens: int | None = None
+    sim_output_tokens: Tokens | None = None
 
 
 class Submitted(Base, tag="submitted"):
@@ -164,11 +165,11 @@ class RunCall(Base, tag="run"):
     call_id: str
     session_id: str
     model: str
-    prompt_tokens: int
-    prefix_tokens: int
-    max_tokens: int
-    stop_tokens: int
-    reserved_tokens: int
+    prompt_tokens: Tokens
+    prefix_tokens: TokensOrZero
+    max_tokens: Tokens
+    stop_tokens: Tokens
+    reserved_tokens: TokensOrZero
     reply_to: str
     arrived_at: float
     waited_s: float
@@ -181,8 +182,8 @@ class Sleep(Base, tag="sleep"):
 
 
 class Wake(Base, tag="wake"):
-    kv_capacity_tokens: int
-    host_kv: dict[str, int] = {}
+    kv_capacity_tokens: Count
+    host_kv: dict[str, Count] = {}
 
 
 class Abort(Base, tag="abort"):
@@ -204,7 +205,7 @@ class ControlOk(Base, tag="control_ok"):
 class CallFinished(Base, tag="finished"):
     call_id: str
     session_id: str
-    context_tokens: int
+    context_tokens: Count
 
 
 class SessionEndedEvent(Base, tag="session_ended"):

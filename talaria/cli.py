@@ -196,6 +196,11 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--server-profile", default="h100x8")
     u.set_defaults(fn=cmd_up)
 
+    st = sub.add_parser("study", help="tune policies, seed spread, ablations and sensitivity on the simulator")
+    from talaria import experiments
+
+    experiments.configure_parser(st)
+
     g = sub.add_parser("generate", help="generate a SWE-bench-like trace from a settings file")
     gen.configure_parser(g)
     g.set_defaults(fn=gen.run)

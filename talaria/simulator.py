@@ -227,6 +227,7 @@ class Simulator:
             kv_occupancy=(eng.reserved_kv_tokens() / eng.kv_capacity_tokens) if eng and eng.kv_capacity_tokens else 0.0,
             reservations_for_others=sum(1 for r in sc.reservations.values() if r.session_id != call.session_id),
             session_kv=kv,  # type: ignore[arg-type]
+            session_reserved=call.session_id in sc.reservations,
         )
 
     # -- admission and substrate ---------------------------------------------------

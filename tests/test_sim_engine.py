@@ -316,3 +316,14 @@ def test_wake_evicts_an_oversized_hbm_table() -> None:
     e = SimEngine(QWEN, CM)
     e.wake(0.0, 25_000, {}, hbm_kv={"A": 10_000, "B": 10_000, "C": 10_000})
     assert list(e.hbm_kv) == ["B", "C"]
+
+
+def test_call_finished_inside_submit_is_handed_out_by_next_advance() -> None:
+    e = engine()
+    e.submit(call("a", "A", 1_000, stop=10), 0.0)
+    e.submit(call("b", "B", 1_000, stop=10), 100.0)  # a finished long before: found inside submit
+    done = e.advance(100.0)
+    assert [r.call_id for r in done] == ["a"]
+    assert done[0].finished_at < 1.0
+    assert [r.call_id for r in e.advance(1e6)] == ["b"]
+    assert e.advance(2e6) == []  # handed out once

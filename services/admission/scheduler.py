@@ -164,6 +164,7 @@ class _Running:
     call: AdmissionCall
     reserved_tokens: int
     slot_id: int
+    first_token_by: float = 0.0  # estimated (upper bound): prefill done, first token out
 
 
 @dataclass
@@ -201,6 +202,7 @@ class RoundScheduler:
     staged_hint: str | None = None
     idle_hold_since: float | None = None
     last_step_at: float = 0.0
+    prefill_horizon: float = 0.0
     stats: SchedulerStats = field(default_factory=SchedulerStats)
 
     def __post_init__(self) -> None:
@@ -253,6 +255,10 @@ class RoundScheduler:
         times: list[float] = [r.expires_at for r in self.reservations.values()]
         if self.phase == "open" and self.slot_deadline > self.last_step_at + 1e-9:
             times.append(self.slot_deadline)
+        if self.phase == "open" and self.policy.closing == "preempt":
+            at = self._preempt_at(list(self.running.values()))
+            if at > self.last_step_at + 1e-9:
+                times.append(at)
         return min(times) if times else None
 
     def hold_s(self, gaps: tuple[float, ...]) -> float:
@@ -262,6 +268,11 @@ class RoundScheduler:
         ordered = sorted(gaps)
         q = ordered[min(len(ordered) - 1, int(p.hold_quantile * len(ordered)))]
         return max(p.hold_min_s, min(p.hold_max_s, q * p.hold_factor))
+
+    def cancel_reservation(self, session_id: str) -> list[Action]:
+        """Another server already holds this session's claim: drop ours."""
+        res = self.reservations.pop(session_id, None)
+        return [Protect(session_id, res.model, on=False)] if res is not None else []
 
     def queued(self, model: str | None = None) -> int:
         if model is not None:
@@ -375,7 +386,11 @@ class RoundScheduler:
     def _dispatch(self, item: _Queued, now: float, actions: list[Action]) -> None:
         c = item.call
         reserved = self._reserve_for(c)
-        self.running[c.call_id] = _Running(c, reserved, self.slot_id)
+        # prefill-first and serial: a call's first token comes after every
+        # earlier prefill; estimate as a full prefill (an upper bound)
+        spec = self.models[c.model]
+        self.prefill_horizon = max(self.prefill_horizon, now) + self.cost.prefill_s(spec, c.prompt_tokens, 0)
+        self.running[c.call_id] = _Running(c, reserved, self.slot_id, self.prefill_horizon)
         waited = now - c.arrived_at
         round_wait = item.open_slot_at_arrival is not None and item.open_slot_at_arrival != self.slot_id
         if round_wait:
@@ -386,6 +401,14 @@ class RoundScheduler:
         if res is not None:
             actions.append(Protect(c.session_id, res.model, on=False))
         actions.append(Dispatch(c, reserved, self.slot_id, waited, switch_wait, round_wait))
+
+    def _preempt_at(self, running: list[_Running]) -> float:
+        """The quantum, but never before every running call has had its prefill
+        and then a quantum of decoding: preempted calls keep their tokens, so
+        every slot makes real progress and the rule cannot livelock even when
+        the batch's prefills alone outlast the quantum."""
+        last_first_token = max((r.first_token_by for r in running), default=0.0)
+        return max(self.slot_deadline, last_first_token + self.policy.slot_s)
 
     def _close(self, now: float, actions: list[Action], reason: str) -> None:
         assert self.active is not None
@@ -427,12 +450,16 @@ class RoundScheduler:
                 return
             m_running = [r for r in self.running.values() if r.call.model == self.active]
             if m_running:
-                if self.policy.closing == "preempt" and now >= self.slot_deadline - 1e-9:
+                preempt_at = self._preempt_at(m_running)
+                if self.policy.closing == "preempt" and now >= preempt_at - 1e-9:
                     for r in m_running:
                         del self.running[r.call.call_id]
-                        self.queues[r.call.model].appendleft(_Queued(r.call, self._switch_clock(now), None))
                         self.stats.preemptions += 1
                         actions.append(Preempt(r.call.call_id))
+                    # back to the head of the queue in their admission (FIFO) order
+                    self.queues[self.active].extendleft(
+                        _Queued(r.call, self._switch_clock(now), None) for r in reversed(m_running)
+                    )
                     self._close(now, actions, "preempted at quantum")
                     continue
                 self._hint_staging(actions)

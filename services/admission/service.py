@@ -45,6 +45,10 @@ class AdmissionService(ServiceProcess):
                                 cb=self.guarded_handler(self.on_finished, "finished"))
         await self.nc.subscribe(self.subjects.session_ended, cb=self.guarded_handler(self.on_session_ended, "session_ended"))
         await self.redis.sadd(self.keys.servers(), sid)
+        # compare-and-delete: release a reservation only if it is still ours
+        self._release_script = self.redis.register_script(
+            "local v = redis.call('GET', KEYS[1]) "
+            "if v and string.sub(v, 1, string.len(ARGV[1])) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0")
         self.spawn(self.timer(), "admission-timer")
         self.spawn(self.heartbeats(), "heartbeats")
         self.spawn(self.mirror(), "mirror")
@@ -113,11 +117,39 @@ class AdmissionService(ServiceProcess):
                     for m in self.scheduler.models:
                         await self.nc.publish(self.subjects.engine_control(s.server_id, m), encode(Abort(call_id=cid)))
                 case sch.Protect(session_id=sid, model=m, on=on):
+                    if on and not await self._claim(sid):
+                        await self.apply(self.scheduler.cancel_reservation(sid))
+                        continue
+                    if not on:
+                        await self._release(sid)
                     await self.nc.publish(self.subjects.engine_control(s.server_id, m), encode(ProtectKv(session_id=sid, on=on)))
                 case sch.SlotOpened(model=m, slot_id=i, at=t):
                     self.log.info("admission.slot_opened", model=m, slot_id=i, at=round(t, 3))
                 case sch.SlotClosed(model=m, slot_id=i, at=t, reason=why):
                     self.log.info("admission.slot_closed", model=m, slot_id=i, at=round(t, 3), reason=why)
+
+    async def _claim(self, session_id: str) -> bool:
+        """Mirror a reservation into Redis atomically: one claim per session
+        (SET NX), expiring in model time (PX = hold / time scale)."""
+        res = self.scheduler.reservations.get(session_id)
+        if res is None:
+            return False
+        ttl_ms = max(1, int(self.clock.wall_s(res.expires_at - self.clock.now()) * 1000))
+        value = f"{self.settings.server_id}|{res.expires_at:.3f}"
+        try:
+            ok = await self.redis.set(self.keys.reservation(session_id), value, nx=True, px=ttl_ms)
+        except Exception as exc:  # Redis away: the claim stays local (soft state)
+            self.log.warning("reservation.mirror_failed", error=str(exc))
+            return True
+        if not ok:
+            self.log.info("reservation.refused", session_id=session_id, reason="claimed elsewhere")
+        return bool(ok)
+
+    async def _release(self, session_id: str) -> None:
+        try:
+            await self._release_script(keys=[self.keys.reservation(session_id)], args=[f"{self.settings.server_id}|"])
+        except Exception as exc:
+            self.log.warning("reservation.release_failed", error=str(exc))
 
     async def _switch(self, old: str | None, new: str) -> None:
         # a switch can take a cold start's worth of model time; wait for it on the wall clock

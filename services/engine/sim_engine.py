@@ -91,6 +91,9 @@ class SimEngine:
     # handed out by the next public advance() so none is ever lost
     completed: list[CallResult] = field(default_factory=list)
     busy_s: float = 0.0  # model seconds with at least one call running (utilisation)
+    # tokens a preempted call had produced: it resumes from there (as vLLM's
+    # recompute preemption keeps the generated tokens), so preemption cannot livelock
+    preempted_tokens: dict[str, int] = field(default_factory=dict)
     # ITL of the current decode batch, fixed at the last batch change (submit,
     # prefill done, finish, abort), so that where `advance` is observed never
     # changes the answer
@@ -169,7 +172,7 @@ class SimEngine:
             restore_s=restore_s,
             prefill_s=prefill_s,
             prefill_left=restore_s + prefill_s,
-            tokens_left=float(max(1, min(call.stop_tokens, call.max_tokens))),
+            tokens_left=float(max(1, min(call.stop_tokens, call.max_tokens) - self.preempted_tokens.get(call.call_id, 0))),
         )
         self.prefill_queue.append(call.call_id)
         self._batch_itl = None
@@ -235,6 +238,8 @@ class SimEngine:
             self.prefill_queue.remove(call_id)
         self._batch_itl = None
         kept = r.call.prompt_tokens if r.prefill_left <= 0 else r.cached + r.restored
+        total = min(r.call.stop_tokens, r.call.max_tokens)
+        self.preempted_tokens[call_id] = min(total - 1, total - int(r.tokens_left + 0.999999))  # cumulative
         if kept:
             self.hbm_kv[r.call.session_id] = kept
         self._evict_to_fit(0)
@@ -242,6 +247,7 @@ class SimEngine:
     def _finish(self, call_id: str) -> CallResult:
         r = self.running.pop(call_id)
         self._batch_itl = None
+        self.preempted_tokens.pop(call_id, None)
         c = r.call
         output = max(1, min(c.stop_tokens, c.max_tokens))
         first = r.first_token_at if r.first_token_at is not None else self.t

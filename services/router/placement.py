@@ -33,6 +33,7 @@ class ServerView:
     kv_occupancy: float  # 0..1 of the active model's KV budget
     reservations_for_others: int
     session_kv: KvTier = "none"  # where this call's session prefix lives on this server
+    session_reserved: bool = False  # this server holds a soft reservation for the session
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +74,7 @@ def rank(model: str, views: list[ServerView], policy: PolicyConfig) -> list[Cand
                 policy.w_residency * RESIDENCY_SCORE[res]
                 + policy.w_kv_locality * KV_SCORE[v.session_kv]
                 - policy.w_pressure * p
+                + (policy.w_reservation if v.session_reserved else 0.0)
             )
         out.append(Candidate(v.server_id, score, res, v.session_kv, p))
     out.sort(key=lambda c: (-c.score, c.server_id))

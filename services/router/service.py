@@ -137,14 +137,16 @@ class Router(ServiceProcess):
         calls_before = int(session.get(b"calls", b"0"))
         pipe = self.redis.pipeline(transaction=False)
         if last_finish is not None and calls_before > 0:
-            pipe.rpush(skey + ":gaps", f"{max(0.0, now - float(last_finish)):.4f}")
+            pipe.rpush(self.keys.session_gaps(req.session_id), f"{max(0.0, now - float(last_finish)):.4f}")
         pipe.hincrby(skey, "calls", 1)
-        pipe.lrange(skey + ":gaps", -HISTORY, -1)
-        pipe.lrange(skey + ":outputs", -HISTORY, -1)
+        pipe.lrange(self.keys.session_gaps(req.session_id), -HISTORY, -1)
+        pipe.lrange(self.keys.session_outputs(req.session_id), -HISTORY, -1)
         pipe.hgetall(self.keys.kv_locality(req.session_id))
-        pipe.expire(skey + ":gaps", SESSION_TTL_S)
+        pipe.get(self.keys.reservation(req.session_id))
+        pipe.expire(self.keys.session_gaps(req.session_id), SESSION_TTL_S)
         results = await pipe.execute()
-        gaps_raw, outputs_raw, kv_raw = results[-4], results[-3], results[-2]
+        gaps_raw, outputs_raw, kv_raw, resv_raw = results[-5], results[-4], results[-3], results[-2]
+        reserved_on = resv_raw.decode().split("|", 1)[0] if resv_raw else None
         kv = {k.decode(): v.decode() for k, v in kv_raw.items()}
         views = []
         for server_id in self.settings.servers:
@@ -155,7 +157,8 @@ class Router(ServiceProcess):
                 server_id=server_id, models=models, active_model=g.get("active") or None,
                 staged_model=g.get("staged") or None, queued_calls=int(g.get("queued", 0)),
                 running_calls=int(g.get("running", 0)), kv_occupancy=float(g.get("kv_occupancy", 0.0)),
-                reservations_for_others=int(g.get("reservations", 0)), session_kv=kv.get(server_id, "none"),  # type: ignore[arg-type]
+                reservations_for_others=int(g.get("reservations", 0)) - (reserved_on == server_id),
+                session_kv=kv.get(server_id, "none"), session_reserved=reserved_on == server_id,  # type: ignore[arg-type]
             ))
         ranked = rank(req.model, views, self.settings.policy)
         self.log.info("router.placed", model=req.model, at=round(now, 3),

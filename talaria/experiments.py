@@ -1,0 +1,209 @@
+"""`talaria study`: tuning, seed spread, ablations and sensitivity on the simulator.
+
+Fairness rules (docs/results.md states them):
+- every policy is tuned by the same criterion (mean SCT) over the same number
+  of configurations (the tuning budget), on traces drawn from the default
+  generator settings with seeds that are never scored (TUNE_SEEDS);
+- scored: the default trace (seed 0) and ten further seeds (SCORE_SEEDS);
+- ablations start from tuned Talaria and remove one mechanism each.
+All figures are model seconds from the sim engine's cost model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from shared.catalog import load_catalog
+from shared.policy import PRESETS, TUNED_PATH, PolicyConfig, resolve_policy
+from shared.trace import TraceSession, load_trace
+from talaria.generate import generate, load_settings
+from talaria.report import oracle_sct, summarize
+from talaria.simulator import simulate
+
+DEFAULT_TRACE = "traces/swebench-30.jsonl"
+DEFAULT_SETTINGS = "traces/swebench-30.toml"
+TUNE_SEEDS = (1001, 1002, 1003)
+SCORE_SEEDS = tuple(range(1, 11))
+
+# The same budget for each policy: 12 configurations.
+GRIDS: dict[str, dict[str, list[Any]]] = {
+    # under the drain rule the baseline's slot length has no effect (docs/scheduler.md): one point
+    "baseline": {"closing_slot": [("drain", 60.0)] + [("preempt", s) for s in (30.0, 60.0, 90.0, 120.0, 180.0, 240.0, 360.0, 480.0, 720.0, 960.0, 1440.0)]},
+    "talaria": {"slot_s": [15.0, 30.0, 60.0, 120.0], "hold_max_s": [10.0, 30.0, 60.0]},
+}
+
+
+def traces_for(seeds: tuple[int, ...], settings_path: str = DEFAULT_SETTINGS, **overrides: Any) -> list[list[TraceSession]]:
+    settings = load_settings(settings_path)
+    if overrides:
+        settings = msgspec.structs.replace(settings, **overrides)
+    return [generate(settings, seed=s) for s in seeds]
+
+
+def run_one(sessions: list[TraceSession], policy: PolicyConfig, **kw: Any) -> dict:
+    catalog = load_catalog()
+    r = simulate(sessions, catalog, policy, **kw)
+    return summarize(policy.name, sessions, r.sct, r.records, oracle_sct(sessions, catalog), extra={
+        "wall_s": r.wall_s, "switches": r.stats["switches"], "sp_admits": r.stats["sp_admits"],
+        "utilisation": sum(s["busy_s"] for s in r.servers) / (r.horizon_s * len(r.servers)) if r.horizon_s else 0.0,
+        "reservations": {k: r.stats[k] for k in ("reservations_made", "reservations_hit", "reservations_expired", "reserved_idle_s")},
+        "kv_bytes_to_host": r.stats["kv_bytes_to_host"], "region_reservations": r.stats["region_reservations"],
+    })
+
+
+def tune(criterion: str = "sct_mean_s", progress: bool = True) -> dict:
+    """Grid search per policy; returns {policy: {"best": overrides, "sweep": [...]}}."""
+    tune_traces = traces_for(TUNE_SEEDS)
+    out: dict[str, dict] = {}
+    for name, grid in GRIDS.items():
+        keys = list(grid)
+        sweep = []
+        for values in itertools.product(*(grid[k] for k in keys)):
+            ov = dict(zip(keys, values))
+            if "closing_slot" in ov:
+                ov["closing"], ov["slot_s"] = ov.pop("closing_slot")
+            pol = resolve_policy(name, ov, tuned=False)
+            scores = [run_one(t, pol)[criterion] for t in tune_traces]
+            sweep.append({"overrides": ov, criterion: statistics.fmean(scores)})
+            if progress:
+                print(f"  tune {name} {ov}: {criterion} {statistics.fmean(scores):.1f}", file=sys.stderr)
+        best = min(sweep, key=lambda x: x[criterion])
+        out[name] = {"best": best["overrides"], "criterion": criterion, "budget": len(sweep), "sweep": sweep}
+    return out
+
+
+def write_tuned(result: dict, path: Path = TUNED_PATH) -> None:
+    lines = ["# Tuned policy parameters, written by `talaria study tune` (see docs/results.md).",
+             f"# Criterion: mean SCT over generator seeds {list(TUNE_SEEDS)} (never scored); the same budget of configurations per policy.", ""]
+    for name, r in result.items():
+        lines.append(f"[{name}]")
+        for k, v in r["best"].items():
+            lines.append(f'{k} = "{v}"' if isinstance(v, str) else f"{k} = {v}")
+        lines.append("")
+    path.write_text("\n".join(lines))
+
+
+def spread(policies: list[str], seeds: tuple[int, ...] = SCORE_SEEDS, **kw: Any) -> dict[str, dict]:
+    traces = traces_for(seeds)
+    out = {}
+    for name in policies:
+        pol = resolve_policy(name)
+        runs = [run_one(t, pol, **kw) for t in traces]
+        out[name] = {k: [r[k] for r in runs] for k in ("sct_p50_s", "sct_p95_s", "sct_mean_s")}
+    base = out.get("baseline")
+    if base:
+        for name, v in out.items():
+            v["speedup_p50"] = [b / x for b, x in zip(base["sct_p50_s"], v["sct_p50_s"])]
+            v["speedup_p95"] = [b / x for b, x in zip(base["sct_p95_s"], v["sct_p95_s"])]
+    return out
+
+
+def _med_range(xs: list[float]) -> str:
+    return f"{statistics.median(xs):.2f} [{min(xs):.2f}, {max(xs):.2f}]" if max(xs) < 20 else f"{statistics.median(xs):.0f} [{min(xs):.0f}, {max(xs):.0f}]"
+
+
+def table(runs: list[dict], base: dict | None = None) -> str:
+    rows = ["| policy | p50 s | p95 s | mean s | speedup p50 | speedup p95 | p50 / oracle | utilisation | re-prefilled calls | switches | round waits | wait for round s | switch s | restore s |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    base = base or next((r for r in runs if r["policy"] == "baseline"), runs[0])
+    for r in runs:
+        b = r["time_breakdown_s"]
+        n = len(r["sessions"])
+        rows.append(f"| {r['policy']} | {r['sct_p50_s']:.0f} | {r['sct_p95_s']:.0f} | {r['sct_mean_s']:.0f} | "
+                    f"{base['sct_p50_s'] / r['sct_p50_s']:.2f} | {base['sct_p95_s'] / r['sct_p95_s']:.2f} | "
+                    f"{r['ratio_to_oracle_p50']:.2f} | {r['utilisation']:.2f} | {r['calls_reprefilled']} | {r['switches']} | "
+                    f"{r['round_waits']} | {b['queue_for_round_s'] / n:.0f} | {b['model_switch_s'] / n:.0f} | {b['kv_restore_s'] / n:.1f} |")
+    return "\n".join(rows)
+
+
+def cmd_study(a: argparse.Namespace) -> int:
+    t0 = time.perf_counter()
+    report: dict[str, Any] = {}
+    md: list[str] = []
+    if a.what in ("tune", "all"):
+        res = tune(a.criterion)
+        report["tuning"] = res
+        if a.criterion == "sct_mean_s" and a.write_tuned:
+            write_tuned(res)
+            print(f"tuned parameters written to {TUNED_PATH}", file=sys.stderr)
+        md.append(f"### Tuning sweeps (criterion {a.criterion}, seeds {list(TUNE_SEEDS)})\n")
+        for name, r in res.items():
+            md.append(f"{name}: best {r['best']} (budget {r['budget']} configurations)\n")
+            md.append("| " + " | ".join(list(r["best"]) + [a.criterion]) + " |")
+            md.append("|" + " --- |" * (len(r["best"]) + 1))
+            for row in r["sweep"]:
+                md.append("| " + " | ".join(str(v) for v in row["overrides"].values()) + f" | {row[a.criterion]:.1f} |")
+            md.append("")
+    if a.what in ("headline", "all"):
+        sessions = load_trace(DEFAULT_TRACE)
+        names = ["baseline", "talaria"] + [p for p in PRESETS if p.startswith("talaria-")]
+        runs = [run_one(sessions, resolve_policy(n)) for n in names]
+        report["headline"] = runs
+        md.append("### Headline and ablations on the default trace\n")
+        md.append(table(runs))
+        md.append("")
+        sp = spread(["baseline", "talaria"])
+        report["seed_spread"] = sp
+        md.append(f"### Seed spread (seeds {SCORE_SEEDS[0]}..{SCORE_SEEDS[-1]}): median [min, max]\n")
+        md.append("| policy | p50 s | p95 s | mean s | speedup p50 | speedup p95 |")
+        md.append("| --- | ---: | ---: | ---: | ---: | ---: |")
+        for n, v in sp.items():
+            md.append(f"| {n} | {_med_range(v['sct_p50_s'])} | {_med_range(v['sct_p95_s'])} | {_med_range(v['sct_mean_s'])} | "
+                      f"{_med_range(v['speedup_p50'])} | {_med_range(v['speedup_p95'])} |")
+        md.append("")
+        md.append("### Sensitivity (default trace; speedup of talaria over baseline)\n")
+        md.append("| case | baseline p50 s | talaria p50 s | speedup p50 | speedup p95 |")
+        md.append("| --- | ---: | ---: | ---: | ---: |")
+        cases: list[tuple[str, dict, dict]] = [
+            ("as calibrated", {}, {}),
+            ("model-switch cost x0.5", {"switch_cost_scale": 0.5}, {}),
+            ("model-switch cost x2", {"switch_cost_scale": 2.0}, {}),
+            ("prefill speed x0.5", {"prefill_speed_scale": 0.5}, {}),
+            ("prefill speed x2", {"prefill_speed_scale": 2.0}, {}),
+            ("arrival rate x0.5", {}, {"arrival_rate_per_s": 0.05}),
+            ("arrival rate x2", {}, {"arrival_rate_per_s": 0.2}),
+        ]
+        sens = []
+        for label, kw, gen_kw in cases:
+            tr = traces_for((0,), **gen_kw)[0] if gen_kw else sessions
+            b = run_one(tr, resolve_policy("baseline"), **kw)
+            t = run_one(tr, resolve_policy("talaria"), **kw)
+            sens.append({"case": label, "baseline": b, "talaria": t})
+            md.append(f"| {label} | {b['sct_p50_s']:.0f} | {t['sct_p50_s']:.0f} | {b['sct_p50_s'] / t['sct_p50_s']:.2f} | {b['sct_p95_s'] / t['sct_p95_s']:.2f} |")
+        report["sensitivity"] = [{"case": s["case"], "baseline_p50": s["baseline"]["sct_p50_s"], "talaria_p50": s["talaria"]["sct_p50_s"],
+                                  "baseline_p95": s["baseline"]["sct_p95_s"], "talaria_p95": s["talaria"]["sct_p95_s"]} for s in sens]
+        md.append("")
+        md.append("### The other slot-closing rule (preempt at the quantum), default trace\n")
+        alt = [run_one(sessions, resolve_policy(n, {"closing": "preempt"})) for n in ("baseline", "talaria")]
+        for r in alt:
+            r["policy"] += " (preempt)"
+        md.append(table(alt, base=runs[0]))
+        report["preempt_rule"] = alt
+        md.append("")
+    md.append(f"_{time.perf_counter() - t0:.1f} s of wall time on this machine; every SCT in model seconds from the sim engine's cost model._")
+    text = "\n".join(md)
+    print(text)
+    if a.out:
+        Path(a.out).write_text(json.dumps(report, indent=1, default=float))
+    if a.markdown:
+        Path(a.markdown).write_text(text + "\n")
+    return 0
+
+
+def configure_parser(p: argparse.ArgumentParser) -> None:
+    p.add_argument("what", choices=["tune", "headline", "all"], help="tune: sweep and pick parameters; headline: score the tuned policies")
+    p.add_argument("--criterion", default="sct_mean_s", choices=["sct_mean_s", "sct_p50_s", "sct_p95_s"])
+    p.add_argument("--write-tuned", action="store_true", help=f"write the tuned parameters to {TUNED_PATH}")
+    p.add_argument("--out", help="JSON with every figure")
+    p.add_argument("--markdown", help="write the tables as markdown here")
+    p.set_defaults(fn=cmd_study)
+

@@ -1,0 +1,143 @@
+"""Placement (services/router/placement.py): load-only vs Talaria's residency/locality/pressure score."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.router.placement import ServerView, pressure_of, rank, residency_of
+import msgspec
+
+from shared.policy import PRESETS
+
+M = "qwen3-235b-a22b-fp8"
+OTHER = "glm-4.5-fp8"
+ALL = frozenset({M, OTHER, "glm-4.5-air-fp8"})
+LOAD = PRESETS["baseline"]
+TALARIA = PRESETS["talaria"]  # weights: residency 4, KV locality 3, pressure 1
+
+
+def view(sid: str, *, models: frozenset[str] = ALL, active: str | None = None, staged: str | None = None,
+         queued: int = 0, running: int = 0, kv: float = 0.0, res: int = 0, session_kv: str = "none") -> ServerView:
+    return ServerView(sid, models, active, staged, queued, running, kv, res, session_kv)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("v", "pressure"),
+    [
+        (view("a"), 0.0),
+        (view("a", queued=3, running=2), 5.0),
+        (view("a", res=3), 1.5),
+        (view("a", kv=0.25), 0.25),
+        (view("a", queued=1, running=1, res=1, kv=0.5), 3.0),
+    ],
+)
+def test_pressure(v: ServerView, pressure: float) -> None:
+    assert pressure_of(v) == pytest.approx(pressure)
+
+
+@pytest.mark.parametrize(
+    ("v", "res"),
+    [
+        (view("a", active=M), "active"),
+        (view("a", active=OTHER, staged=M), "staged"),
+        (view("a", active=OTHER), "host"),
+        (view("a", models=frozenset({OTHER})), "absent"),
+    ],
+)
+def test_residency(v: ServerView, res: str) -> None:
+    assert residency_of(v, M) == res
+
+
+@pytest.mark.parametrize(
+    ("views", "best"),
+    [
+        ([view("s0", queued=3), view("s1", queued=1), view("s2", queued=2)], "s1"),
+        ([view("s0", running=2), view("s1", queued=1, kv=0.5)], "s1"),
+        ([view("s0", res=4), view("s1", queued=1)], "s1"),
+        # load only: residency and KV locality do not count
+        ([view("s0", active=M, session_kv="hbm", queued=1), view("s1")], "s1"),
+    ],
+)
+def test_load_policy_picks_least_pressure(views: list[ServerView], best: str) -> None:
+    ranked = rank(M, views, LOAD)
+    assert ranked[0].server_id == best
+    assert [c.score for c in ranked] == sorted((c.score for c in ranked), reverse=True)
+    for c in ranked:
+        assert c.score == pytest.approx(-c.pressure)
+
+
+def test_talaria_prefers_active_model_and_hbm_prefix_over_idle_empty_server() -> None:
+    home = view("s1", active=M, session_kv="hbm", running=1, kv=0.4)
+    idle = view("s0")
+    assert rank(M, [idle, home], LOAD)[0].server_id == "s0"
+    ranked = rank(M, [idle, home], TALARIA)
+    assert ranked[0].server_id == "s1"
+    assert (ranked[0].residency, ranked[0].kv) == ("active", "hbm")
+    assert (ranked[1].residency, ranked[1].kv) == ("host", "none")
+    # score = w_res * residency + w_kv * locality - w_p * pressure
+    assert ranked[0].score == pytest.approx(4.0 * 1.0 + 3.0 * 1.0 - 1.0 * 1.4)
+    assert ranked[1].score == pytest.approx(4.0 * 0.2)  # every served model keeps a host copy
+
+
+@pytest.mark.parametrize(
+    ("s1_tier", "s0_tier", "expect"),
+    [("hbm", "none", "s1"), ("host", "none", "s1"), ("hbm", "host", "s1"), ("none", "host", "s0"), ("none", "hbm", "s0")],
+)
+def test_talaria_kv_locality_decides_between_equal_residency(s1_tier: str, s0_tier: str, expect: str) -> None:
+    s1 = view("s1", active=OTHER, session_kv=s1_tier)
+    s0 = view("s0", active=OTHER, session_kv=s0_tier)
+    assert rank(M, [s0, s1], TALARIA)[0].server_id == expect
+
+
+@pytest.mark.parametrize(
+    ("s1", "s0", "expect"),
+    [
+        (view("s1", active=M), view("s0", active=OTHER, staged=M), "s1"),  # active beats staged
+        (view("s1", active=OTHER, staged=M), view("s0", active=OTHER), "s1"),  # staged beats host copy
+        # a staged model (2.4) loses to a host copy with the prefix on the host (0.8 + 1.8)
+        (view("s1", active=OTHER, staged=M), view("s0", active=OTHER, session_kv="host"), "s0"),
+    ],
+)
+def test_talaria_residency_order(s1: ServerView, s0: ServerView, expect: str) -> None:
+    assert rank(M, [s0, s1], TALARIA)[0].server_id == expect
+
+
+def test_heavily_loaded_home_loses_to_lightly_loaded_server() -> None:
+    home = view("s1", active=M, session_kv="hbm", queued=12, running=4, kv=0.9)
+    light = view("s0", active=OTHER, queued=1)
+    assert rank(M, [home, light], TALARIA)[0].server_id == "s0"
+    # with pressure weighted lightly the home server wins again
+    lenient = msgspec.structs.replace(TALARIA, w_pressure=0.1)
+    assert rank(M, [home, light], lenient)[0].server_id == "s1"
+    # and with residency/locality weighted heavily too
+    sticky = msgspec.structs.replace(TALARIA, w_residency=20.0, w_kv_locality=10.0)
+    assert rank(M, [home, light], sticky)[0].server_id == "s1"
+
+
+def test_servers_not_serving_the_model_are_never_candidates() -> None:
+    views = [
+        view("s0", models=frozenset({OTHER})),  # idle, but does not serve M
+        view("s1", queued=50),
+        view("s2", models=frozenset({OTHER}), active=OTHER, session_kv="hbm"),
+    ]
+    for policy in (LOAD, TALARIA):
+        ranked = rank(M, views, policy)
+        assert [c.server_id for c in ranked] == ["s1"]
+    assert rank(M, [view("s0", models=frozenset({OTHER}))], TALARIA) == []
+    assert rank(M, [], LOAD) == []
+
+
+@pytest.mark.parametrize("policy", [LOAD, TALARIA], ids=["load", "talaria"])
+def test_ties_broken_by_server_id(policy) -> None:
+    views = [view(s, queued=1) for s in ("s3", "s10", "s1", "s2")]
+    assert [c.server_id for c in rank(M, views, policy)] == ["s1", "s10", "s2", "s3"]
+    views = [view("b", running=1), view("a", running=1), view("c")]
+    assert [c.server_id for c in rank(M, views, policy)] == ["c", "a", "b"]
+
+
+def test_rank_is_pure() -> None:
+    views = [view("s1", active=M, queued=2), view("s0", session_kv="host")]
+    snapshot = list(views)
+    first = rank(M, views, TALARIA)
+    assert views == snapshot
+    assert rank(M, list(reversed(views)), TALARIA) == first
