@@ -33,6 +33,7 @@ class PolicyConfig(msgspec.Struct, frozen=True, kw_only=True):
     hold_factor: float = 1.5             # ... times this factor,
     hold_min_s: float = 2.0              # clamped to [hold_min_s, hold_max_s]
     hold_max_s: float = 30.0
+    idle_hold_max_s: float = 2.0         # an idle slot waits for reserved returns at most this long while others wait
     # substrate
     host_kv: bool = False                # host-KV restore
     staging: bool = False                # weight staging (D2D)

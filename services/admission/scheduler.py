@@ -255,6 +255,10 @@ class RoundScheduler:
         times: list[float] = [r.expires_at for r in self.reservations.values()]
         if self.phase == "open" and self.slot_deadline > self.last_step_at + 1e-9:
             times.append(self.slot_deadline)
+        if self.phase == "open" and self.idle_hold_since is not None:
+            until = self.idle_hold_since + self.policy.idle_hold_max_s
+            if until > self.last_step_at + 1e-9:
+                times.append(until)
         if self.phase == "open" and self.policy.closing == "preempt":
             at = self._preempt_at(list(self.running.values()))
             if at > self.last_step_at + 1e-9:
@@ -410,11 +414,15 @@ class RoundScheduler:
         last_first_token = max((r.first_token_by for r in running), default=0.0)
         return max(self.slot_deadline, last_first_token + self.policy.slot_s)
 
-    def _close(self, now: float, actions: list[Action], reason: str) -> None:
-        assert self.active is not None
+    def _end_idle_hold(self, now: float) -> None:
+        """An idle spell held open for reservations ends: count it as idle capacity."""
         if self.idle_hold_since is not None:
             self.stats.reserved_idle_s += now - self.idle_hold_since
             self.idle_hold_since = None
+
+    def _close(self, now: float, actions: list[Action], reason: str) -> None:
+        assert self.active is not None
+        self._end_idle_hold(now)
         for sid, r in list(self.reservations.items()):
             if r.model == self.active:
                 del self.reservations[sid]
@@ -450,6 +458,7 @@ class RoundScheduler:
                 return
             m_running = [r for r in self.running.values() if r.call.model == self.active]
             if m_running:
+                self._end_idle_hold(now)
                 preempt_at = self._preempt_at(m_running)
                 if self.policy.closing == "preempt" and now >= preempt_at - 1e-9:
                     for r in m_running:
@@ -465,8 +474,9 @@ class RoundScheduler:
                 self._hint_staging(actions)
                 return
             held = [r for r in self.reservations.values() if r.model == self.active and r.expires_at > now]
-            if held and now < self.slot_deadline:
-                if self.idle_hold_since is None:
-                    self.idle_hold_since = now
+            if self.idle_hold_since is None and held:
+                self.idle_hold_since = now
+            idle_hold_until = (self.idle_hold_since or now) + self.policy.idle_hold_max_s
+            if held and now < self.slot_deadline and now < idle_hold_until - 1e-9:
                 return
             self._close(now, actions, "drained" if now < self.slot_deadline else "quantum")
