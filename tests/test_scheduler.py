@@ -318,7 +318,7 @@ def test_no_reservations_when_off() -> None:
 
 
 def test_idle_slot_held_by_reservation_closes_when_it_expires() -> None:
-    s = sched(policy("talaria", slot_s=30.0))
+    s = sched(policy("talaria", slot_s=30.0, idle_hold_max_s=100.0))
     c = mk(B, 0.0, sid="X", gaps=(3.0,))
     open_slot(s, B, 5.0, c)
     s.step(Arrive(mk(A, 6.0)), 6.0)  # another model waits
@@ -335,8 +335,22 @@ def test_idle_slot_held_by_reservation_closes_when_it_expires() -> None:
     assert s.stats.reserved_idle_s == pytest.approx(4.5)
 
 
+def test_idle_hold_for_reservations_is_capped() -> None:
+    s = sched(policy("talaria", slot_s=30.0, hold_min_s=20.0, hold_max_s=20.0, idle_hold_max_s=2.0))
+    c = mk(B, 0.0, sid="X")
+    open_slot(s, B, 5.0, c)
+    s.step(Arrive(mk(A, 6.0)), 6.0)
+    acts = s.step(Finished(c.call_id, "X", 10_300), 10.0)  # claim until 30 s, but idle at most 2 s
+    assert of(acts, SlotClosed) == []
+    assert s.next_wakeup() == pytest.approx(12.0)
+    acts = s.step(Tick(), 12.0)
+    assert of(acts, SlotClosed)[0].reason == "drained"
+    assert of(acts, StartSwitch) == [StartSwitch(B, A)]
+    assert s.stats.reserved_idle_s == pytest.approx(2.0)
+
+
 def test_reservation_never_holds_past_the_quantum() -> None:
-    s = sched(policy("talaria", slot_s=30.0, hold_min_s=30.0, hold_max_s=30.0))
+    s = sched(policy("talaria", slot_s=30.0, hold_min_s=30.0, hold_max_s=30.0, idle_hold_max_s=100.0))
     c = mk(B, 0.0, sid="X")
     open_slot(s, B, 5.0, c)
     s.step(Arrive(mk(A, 6.0)), 6.0)
