@@ -52,6 +52,7 @@ def cmd_sim(a: argparse.Namespace) -> int:
     catalog = load_catalog()
     oracle = oracle_sct(sessions, catalog, a.server_profile)
     runs = []
+    records = {}
     total_wall = 0.0
     for pol in _policies(a.policy):
         r = simulate(sessions, catalog, pol, servers=a.servers, server_profile=a.server_profile,
@@ -65,9 +66,15 @@ def cmd_sim(a: argparse.Namespace) -> int:
             "utilisation": sum(s["busy_s"] for s in r.servers) / (r.horizon_s * len(r.servers)) if r.horizon_s else 0.0,
         })
         runs.append(run)
+        records[pol.name] = r.records
         print(f"[{pol.name}] simulated {run['calls_completed']}/{run['calls_total']} calls in {r.wall_s:.2f} s wall", file=sys.stderr)
     _print_results(runs)
     print(f"wall_s {total_wall:.2f}")
+    if a.plots:
+        from talaria.plots import write_plots
+
+        for path in write_plots(runs, records, a.plots):
+            print(f"figure written to {path}")
     if a.out:
         write_json(a.out, {"trace": a.trace, "engine": "sim", "servers": a.servers, "server_profile": a.server_profile,
                            "oracle": {"sct_p50_s": runs[0]["oracle_p50_s"], "sct_p95_s": runs[0]["oracle_p95_s"]},
@@ -108,6 +115,11 @@ def cmd_replay(a: argparse.Namespace) -> int:
         if out.worst_lag_model_s > a.max_lag_s:
             lag_bad.append(f"{out.policy}: {out.worst_lag_service} lagged {out.worst_lag_model_s:.2f} model s")
     _print_results(runs)
+    if a.plots:
+        from talaria.plots import write_plots
+
+        for path in write_plots(runs, {o.policy: o.records for o in outcomes}, a.plots):
+            print(f"figure written to {path}")
     for r in runs:
         print(f"  {r['policy']}: worst event-loop lag {r['worst_loop_lag_model_s']:.3f} model s ({r['worst_loop_lag_service']})")
     if a.out:
@@ -166,6 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--policy", default="baseline", help=f"comma-separated: {', '.join(PRESETS)}")
     s.add_argument("--out", help="write results JSON here")
     s.add_argument("--check", action="store_true", help="check memory and KV bounds at every event")
+    s.add_argument("--plots", help="write PNG figures (SCT distribution, slowest-session timelines) into this folder")
     common(s)
     s.set_defaults(fn=cmd_sim)
 
@@ -174,6 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--policy", default="baseline", help=f"comma-separated: {', '.join(PRESETS)}")
     r.add_argument("--time-scale", type=float, default=50.0, help="model seconds per wall second (default 50)")
     r.add_argument("--out", help="write results JSON here")
+    r.add_argument("--plots", help="write PNG figures (SCT distribution, slowest-session timelines) into this folder")
     r.add_argument("--nats", help="replay against a running deployment at these NATS URLs (comma-separated)")
     r.add_argument("--redis", help="with --nats: the deployment's Redis, to read its loop-lag reports")
     r.add_argument("--subject-prefix", default="talaria")
