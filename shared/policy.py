@@ -16,7 +16,7 @@ import msgspec
 TUNED_PATH = Path(__file__).parent / "data" / "tuned.toml"
 
 Closing = Literal["drain", "preempt"]
-NextModel = Literal["round-robin", "oldest-first"]
+NextModel = Literal["round-robin", "oldest-first", "most-waiting"]
 Placement = Literal["load", "talaria"]
 
 

@@ -34,11 +34,12 @@ DEFAULT_SETTINGS = "traces/swebench-30.toml"
 TUNE_SEEDS = (1001, 1002, 1003)
 SCORE_SEEDS = tuple(range(1, 11))
 
-# The same budget for each policy: 12 configurations.
+# The same budget for each policy: 16 configurations.
 GRIDS: dict[str, dict[str, list[Any]]] = {
     # under the drain rule the baseline's slot length has no effect (docs/scheduler.md): one point
-    "baseline": {"closing_slot": [("drain", 60.0)] + [("preempt", s) for s in (30.0, 60.0, 90.0, 120.0, 180.0, 240.0, 360.0, 480.0, 720.0, 960.0, 1440.0)]},
-    "talaria": {"slot_s": [60.0, 120.0, 240.0, 480.0], "idle_hold_max_s": [0.0, 1.0, 3.0]},
+    "baseline": {"closing_slot": [("drain", 60.0)] + [("preempt", s) for s in (
+        15.0, 20.0, 30.0, 45.0, 60.0, 90.0, 120.0, 180.0, 240.0, 360.0, 480.0, 720.0, 960.0, 1440.0, 1920.0)]},
+    "talaria": {"slot_s": [120.0, 240.0, 480.0, 960.0], "idle_hold_max_s": [0.0, 2.0], "next_model": ["round-robin", "oldest-first"]},
 }
 
 

@@ -315,6 +315,11 @@ class RoundScheduler:
             return None
         if self.policy.next_model == "oldest-first":
             return min(candidates, key=lambda m: self.queues[m][0].call.arrived_at)
+        if self.policy.next_model == "most-waiting":
+            # the most waiting time in the queue: serves the most sessions per switch,
+            # and a long-waiting few still accumulate weight (no starvation)
+            now = self.last_step_at
+            return max(candidates, key=lambda m: (sum(now - q.call.arrived_at for q in self.queues[m]), -names.index(m)))
         start = names.index(self.active) + 1 if self.active in names else 0
         for i in range(len(names)):
             m = names[(start + i) % len(names)]
