@@ -108,9 +108,9 @@ def cmd_replay(a: argparse.Namespace) -> int:
             "wall_s": out.wall_s, "time_scale": a.time_scale, "failures": out.failures,
             "calls_duplicated": out.duplicates, "worst_loop_lag_model_s": out.worst_lag_model_s,
             "worst_loop_lag_service": out.worst_lag_service,
-            "switches": None,
+            "switches": int(out.server_stats.get("switches", 0)), "sp_admits": int(out.server_stats.get("sp_admits", 0)),
+            "reservations": {k: out.server_stats.get(k, 0) for k in ("reservations_made", "reservations_hit", "reservations_expired", "reserved_idle_s")},
         })
-        run.pop("switches")
         runs.append(run)
         if out.worst_lag_model_s > a.max_lag_s:
             lag_bad.append(f"{out.policy}: {out.worst_lag_service} lagged {out.worst_lag_model_s:.2f} model s")

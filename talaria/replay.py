@@ -41,6 +41,7 @@ class ReplayOutcome:
     worst_lag_model_s: float = 0.0
     worst_lag_service: str = ""
     duplicates: int = 0
+    server_stats: dict[str, float] = field(default_factory=dict)
 
 
 class Progress:
@@ -139,6 +140,22 @@ async def worst_lag(redis_url: str, key_prefix: str) -> tuple[str, float]:
         await r.aclose()
 
 
+async def server_stats(redis_url: str, key_prefix: str, server_ids: list[str]) -> dict[str, float]:
+    """Sum the admission schedulers' counters (mirrored in Redis) over servers."""
+    r = aioredis.Redis.from_url(redis_url)
+    out: dict[str, float] = {}
+    try:
+        for sid in server_ids:
+            h = await r.hgetall(Keys(key_prefix).server(sid))
+            for k, v in h.items():
+                name = k.decode()
+                if name.startswith("stat_"):
+                    out[name[5:]] = out.get(name[5:], 0.0) + float(v)
+    finally:
+        await r.aclose()
+    return out
+
+
 async def replay_embedded(sessions: list[TraceSession], policy: PolicyConfig, spec: StackSpec) -> ReplayOutcome:
     spec.policy = policy
     print(f"[{policy.name}] starting the embedded stack (NATS, Redis, {len(spec.models) + 3} service processes) ...", file=sys.stderr, flush=True)
@@ -150,8 +167,10 @@ async def replay_embedded(sessions: list[TraceSession], policy: PolicyConfig, sp
             out = await drive(client, clock, sessions, policy.name)
         finally:
             await client.close()
+        await asyncio.sleep(0.3)  # let the last mirror land
         name, lag = await worst_lag(stack.redis_url, stack.key_prefix)
         out.worst_lag_service, out.worst_lag_model_s = name, lag * spec.time_scale
+        out.server_stats = await server_stats(stack.redis_url, stack.key_prefix, stack.server_ids)
         return out
 
 

@@ -217,6 +217,16 @@ class AdmissionService(ServiceProcess):
                     "kv_occupancy": f"{sc.reserved_kv_tokens() / cap:.4f}",
                     "reservations": len(sc.reservations),
                     "models": ",".join(sc.models),
+                    # counters for reports (the replay sums them over servers)
+                    "stat_switches": sc.stats.switches,
+                    "stat_slots": sc.stats.slots,
+                    "stat_round_waits": sc.stats.round_waits,
+                    "stat_sp_admits": sc.stats.sp_admits,
+                    "stat_preemptions": sc.stats.preemptions,
+                    "stat_reservations_made": sc.stats.reservations_made,
+                    "stat_reservations_hit": sc.stats.reservations_hit,
+                    "stat_reservations_expired": sc.stats.reservations_expired,
+                    "stat_reserved_idle_s": f"{sc.stats.reserved_idle_s:.3f}",
                 })
             except Exception as exc:
                 self.log.warning("admission.mirror_failed", error=str(exc))

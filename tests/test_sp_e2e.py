@@ -1,0 +1,66 @@
+"""Session-prefill end to end: a continuation that returns while its model's
+slot is still open is admitted in that slot with SP on, and waits for the
+model's next round with SP off — through the live services and in the
+simulator (the same scheduler code)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from shared.catalog import load_catalog
+from shared.clock import ScaledClock
+from shared.policy import resolve_policy
+from shared.trace import TraceCall, TraceSession
+from talaria.client import TalariaClient
+from talaria.replay import drive
+from talaria.simulator import simulate
+from talaria.stack import EmbeddedStack, StackSpec
+
+AIR, GLM = "glm-4.5-air-fp8", "glm-4.5-fp8"
+
+# a1 makes a short call and returns 0.5 s later; a2 keeps AIR's slot busy with a
+# long generation; g1 (another model) is waiting, so without SP a1's second call
+# must wait for AIR's next round.
+TRACE = [
+    TraceSession("a1", AIR, 0.0, [TraceCall(2000, 20, 0.5), TraceCall(200, 20, 0.0)]),
+    TraceSession("a2", AIR, 0.0, [TraceCall(2000, 3000, 0.0)]),
+    TraceSession("g1", GLM, 0.2, [TraceCall(2000, 20, 0.0)]),
+]
+
+
+def second_call(records):
+    return next(r for r in records if r.session_id == "a1" and r.index == 1)
+
+
+@pytest.mark.parametrize("policy,expect_round_wait", [("talaria", False), ("talaria-no-sp", True)])
+def test_sp_in_the_simulator(policy: str, expect_round_wait: bool) -> None:
+    r = simulate(TRACE, load_catalog(), resolve_policy(policy))
+    c = second_call(r.records)
+    assert c.round_wait is expect_round_wait
+    if not expect_round_wait:
+        assert c.waited_s < 0.5
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("policy,expect_round_wait", [("talaria", False), ("talaria-no-sp", True)])
+async def test_sp_through_the_live_services(tmp_path: Path, policy: str, expect_round_wait: bool) -> None:
+    spec = StackSpec(policy=resolve_policy(policy), models=[AIR, GLM], time_scale=20.0, log_dir=tmp_path / "logs")
+    async with EmbeddedStack(spec) as stack:
+        client = await TalariaClient.connect(stack.nats_urls, subject_prefix=stack.subject_prefix)
+        try:
+            out = await asyncio.wait_for(
+                drive(client, ScaledClock(spec.time_scale, stack.clock_epoch), TRACE, policy, progress_every_wall_s=30),
+                timeout=120,
+            )
+        finally:
+            await client.close()
+    assert not out.failures
+    c = second_call(out.records)
+    assert c.round_wait is expect_round_wait
+    if not expect_round_wait:
+        assert c.waited_s < 1.0
+    else:
+        assert c.waited_s > 5.0  # it sat out a2's decode, g1's slot and two switches
