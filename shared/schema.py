@@ -143,6 +143,7 @@ class AdmissionCallMsg(msgspec.Struct, frozen=True, kw_only=True):
     continuation: bool
     gap_history: tuple[float, ...] = ()
     output_history: tuple[int, ...] = ()
+    session_started_at: float | None = None  # the session's first call (program-level FCFS, docs/peers.md)
 
 
 class SubmitCall(Base, tag="submit"):
