@@ -50,7 +50,8 @@ def trace_context(msg: Msg) -> dict[str, str]:
     return out
 
 
-async def connect_nats(urls: list[str], name: str, log: structlog.stdlib.BoundLogger) -> nats.NATS:
+async def connect_nats(urls: list[str], name: str, log: structlog.stdlib.BoundLogger,
+                       user: str | None = None, password: str | None = None) -> nats.NATS:
     async def on_error(e: Exception) -> None:
         log.warning("nats.error", error=str(e))
 
@@ -70,6 +71,8 @@ async def connect_nats(urls: list[str], name: str, log: structlog.stdlib.BoundLo
         error_cb=on_error,
         disconnected_cb=on_disconnect,
         reconnected_cb=on_reconnect,
+        user=user,
+        password=password,
     )
 
 
@@ -146,7 +149,8 @@ class ServiceProcess:
                 await self.redis.set(self.keys.lag(self.instance), f"{self.lag.worst_s:.4f}", ex=3600)
 
     async def run(self) -> None:
-        self.nc = await connect_nats(self.settings.nats_urls, self.instance, self.log)
+        self.nc = await connect_nats(self.settings.nats_urls, self.instance, self.log,
+                                     self.settings.nats_user, self.settings.nats_password)
         self.redis = aioredis.Redis.from_url(self.settings.redis_url, health_check_interval=10, retry_on_timeout=True)
         svc = await add_service(self.nc, ServiceConfig(name=f"talaria-{self.name}", version=VERSION,
                                                        description=f"Talaria {self.name}", metadata={"instance": self.instance}))

@@ -17,7 +17,14 @@ TUNED_PATH = Path(__file__).parent / "data" / "tuned.toml"
 
 Closing = Literal["drain", "preempt"]
 NextModel = Literal["round-robin", "oldest-first", "most-waiting"]
-Placement = Literal["load", "talaria"]
+# "load" and "talaria" are the baseline's and Talaria's rules; the rest are peer
+# systems' placement rules (docs/peers.md), all inside services/router/placement.rank
+Placement = Literal["load", "talaria", "least-loaded", "session-affinity", "kv-overlap", "cache-aware"]
+# what keeps a finished call's KV for its session's return (docs/peers.md):
+# Talaria's soft reservation, or a Continuum-style TTL pin that never holds a slot
+Retention = Literal["reservation", "ttl"]
+# order of admission within a model's queue: per call (FIFO) or per program (Continuum)
+AdmissionOrder = Literal["call", "program"]
 
 
 class PolicyConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -46,6 +53,19 @@ class PolicyConfig(msgspec.Struct, frozen=True, kw_only=True):
     w_reservation: float = 2.0
     # what a call reserves for its output when admitted (max_tokens is the bound)
     admission_output_estimate: Literal["max_tokens", "history"] = "max_tokens"
+    # -- peer policies' rules (docs/peers.md); defaults are the peers' published defaults
+    retention: Retention = "reservation"   # with reservations on: soft reservation or TTL pin
+    admission_order: AdmissionOrder = "call"
+    ttl_quantile: float = 0.9              # kv-ttl: TTL = this quantile of the session's past tool gaps,
+    ttl_default_s: float = 2.0             # ... this before any history,
+    ttl_max_s: float = 120.0               # ... at most this
+    affinity_load_factor: float = 1.25     # session-affinity: bounded-load consistent hashing (c)
+    affinity_vnodes: int = 64              # session-affinity: virtual nodes per server on the ring
+    overlap_weight: float = 1.0            # kv-overlap: Dynamo's kv_overlap_score_weight
+    kv_block_tokens: int = 16              # kv-overlap: tokens per KV block
+    cache_threshold: float = 0.5           # cache-aware: SGLang router's cache_threshold
+    balance_abs_threshold: int = 32        # cache-aware: SGLang router's balance_abs_threshold
+    balance_rel_threshold: float = 1.0001  # cache-aware: SGLang router's balance_rel_threshold
 
 
 BASELINE = PolicyConfig(name="baseline")
@@ -72,6 +92,24 @@ PRESETS: dict[str, PolicyConfig] = {
     "talaria-load-only": msgspec.structs.replace(TALARIA, name="talaria-load-only", placement="load"),
 }
 
+# Peer policies (docs/peers.md): each runs on Talaria's admission and substrate
+# (SP, host-KV restore, staging, reservations) and changes only what its system
+# changes: its placement rule, or its KV-retention rule. `NAME@baseline` runs the
+# same rule on the baseline scheduler instead (see resolve_policy).
+PEER_RULES: dict[str, dict[str, object]] = {
+    "least-loaded": {"placement": "least-loaded"},
+    "session-affinity": {"placement": "session-affinity"},
+    "kv-overlap": {"placement": "kv-overlap"},
+    "cache-aware": {"placement": "cache-aware"},
+    # Continuum keeps the engine's own placement (Talaria's here, load on the
+    # baseline) and changes retention and admission order
+    "kv-ttl": {"reservations": True, "retention": "ttl", "admission_order": "program"},
+}
+PEERS: tuple[str, ...] = tuple(PEER_RULES)
+for _peer, _rule in PEER_RULES.items():
+    PRESETS[_peer] = msgspec.structs.replace(TALARIA, name=_peer, **_rule)  # type: ignore[arg-type]
+BASELINE_SUFFIX = "@baseline"
+
 
 class PolicyError(ValueError):
     pass
@@ -88,13 +126,21 @@ def tuned_overrides() -> dict[str, dict[str, object]]:
 
 def resolve_policy(name: str, overrides: dict[str, object] | None = None, *, tuned: bool = True) -> PolicyConfig:
     """A preset by name with its tuned parameters, then optional field overrides."""
+    on_baseline = name.endswith(BASELINE_SUFFIX)
+    rule = name.removesuffix(BASELINE_SUFFIX) if on_baseline else name
     try:
-        base = PRESETS[name]
+        base = PRESETS[rule]
     except KeyError:
-        raise PolicyError(f"unknown policy {name!r}; choose from {', '.join(PRESETS)}") from None
+        raise PolicyError(f"unknown policy {name!r}; choose from {', '.join(PRESETS)} "
+                          f"(or a peer with {BASELINE_SUFFIX}: {', '.join(PEERS)})") from None
+    if on_baseline:
+        # NAME@baseline: the peer's rule on the baseline scheduler and substrate
+        if rule not in PEER_RULES:
+            raise PolicyError(f"{BASELINE_SUFFIX} applies to peer policies only ({', '.join(PEERS)}), not {rule!r}")
+        base = msgspec.structs.replace(BASELINE, name=name, **PEER_RULES[rule])  # type: ignore[arg-type]
     merged: dict[str, object] = {}
     if tuned:
-        merged |= tuned_overrides().get("baseline" if name == "baseline" else "talaria", {})
+        merged |= tuned_overrides().get("baseline" if name == "baseline" or on_baseline else "talaria", {})
     merged |= overrides or {}
     if not merged:
         return base

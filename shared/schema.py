@@ -18,7 +18,7 @@ TokensOrZero = Annotated[int, Meta(ge=0, le=10_000_000)]
 Id = Annotated[str, Meta(min_length=1, max_length=200)]
 Count = Annotated[int, Meta(ge=0)]  # a size with no front-door cap (e.g. a KV budget in tokens)
 
-MAX_MESSAGE_BYTES = 4 * 1024 * 1024  # refused at the front door above this
+MAX_MESSAGE_BYTES = 1024 * 1024  # refused at the front door above this (the embedded NATS carries up to 2 MiB)
 
 
 class Base(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", forbid_unknown_fields=False):
@@ -209,6 +209,15 @@ class CallFinished(Base, tag="finished"):
     context_tokens: Count
 
 
+class EngineAnnounce(Base, tag="engine_announce"):
+    """An engine-worker (re)started: the substrate re-wakes it if its model is
+    active, and admission re-sends the calls it had dispatched to it."""
+
+    server_id: str
+    model: str
+    awake: bool
+
+
 class SessionEndedEvent(Base, tag="session_ended"):
     session_id: str
 
@@ -246,6 +255,7 @@ control_decoder = msgspec.json.Decoder(EngineControl)
 control_reply_decoder = msgspec.json.Decoder(ControlOk | ApiError)
 finished_decoder = msgspec.json.Decoder(CallFinished)
 session_ended_decoder = msgspec.json.Decoder(SessionEndedEvent)
+engine_announce_decoder = msgspec.json.Decoder(EngineAnnounce)
 substrate_decoder = msgspec.json.Decoder(SubstrateRequest)
 switch_reply_decoder = msgspec.json.Decoder(SwitchResult | ApiError)
 api_reply_decoder = msgspec.json.Decoder(SessionOpened | Ok | Info | ApiError)

@@ -34,6 +34,8 @@ class Settings:
     catalog_path: str | None = None
     switch_cost_scale: float = 1.0
     prefill_speed_scale: float = 1.0
+    nats_user: str | None = None
+    nats_password: str | None = None
 
     @classmethod
     def from_env(cls, argv: list[str] | None = None) -> "Settings":
@@ -54,6 +56,8 @@ class Settings:
         p.add_argument("--catalog", default=os.environ.get("TALARIA_CATALOG"))
         p.add_argument("--switch-cost-scale", type=float, default=float(_env("TALARIA_SWITCH_COST_SCALE", "1")))
         p.add_argument("--prefill-speed-scale", type=float, default=float(_env("TALARIA_PREFILL_SPEED_SCALE", "1")))
+        p.add_argument("--nats-user", default=os.environ.get("TALARIA_NATS_USER"))
+        p.add_argument("--nats-password", default=os.environ.get("TALARIA_NATS_PASSWORD"), help="prefer the environment variable")
         a = p.parse_args(argv)
         pol = a.policy.strip()
         policy = decode_policy(pol) if pol.startswith("{") else resolve_policy(pol)
@@ -76,4 +80,6 @@ class Settings:
             catalog_path=a.catalog,
             switch_cost_scale=a.switch_cost_scale,
             prefill_speed_scale=a.prefill_speed_scale,
+            nats_user=a.nats_user or None,
+            nats_password=a.nats_password or None,
         )

@@ -56,6 +56,9 @@ class Subjects:
     def call_finished(self, server: str) -> str:
         return f"{self.prefix}.events.{server}.finished"
 
+    def engine_announce(self, server: str) -> str:
+        return f"{self.prefix}.events.{server}.engine"
+
     @property
     def session_ended(self) -> str:
         return f"{self.prefix}.events.session_ended"

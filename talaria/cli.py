@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import signal
 import sys
 from pathlib import Path
@@ -48,13 +49,25 @@ def cmd_sim(a: argparse.Namespace) -> int:
     from talaria.replay import write_json
     from talaria.simulator import simulate
 
-    sessions = _load(a.trace)
+    policy_arg = a.policy or "baseline"
+    if a.trace.endswith(".toml"):  # a scenario file (scenarios/*.toml): its trace (first seed), servers and policies
+        from talaria.scenarios import ScenarioError, load_scenario, trace_of
+
+        try:
+            sc = load_scenario(a.trace)
+        except ScenarioError as exc:
+            return _fail(str(exc))
+        sessions = trace_of(sc, sc.seeds[0])
+        a.servers, a.server_profile = sc.servers, sc.server_profile
+        policy_arg = a.policy or ",".join(sc.policies)
+    else:
+        sessions = _load(a.trace)
     catalog = load_catalog()
     oracle = oracle_sct(sessions, catalog, a.server_profile)
     runs = []
     records = {}
     total_wall = 0.0
-    for pol in _policies(a.policy):
+    for pol in _policies(policy_arg):
         r = simulate(sessions, catalog, pol, servers=a.servers, server_profile=a.server_profile,
                      switch_cost_scale=a.switch_cost_scale, prefill_speed_scale=a.prefill_speed_scale,
                      check_invariants=a.check)
@@ -151,7 +164,13 @@ def cmd_up(a: argparse.Namespace) -> int:
             loop.add_signal_handler(sig, stop.set)
         try:
             await stack.start()
-            print(f"talaria is up: NATS {','.join(stack.nats_urls)}  Redis {stack.redis_url}\n"
+            if stack.creds is not None:
+                cred_file = Path(a.log_dir) / "credentials.json"
+                cred_file.write_text(json.dumps({"nats_urls": stack.nats_urls, "subject_prefix": stack.subject_prefix,
+                                                 "agent": stack.nats_auth("agent"), "redis_url": stack.redis_url}, indent=1))
+                cred_file.chmod(0o600)
+                print(f"authentication on: agent credentials (NATS user 'agent') in {cred_file}")
+            print(f"talaria is up: NATS {','.join(stack.nats_urls)}\n"
                   f"  subject prefix {stack.subject_prefix}  key prefix {stack.key_prefix}  policy {spec.policy.name}  "
                   f"time scale {spec.time_scale:g}x\n  logs in {stack.log_dir}; Ctrl-C stops everything", flush=True)
             await stop.wait()
@@ -174,8 +193,9 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--prefill-speed-scale", type=float, default=1.0, help="sensitivity: scale prefill speed")
 
     s = sub.add_parser("sim", help="simulate policies on a trace on a virtual clock (same policy code)")
-    s.add_argument("trace")
-    s.add_argument("--policy", default="baseline", help=f"comma-separated: {', '.join(PRESETS)}")
+    s.add_argument("trace", help="a trace (JSONL), or a scenario file (scenarios/*.toml: its first seed, servers and policies)")
+    s.add_argument("--policy", default=None, help=f"comma-separated: {', '.join(PRESETS)}, or PEER@baseline "
+                                                  "(default: baseline; a scenario's policies for a scenario)")
     s.add_argument("--out", help="write results JSON here")
     s.add_argument("--check", action="store_true", help="check memory and KV bounds at every event")
     s.add_argument("--plots", help="write PNG figures (SCT distribution, slowest-session timelines) into this folder")
@@ -214,6 +234,13 @@ def build_parser() -> argparse.ArgumentParser:
     from talaria import experiments
 
     experiments.configure_parser(st)
+
+    from talaria import scenarios
+
+    cp = sub.add_parser("compare", help="run every policy of a scenario file over its seeds on the simulator; print the table")
+    scenarios.configure_compare(cp)
+    bp = sub.add_parser("bench-sim", help="time the simulator: the default trace (< 5 s) and ~100,000 calls (< 2 min)")
+    scenarios.configure_bench(bp)
 
     g = sub.add_parser("generate", help="generate a SWE-bench-like trace from a settings file")
     gen.configure_parser(g)

@@ -60,17 +60,21 @@ def raise_for(err: ApiError) -> None:
 
 class TalariaClient:
     def __init__(self, nc: nats.NATS, subject_prefix: str = "talaria", silence_s: float = 15.0,
-                 retries: int = 3, request_timeout_s: float = 5.0) -> None:
+                 retries: int = 3, request_timeout_s: float = 5.0, reply_namespace: str = "agent") -> None:
         self.nc = nc
         self.subjects = Subjects(subject_prefix)
         self.silence_s = silence_s
         self.retries = retries
         self.request_timeout_s = request_timeout_s
-        self.client_id = uuid.uuid4().hex[:12]
+        # replies come under <prefix>.reply.<namespace>.<client>.<call>; an agent's NATS
+        # user may subscribe only to its own namespace
+        self.client_id = f"{reply_namespace}.{uuid.uuid4().hex[:12]}"
 
     @classmethod
-    async def connect(cls, urls: list[str] | str, **kw: object) -> Self:
-        nc = await nats.connect(servers=urls, max_reconnect_attempts=-1, reconnect_time_wait=0.5, name="talaria-agent")
+    async def connect(cls, urls: list[str] | str, *, user: str | None = None, password: str | None = None,
+                      **kw: object) -> Self:
+        nc = await nats.connect(servers=urls, max_reconnect_attempts=-1, reconnect_time_wait=0.5, name="talaria-agent",
+                                user=user, password=password)
         return cls(nc, **kw)  # type: ignore[arg-type]
 
     async def __aenter__(self) -> Self:

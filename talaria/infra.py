@@ -445,6 +445,8 @@ class NatsServer(_ServerBase):
         server_name: str | None = None,
         log_file: str | Path | None = None,
         binary: str | None = None,
+        permissions: dict[str, dict[str, list[str]]] | None = None,
+        max_payload: int | None = None,
     ) -> None:
         workdir = _own_tempdir("talaria-nats-")
         super().__init__(port, log_file, workdir)
@@ -452,6 +454,9 @@ class NatsServer(_ServerBase):
         self.jetstream = jetstream
         self.store_dir = Path(store_dir) if store_dir else workdir / "jetstream"
         self.users = list(users or [])
+        # per-user allow-lists: {user: {"publish": [...], "subscribe": [...]}}
+        self.permissions = dict(permissions or {})
+        self.max_payload = max_payload
         self.cluster_name = cluster_name
         # A cluster needs a route listener even if the caller didn't choose the port.
         self.cluster_port = cluster_port if cluster_port is not None or not cluster_name \
@@ -492,9 +497,19 @@ class NatsServer(_ServerBase):
             lines.append(f"server_name: {_q(self.server_name)}")
         if self.jetstream:
             lines.append(f"jetstream {{ store_dir: {_q(str(self.store_dir))} }}")
+        if self.max_payload:
+            lines.append(f"max_payload: {int(self.max_payload)}")
         if self.users:
-            users = ", ".join(f"{{user: {_q(u)}, password: {_q(p)}}}" for u, p in self.users)
-            lines.append(f"authorization {{ users: [{users}] }}")
+            entries = []
+            for u, p in self.users:
+                perm = self.permissions.get(u)
+                if perm:
+                    pub = ", ".join(_q(x) for x in perm.get("publish", []))
+                    sub = ", ".join(_q(x) for x in perm.get("subscribe", []))
+                    entries.append(f"{{user: {_q(u)}, password: {_q(p)}, permissions: {{publish: {{allow: [{pub}]}}, subscribe: {{allow: [{sub}]}}}}}}")
+                else:
+                    entries.append(f"{{user: {_q(u)}, password: {_q(p)}}}")
+            lines.append(f"authorization {{ users: [{', '.join(entries)}] }}")
         if self.cluster_name or self.cluster_port:
             routes = ", ".join(_q(r) for r in self.routes)
             lines.append("cluster {")

@@ -32,6 +32,10 @@ class _Server:
     ledger: SubstrateLedger
     engines: dict[str, SimEngine]
     switch_s: float = 0.0
+    models: frozenset[str] = frozenset()
+
+    def __post_init__(self) -> None:
+        self.models = frozenset(self.engines)
 
 
 @dataclass
@@ -95,6 +99,7 @@ class Simulator:
         self._engine_version: dict[tuple[str, str], int] = {}
         self._admission_version: dict[str, int] = {}
         self.now = 0.0
+        self._need_load_tokens = policy.placement in ("kv-overlap", "cache-aware")
 
     # -- event plumbing ------------------------------------------------------------
     def _push(self, t: float, kind: str, payload: tuple) -> None:
@@ -192,6 +197,7 @@ class Simulator:
             continuation=pc.index > 0,
             gap_history=tuple(s.gaps[-16:]),
             output_history=tuple(s.outputs[-16:]),
+            session_started_at=s.started_at,
         )
         srv = self._place(s, call)
         self.records[cid] = CallRecord(
@@ -204,7 +210,8 @@ class Simulator:
         if len(self.servers) == 1:
             return next(iter(self.servers.values()))
         views = [self._view(srv, call) for srv in self.servers.values()]
-        best = rank(call.model, views, self.policy)[0]
+        best = rank(call.model, views, self.policy, session_id=call.session_id,
+                    prompt_tokens=call.prompt_tokens, prefix_tokens=call.prefix_tokens)[0]
         return self.servers[best.server_id]
 
     def _view(self, srv: _Server, call: sch.AdmissionCall) -> ServerView:
@@ -217,17 +224,20 @@ class Simulator:
                 kv = "hbm"
             elif (call.model, call.session_id) in srv.ledger.host_kv:
                 kv = "host"
+        res = sc.reservations
+        mine = call.session_id in res
         return ServerView(
             server_id=srv.server_id,
-            models=frozenset(srv.engines),
+            models=srv.models,
             active_model=sc.active,
             staged_model=srv.ledger.staging.model if srv.ledger.staging else None,
             queued_calls=sc.queued(),
             running_calls=len(sc.running),
             kv_occupancy=(eng.reserved_kv_tokens() / eng.kv_capacity_tokens) if eng and eng.kv_capacity_tokens else 0.0,
-            reservations_for_others=sum(1 for r in sc.reservations.values() if r.session_id != call.session_id),
+            reservations_for_others=len(res) - mine,  # reservations are keyed by session
             session_kv=kv,  # type: ignore[arg-type]
-            session_reserved=call.session_id in sc.reservations,
+            session_reserved=mine,
+            load_tokens=sc.load_tokens() if self._need_load_tokens else 0,
         )
 
     # -- admission and substrate ---------------------------------------------------

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import secrets
 import sys
 import time
 import uuid
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import nats
 
+from shared.auth import Credentials, generate_credentials, nats_permissions
 from shared.policy import PolicyConfig, encode_policy
 from talaria.infra import NatsServer, ProcessGroup, RedisServer
 
@@ -40,6 +42,7 @@ class StackSpec:
     prefill_speed_scale: float = 1.0
     log_format: str = "json"
     extra_env: dict[str, str] = field(default_factory=dict)
+    auth: bool = True  # embedded NATS/Redis: per-role NATS users and a Redis ACL user, fresh passwords
 
 
 class EmbeddedStack:
@@ -55,6 +58,10 @@ class EmbeddedStack:
         self.clock_epoch = time.time()
         self.log_dir = Path(spec.log_dir)
         self._supervisor: asyncio.Task | None = None
+        # credentials only when we start the servers ourselves
+        self.creds: Credentials | None = (
+            generate_credentials() if spec.auth and not spec.nats_urls and not spec.redis_url else None
+        )
         self._stop_supervising = asyncio.Event()
 
     @property
@@ -62,7 +69,17 @@ class EmbeddedStack:
         if self.spec.nats_urls:
             return self.spec.nats_urls
         assert self.nats is not None
-        return [self.nats.url]
+        return [self.nats.plain_url]  # credentials go separately: nats_auth(role)
+
+    @property
+    def plain_nats_urls(self) -> list[str]:
+        return self.nats_urls
+
+    def nats_auth(self, role: str) -> dict[str, str]:
+        """user=/password= keyword arguments for a NATS connection as `role`."""
+        if self.creds is None:
+            return {}
+        return {"user": role, "password": self.creds.nats[role]}
 
     @property
     def redis_url(self) -> str:
@@ -74,7 +91,7 @@ class EmbeddedStack:
     def base_env(self) -> dict[str, str]:
         s = self.spec
         return {
-            "TALARIA_NATS_URL": ",".join(self.nats_urls),
+            "TALARIA_NATS_URL": ",".join(self.plain_nats_urls),
             "TALARIA_REDIS_URL": self.redis_url,
             "TALARIA_SUBJECT_PREFIX": self.subject_prefix,
             "TALARIA_KEY_PREFIX": self.key_prefix,
@@ -93,21 +110,32 @@ class EmbeddedStack:
 
     def service_table(self) -> list[tuple[str, str, dict[str, str]]]:
         """(instance name, module, extra env) of every service process."""
-        out: list[tuple[str, str, dict[str, str]]] = [("router-0", "services.router", {"TALARIA_INSTANCE_ID": "0"})]
+        out: list[tuple[str, str, dict[str, str]]] = [("router-0", "services.router", {"TALARIA_INSTANCE_ID": "0", **self._role("router")})]
         for sid in self.server_ids:
-            out.append((f"admission-{sid}", "services.admission", {"TALARIA_SERVER_ID": sid}))
-            out.append((f"substrate-{sid}", "services.substrate", {"TALARIA_SERVER_ID": sid}))
+            out.append((f"admission-{sid}", "services.admission", {"TALARIA_SERVER_ID": sid, **self._role("admission")}))
+            out.append((f"substrate-{sid}", "services.substrate", {"TALARIA_SERVER_ID": sid, **self._role("substrate")}))
             for m in self.spec.models:
-                out.append((f"engine-{sid}-{m}", "services.engine", {"TALARIA_SERVER_ID": sid, "TALARIA_MODEL": m}))
+                out.append((f"engine-{sid}-{m}", "services.engine", {"TALARIA_SERVER_ID": sid, "TALARIA_MODEL": m, **self._role("engine")}))
         return out
+
+    def _role(self, role: str) -> dict[str, str]:
+        """A child's own NATS credentials (it gets no other role's)."""
+        if self.creds is None:
+            return {}
+        return {"TALARIA_NATS_USER": role, "TALARIA_NATS_PASSWORD": self.creds.nats[role]}
 
     async def start(self, timeout_s: float = 90.0) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        c = self.creds
         if not self.spec.nats_urls:
-            self.nats = NatsServer(jetstream=True, log_file=self.log_dir / "nats-server.log")
+            self.nats = NatsServer(jetstream=True, log_file=self.log_dir / "nats-server.log", max_payload=2 * 1024 * 1024,
+                                   users=c.nats_users() if c else None,
+                                   permissions=nats_permissions(self.subject_prefix) if c else None)
             await self.nats.astart()
         if not self.spec.redis_url:
-            self.redis = RedisServer(log_file=self.log_dir / "redis-server.log")
+            self.redis = RedisServer(log_file=self.log_dir / "redis-server.log",
+                                     acl_users={c.redis_user: c.redis_password} if c else None,
+                                     password=secrets.token_urlsafe(18) if c else None)
             await self.redis.astart()
         env = self.base_env()
         for name, module, extra in self.service_table():
@@ -118,7 +146,7 @@ class EmbeddedStack:
 
     async def wait_healthy(self, timeout_s: float) -> None:
         """Every service answers its health endpoint (NATS micro) before we go on."""
-        nc = await nats.connect(servers=self.nats_urls, name="talaria-stack")
+        nc = await nats.connect(servers=self.plain_nats_urls, name="talaria-stack", **self.nats_auth("operator"))
         try:
             deadline = time.monotonic() + timeout_s
             pending = [name for name, _, _ in self.service_table()]

@@ -49,7 +49,7 @@ def test_sp_in_the_simulator(policy: str, expect_round_wait: bool) -> None:
 async def test_sp_through_the_live_services(tmp_path: Path, policy: str, expect_round_wait: bool) -> None:
     spec = StackSpec(policy=resolve_policy(policy), models=[AIR, GLM], time_scale=20.0, log_dir=tmp_path / "logs")
     async with EmbeddedStack(spec) as stack:
-        client = await TalariaClient.connect(stack.nats_urls, subject_prefix=stack.subject_prefix)
+        client = await TalariaClient.connect(stack.nats_urls, subject_prefix=stack.subject_prefix, **stack.nats_auth("agent"))
         try:
             out = await asyncio.wait_for(
                 drive(client, ScaledClock(spec.time_scale, stack.clock_epoch), TRACE, policy, progress_every_wall_s=30),

@@ -27,6 +27,10 @@ Rules (docs/scheduler.md states them for users; keep the two in step):
    protected and a claim is held for `hold = clamp(quantile(gaps) * factor)`
    model seconds, from the session's observed tool gaps only. It yields: it
    never blocks an admission, and it is dropped when its model's slot closes.
+   With `retention="ttl"` (the kv-ttl peer, Continuum-style) the claim is a
+   TTL pin instead: its hold is the TTL (`ttl_s`), and it never holds an idle
+   slot open. With `admission_order="program"` a model's queue is ordered by
+   the session's (program's) first arrival, then the call's (program-level FCFS).
 """
 
 from __future__ import annotations
@@ -58,6 +62,7 @@ class AdmissionCall:
     continuation: bool
     gap_history: tuple[float, ...] = ()
     output_history: tuple[int, ...] = ()
+    session_started_at: float | None = None  # when the session's first call arrived (program-level FCFS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,6 +155,7 @@ class Reservation:
     made_at: float
     expires_at: float
     tokens: int
+    holds_slot: bool = True  # a TTL pin (retention="ttl") keeps KV only; it never holds an idle slot
 
 
 @dataclass(slots=True)
@@ -204,6 +210,7 @@ class RoundScheduler:
     last_step_at: float = 0.0
     prefill_horizon: float = 0.0
     stats: SchedulerStats = field(default_factory=SchedulerStats)
+    _reserved_total: int = 0  # sum of running calls' reserved KV, kept in step with `running` (speed)
 
     def __post_init__(self) -> None:
         for m in self.models:
@@ -227,12 +234,15 @@ class RoundScheduler:
                     self.stats.reservations_hit += 1
                     actions.append(Protect(res.session_id, res.model, on=False))
                 open_slot = self.slot_id if (self.phase == "open" and self.active == call.model) else None
-                self.queues[call.model].append(_Queued(call, self._switch_clock(now), open_slot))
+                self._enqueue(_Queued(call, self._switch_clock(now), open_slot))
             case Finished(call_id=cid, session_id=sid, context_tokens=ctx):
                 run = self.running.pop(cid, None)
+                if run is not None:
+                    self._reserved_total -= run.reserved_tokens
                 if run is not None and self.policy.reservations and run.call.model == self.active:
-                    hold = self.hold_s(run.call.gap_history)
-                    self.reservations[sid] = Reservation(sid, run.call.model, now, now + hold, ctx)
+                    ttl = self.policy.retention == "ttl"
+                    hold = self.ttl_s(run.call.gap_history) if ttl else self.hold_s(run.call.gap_history)
+                    self.reservations[sid] = Reservation(sid, run.call.model, now, now + hold, ctx, holds_slot=not ttl)
                     self.stats.reservations_made += 1
                     actions.append(Protect(sid, run.call.model, on=True))
             case SwitchDone(model=model, kv_capacity_tokens=cap):
@@ -273,6 +283,16 @@ class RoundScheduler:
         q = ordered[min(len(ordered) - 1, int(p.hold_quantile * len(ordered)))]
         return max(p.hold_min_s, min(p.hold_max_s, q * p.hold_factor))
 
+    def ttl_s(self, gaps: tuple[float, ...]) -> float:
+        """kv-ttl (Continuum-style): pin a session's KV for a TTL read from its
+        tool-gap history: the `ttl_quantile` of its past gaps, capped."""
+        p = self.policy
+        if not gaps:
+            return p.ttl_default_s
+        ordered = sorted(gaps)
+        q = ordered[min(len(ordered) - 1, int(p.ttl_quantile * len(ordered)))]
+        return max(0.0, min(p.ttl_max_s, q))
+
     def cancel_reservation(self, session_id: str) -> list[Action]:
         """Another server already holds this session's claim: drop ours."""
         res = self.reservations.pop(session_id, None)
@@ -283,13 +303,30 @@ class RoundScheduler:
             return len(self.queues[model])
         return sum(len(q) for q in self.queues.values())
 
+    def load_tokens(self) -> int:
+        """Prompt tokens of the calls queued or running here (a router's active-sequence load)."""
+        return sum(r.call.prompt_tokens for r in self.running.values()) + sum(
+            q.call.prompt_tokens for qs in self.queues.values() for q in qs)
+
     def pending_calls(self) -> list[AdmissionCall]:
         return [q.call for qs in self.queues.values() for q in qs]
 
     def reserved_kv_tokens(self) -> int:
-        return sum(r.reserved_tokens for r in self.running.values())
+        return self._reserved_total
 
     # -- internals ---------------------------------------------------------------
+    def _enqueue(self, item: _Queued) -> None:
+        q = self.queues[item.call.model]
+        if self.policy.admission_order != "program":
+            q.append(item)
+            return
+        # program-level FCFS: by the session's first arrival, then the call's own
+        key = _program_key(item.call)
+        i = len(q)
+        while i > 0 and _program_key(q[i - 1].call) > key:
+            i -= 1
+        q.insert(i, item)
+
     def _switch_clock(self, now: float) -> float:
         extra = now - self.switch_started_at if self.phase == "switching" else 0.0
         return self.switch_clock + extra
@@ -400,6 +437,7 @@ class RoundScheduler:
         spec = self.models[c.model]
         self.prefill_horizon = max(self.prefill_horizon, now) + self.cost.prefill_s(spec, c.prompt_tokens, 0)
         self.running[c.call_id] = _Running(c, reserved, self.slot_id, self.prefill_horizon)
+        self._reserved_total += reserved
         waited = now - c.arrived_at
         round_wait = item.open_slot_at_arrival is not None and item.open_slot_at_arrival != self.slot_id
         if round_wait:
@@ -468,6 +506,7 @@ class RoundScheduler:
                 if self.policy.closing == "preempt" and now >= preempt_at - 1e-9:
                     for r in m_running:
                         del self.running[r.call.call_id]
+                        self._reserved_total -= r.reserved_tokens
                         self.stats.preemptions += 1
                         actions.append(Preempt(r.call.call_id))
                     # back to the head of the queue in their admission (FIFO) order
@@ -478,10 +517,15 @@ class RoundScheduler:
                     continue
                 self._hint_staging(actions)
                 return
-            held = [r for r in self.reservations.values() if r.model == self.active and r.expires_at > now]
+            held = [r for r in self.reservations.values() if r.model == self.active and r.holds_slot and r.expires_at > now]
             if self.idle_hold_since is None and held:
                 self.idle_hold_since = now
             idle_hold_until = (self.idle_hold_since or now) + self.policy.idle_hold_max_s
             if held and now < self.slot_deadline and now < idle_hold_until - 1e-9:
                 return
             self._close(now, actions, "drained" if now < self.slot_deadline else "quantum")
+
+
+def _program_key(call: AdmissionCall) -> tuple[float, float]:
+    started = call.session_started_at if call.session_started_at is not None else call.arrived_at
+    return (started, call.arrived_at)

@@ -19,7 +19,8 @@ from services.engine.costmodel import CostModel
 from shared.bus import ServiceProcess, run_service, trace_headers
 from shared.schema import (
     Abort, ApiError, CallQueued, CallRunning, ProtectKv, RunCall, StageRequest, Submitted, SubmitCall,
-    SwitchRequest, admission_decoder, encode, finished_decoder, session_ended_decoder, switch_reply_decoder,
+    SwitchRequest, admission_decoder, encode, engine_announce_decoder, finished_decoder, session_ended_decoder,
+    switch_reply_decoder,
 )
 
 
@@ -44,6 +45,8 @@ class AdmissionService(ServiceProcess):
         await self.nc.subscribe(self.subjects.call_finished(sid), queue="admission",
                                 cb=self.guarded_handler(self.on_finished, "finished"))
         await self.nc.subscribe(self.subjects.session_ended, cb=self.guarded_handler(self.on_session_ended, "session_ended"))
+        await self.nc.subscribe(self.subjects.engine_announce(sid), cb=self.guarded_handler(self.on_engine_announce, "engine_announce"))
+        self.dispatched: dict[str, RunCall] = {}
         await self.redis.sadd(self.keys.servers(), sid)
         # compare-and-delete: release a reservation only if it is still ours
         self._release_script = self.redis.register_script(
@@ -68,6 +71,7 @@ class AdmissionService(ServiceProcess):
                 call_id=c.call_id, session_id=c.session_id, model=c.model, prompt_tokens=c.prompt_tokens,
                 prefix_tokens=c.prefix_tokens, max_tokens=c.max_tokens, arrived_at=c.arrived_at,
                 continuation=c.continuation, gap_history=tuple(c.gap_history), output_history=tuple(c.output_history),
+                session_started_at=c.session_started_at,
             )
             self.log.info("admission.queued", model=c.model, at=round(self.clock.now(), 3))
             await self.step(sch.Arrive(call))
@@ -75,7 +79,18 @@ class AdmissionService(ServiceProcess):
     async def on_finished(self, msg: Msg) -> None:
         ev = finished_decoder.decode(msg.data)
         self.payloads.pop(ev.call_id, None)
+        self.dispatched.pop(ev.call_id, None)
         await self.step(sch.Finished(ev.call_id, ev.session_id, ev.context_tokens))
+
+    async def on_engine_announce(self, msg: Msg) -> None:
+        """An engine-worker restarted and lost what it ran: send those calls again
+        (same ids; the engine holds them until it is awake)."""
+        ann = engine_announce_decoder.decode(msg.data)
+        for cid, run in list(self.dispatched.items()):
+            if run.model == ann.model and cid in self.scheduler.running:
+                self.log.warning("admission.redispatch", call_id=cid, session_id=run.session_id, model=run.model)
+                await self.nc.publish(self.subjects.engine_run(self.settings.server_id, run.model), encode(run),
+                                      headers=trace_headers(run.session_id, cid))
 
     async def on_session_ended(self, msg: Msg) -> None:
         ev = session_ended_decoder.decode(msg.data)
@@ -106,6 +121,7 @@ class AdmissionService(ServiceProcess):
                     )
                     self.log.info("admission.dispatched", session_id=c.session_id, call_id=c.call_id, model=c.model,
                                   slot_id=a.slot_id, waited_s=round(a.waited_s, 3), round_wait=a.round_wait)
+                    self.dispatched[c.call_id] = run
                     await self.nc.publish(self.subjects.engine_run(s.server_id, c.model), encode(run),
                                           headers=trace_headers(c.session_id, c.call_id))
                 case sch.StartSwitch(from_model=old, to_model=new):
@@ -215,6 +231,7 @@ class AdmissionService(ServiceProcess):
                     "queued": sc.queued(),
                     "running": len(sc.running),
                     "kv_occupancy": f"{sc.reserved_kv_tokens() / cap:.4f}",
+                    "load_tokens": sc.load_tokens(),
                     "reservations": len(sc.reservations),
                     "models": ",".join(sc.models),
                     # counters for reports (the replay sums them over servers)

@@ -18,7 +18,7 @@ from services.engine.sim_engine import CallResult, EngineCall, SimEngine
 from shared.bus import ServiceProcess, run_service, trace_headers
 from shared.keys import CALL_TTL_S, SESSION_TTL_S
 from shared.schema import (
-    Abort, CallFinished, CallReply, CallRunning, ControlOk, ProtectKv, RunCall, Sleep, Wake,
+    Abort, CallFinished, EngineAnnounce, CallReply, CallRunning, ControlOk, ProtectKv, RunCall, Sleep, Wake,
     control_decoder, encode, run_decoder,
 )
 
@@ -43,7 +43,11 @@ class EngineWorker(ServiceProcess):
                                 cb=self.guarded_handler(self.on_run, "run"))
         await self.nc.subscribe(self.subjects.engine_control(s.server_id, s.model), queue="engine",
                                 cb=self.guarded_handler(self.on_control, "control"))
+        self.pending: dict[str, RunCall] = {}  # runs that arrived while asleep, submitted at wake-up
         self.spawn(self.timer(), "engine-timer")
+        # announce (re)start: a restarted worker comes back asleep and empty
+        await self.nc.publish(self.subjects.engine_announce(s.server_id),
+                              encode(EngineAnnounce(server_id=s.server_id, model=s.model, awake=False)))
 
     async def on_run(self, msg: Msg) -> None:
         rc = run_decoder.decode(msg.data)
@@ -55,6 +59,15 @@ class EngineWorker(ServiceProcess):
                 return
             if rc.call_id in self.calls:
                 return
+            if not self.engine.active:
+                # e.g. this worker restarted and the substrate has not re-woken it yet
+                self.pending[rc.call_id] = rc
+                self.log.info("engine.run_deferred", reason="asleep")
+                return
+            await self._submit(rc)
+
+    async def _submit(self, rc: RunCall) -> None:
+        with structlog.contextvars.bound_contextvars(session_id=rc.session_id, call_id=rc.call_id):
             now = self.clock.now()
             self.engine.submit(
                 EngineCall(rc.call_id, rc.session_id, rc.model, rc.prompt_tokens, rc.prefix_tokens,
@@ -77,8 +90,14 @@ class EngineWorker(ServiceProcess):
                 out = ControlOk(kv_out=kv)
                 self.log.info("engine.sleep", kv_sessions=len(kv), at=round(now, 3))
             case Wake(kv_capacity_tokens=cap, host_kv=host):
-                self.engine.wake(now, cap, host)
+                if self.engine.active:  # a repeated wake only refreshes the budget
+                    self.engine.kv_capacity_tokens = cap
+                else:
+                    self.engine.wake(now, cap, host)
                 self.log.info("engine.wake", kv_capacity_tokens=cap, host_kv_sessions=len(host), at=round(now, 3))
+                for rc in list(self.pending.values()):
+                    del self.pending[rc.call_id]
+                    await self._submit(rc)
             case Abort(call_id=cid):
                 self.engine.abort(cid, now)
                 self.calls.pop(cid, None)

@@ -98,6 +98,7 @@ class SimEngine:
     # prefill done, finish, abort), so that where `advance` is observed never
     # changes the answer
     _batch_itl: float | None = None
+    _reserved_total: int = 0  # sum of running calls' reserved KV, kept in step with `running` (speed)
 
     # -- lifecycle -------------------------------------------------------------
     def wake(self, now: float, kv_capacity_tokens: int, host_kv: dict[str, int], hbm_kv: dict[str, int] | None = None) -> None:
@@ -125,7 +126,7 @@ class SimEngine:
         return sum(r.call.prompt_tokens + int(r.produced) for r in self.running.values())
 
     def reserved_kv_tokens(self) -> int:
-        return sum(r.call.reserved_tokens for r in self.running.values())
+        return self._reserved_total
 
     def idle_kv_tokens(self) -> int:
         return sum(self.hbm_kv.values())
@@ -134,12 +135,15 @@ class SimEngine:
         """Drop idle cached KV (unprotected first, then protected, LRU order)
         until reserved running KV + idle cache + extra fits."""
         budget = self.kv_capacity_tokens - self.reserved_kv_tokens() - extra
+        idle = self.idle_kv_tokens()
+        if idle <= budget:
+            return
         for protected_pass in (False, True):
             for sid in list(self.hbm_kv):
-                if self.idle_kv_tokens() <= budget:
+                if idle <= budget:
                     return
                 if (sid in self.protected) == protected_pass:
-                    del self.hbm_kv[sid]
+                    idle -= self.hbm_kv.pop(sid)
 
     # -- events ------------------------------------------------------------------
     def submit(self, call: EngineCall, now: float) -> None:
@@ -175,6 +179,7 @@ class SimEngine:
             tokens_left=float(max(1, min(call.stop_tokens, call.max_tokens) - self.preempted_tokens.get(call.call_id, 0))),
         )
         self.prefill_queue.append(call.call_id)
+        self._reserved_total += call.reserved_tokens
         self._batch_itl = None
 
     def next_event_at(self) -> float | None:
@@ -234,6 +239,7 @@ class SimEngine:
         r = self.running.pop(call_id, None)
         if r is None:
             return
+        self._reserved_total -= r.call.reserved_tokens
         if call_id in self.prefill_queue:
             self.prefill_queue.remove(call_id)
         self._batch_itl = None
@@ -246,6 +252,7 @@ class SimEngine:
 
     def _finish(self, call_id: str) -> CallResult:
         r = self.running.pop(call_id)
+        self._reserved_total -= r.call.reserved_tokens
         self._batch_itl = None
         self.preempted_tokens.pop(call_id, None)
         c = r.call

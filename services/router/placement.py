@@ -2,13 +2,18 @@
 
 `rank(call, snapshot, policy)` is a pure function of the call and a snapshot
 of server state, with its weights in the policy. The baseline places by load
-only; Talaria scores model residency, KV locality and pressure. The router
+only; Talaria scores model residency, KV locality and pressure. The peer
+policies' rules (docs/peers.md) live here too, selected by `policy.placement`,
+so the router and the simulator run the very same code for them. The router
 logs the candidates and scores of every decision on one line.
 """
 
 from __future__ import annotations
 
+import bisect
+import hashlib
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Literal
 
 from shared.policy import PolicyConfig
@@ -34,6 +39,7 @@ class ServerView:
     reservations_for_others: int
     session_kv: KvTier = "none"  # where this call's session prefix lives on this server
     session_reserved: bool = False  # this server holds a soft reservation for the session
+    load_tokens: int = 0  # prompt tokens of the calls queued or running here (a router's active-sequence count)
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,8 +65,99 @@ def pressure_of(view: ServerView) -> float:
     return view.queued_calls + view.running_calls + 0.5 * view.reservations_for_others + view.kv_occupancy
 
 
-def rank(model: str, views: list[ServerView], policy: PolicyConfig) -> list[Candidate]:
-    """Best first. Servers that do not serve `model` are never candidates."""
+def outstanding(view: ServerView) -> int:
+    """Requests sent to a server and not finished: what an LLM router tracks as load."""
+    return view.queued_calls + view.running_calls
+
+
+def _stable_hash(key: str) -> int:
+    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "big")
+
+
+@lru_cache(maxsize=256)
+def _ring(server_ids: tuple[str, ...], vnodes: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    points = sorted((_stable_hash(f"{sid}#{v}"), sid) for sid in server_ids for v in range(vnodes))
+    return tuple(p for p, _ in points), tuple(sid for _, sid in points)
+
+
+@lru_cache(maxsize=65536)
+def affinity_server(session_id: str, server_ids: tuple[str, ...], vnodes: int = 64) -> str:
+    """The server a session hashes to on a consistent-hash ring (blake2b; stable
+    across processes, unlike Python's hash). Adding a server moves ~1/n sessions."""
+    hashes, owners = _ring(tuple(sorted(server_ids)), vnodes)
+    i = bisect.bisect_left(hashes, _stable_hash(session_id))
+    return owners[i % len(owners)]
+
+
+def _least_loaded_score(v: ServerView) -> float:
+    # fewest outstanding requests, then the emptiest KV budget (a fraction < 1)
+    return -(outstanding(v) + 0.5 * v.kv_occupancy)
+
+
+def _peer_scores(model: str, views: list[ServerView], policy: PolicyConfig, session_id: str,
+                 prompt_tokens: int, prefix_tokens: int) -> list[float]:
+    """Scores (higher is better) of the peer placement rules, one per view."""
+    rule = policy.placement
+    if rule == "least-loaded":
+        return [_least_loaded_score(v) for v in views]
+    if rule == "session-affinity":
+        # consistent hashing with bounded loads: the hashed server unless its
+        # load would pass c x the mean; then least-loaded
+        home = affinity_server(session_id, tuple(v.server_id for v in views), policy.affinity_vnodes)
+        total = sum(outstanding(v) for v in views) + 1
+        bound = policy.affinity_load_factor * total / len(views)
+        scores = [_least_loaded_score(v) for v in views]
+        for i, v in enumerate(views):
+            if v.server_id == home and outstanding(v) + 1 <= max(1.0, bound):
+                scores[i] = 1.0  # above every least-loaded score (those are <= 0)
+        return scores
+    if rule == "kv-overlap":
+        # Dynamo's KV router: cost = w * prefill blocks not covered by this
+        # worker's cached prefix + the worker's active blocks (decode load)
+        # including this request; the minimum cost wins
+        b = max(1, policy.kv_block_tokens)
+        out = []
+        for v in views:
+            cached = prefix_tokens if v.session_kv == "hbm" else 0
+            prefill_blocks = -(-max(0, prompt_tokens - cached) // b)
+            active_blocks = -(-(v.load_tokens + prompt_tokens) // b)
+            out.append(-(policy.overlap_weight * prefill_blocks + active_blocks))
+        return out
+    if rule == "cache-aware":
+        # SGLang router: when load is imbalanced, the shortest queue; otherwise
+        # the best prefix match if its match rate passes the threshold, else the
+        # worker holding the least (its smallest tree)
+        loads = [outstanding(v) for v in views]
+        hi, lo = max(loads), min(loads)
+        if hi - lo > policy.balance_abs_threshold and hi > lo * policy.balance_rel_threshold:
+            return [-float(x) for x in loads]
+        rate = prefix_tokens / prompt_tokens if prompt_tokens > 0 else 0.0
+        match = [rate if v.session_kv != "none" else 0.0 for v in views]
+        best = max(match)
+        if best > policy.cache_threshold:
+            return [1.0 + m for m in match]  # ties on the match rate: by server id
+        return [-float(v.load_tokens) for v in views]
+    raise ValueError(f"unknown placement rule {rule!r}")
+
+
+def rank(model: str, views: list[ServerView], policy: PolicyConfig, *, session_id: str = "",
+         prompt_tokens: int = 0, prefix_tokens: int = 0) -> list[Candidate]:
+    """Best first. Servers that do not serve `model` are never candidates.
+
+    `session_id`, `prompt_tokens` and `prefix_tokens` are the call's own (what
+    the router sees in the request); only the peer rules read them."""
+    if policy.placement in ("load", "talaria"):
+        return _rank_talaria(model, views, policy)
+    serving = [v for v in views if model in v.models]
+    if not serving:
+        return []
+    scores = _peer_scores(model, serving, policy, session_id, prompt_tokens, prefix_tokens)
+    out = [Candidate(v.server_id, sc, residency_of(v, model), v.session_kv, pressure_of(v)) for v, sc in zip(serving, scores)]
+    out.sort(key=lambda c: (-c.score, c.server_id))
+    return out
+
+
+def _rank_talaria(model: str, views: list[ServerView], policy: PolicyConfig) -> list[Candidate]:
     out: list[Candidate] = []
     for v in views:
         if model not in v.models:

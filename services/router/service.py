@@ -124,21 +124,29 @@ class Router(ServiceProcess):
                     await self.nc.publish(reply_to, encode(dup))
                     self.log.info("call.duplicate", served_from="reply-cache")
                 else:
-                    where = (await self.redis.get(ckey) or b"").decode()
-                    await self.nc.publish(reply_to, encode(CallAccepted(call_id=req.call_id, server_id=where)))
-                    self.log.info("call.duplicate", served_from="in-flight", server_id=where)
+                    # in flight, or lost with a process that held it: submit again under the same id
+                    self.log.info("call.duplicate", served_from="resubmitted")
+                    await self._place_and_submit(req, reply_to, session, retry=True)
                 return
             await self._place_and_submit(req, reply_to, session)
 
-    async def _place_and_submit(self, req: CallRequest, reply_to: str, session: dict[bytes, bytes]) -> None:
+    async def _place_and_submit(self, req: CallRequest, reply_to: str, session: dict[bytes, bytes],
+                                retry: bool = False) -> None:
+        """Place and submit a call. `retry`: the same call id again, with no reply
+        yet (e.g. the admission that held it restarted): submit it again without
+        counting it twice in the session's history; admission and the engine
+        both deduplicate by call id."""
         now = self.clock.now()
         skey = self.keys.session(req.session_id)
         last_finish = session.get(b"last_finish")
-        calls_before = int(session.get(b"calls", b"0"))
+        calls_before = int(session.get(b"calls", b"0")) - (1 if retry else 0)
         pipe = self.redis.pipeline(transaction=False)
-        if last_finish is not None and calls_before > 0:
+        if last_finish is not None and calls_before > 0 and not retry:
             pipe.rpush(self.keys.session_gaps(req.session_id), f"{max(0.0, now - float(last_finish)):.4f}")
-        pipe.hincrby(skey, "calls", 1)
+        if not retry:
+            pipe.hincrby(skey, "calls", 1)
+        if calls_before == 0 and not retry:
+            pipe.hsetnx(skey, "started_at", repr(now))
         pipe.lrange(self.keys.session_gaps(req.session_id), -HISTORY, -1)
         pipe.lrange(self.keys.session_outputs(req.session_id), -HISTORY, -1)
         pipe.hgetall(self.keys.kv_locality(req.session_id))
@@ -159,8 +167,10 @@ class Router(ServiceProcess):
                 running_calls=int(g.get("running", 0)), kv_occupancy=float(g.get("kv_occupancy", 0.0)),
                 reservations_for_others=int(g.get("reservations", 0)) - (reserved_on == server_id),
                 session_kv=kv.get(server_id, "none"), session_reserved=reserved_on == server_id,  # type: ignore[arg-type]
+                load_tokens=int(g.get("load_tokens", 0)),
             ))
-        ranked = rank(req.model, views, self.settings.policy)
+        ranked = rank(req.model, views, self.settings.policy, session_id=req.session_id,
+                      prompt_tokens=req.prompt_tokens, prefix_tokens=req.prefix_tokens)
         self.log.info("router.placed", model=req.model, at=round(now, 3),
                       candidates=[{"server": c.server_id, "score": round(c.score, 3), "residency": c.residency,
                                    "kv": c.kv, "pressure": round(c.pressure, 2)} for c in ranked])
@@ -169,6 +179,7 @@ class Router(ServiceProcess):
             prefix_tokens=req.prefix_tokens, max_tokens=req.max_tokens, arrived_at=now,
             continuation=calls_before > 0, gap_history=tuple(float(x) for x in gaps_raw),
             output_history=tuple(int(x) for x in outputs_raw),
+            session_started_at=float(session[b"started_at"]) if b"started_at" in session else now,
         )
         sub = SubmitCall(call=call, reply_to=reply_to, sim_output_tokens=req.sim_output_tokens)
         for cand in ranked:

@@ -16,7 +16,7 @@ from services.substrate.ledger import SubstrateLedger
 from shared.bus import ServiceProcess, run_service
 from shared.schema import (
     ApiError, ControlOk, Sleep, StageRequest, SwitchRequest, SwitchResult, Wake,
-    control_reply_decoder, encode, substrate_decoder,
+    control_reply_decoder, encode, engine_announce_decoder, substrate_decoder,
 )
 
 CONTROL_TIMEOUT_WALL_S = 10.0
@@ -33,12 +33,24 @@ class SubstrateManager(ServiceProcess):
         s = self.settings
         profile = self.catalog.server(s.server_profile)
         cost = CostModel(self.catalog, profile, s.switch_cost_scale, s.prefill_speed_scale)
+        self.switching_to: set[str] = set()
         self.ledger = SubstrateLedger(profile, {m: self.catalog.model(m) for m in sorted(s.models)}, cost, s.policy)
         await self.nc.subscribe(self.subjects.substrate_switch(s.server_id), queue="substrate",
                                 cb=self.guarded_handler(self.on_request, "substrate"))
         await self.nc.subscribe(self.subjects.substrate_stage(s.server_id), queue="substrate",
                                 cb=self.guarded_handler(self.on_request, "substrate"))
+        await self.nc.subscribe(self.subjects.engine_announce(s.server_id),
+                                cb=self.guarded_handler(self.on_engine_announce, "engine_announce"))
         await self._mirror()
+
+    async def on_engine_announce(self, msg: Msg) -> None:
+        ann = engine_announce_decoder.decode(msg.data)
+        if ann.model == self.ledger.active and not ann.awake and ann.model not in self.switching_to:
+            # the active model's worker restarted: wake it again (its KV is gone)
+            self.log.warning("substrate.rewake", model=ann.model)
+            view = self.ledger.host_view(ann.model) if self.settings.policy.host_kv else {}
+            self.spawn(self._control(ann.model, Wake(kv_capacity_tokens=self.ledger.kv_capacity_tokens(ann.model), host_kv=view)),
+                       "rewake")
 
     async def on_request(self, msg: Msg) -> None:
         req = substrate_decoder.decode(msg.data)
@@ -66,6 +78,13 @@ class SubstrateManager(ServiceProcess):
             await self.reply_error(reply, "unknown_model", f"{req.to_model} is not served on {self.settings.server_id}")
             return
         t0 = self.clock.now()
+        self.switching_to.add(req.to_model)
+        try:
+            await self._do_switch(req, reply, t0)
+        finally:
+            self.switching_to.discard(req.to_model)
+
+    async def _do_switch(self, req: SwitchRequest, reply: str | None, t0: float) -> None:
         kv_out: dict[str, int] = {}
         if req.from_model:
             kv_out = (await self._control(req.from_model, Sleep())).kv_out

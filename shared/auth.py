@@ -1,0 +1,70 @@
+"""Who may do what on the bus and in the store (pure; no I/O).
+
+One NATS user per role, each allowed only the subjects its role needs
+(allow-lists: anything not listed is refused by the server); agents may only
+send API requests and receive replies under their own reply namespace. Redis
+gets one ACL user with a password whose keys are limited to the deployment's
+prefix. The embedded stack generates fresh passwords at every start and hands
+each child only its own; compose takes them from an env file.
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
+
+ROLES = ("router", "admission", "substrate", "engine", "agent", "operator")
+AGENT_REPLY_NAMESPACE = "agent"
+
+# what every service needs to be a NATS micro service and to make requests
+_SERVICE_SUB = ["$SRV.>", "_INBOX.>"]
+_SERVICE_PUB = ["_INBOX.>"]
+
+
+def nats_permissions(prefix: str) -> dict[str, dict[str, list[str]]]:
+    p = prefix
+    return {
+        "router": {
+            "subscribe": [f"{p}.api.>", f"{p}.health.>", *_SERVICE_SUB],
+            "publish": [f"{p}.admission.*.submit", f"{p}.reply.>", f"{p}.events.session_ended", *_SERVICE_PUB],
+        },
+        "admission": {
+            "subscribe": [f"{p}.admission.*.submit", f"{p}.events.>", f"{p}.health.>", *_SERVICE_SUB],
+            "publish": [f"{p}.engine.>", f"{p}.substrate.>", f"{p}.reply.>", *_SERVICE_PUB],
+        },
+        "substrate": {
+            "subscribe": [f"{p}.substrate.>", f"{p}.events.>", f"{p}.health.>", *_SERVICE_SUB],
+            "publish": [f"{p}.engine.>", *_SERVICE_PUB],
+        },
+        "engine": {
+            "subscribe": [f"{p}.engine.>", f"{p}.health.>", *_SERVICE_SUB],
+            "publish": [f"{p}.reply.>", f"{p}.events.>", *_SERVICE_PUB],
+        },
+        "agent": {
+            "subscribe": [f"{p}.reply.{AGENT_REPLY_NAMESPACE}.>", "_INBOX.>"],
+            "publish": [f"{p}.api.>"],
+        },
+        # health checks and the replay's own bookkeeping
+        "operator": {
+            "subscribe": ["_INBOX.>"],
+            "publish": [f"{p}.health.>", "$SRV.>", f"{p}.api.info"],
+        },
+    }
+
+
+@dataclass(frozen=True)
+class Credentials:
+    nats: dict[str, str]      # role -> password
+    redis_user: str
+    redis_password: str
+
+    def nats_users(self) -> list[tuple[str, str]]:
+        return list(self.nats.items())
+
+
+def generate_credentials() -> Credentials:
+    return Credentials(
+        nats={role: secrets.token_urlsafe(18) for role in ROLES},
+        redis_user="talaria",
+        redis_password=secrets.token_urlsafe(18),
+    )

@@ -1,0 +1,291 @@
+"""Scenarios, `talaria compare` and `talaria bench-sim`.
+
+A scenario file (TOML, `scenarios/*.toml`) makes a comparison reproducible from
+one file: the trace generator's settings (`[trace]`, every knob of
+`talaria.generate.GeneratorSettings`), the catalog and server profile, the
+number of servers, the policies and the seeds. `talaria compare SCENARIO` runs
+every policy over every seed on the simulator (the services' own policy code on
+a virtual clock) and prints one table: p50 and p95 SCT (median [min, max] over
+seeds), the ratio to the oracle and the speedup over the baseline.
+
+    talaria compare scenarios/4x120x5.toml --out results.json --markdown table.md
+    talaria bench-sim
+
+All figures are model seconds from the sim engine's cost model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from typing import Annotated, Any
+
+import msgspec
+
+from shared.catalog import CatalogError, load_catalog
+from shared.policy import PolicyError, resolve_policy
+from shared.trace import TraceSession
+from talaria.agent import DEFAULT_MAX_TOKENS
+from talaria.generate import GeneratorSettings, SettingsError, _check, generate
+from talaria.report import oracle_sct, summarize
+
+ROOT = Path(__file__).resolve().parent.parent
+TUNE_SEEDS = (1001, 1002, 1003)  # talaria.experiments.TUNE_SEEDS: never scored
+BENCH_SCENARIO = ROOT / "scenarios" / "bench-16x3000x5.toml"
+DEFAULT_TRACE = ROOT / "traces" / "swebench-30.jsonl"
+
+Pos = Annotated[int, msgspec.Meta(ge=1)]
+
+
+class ScenarioError(ValueError):
+    """A scenario file is unreadable or inconsistent (the message names the file and the field)."""
+
+
+class Scenario(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    name: str
+    description: str = ""
+    servers: Pos = 1
+    server_profile: str = "h100x8"
+    catalog: str = ""  # path to a catalog TOML (relative to the repository); "" = shared/data/catalog.toml
+    policies: list[str] = msgspec.field(default_factory=lambda: ["baseline", "talaria"])
+    seeds: list[int] = msgspec.field(default_factory=lambda: [0])
+    max_tokens: Pos = DEFAULT_MAX_TOKENS
+    trace: GeneratorSettings = msgspec.field(default_factory=GeneratorSettings)
+
+
+def _catalog_path(sc: Scenario) -> Path | None:
+    if not sc.catalog:
+        return None
+    p = Path(sc.catalog)
+    return p if p.is_absolute() else ROOT / p
+
+
+def load_scenario(path: str | Path) -> Scenario:
+    p = Path(path)
+    try:
+        data = p.read_bytes()
+    except OSError as exc:
+        raise ScenarioError(f"cannot read scenario {p}: {exc.strerror or exc}") from None
+    try:
+        sc = msgspec.toml.decode(data, type=Scenario)
+    except msgspec.ValidationError as exc:
+        msg, _, where = str(exc).partition(" - at `$.")
+        raise ScenarioError(f"{p}: " + (f"{where.rstrip('`')}: {msg}" if where else msg)) from None
+    except msgspec.DecodeError as exc:
+        raise ScenarioError(f"{p}: invalid TOML: {exc}") from None
+    problems: list[str] = []
+    try:
+        _check(sc.trace)
+    except SettingsError as exc:
+        problems.append(f"trace: {exc}")
+    try:
+        cat = load_catalog(_catalog_path(sc))
+        cat.server(sc.server_profile)
+        for m in sc.trace.models:
+            cat.model(m)
+    except (CatalogError, OSError) as exc:
+        problems.append(f"catalog: {exc}")
+    if not sc.policies:
+        problems.append("policies must name at least one policy")
+    if len(set(sc.policies)) != len(sc.policies):
+        problems.append(f"policies has duplicates: {sc.policies}")
+    for name in sc.policies:
+        try:
+            resolve_policy(name)
+        except PolicyError as exc:
+            problems.append(f"policies: {exc}")
+    if not sc.seeds:
+        problems.append("seeds must name at least one seed")
+    if len(set(sc.seeds)) != len(sc.seeds):
+        problems.append(f"seeds has duplicates: {sc.seeds}")
+    tuned_on = sorted(set(sc.seeds) & set(TUNE_SEEDS))
+    if tuned_on:
+        problems.append(f"seeds {tuned_on} were used to tune the policies and cannot be scored")
+    if problems:
+        raise ScenarioError(f"{p}: " + "; ".join(problems))
+    return sc
+
+
+# -- running -----------------------------------------------------------------------
+def trace_of(sc: Scenario, seed: int) -> list[TraceSession]:
+    return generate(sc.trace, seed=seed)
+
+
+def run_policy(sc: Scenario, sessions: list[TraceSession], policy_name: str, *, check: bool = False) -> dict:
+    from talaria.simulator import simulate
+
+    catalog = load_catalog(_catalog_path(sc))
+    pol = resolve_policy(policy_name)
+    r = simulate(sessions, catalog, pol, servers=sc.servers, server_profile=sc.server_profile,
+                 max_tokens=sc.max_tokens, check_invariants=check)
+    run = summarize(policy_name, sessions, r.sct, r.records, oracle_sct(sessions, catalog, sc.server_profile), extra={
+        "wall_s": r.wall_s, "switches": r.stats["switches"], "sp_admits": r.stats["sp_admits"],
+        "utilisation": sum(s["busy_s"] for s in r.servers) / (r.horizon_s * len(r.servers)) if r.horizon_s else 0.0,
+    })
+    run.pop("sessions")  # per-session SCTs: large for big scenarios and not needed by the table
+    return run
+
+
+def _job(args: tuple[str, int, str, bool]) -> tuple[int, str, dict]:
+    path, seed, policy_name, check = args
+    sc = load_scenario(path)
+    return seed, policy_name, run_policy(sc, trace_of(sc, seed), policy_name, check=check)
+
+
+def compare(path: str | Path, *, jobs: int = 1, check: bool = False, progress: bool = True) -> dict:
+    sc = load_scenario(path)
+    work = [(str(path), seed, name, check) for seed in sc.seeds for name in sc.policies]
+    results: dict[tuple[int, str], dict] = {}
+    t0 = time.perf_counter()
+    if jobs > 1:
+        with ProcessPoolExecutor(max_workers=jobs) as ex:
+            for seed, name, run in ex.map(_job, work):
+                results[(seed, name)] = run
+                if progress:
+                    print(f"  [{sc.name}] seed {seed} {name}: p50 {run['sct_p50_s']:.0f} s, "
+                          f"p95 {run['sct_p95_s']:.0f} s ({run['wall_s']:.1f} s wall)", file=sys.stderr)
+    else:
+        for seed in sc.seeds:
+            sessions = trace_of(sc, seed)
+            for name in sc.policies:
+                run = run_policy(sc, sessions, name, check=check)
+                results[(seed, name)] = run
+                if progress:
+                    print(f"  [{sc.name}] seed {seed} {name}: p50 {run['sct_p50_s']:.0f} s, "
+                          f"p95 {run['sct_p95_s']:.0f} s ({run['wall_s']:.1f} s wall)", file=sys.stderr)
+    policies: dict[str, dict] = {}
+    for name in sc.policies:
+        runs = [results[(seed, name)] for seed in sc.seeds]
+        v: dict[str, Any] = {k: [r[k] for r in runs] for k in (
+            "sct_p50_s", "sct_p95_s", "sct_mean_s", "ratio_to_oracle_p50", "ratio_to_oracle_p95",
+            "calls_completed", "calls_total", "switches", "wall_s")}
+        if "baseline" in sc.policies:
+            base = [results[(seed, "baseline")] for seed in sc.seeds]
+            v["speedup_p50"] = [b["sct_p50_s"] / r["sct_p50_s"] for b, r in zip(base, runs)]
+            v["speedup_p95"] = [b["sct_p95_s"] / r["sct_p95_s"] for b, r in zip(base, runs)]
+        policies[name] = v
+    return {"scenario": msgspec.to_builtins(sc), "path": str(path), "wall_s": time.perf_counter() - t0,
+            "policies": policies,
+            "runs": [{"seed": seed, **results[(seed, name)]} for seed in sc.seeds for name in sc.policies]}
+
+
+def _mr(xs: list[float], digits: int = 0) -> str:
+    med = statistics.median(xs)
+    if len(xs) == 1:
+        return f"{med:.{digits}f}"
+    return f"{med:.{digits}f} [{min(xs):.{digits}f}, {max(xs):.{digits}f}]"
+
+
+def markdown_table(result: dict) -> str:
+    sc = result["scenario"]
+    pols = result["policies"]
+    has_base = "baseline" in pols
+    head = ["policy", "p50 SCT s", "p95 SCT s", "p50 / oracle", "p95 / oracle"]
+    if has_base:
+        head += ["speedup p50", "speedup p95"]
+    head += ["calls completed"]
+    rows = ["| " + " | ".join(head) + " |", "| --- |" + " ---: |" * (len(head) - 1)]
+    for name, v in pols.items():
+        cells = [name, _mr(v["sct_p50_s"]), _mr(v["sct_p95_s"]), _mr(v["ratio_to_oracle_p50"], 2),
+                 _mr(v["ratio_to_oracle_p95"], 2)]
+        if has_base:
+            cells += [_mr(v["speedup_p50"], 2), _mr(v["speedup_p95"], 2)]
+        done, total = sum(v["calls_completed"]), sum(v["calls_total"])
+        cells.append(f"{done}/{total}")
+        rows.append("| " + " | ".join(cells) + " |")
+    calls = result["runs"][0]["calls_total"] if result["runs"] else 0
+    rows.append("")
+    rows.append(f"_{sc['name']}: {sc['servers']} x {sc['server_profile']}, {sc['trace']['sessions']} sessions "
+                f"({calls} calls per seed), {len(sc['trace']['models'])} models, gaps {sc['trace']['tool_gap_style']}; "
+                f"seeds {sc['seeds']}; median [min, max] over seeds; model seconds; "
+                f"{result['wall_s']:.0f} s of wall time._")
+    return "\n".join(rows)
+
+
+def cmd_compare(a: argparse.Namespace) -> int:
+    try:
+        result = compare(a.scenario, jobs=a.jobs, check=a.check)
+    except ScenarioError as exc:
+        print(f"talaria compare: error: {exc}", file=sys.stderr)
+        return 2
+    text = markdown_table(result)
+    print(text)
+    if a.out:
+        Path(a.out).write_text(json.dumps(result, indent=1, default=float))
+        print(f"results written to {a.out}")
+    if a.markdown:
+        Path(a.markdown).write_text(text + "\n")
+        print(f"table written to {a.markdown}")
+    incomplete = [n for n, v in result["policies"].items() if sum(v["calls_completed"]) != sum(v["calls_total"])]
+    if incomplete:
+        print(f"talaria compare: error: calls did not complete under {incomplete}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def configure_compare(p: argparse.ArgumentParser) -> None:
+    p.add_argument("scenario", help="scenario file (TOML), e.g. scenarios/4x120x5.toml")
+    p.add_argument("--out", help="JSON with every run's figures")
+    p.add_argument("--markdown", help="write the table as markdown here")
+    p.add_argument("--jobs", type=int, default=1, help="simulations in parallel (processes; default 1)")
+    p.add_argument("--check", action="store_true", help="check memory and KV bounds at every event")
+    p.set_defaults(fn=cmd_compare)
+
+
+# -- bench-sim ---------------------------------------------------------------------
+def cmd_bench(a: argparse.Namespace) -> int:
+    ok = True
+    exe = Path(sys.executable).with_name("talaria")
+    cmd = [str(exe), "sim", str(DEFAULT_TRACE), "--policy", a.policy]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=os.environ | {"PYTHONHASHSEED": "0"})
+    default_wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        print(proc.stderr, file=sys.stderr)
+        return 1
+    inner = next((line.split()[1] for line in proc.stdout.splitlines() if line.startswith("wall_s ")), "?")
+    good = default_wall < a.default_limit_s
+    ok &= good
+    print(f"talaria sim {DEFAULT_TRACE.relative_to(ROOT)} --policy {a.policy}: {default_wall:.2f} s wall for the "
+          f"whole command (simulation alone {inner} s); limit {a.default_limit_s:.0f} s: {'ok' if good else 'OVER'}")
+    try:
+        sc = load_scenario(a.scenario)
+    except ScenarioError as exc:
+        print(f"talaria bench-sim: error: {exc}", file=sys.stderr)
+        return 2
+    from talaria.simulator import simulate
+
+    t0 = time.perf_counter()
+    sessions = trace_of(sc, sc.seeds[0])
+    gen_s = time.perf_counter() - t0
+    calls = sum(len(s.calls) for s in sessions)
+    catalog = load_catalog(_catalog_path(sc))
+    for name in a.big_policy.split(","):
+        t1 = time.perf_counter()
+        r = simulate(sessions, catalog, resolve_policy(name), servers=sc.servers, server_profile=sc.server_profile,
+                     max_tokens=sc.max_tokens)
+        sim_s = time.perf_counter() - t1
+        done = sum(1 for x in r.records if x.finished_at > 0)
+        total = gen_s + sim_s
+        good = total < a.big_limit_s and done == calls
+        ok &= good
+        print(f"{sc.name} ({len(sessions)} sessions, {calls} calls, {sc.servers} servers) --policy {name}: "
+              f"{total:.1f} s wall (generate {gen_s:.1f} s + simulate {sim_s:.1f} s), {done}/{calls} calls completed; "
+              f"limit {a.big_limit_s:.0f} s: {'ok' if good else 'OVER'}")
+    return 0 if ok else 1
+
+
+def configure_bench(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--policy", default="talaria", help="policy for the default-trace run (default talaria)")
+    p.add_argument("--scenario", default=str(BENCH_SCENARIO), help="the ~100,000-call scenario")
+    p.add_argument("--big-policy", default="talaria", help="comma-separated policies for the big run (default talaria)")
+    p.add_argument("--default-limit-s", type=float, default=5.0)
+    p.add_argument("--big-limit-s", type=float, default=120.0)
+    p.set_defaults(fn=cmd_bench)

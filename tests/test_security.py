@@ -1,0 +1,143 @@
+"""Authentication and authorisation against a real NATS and Redis: nobody
+unauthenticated gets on the bus or into the store, and an agent cannot use a
+service's subjects."""
+
+from __future__ import annotations
+
+import asyncio
+
+import nats
+import pytest
+import redis.asyncio as aioredis
+from redis.exceptions import AuthenticationError, ResponseError
+
+from shared.auth import ROLES, generate_credentials, nats_permissions
+from talaria.infra import NatsServer, RedisServer
+
+PREFIX = "sec"
+
+
+@pytest.fixture(scope="module")
+def creds():
+    return generate_credentials()
+
+
+@pytest.fixture(scope="module")
+def secure_nats(creds, tmp_path_factory):
+    srv = NatsServer(users=creds.nats_users(), permissions=nats_permissions(PREFIX),
+                     store_dir=tmp_path_factory.mktemp("natssec"))
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def secure_redis(creds, tmp_path_factory):
+    srv = RedisServer(acl_users={creds.redis_user: creds.redis_password}, password="not-for-clients",
+                      dir=tmp_path_factory.mktemp("redissec"))
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+async def connect(server: NatsServer, role: str | None, creds, errors: list | None = None):
+    async def on_error(e: Exception) -> None:
+        if errors is not None:
+            errors.append(e)
+
+    kw = {"user": role, "password": creds.nats[role]} if role else {}
+    return await nats.connect(server.plain_url, allow_reconnect=False, connect_timeout=3, error_cb=on_error, **kw)
+
+
+async def test_unauthenticated_client_is_refused(secure_nats: NatsServer, creds) -> None:
+    with pytest.raises(Exception) as exc:
+        await connect(secure_nats, None, creds)
+    assert "authorization" in str(exc.value).lower() or isinstance(exc.value, (nats.errors.NoServersError,))
+
+
+async def test_wrong_password_is_refused(secure_nats: NatsServer, creds) -> None:
+    with pytest.raises(Exception):
+        await nats.connect(secure_nats.plain_url, user="agent", password="guess", allow_reconnect=False, connect_timeout=3)
+
+
+@pytest.mark.parametrize("subject", [f"{PREFIX}.admission.s0.submit", f"{PREFIX}.engine.s0.m.run",
+                                     f"{PREFIX}.substrate.s0.switch", f"{PREFIX}.events.s0.finished"])
+async def test_agent_cannot_publish_to_service_subjects(secure_nats: NatsServer, creds, subject: str) -> None:
+    role_for = {"admission": "admission", "engine": "engine", "substrate": "substrate", "events": "admission"}
+    listener = await connect(secure_nats, role_for[subject.split(".")[1]], creds)
+    got: list = []
+
+    async def record(msg) -> None:
+        got.append(msg)
+
+    sub = await listener.subscribe(subject, cb=record)
+    await listener.flush()
+    errors: list = []
+    agent = await connect(secure_nats, "agent", creds, errors)
+    try:
+        await agent.publish(subject, b'{"type":"submit"}')
+        await agent.flush()
+        await asyncio.sleep(0.3)
+        assert got == []  # never delivered
+        assert any("permissions violation" in str(e).lower() for e in errors), errors
+    finally:
+        await sub.unsubscribe()
+        await agent.close()
+        await listener.close()
+
+
+async def test_agent_cannot_read_other_replies_or_service_traffic(secure_nats: NatsServer, creds) -> None:
+    errors: list = []
+    agent = await connect(secure_nats, "agent", creds, errors)
+    try:
+        await agent.subscribe(f"{PREFIX}.engine.>")
+        await agent.subscribe(f"{PREFIX}.reply.other-tenant.>")
+        await agent.flush()
+        await asyncio.sleep(0.3)
+        assert sum("permissions violation" in str(e).lower() for e in errors) >= 2, errors
+    finally:
+        await agent.close()
+
+
+async def test_agent_may_call_the_api_and_hear_its_replies(secure_nats: NatsServer, creds) -> None:
+    router = await connect(secure_nats, "router", creds)
+    errors: list = []
+    agent = await connect(secure_nats, "agent", creds, errors)
+    try:
+        async def answer(msg) -> None:
+            await router.publish(f"{PREFIX}.reply.agent.c1.x", b"done")
+            await msg.respond(b"ok")
+
+        await router.subscribe(f"{PREFIX}.api.call", cb=answer)
+        await router.flush()
+        inbox = await agent.subscribe(f"{PREFIX}.reply.agent.c1.>")
+        resp = await agent.request(f"{PREFIX}.api.call", b"{}", timeout=3)
+        assert resp.data == b"ok"
+        msg = await inbox.next_msg(timeout=3)
+        assert msg.data == b"done" and errors == []
+    finally:
+        await agent.close()
+        await router.close()
+
+
+def test_every_role_has_an_allow_list() -> None:
+    perms = nats_permissions("p")
+    assert set(perms) == set(ROLES)
+    for role, p in perms.items():
+        assert p["publish"] and p["subscribe"], role
+        assert ">" not in p["publish"] and ">" not in p["subscribe"], role  # no wildcard-everything
+    assert perms["agent"]["publish"] == ["p.api.>"]
+
+
+async def test_redis_refuses_unauthenticated_and_wrong_password(secure_redis: RedisServer, creds) -> None:
+    anon = aioredis.Redis(host="127.0.0.1", port=secure_redis.port)
+    with pytest.raises((AuthenticationError, ResponseError)):
+        await anon.set("k", "v")
+    await anon.aclose()
+    bad = aioredis.Redis(host="127.0.0.1", port=secure_redis.port, username=creds.redis_user, password="guess")
+    with pytest.raises((AuthenticationError, ResponseError)):
+        await bad.ping()
+    await bad.aclose()
+    good = aioredis.Redis.from_url(secure_redis.url)
+    assert await good.set("k", "v") and await good.get("k") == b"v"
+    await good.aclose()
