@@ -18,27 +18,28 @@ AGENT_REPLY_NAMESPACE = "agent"
 
 # what every service needs to be a NATS micro service and to make requests
 _SERVICE_SUB = ["$SRV.>", "_INBOX.>"]
-_SERVICE_PUB = ["_INBOX.>"]
+_SERVICE_PUB = ["_INBOX.>"]  # (health checks inside a service's container ping with its own user)
 
 
 def nats_permissions(prefix: str) -> dict[str, dict[str, list[str]]]:
     p = prefix
+    service_pub = [*_SERVICE_PUB, f"{p}.health.>"]
     return {
         "router": {
             "subscribe": [f"{p}.api.>", f"{p}.health.>", *_SERVICE_SUB],
-            "publish": [f"{p}.admission.*.submit", f"{p}.reply.>", f"{p}.events.session_ended", *_SERVICE_PUB],
+            "publish": [f"{p}.admission.*.submit", f"{p}.reply.>", f"{p}.events.session_ended", *service_pub],
         },
         "admission": {
             "subscribe": [f"{p}.admission.*.submit", f"{p}.events.>", f"{p}.health.>", *_SERVICE_SUB],
-            "publish": [f"{p}.engine.>", f"{p}.substrate.>", f"{p}.reply.>", *_SERVICE_PUB],
+            "publish": [f"{p}.engine.>", f"{p}.substrate.>", f"{p}.reply.>", *service_pub],
         },
         "substrate": {
             "subscribe": [f"{p}.substrate.>", f"{p}.events.>", f"{p}.health.>", *_SERVICE_SUB],
-            "publish": [f"{p}.engine.>", *_SERVICE_PUB],
+            "publish": [f"{p}.engine.>", *service_pub],
         },
         "engine": {
             "subscribe": [f"{p}.engine.>", f"{p}.health.>", *_SERVICE_SUB],
-            "publish": [f"{p}.reply.>", f"{p}.events.>", *_SERVICE_PUB],
+            "publish": [f"{p}.reply.>", f"{p}.events.>", *service_pub],
         },
         "agent": {
             "subscribe": [f"{p}.reply.{AGENT_REPLY_NAMESPACE}.>", "_INBOX.>"],

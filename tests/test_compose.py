@@ -1,0 +1,418 @@
+"""The GPU deployment (compose.yaml, deploy/, .env.example) checked without Docker.
+
+No Docker engine runs where these tests run, so:
+
+- compose.yaml is validated against the Compose Specification's JSON schema
+  (deploy/compose-spec.json, a verbatim copy) and against our own rules (GPU
+  reservations, health checks, restart policies, depends_on conditions);
+- deploy/nats/nats.conf and deploy/redis/redis.conf are loaded by the real
+  nats-server and redis-server binaries;
+- every service of ours is started outside Docker with exactly the command
+  and environment compose.yaml gives it (env files, then its `environment:`
+  block), with only the NATS and Redis URLs rewritten to a test NATS and
+  Redis on free ports, and the GPU engine-workers on the sim backend; each
+  must pass its own compose healthcheck command, and an agent call must go
+  through them.
+
+What this does not show: that the images build and run (deploy/Dockerfile,
+deploy/Dockerfile.vllm), or anything on a GPU. See docs/deploy.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+yaml = pytest.importorskip("yaml")
+jsonschema = pytest.importorskip("jsonschema")
+
+from talaria import healthcheck  # noqa: E402
+from talaria.infra import NatsServer, ProcessGroup, RedisServer, find_nats_server, find_redis_server, free_port  # noqa: E402
+from talaria.stack import DEFAULT_MODELS  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+COMPOSE = ROOT / "compose.yaml"
+SCHEMA = ROOT / "deploy" / "compose-spec.json"
+ENV_EXAMPLE = ROOT / ".env.example"
+SERVICE_KINDS = {"services.router": "router", "services.admission": "admission",
+                 "services.substrate": "substrate", "services.engine": "engine"}
+SETTING_RE = re.compile(r"^\s*#?\s*(TALARIA_[A-Z0-9_]+)=")
+
+pytestmark = pytest.mark.timeout(180)
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def load_compose() -> dict[str, Any]:
+    return yaml.safe_load(COMPOSE.read_text())
+
+
+def ours(compose: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Services that run one of our modules (python -m services.<x>)."""
+    out = {}
+    for name, svc in compose["services"].items():
+        cmd = svc.get("command")
+        if isinstance(cmd, list) and len(cmd) >= 3 and cmd[1] == "-m" and cmd[2].startswith("services."):
+            out[name] = svc
+    return out
+
+
+def parse_env_file(path: Path) -> dict[str, str]:
+    """Compose's env-file rules for the subset we use: KEY=VALUE lines, '#' comments, blanks."""
+    env: dict[str, str] = {}
+    for raw in path.read_text().splitlines():
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        key, sep, value = line.partition("=")
+        assert sep, f"{path.name}: not KEY=VALUE: {raw!r}"
+        assert key == key.strip() and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key), f"bad key {key!r}"
+        env[key] = value
+    return env
+
+
+def env_files(svc: dict[str, Any]) -> list[tuple[Path, bool]]:
+    spec = svc.get("env_file", [])
+    if isinstance(spec, str):
+        spec = [spec]
+    out = []
+    for item in spec:
+        if isinstance(item, str):
+            out.append((ROOT / item, True))
+        else:
+            out.append((ROOT / item["path"], bool(item.get("required", True))))
+    return out
+
+
+def service_env(svc: dict[str, Any]) -> dict[str, str]:
+    """The environment compose gives the container: env files in order, then `environment:`.
+
+    Optional env files that do not exist are skipped, as compose does; a developer's
+    own `.env` is skipped too, so the test sees only what the repository ships.
+    """
+    env: dict[str, str] = {}
+    for path, required in env_files(svc):
+        if not required:
+            continue
+        env.update(parse_env_file(path))
+    block = svc.get("environment") or {}
+    if isinstance(block, list):
+        block = dict(item.split("=", 1) for item in block)
+    env.update({k: "" if v is None else str(v) for k, v in block.items()})
+    return env
+
+
+def host_argv(cmd: list[str]) -> list[str]:
+    """A container command run here: `python` is this interpreter."""
+    if cmd and cmd[0] == "CMD":
+        cmd = cmd[1:]
+    return [sys.executable if c == "python" else c for c in cmd]
+
+
+def settings_read_by_code() -> set[str]:
+    names: set[str] = set()
+    for pkg in ("shared", "services", "talaria"):
+        for f in (ROOT / pkg).rglob("*.py"):
+            names.update(re.findall(r"\b(TALARIA_[A-Z0-9_]*[A-Z0-9])\b", f.read_text()))
+    return names
+
+
+# --------------------------------------------------------------------------- the schema
+
+
+def test_compose_matches_the_compose_spec_schema() -> None:
+    schema = json.loads(SCHEMA.read_text())
+    validator = jsonschema.Draft7Validator(schema)
+    errors = sorted(validator.iter_errors(load_compose()), key=lambda e: list(e.absolute_path))
+    assert not errors, "\n".join(f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in errors)
+
+
+def test_the_schema_does_reject_a_broken_file() -> None:
+    """The validator is live: a wrong depends_on condition and an unknown key fail."""
+    validator = jsonschema.Draft7Validator(json.loads(SCHEMA.read_text()))
+    doc = load_compose()
+    doc["services"]["router"]["depends_on"]["nats"]["condition"] = "service_ready"
+    doc["services"]["admission"]["restart_policy"] = "always"
+    messages = [e.message for e in validator.iter_errors(doc)]
+    assert len(messages) >= 2
+
+
+@pytest.mark.skipif(not Path("/work/shared/schemas/compose-spec.json").exists(), reason="no shared copy here")
+def test_repo_schema_is_the_verbatim_copy() -> None:
+    assert SCHEMA.read_bytes() == Path("/work/shared/schemas/compose-spec.json").read_bytes()
+
+
+# --------------------------------------------------------------------------- our rules
+
+
+def test_every_service_of_ours_runs_a_module_that_exists() -> None:
+    compose = load_compose()
+    services = ours(compose)
+    kinds = set()
+    for name, svc in services.items():
+        cmd = svc["command"]
+        assert cmd[:2] == ["python", "-m"] and len(cmd) == 3, f"{name}: {cmd}"
+        module = cmd[2]
+        assert module in SERVICE_KINDS, f"{name}: unknown module {module}"
+        assert importlib.util.find_spec(module) is not None, f"{name}: no module {module}"
+        assert importlib.util.find_spec(f"{module}.__main__") is not None, f"{name}: {module} has no __main__"
+        kinds.add(SERVICE_KINDS[module])
+    assert kinds == set(SERVICE_KINDS.values())
+    assert {"router", "admission", "substrate-manager"} <= set(services)
+
+
+def test_one_gpu_engine_worker_per_default_model() -> None:
+    compose = load_compose()
+    engines = {n: s for n, s in ours(compose).items() if s["command"][2] == "services.engine"}
+    models = sorted(service_env(s)["TALARIA_MODEL"] for s in engines.values())
+    assert models == sorted(DEFAULT_MODELS)
+    catalog_models = service_env(next(iter(engines.values())))["TALARIA_MODELS"].split(",")
+    assert sorted(catalog_models) == sorted(DEFAULT_MODELS)
+    for name, svc in engines.items():
+        env = service_env(svc)
+        assert env["TALARIA_SERVER_ID"] and env["TALARIA_ENGINE"] == "vllm", name
+        devices = svc["deploy"]["resources"]["reservations"]["devices"]
+        assert any(d.get("driver") == "nvidia" and "gpu" in d["capabilities"] for d in devices), name
+        mounts = [v if isinstance(v, str) else f"{v['source']}:{v['target']}" for v in svc["volumes"]]
+        assert any(m.split(":")[0] == "model-weights" for m in mounts), name
+        assert svc["build"]["dockerfile"] == "deploy/Dockerfile.vllm"
+    assert "model-weights" in compose["volumes"]
+
+
+def test_health_checks_restarts_and_start_order() -> None:
+    compose = load_compose()
+    svcs = compose["services"]
+    assert "/healthz" in " ".join(svcs["nats"]["healthcheck"]["test"])
+    assert svcs["redis"]["healthcheck"]["test"][1:] == ["redis-cli", "ping"]
+    for name, svc in svcs.items():
+        assert svc.get("restart") in ("always", "unless-stopped", "on-failure"), name
+        assert svc.get("healthcheck", {}).get("test"), f"{name}: no healthcheck"
+    for name, svc in ours(compose).items():
+        test = svc["healthcheck"]["test"]
+        assert test[:4] == ["CMD", "python", "-m", "talaria.healthcheck"], name
+        deps = svc["depends_on"]
+        for infra in ("nats", "redis"):
+            assert deps[infra]["condition"] == "service_healthy", f"{name} -> {infra}"
+        for dep, spec in deps.items():
+            assert dep in svcs and spec["condition"] == "service_healthy", f"{name} -> {dep}"
+
+
+def test_dockerfiles_and_config_files_exist() -> None:
+    compose = load_compose()
+    for svc in compose["services"].values():
+        if "build" in svc:
+            assert (ROOT / svc["build"]["context"] / svc["build"]["dockerfile"]).is_file()
+        for vol in svc.get("volumes", []):
+            src = vol.split(":")[0] if isinstance(vol, str) else vol["source"]
+            if src.startswith("."):
+                assert (ROOT / src).is_file(), src
+    base = (ROOT / "deploy" / "Dockerfile").read_text()
+    assert re.search(r"^FROM python:3\.11-slim\b", base, re.M) and "pip install ." in base
+    gpu = (ROOT / "deploy" / "Dockerfile.vllm").read_text()
+    pinned = re.search(r"^ARG VLLM_VERSION=(\d+\.\d+\.\d+)$", gpu, re.M)
+    assert pinned and "FROM vllm/vllm-openai:v${VLLM_VERSION}" in gpu
+    assert all(s["build"]["args"]["VLLM_VERSION"] == pinned.group(1)
+               for s in compose["services"].values() if s.get("build", {}).get("dockerfile") == "deploy/Dockerfile.vllm")
+
+
+# --------------------------------------------------------------------------- settings
+
+
+def test_env_example_names_every_setting_with_a_comment() -> None:
+    lines = ENV_EXAMPLE.read_text().splitlines()
+    named: dict[str, int] = {}
+    for i, line in enumerate(lines):
+        m = SETTING_RE.match(line)
+        if m:
+            named.setdefault(m.group(1), i)
+            prev = lines[i - 1].strip() if i else ""
+            assert prev.startswith("#") and not SETTING_RE.match(prev), f"{m.group(1)}: no comment line above it"
+    missing = settings_read_by_code() - set(named)
+    assert not missing, f".env.example does not name {sorted(missing)}"
+    active = parse_env_file(ENV_EXAMPLE)
+    assert all(k.startswith("TALARIA_") for k in active)
+    # the deployment's defaults: real time, services reach NATS and Redis by their compose names
+    assert active["TALARIA_TIME_SCALE"] == "1"
+    assert active["TALARIA_NATS_URL"] == "nats://nats:4222"
+    assert active["TALARIA_REDIS_URL"] == "redis://redis:6379/0"
+    for name, svc in ours(load_compose()).items():
+        assert (ENV_EXAMPLE, True) in env_files(svc), name
+
+
+def test_env_example_values_are_accepted_by_the_settings_parser() -> None:
+    from shared.settings import Settings
+
+    env = parse_env_file(ENV_EXAMPLE)
+    old = {k: v for k, v in os.environ.items() if k.startswith("TALARIA_")}
+    try:
+        for k in old:
+            del os.environ[k]
+        os.environ.update(env)
+        s = Settings.from_env([])
+    finally:
+        for k in env:
+            os.environ.pop(k, None)
+        os.environ.update(old)
+    assert s.nats_urls == ["nats://nats:4222"] and s.policy.name == "talaria"
+    assert s.models == DEFAULT_MODELS
+
+
+# --------------------------------------------------------------------------- NATS and Redis configs
+
+
+def test_nats_conf_loads_with_jetstream(tmp_path: Path) -> None:
+    port, mon = free_port(), free_port()
+    # The file as shipped, but JetStream's store in a temp dir instead of the container's volume
+    # (nats-server refuses -sd beside a store_dir in the file).
+    conf = (ROOT / "deploy/nats/nats.conf").read_text()
+    assert conf.count('store_dir: "/data/jetstream"') == 1
+    local = tmp_path / "nats.conf"
+    local.write_text(conf.replace('store_dir: "/data/jetstream"', f'store_dir: "{tmp_path / "js"}"'))
+    argv = [find_nats_server(), "-c", str(local), "-a", "127.0.0.1", "-p", str(port), "-m", str(mon)]
+    group = ProcessGroup()
+    group.add("nats-conf", argv, log_path=tmp_path / "nats.log")
+    group.start_all()
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{mon}/healthz?js-enabled-only=true", timeout=1) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            assert group.running("nats-conf"), (tmp_path / "nats.log").read_text()
+            assert time.monotonic() < deadline, (tmp_path / "nats.log").read_text()
+            time.sleep(0.1)
+        with urllib.request.urlopen(f"http://127.0.0.1:{mon}/jsz", timeout=2) as r:
+            jsz = json.loads(r.read())
+        assert jsz["config"]["store_dir"].startswith(str(tmp_path / "js"))
+        with urllib.request.urlopen(f"http://127.0.0.1:{mon}/varz", timeout=2) as r:
+            varz = json.loads(r.read())
+        assert varz["server_name"] == "talaria-nats-0" and varz["max_payload"] == 8 * 1024 * 1024
+    finally:
+        group.stop_all()
+
+
+def test_redis_conf_loads(tmp_path: Path) -> None:
+    import redis
+
+    port = free_port()
+    argv = [find_redis_server(), str(ROOT / "deploy/redis/redis.conf"), "--port", str(port),
+            "--bind", "127.0.0.1", "--dir", str(tmp_path)]
+    group = ProcessGroup()
+    group.add("redis-conf", argv, log_path=tmp_path / "redis.log")
+    group.start_all()
+    try:
+        r = redis.Redis(port=port, socket_connect_timeout=1)
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                if r.ping():
+                    break
+            except redis.ConnectionError:
+                pass
+            assert group.running("redis-conf"), (tmp_path / "redis.log").read_text()
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        assert r.config_get("maxmemory-policy")["maxmemory-policy"] == "volatile-lru"
+        assert r.config_get("save")["save"] == "" and r.config_get("appendonly")["appendonly"] == "no"
+        r.close()
+    finally:
+        group.stop_all()
+
+
+# --------------------------------------------------------------------------- the healthcheck module
+
+
+def test_healthcheck_instance_names() -> None:
+    env = {"TALARIA_SERVER_ID": "s3", "TALARIA_MODEL": "glm-4.5-fp8", "TALARIA_INSTANCE_ID": "2"}
+    assert healthcheck.instance_name("router", env) == "router-2"
+    assert healthcheck.instance_name("admission", env) == "admission-s3"
+    assert healthcheck.instance_name("substrate", env) == "substrate-s3"
+    assert healthcheck.instance_name("engine", env) == "engine-s3-glm-4.5-fp8"
+    with pytest.raises(ValueError):
+        healthcheck.instance_name("engine", {"TALARIA_SERVER_ID": "s0"})
+
+
+def test_healthcheck_fails_without_nats_or_responder(nats_server: NatsServer) -> None:
+    dead = f"nats://127.0.0.1:{free_port()}"
+    assert healthcheck.main(["--instance", "admission-s0", "--nats", dead, "--timeout", "1", "-q"]) == 1
+    assert healthcheck.main(["--instance", "nobody", "--nats", nats_server.url, "--timeout", "1", "-q"]) == 1
+
+
+# --------------------------------------------------------------------------- end to end
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+async def test_compose_services_start_outside_docker_and_serve_a_call(tmp_path: Path) -> None:
+    from talaria.client import TalariaClient
+
+    nats = NatsServer(jetstream=True, store_dir=tmp_path / "js", log_file=tmp_path / "nats.log")
+    redis = RedisServer(dir=tmp_path / "redis", log_file=tmp_path / "redis.log")
+    await nats.astart()
+    await redis.astart()
+    group = ProcessGroup()
+    try:
+        # Containers do not inherit the host's environment; keep only what a process
+        # needs to run here (PATH, locale, HOME), never a TALARIA_* from the caller.
+        host = {k: v for k, v in os.environ.items()
+                if k in ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "VIRTUAL_ENV", "SYSTEMROOT")}
+        host["PYTHONPATH"] = str(ROOT)  # the image installs the package; here, the checkout
+        plan: list[tuple[str, list[str], list[str], dict[str, str]]] = []
+        for name, svc in ours(load_compose()).items():
+            env = service_env(svc)
+            env["TALARIA_NATS_URL"] = nats.url
+            env["TALARIA_REDIS_URL"] = redis.url
+            if env.get("TALARIA_ENGINE") == "vllm":
+                env["TALARIA_ENGINE"] = "sim"  # no GPU here: the sim backend in the GPU worker's place
+            full = {**host, **env}
+            plan.append((name, host_argv(svc["command"]), host_argv(svc["healthcheck"]["test"]), full))
+            group.add(name, host_argv(svc["command"]), env=full, log_path=tmp_path / f"{name}.log", inherit_env=False)
+        group.start_all()
+
+        async def healthy(name: str, argv: list[str], env: dict[str, str]) -> None:
+            deadline = time.monotonic() + 90
+            while True:
+                proc = await asyncio.create_subprocess_exec(*argv, env=env, stdout=subprocess.DEVNULL,
+                                                            stderr=subprocess.DEVNULL, cwd=tmp_path)
+                if await proc.wait() == 0:
+                    return
+                if not group.running(name) or time.monotonic() > deadline:
+                    log = (tmp_path / f"{name}.log").read_text()[-3000:]
+                    raise AssertionError(f"{name} not healthy (running={group.running(name)}):\n{log}")
+                await asyncio.sleep(0.5)
+
+        await asyncio.gather(*(healthy(name, hc, env) for name, _, hc, env in plan))
+
+        prefix = plan[0][3]["TALARIA_SUBJECT_PREFIX"]
+        client = await TalariaClient.connect([nats.url], subject_prefix=prefix, silence_s=30.0)
+        try:
+            session = await client.open_session("glm-4.5-air-fp8")
+            reply = await asyncio.wait_for(
+                session.call(prompt_tokens=512, max_tokens=16, sim_output_tokens=8, call_id=f"{session.session_id}#0"),
+                timeout=150)
+            await session.end()
+        finally:
+            await client.close()
+        assert reply.output_tokens == 8 and reply.prompt_tokens == 512
+        assert reply.server_id == "s0" and reply.model == "glm-4.5-air-fp8"
+        for name in group.children:
+            assert group.running(name) and not group[name].exit_codes, name
+    finally:
+        await group.astop_all(timeout=10)
+        await redis.astop()
+        await nats.astop()
