@@ -174,7 +174,13 @@ class Session:
         self.context_limit = context_limit
 
     async def call(self, **kw: object) -> CallReply:
-        return await self.client.call(self.session_id, self.model, **kw)  # type: ignore[arg-type]
+        try:
+            return await self.client.call(self.session_id, self.model, **kw)  # type: ignore[arg-type]
+        except UnknownSession:
+            # the store lost its soft state (Redis restarted or flushed): the
+            # session is ours, so open it again under its id and retry once
+            await self.client.open_session(self.model, session_id=self.session_id)
+            return await self.client.call(self.session_id, self.model, **kw)  # type: ignore[arg-type]
 
     async def end(self) -> None:
         await self.client.end_session(self.session_id)

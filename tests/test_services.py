@@ -633,3 +633,28 @@ async def svc_redis_hash(svc: "Services") -> dict[bytes, bytes]:
         return await r.hgetall(Keys(svc.key_prefix).server(SERVER))
     finally:
         await r.aclose()
+
+
+async def test_redis_loss_mid_session_is_survived(nats_server: NatsServer, redis_server: RedisServer,
+                                                 subject_prefix: str, key_prefix: str, tmp_path: Path) -> None:
+    """Redis loses everything (FLUSHALL) between two calls of a session: the
+    client re-opens its session, the services rebuild their soft state, and the
+    call is served."""
+    svc = Services(nats_server.url, redis_server.url, subject_prefix, key_prefix, tmp_path / "logs", models=[MODEL_A])
+    await svc.start()
+    try:
+        async with await TalariaClient.connect(nats_server.url, subject_prefix=subject_prefix) as c:
+            sess = await c.open_session(MODEL_A)
+            r1 = await sess.call(prompt_tokens=3000, max_tokens=512, sim_output_tokens=40)
+            r = aioredis.Redis.from_url(redis_server.url)
+            await r.flushall()
+            r2 = await sess.call(prompt_tokens=3000 + 40 + 200, prefix_tokens=3040, max_tokens=512, sim_output_tokens=20)
+            assert r1.output_tokens == 40 and r2.output_tokens == 20
+            # the server's mirror is back (rebuilt from the admission service's own state)
+            deadline = time.monotonic() + 5
+            while not await r.exists(f"{key_prefix}server:{SERVER}"):
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.05)
+            await r.aclose()
+    finally:
+        await svc.stop()
