@@ -152,13 +152,19 @@ class Router(ServiceProcess):
         pipe.hgetall(self.keys.kv_locality(req.session_id))
         pipe.get(self.keys.reservation(req.session_id))
         pipe.expire(self.keys.session_gaps(req.session_id), SESSION_TTL_S)
+        # every server's mirrored state in the same round trip: fewer hops, less
+        # wall latency, which a scaled clock multiplies
+        n = len(self.settings.servers)
+        for server_id in self.settings.servers:
+            pipe.hgetall(self.keys.server(server_id))
         results = await pipe.execute()
+        server_hashes = results[len(results) - n:]
+        results = results[: len(results) - n]
         gaps_raw, outputs_raw, kv_raw, resv_raw = results[-5], results[-4], results[-3], results[-2]
         reserved_on = resv_raw.decode().split("|", 1)[0] if resv_raw else None
         kv = {k.decode(): v.decode() for k, v in kv_raw.items()}
         views = []
-        for server_id in self.settings.servers:
-            h = await self.redis.hgetall(self.keys.server(server_id))
+        for server_id, h in zip(self.settings.servers, server_hashes):
             g = {k.decode(): v.decode() for k, v in h.items()}
             models = frozenset(filter(None, g.get("models", ",".join(self.settings.models)).split(",")))
             views.append(ServerView(
