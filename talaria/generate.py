@@ -27,6 +27,7 @@ import msgspec
 
 from shared.catalog import CatalogError, load_catalog
 from shared.trace import TraceCall, TraceSession, encode_trace, session_prompts
+from shared.tomlfile import load_toml_struct
 
 __all__ = [
     "GeneratorSettings",
@@ -128,17 +129,7 @@ def _check(s: GeneratorSettings) -> GeneratorSettings:
 
 def load_settings(path: str | Path) -> GeneratorSettings:
     p = Path(path)
-    try:
-        data = p.read_bytes()
-    except OSError as exc:
-        raise SettingsError(f"cannot read settings {p}: {exc.strerror or exc}") from None
-    try:
-        settings = msgspec.toml.decode(data, type=GeneratorSettings)
-    except msgspec.ValidationError as exc:
-        msg, _, where = str(exc).partition(" - at `$.")
-        raise SettingsError(f"{p}: " + (f"{where.rstrip('`')}: {msg}" if where else msg)) from None
-    except msgspec.DecodeError as exc:
-        raise SettingsError(f"{p}: invalid TOML: {exc}") from None
+    settings = load_toml_struct(p, GeneratorSettings, SettingsError, "settings")
     try:
         return _check(settings)
     except SettingsError as exc:

@@ -32,6 +32,7 @@ import msgspec
 from shared.catalog import CatalogError, load_catalog
 from shared.policy import PolicyError, resolve_policy
 from shared.trace import TraceSession
+from shared.tomlfile import load_toml_struct
 from talaria.agent import DEFAULT_MAX_TOKENS
 from talaria.generate import GeneratorSettings, SettingsError, _check, generate
 from talaria.report import oracle_sct, summarize
@@ -69,17 +70,7 @@ def _catalog_path(sc: Scenario) -> Path | None:
 
 def load_scenario(path: str | Path) -> Scenario:
     p = Path(path)
-    try:
-        data = p.read_bytes()
-    except OSError as exc:
-        raise ScenarioError(f"cannot read scenario {p}: {exc.strerror or exc}") from None
-    try:
-        sc = msgspec.toml.decode(data, type=Scenario)
-    except msgspec.ValidationError as exc:
-        msg, _, where = str(exc).partition(" - at `$.")
-        raise ScenarioError(f"{p}: " + (f"{where.rstrip('`')}: {msg}" if where else msg)) from None
-    except msgspec.DecodeError as exc:
-        raise ScenarioError(f"{p}: invalid TOML: {exc}") from None
+    sc = load_toml_struct(p, Scenario, ScenarioError, "scenario")
     problems: list[str] = []
     try:
         _check(sc.trace)
