@@ -34,12 +34,15 @@ DEFAULT_SETTINGS = "traces/swebench-30.toml"
 TUNE_SEEDS = (1001, 1002, 1003)
 SCORE_SEEDS = tuple(range(1, 11))
 
-# The same budget for each policy: 16 configurations.
+# The same budget for each policy: 32 configurations.
 GRIDS: dict[str, dict[str, list[Any]]] = {
-    # under the drain rule the baseline's slot length has no effect (docs/scheduler.md): one point
+    # under the drain rule the baseline's slot length has no effect (docs/scheduler.md): one point;
+    # the preempt rule at 31 slot lengths from 10 s to 3,600 s
     "baseline": {"closing_slot": [("drain", 60.0)] + [("preempt", s) for s in (
-        15.0, 20.0, 30.0, 45.0, 60.0, 90.0, 120.0, 180.0, 240.0, 360.0, 480.0, 720.0, 960.0, 1440.0, 1920.0)]},
-    "talaria": {"slot_s": [120.0, 240.0, 480.0, 960.0], "idle_hold_max_s": [0.0, 2.0], "next_model": ["round-robin", "oldest-first"]},
+        10.0, 12.0, 15.0, 18.0, 20.0, 24.0, 27.0, 30.0, 33.0, 36.0, 40.0, 45.0, 50.0, 60.0, 75.0, 90.0,
+        105.0, 120.0, 150.0, 180.0, 240.0, 300.0, 360.0, 480.0, 600.0, 720.0, 960.0, 1200.0, 1440.0, 1920.0, 3600.0)]},
+    "talaria": {"slot_s": [120.0, 240.0, 480.0, 960.0], "idle_hold_max_s": [0.0, 2.0],
+                "next_model": ["round-robin", "oldest-first"], "hold_factor": [1.5, 3.0]},
 }
 
 

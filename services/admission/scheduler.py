@@ -261,6 +261,27 @@ class RoundScheduler:
         self._schedule(now, actions)
         return actions
 
+    def recover_active(self, model: str, kv_capacity: int, running: list[tuple[AdmissionCall, int]], now: float) -> None:
+        """After a restart of the service that drives this scheduler: `model` is
+        awake on the engine with `running` (call, reserved KV) in flight. Open a
+        slot of it as at an admission point (no actions: the calls already run),
+        so the slot drains them before any switch (docs/reliability.md)."""
+        if model not in self.models:
+            raise ValueError(f"{self.server_id}: model {model!r} is not served here")
+        self.active = model
+        self.kv_capacity = kv_capacity
+        self.phase = "open"
+        self.slot_id += 1
+        self.slot_open_at = now
+        self.slot_deadline = now + self.policy.slot_s
+        self.idle_hold_since = None
+        self.last_step_at = now
+        for call, reserved in running:
+            if call.call_id in self.running:
+                continue
+            self.running[call.call_id] = _Running(call, reserved, self.slot_id, now)
+            self._reserved_total += reserved
+
     def next_wakeup(self) -> float | None:
         times: list[float] = [r.expires_at for r in self.reservations.values()]
         if self.phase == "open" and self.slot_deadline > self.last_step_at + 1e-9:
@@ -403,6 +424,12 @@ class RoundScheduler:
         m = self.active
         assert m is not None
         q = self.queues[m]
+        if self.policy.admission_order == "auto" and q and self._demand_exceeds_budget(q):
+            # KV-bound: not every queued call fits, so admit program-level FCFS
+            # (oldest session first) instead of call order
+            ordered = sorted(q, key=lambda item: _program_key(item.call))
+            q.clear()
+            q.extend(ordered)
         alone = not self._others_waiting()
         kept: deque[_Queued] = deque()
         blocked = False
@@ -428,6 +455,15 @@ class RoundScheduler:
                 self.stats.sp_admits += 1
             self._dispatch(item, now, actions)
         q.extend(kept)
+
+    def _demand_exceeds_budget(self, q: deque[_Queued]) -> bool:
+        free = self.kv_capacity - self.reserved_kv_tokens()
+        need = 0
+        for item in q:
+            need += self._reserve_for(item.call)
+            if need > free:
+                return True
+        return False
 
     def _dispatch(self, item: _Queued, now: float, actions: list[Action]) -> None:
         c = item.call
