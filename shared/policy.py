@@ -79,9 +79,11 @@ TALARIA = PolicyConfig(
     stable_addresses=True,
     placement="talaria",
     next_model="oldest-first",
-    # program-level FCFS while KV-bound: chosen on the 16x1000x5 scenario's
-    # tuning seeds (never scored), where call order lost to kv-ttl (docs/results.md)
+    # program-level FCFS while KV-bound, and reservations that protect a
+    # session's KV for up to 120 s: both chosen on the multi-server scenarios'
+    # tuning seeds (never scored), where kv-ttl had beaten Talaria (docs/results.md)
     admission_order="auto",
+    hold_max_s=120.0,
 )
 
 PRESETS: dict[str, PolicyConfig] = {
