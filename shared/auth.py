@@ -35,10 +35,10 @@ def nats_permissions(prefix: str) -> dict[str, dict[str, list[str]]]:
         },
         "substrate": {
             "subscribe": [f"{p}.substrate.>", f"{p}.events.>", f"{p}.health.>", *_SERVICE_SUB],
-            "publish": [f"{p}.engine.>", *service_pub],
+            "publish": [f"{p}.engine.>", f"{p}.events.*.substrate", *service_pub],
         },
         "engine": {
-            "subscribe": [f"{p}.engine.>", f"{p}.health.>", *_SERVICE_SUB],
+            "subscribe": [f"{p}.engine.>", f"{p}.api.cancel", f"{p}.health.>", *_SERVICE_SUB],
             "publish": [f"{p}.reply.>", f"{p}.events.>", *service_pub],
         },
         "agent": {

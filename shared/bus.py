@@ -17,6 +17,10 @@ from collections.abc import Awaitable, Callable
 import msgspec
 import nats
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 import structlog
 from nats.aio.msg import Msg
 from nats.micro import add_service
@@ -119,6 +123,10 @@ class ServiceProcess:
 
     async def reply_error(self, reply: str | None, code: str, message: str, call_id: str | None = None,
                           retry_after_s: float | None = None) -> None:
+        # a hostile message can carry a near-1 MiB id or model name: never echo it whole (an error
+        # reply over the bus's max payload would fail to send, and so would the request's answer)
+        message = message if len(message) <= 2000 else message[:2000] + "..."
+        call_id = call_id if call_id is None or len(call_id) <= 1024 else call_id[:1024]
         self.log.warning("request.rejected", code=code, reason=message, call_id=call_id)
         if reply:
             await self.nc.publish(reply, encode(ApiError(code=code, message=message, call_id=call_id, retry_after_s=retry_after_s)))  # type: ignore[arg-type]
@@ -151,7 +159,11 @@ class ServiceProcess:
     async def run(self) -> None:
         self.nc = await connect_nats(self.settings.nats_urls, self.instance, self.log,
                                      self.settings.nats_user, self.settings.nats_password)
-        self.redis = aioredis.Redis.from_url(self.settings.redis_url, health_check_interval=10, retry_on_timeout=True)
+        # a Redis restart (seconds) is waited out command by command, not turned into errors
+        self.redis = aioredis.Redis.from_url(
+            self.settings.redis_url, health_check_interval=10,
+            retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), retries=30),
+            retry_on_error=[RedisConnectionError, RedisTimeoutError])
         svc = await add_service(self.nc, ServiceConfig(name=f"talaria-{self.name}", version=VERSION,
                                                        description=f"Talaria {self.name}", metadata={"instance": self.instance}))
 

@@ -33,6 +33,19 @@ class Keys:
         """Hash: server id -> tier (hbm|host) of the session's prefix."""
         return f"{self.prefix}kv:{session_id}"
 
+    def kv_blocks(self, server_id: str, model: str) -> str:
+        """Hash: block hash -> session id, every KV block a server's real engine
+        reported stored (vLLM KV events) and has not removed since."""
+        return f"{self.prefix}kvblocks:{server_id}:{model}"
+
+    def kv_session_blocks(self, session_id: str, server_id: str) -> str:
+        """Set: the block hashes of the session's prefix held on the server (from KV events)."""
+        return f"{self.prefix}kv:{session_id}:blocks:{server_id}"
+
+    def engine(self, server_id: str, model: str) -> str:
+        """Hash: a real engine's backend, state (starting|ready), start-up wall seconds, KV block size."""
+        return f"{self.prefix}engine:{server_id}:{model}"
+
     def server(self, server_id: str) -> str:
         """Hash: active model, staged model, queued, running, kv occupancy, reservations."""
         return f"{self.prefix}server:{server_id}"
@@ -50,6 +63,11 @@ class Keys:
     def session_outputs(self, session_id: str) -> str:
         """List: the session's past output lengths."""
         return f"{self.prefix}session:{session_id}:outputs"
+
+    def admission_calls(self, server_id: str) -> str:
+        """Hash: call id -> encoded SubmitCall, every call admission accepted and
+        has not seen finish (queued or running); reloaded when admission restarts."""
+        return f"{self.prefix}adm:{server_id}:calls"
 
     def servers(self) -> str:
         """Set: known server ids."""

@@ -17,6 +17,9 @@ Tokens = Annotated[int, Meta(ge=1, le=10_000_000)]
 TokensOrZero = Annotated[int, Meta(ge=0, le=10_000_000)]
 Id = Annotated[str, Meta(min_length=1, max_length=200)]
 Count = Annotated[int, Meta(ge=0)]  # a size with no front-door cap (e.g. a KV budget in tokens)
+# a subject a service publishes to (reply_to): no whitespace (the NATS client refuses it) and short
+# enough for the server's 4 KiB protocol line (a longer one makes the server drop the publisher)
+Subject = Annotated[str, Meta(min_length=1, max_length=1024, pattern=r"^\S+\Z")]
 
 MAX_MESSAGE_BYTES = 1024 * 1024  # refused at the front door above this (the embedded NATS carries up to 2 MiB)
 
@@ -60,7 +63,7 @@ class CallRequest(Base, tag="call"):
     prompt_tokens: Tokens
     prefix_tokens: TokensOrZero = 0   # leading tokens shared with the session's previous context
     max_tokens: Tokens = 4096
-    reply_to: Id = ""                 # subject the call's events and reply go to
+    reply_to: Subject = ""            # subject the call's events and reply go to
     # the sim engine's stopping point (a real model decides by itself); never read by a decision
     sim_output_tokens: Tokens | None = None
     prompt_text: str | None = None
@@ -126,9 +129,31 @@ class CallReply(Base, tag="reply"):
     duplicate: bool = False    # served from the reply cache for a retried call_id
     text: str | None = None
     token_ids: list[int] | None = None
+    # the real engine's own figures (backend `vllm`): CPU/GPU **wall seconds**, never
+    # mixed with the model-second fields above (those stay the stack clock's / cost model's)
+    engine: str = "sim"
+    wall_ttft_s: float | None = None
+    wall_decode_s: float | None = None
+    wall_total_s: float | None = None
+    aborted: bool = False
 
 
-CallEvent = CallAccepted | CallQueued | CallRunning | CallReply | ApiError
+class CallTokens(Base, tag="tokens"):
+    """Tokens streamed by a real engine (the `vllm` backend) before the final reply;
+    `index` is the position of the first one in the call's output."""
+
+    call_id: str
+    index: int
+    token_ids: list[int]
+
+
+CallEvent = CallAccepted | CallQueued | CallRunning | CallTokens | CallReply | ApiError
+
+
+class CancelCall(Base, tag="cancel"):
+    """The agent gave up on a call: an engine that runs it aborts it."""
+
+    call_id: Id
 
 
 # -- router -> admission ---------------------------------------------------------------
@@ -148,9 +173,11 @@ class AdmissionCallMsg(msgspec.Struct, frozen=True, kw_only=True):
 
 class SubmitCall(Base, tag="submit"):
     call: AdmissionCallMsg
-    reply_to: str
+    reply_to: Subject
     # engine-only payload, kept beside the call and never handed to the scheduler
     sim_output_tokens: Tokens | None = None
+    prompt_text: str | None = None
+    prompt_token_ids: list[int] | None = None
 
 
 class Submitted(Base, tag="submitted"):
@@ -171,11 +198,13 @@ class RunCall(Base, tag="run"):
     max_tokens: Tokens
     stop_tokens: Tokens
     reserved_tokens: TokensOrZero
-    reply_to: str
+    reply_to: Subject
     arrived_at: float
     waited_s: float
     switch_wait_s: float
     round_wait: bool
+    prompt_text: str | None = None          # the real prompt (vllm backend); the sim reads only the counts
+    prompt_token_ids: list[int] | None = None
 
 
 class Sleep(Base, tag="sleep"):
@@ -196,11 +225,37 @@ class ProtectKv(Base, tag="protect"):
     on: bool
 
 
-EngineControl = Sleep | Wake | Abort | ProtectKv
+class ListCalls(Base, tag="list_calls"):
+    """A restarted admission asks an engine-worker what it runs (docs/reliability.md)."""
+
+
+class ReleaseSession(Base, tag="release_session"):
+    """A session idle past TALARIA_SESSION_IDLE_S: drop its cached KV and protection."""
+
+    session_id: Id
+
+
+EngineControl = Sleep | Wake | Abort | ProtectKv | ListCalls | ReleaseSession
 
 
 class ControlOk(Base, tag="control_ok"):
     kv_out: dict[str, int] = {}
+
+
+class EngineState(Base, tag="engine_state"):
+    """An engine-worker's answer to ListCalls: whether it is awake, its KV
+    budget, the calls it runs and those it holds until it is woken."""
+
+    awake: bool
+    kv_capacity_tokens: int = 0
+    running: list[RunCall] = []
+    pending: list[RunCall] = []
+
+
+class SubstrateAnnounce(Base, tag="substrate_announce"):
+    """A substrate-manager (re)started: a switch admission waits for is lost; ask again."""
+
+    server_id: str
 
 
 class CallFinished(Base, tag="finished"):
@@ -220,6 +275,32 @@ class EngineAnnounce(Base, tag="engine_announce"):
 
 class SessionEndedEvent(Base, tag="session_ended"):
     session_id: str
+
+
+# -- KV-cache events (engine -> bus), from vLLM's ZMQ publisher -----------------------------
+class KvBlocksStored(Base, tag="kv_stored"):
+    server_id: str
+    model: str
+    block_hashes: list[str]             # vLLM's block hashes, as decimal (int) or hex (bytes) strings
+    parent_block_hash: str | None = None
+    block_size: int = 0
+    session_id: str | None = None       # the session whose tokens these blocks hold (matched by the worker)
+    medium: str | None = None           # vLLM's medium; "GPU" even on the CPU backend (= the engine's own cache)
+
+
+class KvBlocksRemoved(Base, tag="kv_removed"):
+    server_id: str
+    model: str
+    block_hashes: list[str]
+    medium: str | None = None
+
+
+class KvAllCleared(Base, tag="kv_cleared"):
+    server_id: str
+    model: str
+
+
+KvEvent = KvBlocksStored | KvBlocksRemoved | KvAllCleared
 
 
 # -- admission -> substrate --------------------------------------------------------------
@@ -256,10 +337,15 @@ control_reply_decoder = msgspec.json.Decoder(ControlOk | ApiError)
 finished_decoder = msgspec.json.Decoder(CallFinished)
 session_ended_decoder = msgspec.json.Decoder(SessionEndedEvent)
 engine_announce_decoder = msgspec.json.Decoder(EngineAnnounce)
+substrate_announce_decoder = msgspec.json.Decoder(SubstrateAnnounce)
+engine_state_decoder = msgspec.json.Decoder(EngineState | ApiError)
+stored_submit_decoder = msgspec.json.Decoder(SubmitCall)
 substrate_decoder = msgspec.json.Decoder(SubstrateRequest)
 switch_reply_decoder = msgspec.json.Decoder(SwitchResult | ApiError)
 api_reply_decoder = msgspec.json.Decoder(SessionOpened | Ok | Info | ApiError)
 reply_decoder = msgspec.json.Decoder(CallReply)
+kv_event_decoder = msgspec.json.Decoder(KvEvent)
+cancel_decoder = msgspec.json.Decoder(CancelCall)
 
 
 def encode(msg: msgspec.Struct) -> bytes:

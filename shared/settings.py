@@ -36,6 +36,8 @@ class Settings:
     prefill_speed_scale: float = 1.0
     nats_user: str | None = None
     nats_password: str | None = None
+    max_queued: int = 512          # per server; new sessions' first calls are refused above it (0 = no bound)
+    session_idle_s: float = 600.0  # model seconds without a call before a session's reservation and KV are released
 
     @classmethod
     def from_env(cls, argv: list[str] | None = None) -> "Settings":
@@ -58,6 +60,10 @@ class Settings:
         p.add_argument("--prefill-speed-scale", type=float, default=float(_env("TALARIA_PREFILL_SPEED_SCALE", "1")))
         p.add_argument("--nats-user", default=os.environ.get("TALARIA_NATS_USER"))
         p.add_argument("--nats-password", default=os.environ.get("TALARIA_NATS_PASSWORD"), help="prefer the environment variable")
+        p.add_argument("--max-queued", type=int, default=int(_env("TALARIA_MAX_QUEUED", "512")),
+                       help="queued calls per server above which new sessions get no_capacity (0 = unbounded)")
+        p.add_argument("--session-idle-s", type=float, default=float(_env("TALARIA_SESSION_IDLE_S", "600")),
+                       help="model seconds of idleness after which a session's reservation and KV are released")
         a = p.parse_args(argv)
         pol = a.policy.strip()
         policy = decode_policy(pol) if pol.startswith("{") else resolve_policy(pol)
@@ -82,4 +88,6 @@ class Settings:
             prefill_speed_scale=a.prefill_speed_scale,
             nats_user=a.nats_user or None,
             nats_password=a.nats_password or None,
+            max_queued=max(0, a.max_queued),
+            session_idle_s=a.session_idle_s,
         )

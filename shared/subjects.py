@@ -59,6 +59,18 @@ class Subjects:
     def engine_announce(self, server: str) -> str:
         return f"{self.prefix}.events.{server}.engine"
 
+    def kv_events(self, server: str) -> str:
+        """KV-cache events of the server's real engines (KvBlocksStored/Removed/AllCleared)."""
+        return f"{self.prefix}.events.{server}.kv"
+
+    @property
+    def call_cancel(self) -> str:
+        """An agent gave up on a call (CancelCall); the engine running it aborts it."""
+        return f"{self.prefix}.api.cancel"
+
+    def substrate_announce(self, server: str) -> str:
+        return f"{self.prefix}.events.{server}.substrate"
+
     @property
     def session_ended(self) -> str:
         return f"{self.prefix}.events.session_ended"

@@ -235,12 +235,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     experiments.configure_parser(st)
 
+    ch = sub.add_parser("chaos", help="replay a trace while killing and restarting every component on a seeded schedule")
+    from talaria import chaos
+
+    chaos.configure_parser(ch)
+
     from talaria import scenarios
 
     cp = sub.add_parser("compare", help="run every policy of a scenario file over its seeds on the simulator; print the table")
     scenarios.configure_compare(cp)
     bp = sub.add_parser("bench-sim", help="time the simulator: the default trace (< 5 s) and ~100,000 calls (< 2 min)")
     scenarios.configure_bench(bp)
+
+    from talaria import vllm_bench  # imports vLLM only when its commands run
+
+    vllm_bench.configure_parsers(sub)
 
     g = sub.add_parser("generate", help="generate a SWE-bench-like trace from a settings file")
     gen.configure_parser(g)

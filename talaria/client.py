@@ -24,7 +24,8 @@ from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 
 from shared.schema import (
-    ApiError, CallAccepted, CallEvent, CallQueued, CallReply, CallRequest, CallRunning, EndSession, Info,
+    ApiError, CallAccepted, CallEvent, CallQueued, CallReply, CallRequest, CallRunning, CallTokens, CancelCall,
+    EndSession, Info,
     InfoRequest, OpenSession, SessionOpened, api_reply_decoder, call_event_decoder, encode,
 )
 from shared.subjects import Subjects
@@ -130,14 +131,22 @@ class TalariaClient:
         call_id: str | None = None,
         sim_output_tokens: int | None = None,
         on_event: Callable[[CallEvent], None] | None = None,
+        prompt_token_ids: list[int] | None = None,
+        prompt_text: str | None = None,
     ) -> CallReply:
+        """`prompt_token_ids` / `prompt_text`: the real prompt, for a real engine
+        (`vllm` backend; the sim reads only the counts). Streamed `CallTokens`
+        are collected; a reply without `token_ids` gets them filled in."""
         cid = call_id or uuid.uuid4().hex
         inbox = self.subjects.reply_inbox(self.client_id, cid)
         req = CallRequest(call_id=cid, session_id=session_id, model=model, prompt_tokens=prompt_tokens,
                           prefix_tokens=prefix_tokens, max_tokens=max_tokens, reply_to=inbox,
-                          sim_output_tokens=sim_output_tokens)
+                          sim_output_tokens=sim_output_tokens, prompt_text=prompt_text,
+                          prompt_token_ids=prompt_token_ids)
         data = encode(req)
         sub = await self.nc.subscribe(inbox)
+        streamed: list[int] = []
+        done = False
         try:
             attempts = 0
             while attempts <= self.retries:
@@ -156,13 +165,27 @@ class TalariaClient:
                         on_event(ev)
                     match ev:
                         case CallReply():
+                            done = True
+                            if ev.token_ids is None and streamed:
+                                ev = msgspec.structs.replace(ev, token_ids=streamed)
                             return ev
                         case ApiError():
+                            done = True
                             raise_for(ev)
+                        case CallTokens(index=i, token_ids=t):
+                            del streamed[i:]
+                            streamed.extend(t)
+                            continue
                         case CallAccepted() | CallQueued() | CallRunning():
                             continue
             raise CallTimeout("timeout", f"call {cid}: no answer for {self.silence_s:.0f} s, {attempts} attempts")
         finally:
+            if not done and not self.nc.is_closed:
+                # we give up (timeout or the caller cancelled us): a real engine running it aborts it
+                try:
+                    await self.nc.publish(self.subjects.call_cancel, encode(CancelCall(call_id=cid)))
+                except Exception:
+                    pass
             await sub.unsubscribe()
 
 
@@ -184,3 +207,25 @@ class Session:
 
     async def end(self) -> None:
         await self.client.end_session(self.session_id)
+
+
+class TokenSession:
+    """A session on a real engine whose context is kept as token ids: each next
+    prompt is the previous prompt's ids + the ids the model returned + the new
+    input's ids, never re-tokenized text, so the engine sees the same prefix."""
+
+    def __init__(self, session: Session) -> None:
+        self.session = session
+        self.context: list[int] = []
+        self.calls = 0
+
+    async def call(self, new_input_ids: list[int], *, max_tokens: int, call_id: str | None = None,
+                   **kw: object) -> CallReply:
+        prompt = self.context + list(new_input_ids)
+        prefix = len(self.context) if self.calls else 0
+        reply = await self.session.call(prompt_tokens=len(prompt), prefix_tokens=min(prefix, len(prompt) - 1),
+                                        max_tokens=max_tokens, prompt_token_ids=prompt,
+                                        call_id=call_id or f"{self.session.session_id}#{self.calls:03d}", **kw)
+        self.context = prompt + list(reply.token_ids or [])
+        self.calls += 1
+        return reply

@@ -556,6 +556,8 @@ def start_cluster(
     users: list[tuple[str, str]] | None = None,
     base_dir: str | Path | None = None,
     timeout: float = 30.0,
+    permissions: dict[str, dict[str, list[str]]] | None = None,
+    max_payload: int | None = None,
 ) -> list[NatsServer]:
     """Start an n-node NATS cluster on loopback, fully routed, with clustered JetStream."""
     name = cluster_name or f"talaria-{os.getpid()}-{free_port()}"
@@ -573,6 +575,8 @@ def start_cluster(
             routes=routes,  # a route to itself is ignored by nats-server
             server_name=f"{name}-n{i}",
             log_file=(Path(base_dir) / f"n{i}.log") if base_dir else None,
+            permissions=permissions,
+            max_payload=max_payload,
         ))
     try:
         # Spawn all first: clustered JetStream only becomes healthy once a quorum is up.

@@ -15,8 +15,10 @@ import math
 import sys
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import redis.asyncio as aioredis
 
@@ -29,6 +31,8 @@ from talaria.agent import DEFAULT_MAX_TOKENS, call_id_for, plan_session
 from talaria.client import TalariaClient, TalariaError
 from talaria.records import CallRecord
 from talaria.stack import EmbeddedStack, StackSpec
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -73,7 +77,12 @@ async def drive(
     max_tokens: int = DEFAULT_MAX_TOKENS,
     run_tag: str = "",
     progress_every_wall_s: float = 5.0,
+    on_reply: Callable[[CallReply], None] | None = None,
+    error_retries: int = 0,
 ) -> ReplayOutcome:
+    """`error_retries` > 0 (the chaos run): an agent that gets no_capacity, an
+    internal error or a timeout waits `retry_after_s` (or 1 s) and tries again
+    under the same call id, that many times."""
     total_calls = sum(len(s.calls) for s in sessions)
     prog = Progress(policy_name, total_calls, len(sessions))
     records: list[CallRecord] = []
@@ -86,15 +95,17 @@ async def drive(
         nonlocal dup
         await clock.sleep_until(t0 + s.arrival_s)
         sid = f"{run_tag}{s.session_id}"
-        sess = await client.open_session(s.model, session_id=sid)
+        sess = await _retrying(error_retries, lambda: client.open_session(s.model, session_id=sid))
         started = clock.now()
         for pc in plan_session(s, max_tokens):
             issued = clock.now()
-            reply: CallReply = await sess.call(
+            reply: CallReply = await _retrying(error_retries, lambda: sess.call(
                 prompt_tokens=pc.prompt_tokens, prefix_tokens=pc.prefix_tokens, max_tokens=pc.max_tokens,
                 call_id=call_id_for(sid, pc.index), sim_output_tokens=pc.sim_stop_tokens,
-            )
+            ))
             received = clock.now()
+            if on_reply is not None:
+                on_reply(reply)
             dup += int(reply.duplicate)
             records.append(CallRecord(
                 call_id=reply.call_id, session_id=s.session_id, model=s.model, index=pc.index,
@@ -125,6 +136,17 @@ async def drive(
     print(prog.line(clock.now() - t0), file=sys.stderr, flush=True)
     return ReplayOutcome(policy=policy_name, sct=sct, records=records, failures=failures,
                          wall_s=time.perf_counter() - wall0, duplicates=dup)
+
+
+async def _retrying(retries: int, make: Callable[[], Awaitable[T]]) -> T:
+    for attempt in range(retries + 1):
+        try:
+            return await make()
+        except TalariaError as exc:
+            if attempt >= retries or exc.code not in ("no_capacity", "internal", "timeout"):
+                raise
+            await asyncio.sleep(exc.retry_after_s or 1.0)
+    raise AssertionError("unreachable")
 
 
 async def worst_lag(redis_url: str, key_prefix: str) -> tuple[str, float]:

@@ -21,7 +21,7 @@ import nats
 
 from shared.auth import Credentials, generate_credentials, nats_permissions
 from shared.policy import PolicyConfig, encode_policy
-from talaria.infra import NatsServer, ProcessGroup, RedisServer
+from talaria.infra import NatsServer, ProcessGroup, RedisServer, start_cluster
 
 DEFAULT_MODELS = ["glm-4.5-fp8", "qwen3-235b-a22b-fp8", "glm-4.5-air-fp8"]
 
@@ -43,6 +43,7 @@ class StackSpec:
     log_format: str = "json"
     extra_env: dict[str, str] = field(default_factory=dict)
     auth: bool = True  # embedded NATS/Redis: per-role NATS users and a Redis ACL user, fresh passwords
+    nats_cluster: int = 1  # embedded NATS nodes; 3 = a routed cluster on loopback, clients given every URL
 
 
 class EmbeddedStack:
@@ -53,6 +54,7 @@ class EmbeddedStack:
         self.key_prefix = spec.key_prefix or f"tal{tag}:"
         self.server_ids = [f"s{i}" for i in range(spec.servers)]
         self.nats: NatsServer | None = None
+        self.nats_nodes: list[NatsServer] = []  # every embedded node (one, or the cluster's)
         self.redis: RedisServer | None = None
         self.group = ProcessGroup()
         self.clock_epoch = time.time()
@@ -68,8 +70,8 @@ class EmbeddedStack:
     def nats_urls(self) -> list[str]:
         if self.spec.nats_urls:
             return self.spec.nats_urls
-        assert self.nats is not None
-        return [self.nats.plain_url]  # credentials go separately: nats_auth(role)
+        assert self.nats_nodes
+        return [n.plain_url for n in self.nats_nodes]  # credentials go separately: nats_auth(role)
 
     @property
     def plain_nats_urls(self) -> list[str]:
@@ -127,11 +129,18 @@ class EmbeddedStack:
     async def start(self, timeout_s: float = 90.0) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         c = self.creds
-        if not self.spec.nats_urls:
+        if not self.spec.nats_urls and self.spec.nats_cluster > 1:
+            self.nats_nodes = await asyncio.to_thread(
+                start_cluster, self.spec.nats_cluster, jetstream=True, users=c.nats_users() if c else None,
+                base_dir=self.log_dir / "nats-cluster", max_payload=2 * 1024 * 1024,
+                permissions=nats_permissions(self.subject_prefix) if c else None)
+            self.nats = self.nats_nodes[0]
+        elif not self.spec.nats_urls:
             self.nats = NatsServer(jetstream=True, log_file=self.log_dir / "nats-server.log", max_payload=2 * 1024 * 1024,
                                    users=c.nats_users() if c else None,
                                    permissions=nats_permissions(self.subject_prefix) if c else None)
             await self.nats.astart()
+            self.nats_nodes = [self.nats]
         if not self.spec.redis_url:
             self.redis = RedisServer(log_file=self.log_dir / "redis-server.log",
                                      acl_users={c.redis_user: c.redis_password} if c else None,
@@ -169,8 +178,8 @@ class EmbeddedStack:
         await self.group.astop_all(timeout=10)
         if self.redis is not None:
             await self.redis.astop()
-        if self.nats is not None:
-            await self.nats.astop()
+        for node in self.nats_nodes:
+            await node.astop()
 
     async def __aenter__(self) -> "EmbeddedStack":
         try:

@@ -10,6 +10,7 @@ running calls hear a heartbeat so their agents know they are alive.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import structlog
 from nats.aio.msg import Msg
@@ -18,10 +19,12 @@ from services.admission import scheduler as sch
 from services.engine.costmodel import CostModel
 from shared.bus import ServiceProcess, run_service, trace_headers
 from shared.schema import (
-    Abort, ApiError, CallQueued, CallRunning, ProtectKv, RunCall, StageRequest, Submitted, SubmitCall,
-    SwitchRequest, admission_decoder, encode, engine_announce_decoder, finished_decoder, session_ended_decoder,
-    switch_reply_decoder,
+    Abort, AdmissionCallMsg, ApiError, CallQueued, CallRunning, ListCalls, ProtectKv, ReleaseSession, RunCall,
+    StageRequest, Submitted, SubmitCall, SwitchRequest, admission_decoder, encode, engine_announce_decoder,
+    engine_state_decoder, finished_decoder, session_ended_decoder, stored_submit_decoder, switch_reply_decoder,
 )
+
+LIST_CALLS_TIMEOUT_WALL_S = 2.0
 
 
 class AdmissionService(ServiceProcess):
@@ -39,14 +42,20 @@ class AdmissionService(ServiceProcess):
         self.payloads: dict[str, SubmitCall] = {}
         self.wakeup = asyncio.Event()
         self.dirty = asyncio.Event()
+        self.persist_dirty = asyncio.Event()
+        self.last_seen: dict[str, float] = {}   # session -> model time of its last arrival or finish here
+        self.switch_attempt: dict[str, asyncio.Event] = {}  # pending switch -> "ask again" (substrate restarted)
         sid = s.server_id
+        self.dispatched: dict[str, RunCall] = {}
+        # rebuild queued and running calls a predecessor held (docs/reliability.md)
+        await self.recover()
         await self.nc.subscribe(self.subjects.admission_submit(sid), queue="admission",
                                 cb=self.guarded_handler(self.on_submit, "submit"))
         await self.nc.subscribe(self.subjects.call_finished(sid), queue="admission",
                                 cb=self.guarded_handler(self.on_finished, "finished"))
         await self.nc.subscribe(self.subjects.session_ended, cb=self.guarded_handler(self.on_session_ended, "session_ended"))
         await self.nc.subscribe(self.subjects.engine_announce(sid), cb=self.guarded_handler(self.on_engine_announce, "engine_announce"))
-        self.dispatched: dict[str, RunCall] = {}
+        await self.nc.subscribe(self.subjects.substrate_announce(sid), cb=self.guarded_handler(self.on_substrate_announce, "substrate_announce"))
         await self.redis.sadd(self.keys.servers(), sid)
         # compare-and-delete: release a reservation only if it is still ours
         self._release_script = self.redis.register_script(
@@ -55,6 +64,144 @@ class AdmissionService(ServiceProcess):
         self.spawn(self.timer(), "admission-timer")
         self.spawn(self.heartbeats(), "heartbeats")
         self.spawn(self.mirror(), "mirror")
+        self.spawn(self.persister(), "persister")
+        self.spawn(self.idle_sessions(), "idle-sessions")
+        await self._settle_recovered()
+
+    # -- recovery ----------------------------------------------------------------------
+    async def recover(self) -> None:
+        """A restarted admission rebuilds its scheduler before it takes new work:
+        the calls its predecessor accepted are in Redis (`adm:<server>:calls`,
+        written before each Submitted ack), and each engine-worker says whether
+        it is awake and which calls it runs (ListCalls). Running calls are
+        adopted as running in an open slot of the awake model; the rest queue
+        again in arrival order. Calls already answered (reply cached) are dropped."""
+        s = self.settings
+        stored: dict[str, SubmitCall] = {}
+        try:
+            raw = await self.redis.hgetall(self.keys.admission_calls(s.server_id))
+        except Exception as exc:
+            self.log.warning("admission.recover_store_failed", error=str(exc))
+            raw = {}
+        for cid, data in raw.items():
+            try:
+                stored[cid.decode()] = stored_submit_decoder.decode(data)
+            except Exception:  # noqa: BLE001 - a corrupt entry is skipped, not fatal
+                self.log.warning("admission.recover_bad_entry", call_id=cid.decode(errors="replace"))
+        awake: tuple[str, int] | None = None
+        running: list[RunCall] = []
+        for m in self.scheduler.models:
+            try:
+                resp = await self.nc.request(self.subjects.engine_control(s.server_id, m), encode(ListCalls()),
+                                             timeout=LIST_CALLS_TIMEOUT_WALL_S)
+                st = engine_state_decoder.decode(resp.data)
+            except Exception as exc:  # engine down: it announces when back, and we re-send then
+                self.log.warning("admission.recover_engine_unknown", model=m, error=type(exc).__name__)
+                continue
+            if isinstance(st, ApiError):
+                continue
+            if st.awake and (awake is None or st.running):
+                awake = (m, st.kv_capacity_tokens)
+            if st.awake:
+                running.extend(st.running)
+        if not stored and not running and awake is None:
+            return
+        now = self.clock.now()
+        adopted = []
+        for rc in running:
+            if awake is None or rc.model != awake[0]:
+                continue
+            sub = stored.pop(rc.call_id, None) or SubmitCall(call=AdmissionCallMsg(
+                call_id=rc.call_id, session_id=rc.session_id, model=rc.model, prompt_tokens=rc.prompt_tokens,
+                prefix_tokens=rc.prefix_tokens, max_tokens=rc.max_tokens, arrived_at=rc.arrived_at, continuation=True),
+                reply_to=rc.reply_to, sim_output_tokens=rc.stop_tokens)
+            self.payloads[rc.call_id] = sub
+            self.dispatched[rc.call_id] = rc
+            adopted.append((self._admission_call(sub), rc.reserved_tokens))
+        if awake is not None:
+            self.scheduler.recover_active(awake[0], awake[1], adopted, now)
+        # calls answered while nobody listened need no second run
+        answered = set()
+        for cid in list(stored):
+            with contextlib.suppress(Exception):
+                if await self.redis.exists(self.keys.reply(cid)):
+                    answered.add(cid)
+        requeued = 0
+        for cid, sub in sorted(stored.items(), key=lambda kv: kv[1].call.arrived_at):
+            if cid in answered:
+                continue
+            self.payloads[cid] = sub
+            self.last_seen[sub.call.session_id] = now
+            await self.step(sch.Arrive(self._admission_call(sub)))
+            requeued += 1
+        await self.step(sch.Tick())
+        self.persist_dirty.set()
+        self.log.warning("admission.recovered", active=awake[0] if awake else None, running=len(adopted),
+                         requeued=requeued, already_answered=len(answered))
+
+    async def _settle_recovered(self) -> None:
+        """Close the race between ListCalls and our subscription to CallFinished:
+        an adopted call whose reply is cached finished in between."""
+        for cid in list(self.scheduler.running):
+            with contextlib.suppress(Exception):
+                if await self.redis.exists(self.keys.reply(cid)):
+                    run = self.scheduler.running[cid]
+                    self.payloads.pop(cid, None)
+                    self.dispatched.pop(cid, None)
+                    await self.step(sch.Finished(cid, run.call.session_id, run.call.prompt_tokens))
+
+    @staticmethod
+    def _admission_call(sub: SubmitCall) -> sch.AdmissionCall:
+        c = sub.call
+        return sch.AdmissionCall(
+            call_id=c.call_id, session_id=c.session_id, model=c.model, prompt_tokens=c.prompt_tokens,
+            prefix_tokens=c.prefix_tokens, max_tokens=c.max_tokens, arrived_at=c.arrived_at,
+            continuation=c.continuation, gap_history=tuple(c.gap_history), output_history=tuple(c.output_history),
+            session_started_at=c.session_started_at,
+        )
+
+    async def persister(self) -> None:
+        """Keep `adm:<server>:calls` equal to the calls we hold: rewritten on a
+        change and checked every second (Redis may have restarted empty)."""
+        key = self.keys.admission_calls(self.settings.server_id)
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.persist_dirty.wait(), timeout=1.0)
+            self.persist_dirty.clear()
+            try:
+                have = {k.decode() for k in await self.redis.hkeys(key)}
+                want = set(self.payloads)
+                missing = {cid: encode(self.payloads[cid]) for cid in want - have if cid in self.payloads}
+                extra = list(have - want)
+                if missing:
+                    await self.redis.hset(key, mapping=missing)
+                if extra:
+                    await self.redis.hdel(key, *extra)
+            except Exception as exc:
+                self.log.warning("admission.persist_failed", error=str(exc))
+
+    async def idle_sessions(self) -> None:
+        """A session with nothing queued or running here and no call for
+        `session_idle_s` model seconds: release its reservation and its KV."""
+        idle = self.settings.session_idle_s
+        if idle <= 0:
+            return
+        while True:
+            await asyncio.sleep(max(0.05, min(1.0, self.clock.wall_s(idle) / 4)))
+            now = self.clock.now()
+            busy = {c.session_id for c in self.scheduler.pending_calls()} | {
+                r.call.session_id for r in self.scheduler.running.values()}
+            for sid, seen in list(self.last_seen.items()):
+                if sid in busy or now - seen < idle:
+                    continue
+                del self.last_seen[sid]
+                self.log.info("admission.session_idle_released", session_id=sid, idle_s=round(now - seen, 1))
+                await self.step(sch.SessionEnded(sid))
+                for m in self.scheduler.models:
+                    await self.nc.publish(self.subjects.engine_control(self.settings.server_id, m),
+                                          encode(ReleaseSession(session_id=sid)))
+                with contextlib.suppress(Exception):
+                    await self.redis.hdel(self.keys.kv_locality(sid), self.settings.server_id)
 
     # -- handlers ----------------------------------------------------------------
     async def on_submit(self, msg: Msg) -> None:
@@ -64,22 +211,36 @@ class AdmissionService(ServiceProcess):
             if c.model not in self.scheduler.models:
                 await self.reply_error(msg.reply, "unknown_model", f"{c.model} is not served on {self.settings.server_id}", c.call_id)
                 return
+            known = c.call_id in self.payloads
+            bound = self.settings.max_queued
+            if not known and not c.continuation and bound and self.scheduler.queued() >= bound:
+                await self.reply_error(msg.reply, "no_capacity",
+                                       f"{self.settings.server_id} has {self.scheduler.queued()} calls queued (bound {bound})",
+                                       c.call_id, retry_after_s=1.0)
+                return
             self.payloads.setdefault(c.call_id, sub)
+            self.last_seen[c.session_id] = self.clock.now()
+            if not known:
+                # durable before the ack: a restarted admission finds it (docs/reliability.md)
+                try:
+                    await self.redis.hset(self.keys.admission_calls(self.settings.server_id), c.call_id, encode(sub))
+                except Exception as exc:  # the persister writes it when Redis is back
+                    self.log.warning("admission.persist_failed", error=str(exc))
+                    self.persist_dirty.set()
             if msg.reply:
                 await self.nc.publish(msg.reply, encode(Submitted(call_id=c.call_id, server_id=self.settings.server_id)))
-            call = sch.AdmissionCall(
-                call_id=c.call_id, session_id=c.session_id, model=c.model, prompt_tokens=c.prompt_tokens,
-                prefix_tokens=c.prefix_tokens, max_tokens=c.max_tokens, arrived_at=c.arrived_at,
-                continuation=c.continuation, gap_history=tuple(c.gap_history), output_history=tuple(c.output_history),
-                session_started_at=c.session_started_at,
-            )
+            call = self._admission_call(sub)
             self.log.info("admission.queued", model=c.model, at=round(self.clock.now(), 3))
             await self.step(sch.Arrive(call))
 
     async def on_finished(self, msg: Msg) -> None:
         ev = finished_decoder.decode(msg.data)
-        self.payloads.pop(ev.call_id, None)
+        if self.payloads.pop(ev.call_id, None) is not None:
+            self.persist_dirty.set()
+            with contextlib.suppress(Exception):
+                await self.redis.hdel(self.keys.admission_calls(self.settings.server_id), ev.call_id)
         self.dispatched.pop(ev.call_id, None)
+        self.last_seen[ev.session_id] = self.clock.now()
         await self.step(sch.Finished(ev.call_id, ev.session_id, ev.context_tokens))
 
     async def on_engine_announce(self, msg: Msg) -> None:
@@ -91,6 +252,11 @@ class AdmissionService(ServiceProcess):
                 self.log.warning("admission.redispatch", call_id=cid, session_id=run.session_id, model=run.model)
                 await self.nc.publish(self.subjects.engine_run(self.settings.server_id, run.model), encode(run),
                                       headers=trace_headers(run.session_id, cid))
+
+    async def on_substrate_announce(self, msg: Msg) -> None:
+        """The substrate-manager restarted: a switch we wait for is lost; ask again now."""
+        for ev in self.switch_attempt.values():
+            ev.set()
 
     async def on_session_ended(self, msg: Msg) -> None:
         ev = session_ended_decoder.decode(msg.data)
@@ -118,6 +284,7 @@ class AdmissionService(ServiceProcess):
                         prefix_tokens=c.prefix_tokens, max_tokens=c.max_tokens, stop_tokens=stop,
                         reserved_tokens=a.reserved_tokens, reply_to=sub.reply_to, arrived_at=c.arrived_at,
                         waited_s=a.waited_s, switch_wait_s=a.switch_wait_s, round_wait=a.round_wait,
+                        prompt_text=sub.prompt_text, prompt_token_ids=sub.prompt_token_ids,
                     )
                     self.log.info("admission.dispatched", session_id=c.session_id, call_id=c.call_id, model=c.model,
                                   slot_id=a.slot_id, waited_s=round(a.waited_s, 3), round_wait=a.round_wait)
@@ -173,12 +340,22 @@ class AdmissionService(ServiceProcess):
         attempt = 0
         while True:
             attempt += 1
+            retry = self.switch_attempt[new] = asyncio.Event()
             try:
-                resp = await self.nc.request(self.subjects.substrate_switch(self.settings.server_id),
-                                             encode(SwitchRequest(from_model=old, to_model=new)), timeout=timeout)
+                req = asyncio.ensure_future(self.nc.request(self.subjects.substrate_switch(self.settings.server_id),
+                                                            encode(SwitchRequest(from_model=old, to_model=new)), timeout=timeout))
+                again = asyncio.ensure_future(retry.wait())
+                await asyncio.wait([req, again], return_when=asyncio.FIRST_COMPLETED)
+                if not req.done():
+                    req.cancel()
+                    again.cancel()
+                    raise RuntimeError("substrate restarted during the switch")
+                again.cancel()
+                resp = req.result()
                 out = switch_reply_decoder.decode(resp.data)
                 if isinstance(out, ApiError):
                     raise RuntimeError(out.message)
+                self.switch_attempt.pop(new, None)
                 await self.step(sch.SwitchDone(out.to_model, out.kv_capacity_tokens))
                 return
             except Exception as exc:  # substrate down or restarting: keep trying, the calls stay queued

