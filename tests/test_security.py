@@ -111,7 +111,15 @@ async def test_agent_may_call_the_api_and_hear_its_replies(secure_nats: NatsServ
         await router.subscribe(f"{PREFIX}.api.call", cb=answer)
         await router.flush()
         inbox = await agent.subscribe(f"{PREFIX}.reply.agent.c1.>")
-        resp = await agent.request(f"{PREFIX}.api.call", b"{}", timeout=3)
+        await agent.flush()
+        for _ in range(20):  # the router's interest may take a moment to register on a busy machine
+            try:
+                resp = await agent.request(f"{PREFIX}.api.call", b"{}", timeout=3)
+                break
+            except nats.errors.NoRespondersError:
+                await asyncio.sleep(0.1)
+        else:
+            raise AssertionError("the router's subscription never became visible to the agent")
         assert resp.data == b"ok"
         msg = await inbox.next_msg(timeout=3)
         assert msg.data == b"done" and errors == []
