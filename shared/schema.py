@@ -205,6 +205,7 @@ class RunCall(Base, tag="run"):
     round_wait: bool
     prompt_text: str | None = None          # the real prompt (vllm backend); the sim reads only the counts
     prompt_token_ids: list[int] | None = None
+    dispatched_at: float | None = None      # admission's model time of the dispatch
 
 
 class Sleep(Base, tag="sleep"):
@@ -262,6 +263,7 @@ class CallFinished(Base, tag="finished"):
     call_id: str
     session_id: str
     context_tokens: Count
+    finished_at: float | None = None  # the engine's model time of the finish (events carry their source time)
 
 
 class EngineAnnounce(Base, tag="engine_announce"):
@@ -316,6 +318,7 @@ class SwitchResult(Base, tag="switch_result"):
     staged_bytes: float = 0.0
     kv_to_host_tokens: int = 0
     kv_dropped_tokens: int = 0
+    done_at: float | None = None  # model time the switch completed (its planned end)
 
 
 class StageRequest(Base, tag="stage"):

@@ -231,7 +231,7 @@ class AdmissionService(ServiceProcess):
                 await self.nc.publish(msg.reply, encode(Submitted(call_id=c.call_id, server_id=self.settings.server_id)))
             call = self._admission_call(sub)
             self.log.info("admission.queued", model=c.model, at=round(self.clock.now(), 3))
-            await self.step(sch.Arrive(call))
+            await self.step(sch.Arrive(call), at=call.arrived_at)
 
     async def on_finished(self, msg: Msg) -> None:
         ev = finished_decoder.decode(msg.data)
@@ -241,7 +241,7 @@ class AdmissionService(ServiceProcess):
                 await self.redis.hdel(self.keys.admission_calls(self.settings.server_id), ev.call_id)
         self.dispatched.pop(ev.call_id, None)
         self.last_seen[ev.session_id] = self.clock.now()
-        await self.step(sch.Finished(ev.call_id, ev.session_id, ev.context_tokens))
+        await self.step(sch.Finished(ev.call_id, ev.session_id, ev.context_tokens), at=ev.finished_at)
 
     async def on_engine_announce(self, msg: Msg) -> None:
         """An engine-worker restarted and lost what it ran: send those calls again
@@ -263,8 +263,16 @@ class AdmissionService(ServiceProcess):
         await self.step(sch.SessionEnded(ev.session_id))
 
     # -- the state machine ---------------------------------------------------------
-    async def step(self, event: sch.Event) -> None:
-        actions = self.scheduler.step(event, self.clock.now())
+    async def step(self, event: sch.Event, at: float | None = None) -> None:
+        """Step the scheduler. `at`: the event's model time at its source (a
+        call's arrival at the router, an engine's finish, a switch's end), so
+        the wall latency of the message, which the time scale multiplies, does
+        not leak into decisions; never earlier than the last step."""
+        now = self.clock.now()
+        if at is not None:
+            now = max(self.scheduler.last_step_at, min(at, now))
+        now = max(now, self.scheduler.last_step_at)
+        actions = self.scheduler.step(event, now)
         await self.apply(actions)
         self.wakeup.set()
         self.dirty.set()
@@ -285,6 +293,7 @@ class AdmissionService(ServiceProcess):
                         reserved_tokens=a.reserved_tokens, reply_to=sub.reply_to, arrived_at=c.arrived_at,
                         waited_s=a.waited_s, switch_wait_s=a.switch_wait_s, round_wait=a.round_wait,
                         prompt_text=sub.prompt_text, prompt_token_ids=sub.prompt_token_ids,
+                        dispatched_at=self.scheduler.last_step_at,
                     )
                     self.log.info("admission.dispatched", session_id=c.session_id, call_id=c.call_id, model=c.model,
                                   slot_id=a.slot_id, waited_s=round(a.waited_s, 3), round_wait=a.round_wait)
@@ -356,7 +365,7 @@ class AdmissionService(ServiceProcess):
                 if isinstance(out, ApiError):
                     raise RuntimeError(out.message)
                 self.switch_attempt.pop(new, None)
-                await self.step(sch.SwitchDone(out.to_model, out.kv_capacity_tokens))
+                await self.step(sch.SwitchDone(out.to_model, out.kv_capacity_tokens), at=out.done_at)
                 return
             except Exception as exc:  # substrate down or restarting: keep trying, the calls stay queued
                 self.log.warning("admission.switch_retry", to_model=new, attempt=attempt, error=str(exc) or type(exc).__name__)

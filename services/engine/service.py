@@ -75,7 +75,11 @@ class EngineWorker(ServiceProcess):
 
     async def _submit(self, rc: RunCall) -> None:
         with structlog.contextvars.bound_contextvars(session_id=rc.session_id, call_id=rc.call_id):
+            # start at the dispatch's own model time (not when the message landed), never
+            # before the engine's clock: message latency stays out of the model's answer
             now = self.clock.now()
+            if rc.dispatched_at is not None:
+                now = max(self.engine.t, min(rc.dispatched_at, now))
             self.engine.submit(
                 EngineCall(rc.call_id, rc.session_id, rc.model, rc.prompt_tokens, rc.prefix_tokens,
                            rc.max_tokens, rc.stop_tokens, rc.reserved_tokens),
@@ -169,7 +173,8 @@ class EngineWorker(ServiceProcess):
             await self.nc.publish(rc.reply_to, data, headers=hdrs)
             await self.nc.publish(self.subjects.call_finished(s.server_id),
                                   encode(CallFinished(call_id=r.call_id, session_id=r.session_id,
-                                                      context_tokens=r.prompt_tokens + r.output_tokens)), headers=hdrs)
+                                                      context_tokens=r.prompt_tokens + r.output_tokens,
+                                                      finished_at=r.finished_at)), headers=hdrs)
             self.log.info("engine.finished", session_id=r.session_id, call_id=r.call_id, at=round(r.finished_at, 3),
                           cached_tokens=r.cached_tokens, restored_tokens=r.restored_tokens,
                           reprefill_tokens=r.reprefill_tokens, output_tokens=r.output_tokens,

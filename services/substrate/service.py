@@ -125,7 +125,7 @@ class SubstrateManager(ServiceProcess):
             await self.nc.publish(reply, encode(SwitchResult(
                 to_model=req.to_model, kv_capacity_tokens=plan.kv_capacity_tokens, duration_s=plan.duration_s,
                 staged_bytes=plan.staged_bytes, kv_to_host_tokens=plan.kv_to_host_tokens,
-                kv_dropped_tokens=plan.kv_dropped_tokens)))
+                kv_dropped_tokens=plan.kv_dropped_tokens, done_at=t0 + plan.duration_s)))
 
     async def _mirror(self) -> None:
         led = self.ledger
