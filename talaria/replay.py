@@ -117,8 +117,11 @@ async def drive(
                 output_tokens=reply.output_tokens,
             ))
             prog.calls_done += 1
-            if pc.tool_s > 0:
-                await clock.sleep(pc.tool_s)
+            # the tool runs from the reply's model time at the engine, not from when this
+            # driver received it: the delivery latency, which the time scale multiplies
+            # (1 ms of wall is 0.1 model s at 100x), would otherwise pile up call by call
+            await clock.sleep_until(max(clock.now(), reply.finished_at + pc.tool_s) if reply.finished_at > 0
+                                    else clock.now() + pc.tool_s)
         sct[s.session_id] = clock.now() - started
         prog.sessions_done += 1
         with contextlib.suppress(TalariaError):
