@@ -234,6 +234,8 @@ def build_parser() -> argparse.ArgumentParser:
     from talaria import experiments
 
     experiments.configure_parser(st)
+    fd = sub.add_parser("fidelity", help="live replay against the simulator on generated traces (median differences)")
+    experiments.configure_fidelity(fd)
 
     ch = sub.add_parser("chaos", help="replay a trace while killing and restarting every component on a seeded schedule")
     from talaria import chaos
