@@ -24,17 +24,24 @@ from shared.schema import (
 )
 
 
-class EngineWorker(ServiceProcess):
+class EngineWorkerBase(ServiceProcess):
+    """What every engine backend's worker shares: its identity, one (server, model)."""
+
     name = "engine"
 
     @property
     def instance(self) -> str:
         return f"engine-{self.settings.server_id}-{self.settings.model}"
 
+    def check_model(self) -> None:
+        if self.settings.model not in self.catalog.models:
+            raise SystemExit(f"engine-worker: unknown model {self.settings.model!r}")
+
+
+class EngineWorker(EngineWorkerBase):
     async def setup(self) -> None:
         s = self.settings
-        if s.model not in self.catalog.models:
-            raise SystemExit(f"engine-worker: unknown model {s.model!r}")
+        self.check_model()
         self.log = self.log.bind(model=s.model)
         cost = CostModel(self.catalog, self.catalog.server(s.server_profile), s.switch_cost_scale, s.prefill_speed_scale)
         self.engine = SimEngine(self.catalog.model(s.model), cost)

@@ -38,7 +38,8 @@ import structlog
 from nats.aio.msg import Msg
 
 from services.engine.kv_index import BlockMatcher, KvIndex, hash_str
-from shared.bus import ServiceProcess, trace_headers
+from services.engine.service import EngineWorkerBase
+from shared.bus import trace_headers
 from shared.keys import CALL_TTL_S, SESSION_TTL_S
 from shared.schema import (
     Abort, CallFinished, CallReply, CallRunning, CallTokens, ControlOk, EngineAnnounce, EngineState, KvAllCleared,
@@ -74,17 +75,10 @@ class Live:
     tokens: list[int] = field(default_factory=list)
 
 
-class VllmEngineWorker(ServiceProcess):
-    name = "engine"
-
-    @property
-    def instance(self) -> str:
-        return f"engine-{self.settings.server_id}-{self.settings.model}"
-
+class VllmEngineWorker(EngineWorkerBase):
     async def setup(self) -> None:
         s = self.settings
-        if s.model not in self.catalog.models:
-            raise SystemExit(f"engine-worker: unknown model {s.model!r}")
+        self.check_model()
         self.log = self.log.bind(model=s.model, engine="vllm")
         self.live: dict[str, Live] = {}
         self.pending: dict[str, RunCall] = {}
