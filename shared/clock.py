@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 
@@ -44,3 +45,28 @@ class LagMonitor:
             t0 = loop.time()
             await asyncio.sleep(self.interval_s)
             self.worst_s = max(self.worst_s, loop.time() - t0 - self.interval_s)
+
+
+async def drive_timer(
+    clock: ScaledClock,
+    next_at: Callable[[], float | None],
+    wakeup: asyncio.Event,
+    on_due: Callable[[], Awaitable[None]],
+) -> None:
+    """Drive a state machine's wake-ups on the model clock: sleep until its
+    next wake-up (model time), or until `wakeup` says its state changed, then
+    call `on_due`. Never returns; run it as a task."""
+    while True:
+        wakeup.clear()
+        nxt = next_at()
+        if nxt is None:
+            await wakeup.wait()
+            continue
+        delay = clock.wall_s(nxt - clock.now())
+        if delay > 0:
+            try:
+                await asyncio.wait_for(wakeup.wait(), timeout=delay)
+                continue  # something changed: recompute
+            except TimeoutError:
+                pass
+        await on_due()

@@ -18,6 +18,7 @@ from nats.aio.msg import Msg
 from services.admission import scheduler as sch
 from services.engine.costmodel import CostModel
 from shared.bus import ServiceProcess, run_service, trace_headers
+from shared.clock import drive_timer
 from shared.schema import (
     Abort, AdmissionCallMsg, ApiError, CallQueued, CallRunning, ListCalls, ProtectKv, ReleaseSession, RunCall,
     StageRequest, Submitted, SubmitCall, SwitchRequest, admission_decoder, encode, engine_announce_decoder,
@@ -372,20 +373,7 @@ class AdmissionService(ServiceProcess):
                 await asyncio.sleep(min(5.0, 0.5 * attempt))
 
     async def timer(self) -> None:
-        while True:
-            self.wakeup.clear()
-            nxt = self.scheduler.next_wakeup()
-            if nxt is None:
-                await self.wakeup.wait()
-                continue
-            delay = self.clock.wall_s(nxt - self.clock.now())
-            if delay > 0:
-                try:
-                    await asyncio.wait_for(self.wakeup.wait(), timeout=delay)
-                    continue
-                except TimeoutError:
-                    pass
-            await self.step(sch.Tick())
+        await drive_timer(self.clock, self.scheduler.next_wakeup, self.wakeup, lambda: self.step(sch.Tick()))
 
     async def heartbeats(self) -> None:
         """Tell every waiting agent its call is alive (queued or running)."""

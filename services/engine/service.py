@@ -17,6 +17,7 @@ from nats.aio.msg import Msg
 from services.engine.costmodel import CostModel
 from services.engine.sim_engine import CallResult, EngineCall, SimEngine
 from shared.bus import ServiceProcess, run_service, trace_headers
+from shared.clock import drive_timer
 from shared.keys import CALL_TTL_S, SESSION_TTL_S
 from shared.schema import (
     Abort, CallFinished, EngineAnnounce, CallReply, CallRunning, ControlOk, EngineState, ListCalls, ProtectKv,
@@ -138,20 +139,8 @@ class EngineWorker(EngineWorkerBase):
             await self.nc.publish(msg.reply, encode(out))
 
     async def timer(self) -> None:
-        while True:
-            nxt = self.engine.next_event_at()
-            self.wakeup.clear()
-            if nxt is None:
-                await self.wakeup.wait()
-                continue
-            delay = self.clock.wall_s(nxt - self.clock.now())
-            if delay > 0:
-                try:
-                    await asyncio.wait_for(self.wakeup.wait(), timeout=delay)
-                    continue  # something changed: recompute
-                except TimeoutError:
-                    pass
-            await self._publish(self.engine.advance(self.clock.now()))
+        await drive_timer(self.clock, self.engine.next_event_at, self.wakeup,
+                          lambda: self._publish(self.engine.advance(self.clock.now())))
 
     async def _publish(self, done: list[CallResult]) -> None:
         s = self.settings
