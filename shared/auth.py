@@ -53,6 +53,41 @@ def nats_permissions(prefix: str) -> dict[str, dict[str, list[str]]]:
     }
 
 
+def role_password_var(role: str) -> str:
+    """The environment variable holding a role's NATS password in a deployment
+    (compose reads them from its env file; see .env.example)."""
+    return f"TALARIA_NATS_PASSWORD_{role.upper()}"
+
+
+def nats_password_from_env(user: str | None, env: "dict[str, str]") -> str | None:
+    """TALARIA_NATS_PASSWORD, else the user's role variable."""
+    if env.get("TALARIA_NATS_PASSWORD"):
+        return env["TALARIA_NATS_PASSWORD"]
+    if user:
+        return env.get(role_password_var(user)) or None
+    return None
+
+
+def render_nats_authorization(prefix: str, passwords: "dict[str, str]") -> str:
+    """A nats-server `authorization` block: one user per role with its allow-lists.
+    `passwords` maps role -> literal password, or a `$VARIABLE` reference that
+    nats-server resolves from its environment."""
+
+    def q(x: str) -> str:
+        return '"' + x.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+    lines = ["authorization {", "  users: ["]
+    for role, perm in nats_permissions(prefix).items():
+        pw = passwords[role]
+        pw_text = pw if pw.startswith("$") else q(pw)
+        pub = ", ".join(q(x) for x in perm["publish"])
+        sub = ", ".join(q(x) for x in perm["subscribe"])
+        lines.append(f"    {{user: {q(role)}, password: {pw_text},")
+        lines.append(f"     permissions: {{publish: {{allow: [{pub}]}}, subscribe: {{allow: [{sub}]}}}}}}")
+    lines += ["  ]", "}"]
+    return "\n".join(lines) + "\n"
+
+
 @dataclass(frozen=True)
 class Credentials:
     nats: dict[str, str]      # role -> password

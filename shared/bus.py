@@ -160,8 +160,10 @@ class ServiceProcess:
         self.nc = await connect_nats(self.settings.nats_urls, self.instance, self.log,
                                      self.settings.nats_user, self.settings.nats_password)
         # a Redis restart (seconds) is waited out command by command, not turned into errors
+        creds = {k: v for k, v in (("username", self.settings.redis_user),
+                                    ("password", self.settings.redis_password)) if v}
         self.redis = aioredis.Redis.from_url(
-            self.settings.redis_url, health_check_interval=10,
+            self.settings.redis_url, health_check_interval=10, **creds,
             retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), retries=30),
             retry_on_error=[RedisConnectionError, RedisTimeoutError])
         svc = await add_service(self.nc, ServiceConfig(name=f"talaria-{self.name}", version=VERSION,

@@ -9,6 +9,7 @@ import argparse
 import os
 from dataclasses import dataclass, field
 
+from shared.auth import nats_password_from_env
 from shared.policy import PolicyConfig, decode_policy, resolve_policy
 
 
@@ -36,6 +37,8 @@ class Settings:
     prefill_speed_scale: float = 1.0
     nats_user: str | None = None
     nats_password: str | None = None
+    redis_user: str | None = None
+    redis_password: str | None = None
     max_queued: int = 512          # per server; new sessions' first calls are refused above it (0 = no bound)
     session_idle_s: float = 600.0  # model seconds without a call before a session's reservation and KV are released
 
@@ -87,7 +90,10 @@ class Settings:
             switch_cost_scale=a.switch_cost_scale,
             prefill_speed_scale=a.prefill_speed_scale,
             nats_user=a.nats_user or None,
-            nats_password=a.nats_password or None,
+            # TALARIA_NATS_PASSWORD, else this user's role variable (compose's env file holds one per role)
+            nats_password=a.nats_password or nats_password_from_env(a.nats_user, dict(os.environ)),
+            redis_user=os.environ.get("TALARIA_REDIS_USER") or None,
+            redis_password=os.environ.get("TALARIA_REDIS_PASSWORD") or None,
             max_queued=max(0, a.max_queued),
             session_idle_s=a.session_idle_s,
         )

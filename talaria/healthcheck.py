@@ -29,6 +29,8 @@ import asyncio
 import os
 import sys
 
+from shared.auth import nats_password_from_env
+
 SERVICES = ("router", "admission", "substrate", "engine")
 
 
@@ -53,6 +55,7 @@ def instance_name(service: str, env: dict[str, str] | os._Environ[str] = os.envi
 async def check(nats_urls: list[str], subject: str, timeout_s: float,
                 user: str | None = None, password: str | None = None) -> tuple[bool, str]:
     import nats
+
     from nats.errors import NoRespondersError, NoServersError
     from nats.errors import TimeoutError as NatsTimeout
 
@@ -90,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="comma-separated NATS URLs")
     p.add_argument("--subject-prefix", default=os.environ.get("TALARIA_SUBJECT_PREFIX", "talaria"))
     p.add_argument("--user", default=os.environ.get("TALARIA_NATS_USER"))
-    p.add_argument("--password", default=os.environ.get("TALARIA_NATS_PASSWORD"), help="prefer the environment variable")
+    p.add_argument("--password", default=nats_password_from_env(os.environ.get("TALARIA_NATS_USER"), dict(os.environ)),
+                   help="prefer the environment variable")
     p.add_argument("--timeout", type=float, default=3.0, help="seconds for connect and for the answer")
     p.add_argument("-q", "--quiet", action="store_true")
     a = p.parse_args(argv)

@@ -195,7 +195,8 @@ def test_health_checks_restarts_and_start_order() -> None:
     compose = load_compose()
     svcs = compose["services"]
     assert "/healthz" in " ".join(svcs["nats"]["healthcheck"]["test"])
-    assert svcs["redis"]["healthcheck"]["test"][1:] == ["redis-cli", "ping"]
+    redis_hc = " ".join(svcs["redis"]["healthcheck"]["test"])
+    assert "redis-cli" in redis_hc and "ping" in redis_hc and "TALARIA_REDIS_PASSWORD" in redis_hc
     for name, svc in svcs.items():
         assert svc.get("restart") in ("always", "unless-stopped", "on-failure"), name
         assert svc.get("healthcheck", {}).get("test"), f"{name}: no healthcheck"
@@ -217,7 +218,7 @@ def test_dockerfiles_and_config_files_exist() -> None:
         for vol in svc.get("volumes", []):
             src = vol.split(":")[0] if isinstance(vol, str) else vol["source"]
             if src.startswith("."):
-                assert (ROOT / src).is_file(), src
+                assert (ROOT / src).exists(), src  # a config file or a config folder
     base = (ROOT / "deploy" / "Dockerfile").read_text()
     assert re.search(r"^FROM python:3\.11-slim\b", base, re.M) and "pip install ." in base
     gpu = (ROOT / "deploy" / "Dockerfile.vllm").read_text()
@@ -280,9 +281,11 @@ def test_nats_conf_loads_with_jetstream(tmp_path: Path) -> None:
     assert conf.count('store_dir: "/data/jetstream"') == 1
     local = tmp_path / "nats.conf"
     local.write_text(conf.replace('store_dir: "/data/jetstream"', f'store_dir: "{tmp_path / "js"}"'))
+    (tmp_path / "auth.conf").write_text((ROOT / "deploy/nats/auth.conf").read_text())
     argv = [find_nats_server(), "-c", str(local), "-a", "127.0.0.1", "-p", str(port), "-m", str(mon)]
     group = ProcessGroup()
-    group.add("nats-conf", argv, log_path=tmp_path / "nats.log")
+    # the role passwords auth.conf reads as $VARIABLES, from the env file as compose hands them over
+    group.add("nats-conf", argv, env=parse_env_file(ENV_EXAMPLE), log_path=tmp_path / "nats.log")
     group.start_all()
     try:
         deadline = time.monotonic() + 20
@@ -302,6 +305,45 @@ def test_nats_conf_loads_with_jetstream(tmp_path: Path) -> None:
         with urllib.request.urlopen(f"http://127.0.0.1:{mon}/varz", timeout=2) as r:
             varz = json.loads(r.read())
         assert varz["server_name"] == "talaria-nats-0" and varz["max_payload"] == 8 * 1024 * 1024
+    finally:
+        group.stop_all()
+
+
+def test_nats_auth_conf_is_generated_from_shared_auth() -> None:
+    from talaria.deploy_auth import auth_conf
+
+    assert (ROOT / "deploy/nats/auth.conf").read_text() == auth_conf(parse_env_file(ENV_EXAMPLE)["TALARIA_SUBJECT_PREFIX"])
+
+
+async def test_shipped_nats_config_refuses_anonymous_and_admits_roles(tmp_path: Path) -> None:
+    import nats as nats_py
+
+    port, mon = free_port(), free_port()
+    conf = (ROOT / "deploy/nats/nats.conf").read_text().replace('store_dir: "/data/jetstream"', f'store_dir: "{tmp_path / "js"}"')
+    (tmp_path / "nats.conf").write_text(conf)
+    (tmp_path / "auth.conf").write_text((ROOT / "deploy/nats/auth.conf").read_text())
+    env = parse_env_file(ENV_EXAMPLE)
+    group = ProcessGroup()
+    group.add("nats-auth", [find_nats_server(), "-c", str(tmp_path / "nats.conf"), "-a", "127.0.0.1", "-p", str(port),
+                            "-m", str(mon)], env=env, log_path=tmp_path / "nats.log")
+    group.start_all()
+    try:
+        url = f"nats://127.0.0.1:{port}"
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                nc = await nats_py.connect(url, user="agent", password=env["TALARIA_NATS_PASSWORD_AGENT"],
+                                           allow_reconnect=False, connect_timeout=1)
+                break
+            except Exception:
+                assert group.running("nats-auth"), (tmp_path / "nats.log").read_text()
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.2)
+        await nc.close()
+        with pytest.raises(Exception):
+            await nats_py.connect(url, allow_reconnect=False, connect_timeout=1)
+        with pytest.raises(Exception):
+            await nats_py.connect(url, user="router", password="wrong", allow_reconnect=False, connect_timeout=1)
     finally:
         group.stop_all()
 
@@ -361,8 +403,17 @@ def test_healthcheck_fails_without_nats_or_responder(nats_server: NatsServer) ->
 async def test_compose_services_start_outside_docker_and_serve_a_call(tmp_path: Path) -> None:
     from talaria.client import TalariaClient
 
-    nats = NatsServer(jetstream=True, store_dir=tmp_path / "js", log_file=tmp_path / "nats.log")
-    redis = RedisServer(dir=tmp_path / "redis", log_file=tmp_path / "redis.log")
+    from shared.auth import ROLES, nats_permissions, role_password_var
+
+    # NATS and Redis with authentication as compose configures them: per-role users
+    # with the env file's passwords and allow-lists, and the Redis ACL user
+    defaults = parse_env_file(ENV_EXAMPLE)
+    nats = NatsServer(jetstream=True, store_dir=tmp_path / "js", log_file=tmp_path / "nats.log",
+                      users=[(r, defaults[role_password_var(r)]) for r in ROLES],
+                      permissions=nats_permissions(defaults["TALARIA_SUBJECT_PREFIX"]))
+    redis = RedisServer(dir=tmp_path / "redis", log_file=tmp_path / "redis.log",
+                        acl_users={defaults["TALARIA_REDIS_USER"]: defaults["TALARIA_REDIS_PASSWORD"]},
+                        password="not-for-services")
     await nats.astart()
     await redis.astart()
     group = ProcessGroup()
@@ -375,8 +426,8 @@ async def test_compose_services_start_outside_docker_and_serve_a_call(tmp_path: 
         plan: list[tuple[str, list[str], list[str], dict[str, str]]] = []
         for name, svc in ours(load_compose()).items():
             env = service_env(svc)
-            env["TALARIA_NATS_URL"] = nats.url
-            env["TALARIA_REDIS_URL"] = redis.url
+            env["TALARIA_NATS_URL"] = nats.plain_url  # credentials: the service's role, from the env file
+            env["TALARIA_REDIS_URL"] = f"redis://127.0.0.1:{redis.port}/0"  # user and password from the env file
             if env.get("TALARIA_ENGINE") == "vllm":
                 env["TALARIA_ENGINE"] = "sim"  # no GPU here: the sim backend in the GPU worker's place
             full = {**host, **env}
@@ -399,7 +450,8 @@ async def test_compose_services_start_outside_docker_and_serve_a_call(tmp_path: 
         await asyncio.gather(*(healthy(name, hc, env) for name, _, hc, env in plan))
 
         prefix = plan[0][3]["TALARIA_SUBJECT_PREFIX"]
-        client = await TalariaClient.connect([nats.url], subject_prefix=prefix, silence_s=30.0)
+        client = await TalariaClient.connect([nats.plain_url], subject_prefix=prefix, silence_s=30.0,
+                                             user="agent", password=defaults[role_password_var("agent")])
         try:
             session = await client.open_session("glm-4.5-air-fp8")
             reply = await asyncio.wait_for(
