@@ -147,7 +147,7 @@ class Injector:
             f.recovered_s = (min(after) if after else healthy_at) - f.at_s
 
     async def run(self, plan: list[tuple[float, str]], done: asyncio.Future) -> None:
-        self.nc = await nats.connect(servers=self.stack.plain_nats_urls, name="talaria-chaos",
+        self.nc = await nats.connect(servers=self.stack.nats_urls, name="talaria-chaos",
                                      max_reconnect_attempts=-1, reconnect_time_wait=0.2,
                                      **self.stack.nats_auth("operator"))
         try:
@@ -166,7 +166,7 @@ class Injector:
 async def _run_once(sessions: list[TraceSession], spec: StackSpec, *, plan: list[tuple[float, str]] | None,
                     seed: int, silence_s: float) -> tuple[ReplayOutcome, Injector | None, Path, float]:
     async with EmbeddedStack(spec) as stack:
-        client = await TalariaClient.connect(stack.plain_nats_urls, subject_prefix=stack.subject_prefix,
+        client = await TalariaClient.connect(stack.nats_urls, subject_prefix=stack.subject_prefix,
                                              silence_s=silence_s, retries=50, **stack.nats_auth("agent"))
         t0 = time.monotonic()
         inj = Injector(stack, random.Random(seed), t0) if plan is not None else None

@@ -186,7 +186,7 @@ async def replay_embedded(sessions: list[TraceSession], policy: PolicyConfig, sp
     print(f"[{policy.name}] starting the embedded stack (NATS, Redis, {len(spec.models) + 3} service processes) ...", file=sys.stderr, flush=True)
     async with EmbeddedStack(spec) as stack:
         print(f"[{policy.name}] stack up; logs in {stack.log_dir}; replaying at {spec.time_scale:g}x", file=sys.stderr, flush=True)
-        client = await TalariaClient.connect(stack.plain_nats_urls, subject_prefix=stack.subject_prefix,
+        client = await TalariaClient.connect(stack.nats_urls, subject_prefix=stack.subject_prefix,
                                              **stack.nats_auth("agent"))
         try:
             clock = ScaledClock(spec.time_scale, stack.clock_epoch)

@@ -289,7 +289,6 @@ class Simulator:
 
     def _engine_step(self, srv: _Server, model: str) -> None:
         eng = srv.engines[model]
-        before = self.now
         done = eng.advance(self.now)
         for r in done:
             rec = self.records[r.call_id]
@@ -301,7 +300,6 @@ class Simulator:
                 raise AssertionError(f"{srv.server_id}/{model}: KV over-committed")
             self._admission_step(srv, sch.Finished(r.call_id, r.session_id, r.prompt_tokens + r.output_tokens))
             self._deliver(r.session_id, r.output_tokens, r.finished_at)
-        del before
         self._arm_engine(srv, model)
 
     def _deliver(self, session_id: str, output_tokens: int, at: float) -> None:

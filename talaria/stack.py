@@ -73,10 +73,6 @@ class EmbeddedStack:
         assert self.nats_nodes
         return [n.plain_url for n in self.nats_nodes]  # credentials go separately: nats_auth(role)
 
-    @property
-    def plain_nats_urls(self) -> list[str]:
-        return self.nats_urls
-
     def nats_auth(self, role: str) -> dict[str, str]:
         """user=/password= keyword arguments for a NATS connection as `role`."""
         if self.creds is None:
@@ -93,7 +89,7 @@ class EmbeddedStack:
     def base_env(self) -> dict[str, str]:
         s = self.spec
         return {
-            "TALARIA_NATS_URL": ",".join(self.plain_nats_urls),
+            "TALARIA_NATS_URL": ",".join(self.nats_urls),
             "TALARIA_REDIS_URL": self.redis_url,
             "TALARIA_SUBJECT_PREFIX": self.subject_prefix,
             "TALARIA_KEY_PREFIX": self.key_prefix,
@@ -155,7 +151,7 @@ class EmbeddedStack:
 
     async def wait_healthy(self, timeout_s: float) -> None:
         """Every service answers its health endpoint (NATS micro) before we go on."""
-        nc = await nats.connect(servers=self.plain_nats_urls, name="talaria-stack", **self.nats_auth("operator"))
+        nc = await nats.connect(servers=self.nats_urls, name="talaria-stack", **self.nats_auth("operator"))
         try:
             deadline = time.monotonic() + timeout_s
             pending = [name for name, _, _ in self.service_table()]

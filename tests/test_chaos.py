@@ -41,9 +41,9 @@ async def test_nats_cluster_node_killed_mid_replay(tmp_path: Path) -> None:
     spec = StackSpec(policy=resolve_policy("talaria"), models=models, time_scale=10.0, log_dir=tmp_path,
                      nats_cluster=3)
     async with EmbeddedStack(spec) as stack:
-        assert len(stack.nats_nodes) == 3 and len(stack.plain_nats_urls) == 3
+        assert len(stack.nats_nodes) == 3 and len(stack.nats_urls) == 3
         assert stack.creds is not None  # authentication stays on with the cluster
-        client = await TalariaClient.connect(stack.plain_nats_urls, subject_prefix=stack.subject_prefix,
+        client = await TalariaClient.connect(stack.nats_urls, subject_prefix=stack.subject_prefix,
                                              silence_s=5.0, retries=20, **stack.nats_auth("agent"))
         done: list[str] = []
         try:
