@@ -210,7 +210,7 @@ class Simulator:
         if len(self.servers) == 1:
             return next(iter(self.servers.values()))
         views = [self._view(srv, call) for srv in self.servers.values()]
-        best = rank(call.model, views, self.policy, session_id=call.session_id,
+        best = rank(call.model, views, self.policy, session_id=call.session_id, call_id=call.call_id,
                     prompt_tokens=call.prompt_tokens, prefix_tokens=call.prefix_tokens)[0]
         return self.servers[best.server_id]
 

@@ -95,6 +95,22 @@ def test_least_loaded(views: list[ServerView], best: str) -> None:
     assert rank(M, views, PRESETS["least-loaded"], session_id="x", prompt_tokens=1000)[0].server_id == best
 
 
+def test_least_loaded_spreads_ties_by_call_not_by_session() -> None:
+    """Two idle servers: a load-only rule has no reason to pick either, so ties go
+    by the call id: a session's calls land on both servers (no hidden affinity),
+    reproducibly."""
+    idle = [view("s0", session_kv="hbm"), view("s1")]
+    picks = [rank(M, idle, PRESETS["least-loaded"], session_id="sess", call_id=f"sess/{i}")[0].server_id
+             for i in range(40)]
+    assert 10 <= picks.count("s0") <= 30, picks
+    again = [rank(M, idle, PRESETS["least-loaded"], session_id="sess", call_id=f"sess/{i}")[0].server_id
+             for i in range(40)]
+    assert picks == again
+    # a real load difference still decides
+    assert all(rank(M, [view("s0", running=1), view("s1")], PRESETS["least-loaded"],
+                    call_id=f"c{i}")[0].server_id == "s1" for i in range(20))
+
+
 def test_affinity_hash_is_stable_and_consistent() -> None:
     ids = tuple(f"s{i}" for i in range(8))
     homes = {f"sess-{k}": affinity_server(f"sess-{k}", ids) for k in range(400)}

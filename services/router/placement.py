@@ -140,12 +140,12 @@ def _peer_scores(model: str, views: list[ServerView], policy: PolicyConfig, sess
     raise ValueError(f"unknown placement rule {rule!r}")
 
 
-def rank(model: str, views: list[ServerView], policy: PolicyConfig, *, session_id: str = "",
+def rank(model: str, views: list[ServerView], policy: PolicyConfig, *, session_id: str = "", call_id: str = "",
          prompt_tokens: int = 0, prefix_tokens: int = 0) -> list[Candidate]:
     """Best first. Servers that do not serve `model` are never candidates.
 
-    `session_id`, `prompt_tokens` and `prefix_tokens` are the call's own (what
-    the router sees in the request); only the peer rules read them."""
+    `session_id`, `call_id`, `prompt_tokens` and `prefix_tokens` are the call's
+    own (what the router sees in the request); only the peer rules read them."""
     if policy.placement in ("load", "talaria"):
         return _rank_talaria(model, views, policy)
     serving = [v for v in views if model in v.models]
@@ -153,7 +153,14 @@ def rank(model: str, views: list[ServerView], policy: PolicyConfig, *, session_i
         return []
     scores = _peer_scores(model, serving, policy, session_id, prompt_tokens, prefix_tokens)
     out = [Candidate(v.server_id, sc, residency_of(v, model), v.session_kv, pressure_of(v)) for v, sc in zip(serving, scores)]
-    out.sort(key=lambda c: (-c.score, c.server_id))
+    if policy.placement in ("least-loaded", "session-affinity") and call_id:
+        # a load-only rule has no reason to prefer one of two equally loaded
+        # servers: spread ties by the call (round-robin in effect, stateless and
+        # reproducible); by server id, light load would send every call to the
+        # first server and hand the rule a session affinity it does not have
+        out.sort(key=lambda c: (-c.score, _stable_hash(f"{call_id}@{c.server_id}")))
+    else:
+        out.sort(key=lambda c: (-c.score, c.server_id))
     return out
 
 

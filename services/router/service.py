@@ -178,7 +178,7 @@ class Router(ServiceProcess):
                 session_kv=kv.get(server_id, "none"), session_reserved=reserved_on == server_id,  # type: ignore[arg-type]
                 load_tokens=int(g.get("load_tokens", 0)),
             ))
-        ranked = rank(req.model, views, self.settings.policy, session_id=req.session_id,
+        ranked = rank(req.model, views, self.settings.policy, session_id=req.session_id, call_id=req.call_id,
                       prompt_tokens=req.prompt_tokens, prefix_tokens=req.prefix_tokens)
         self.log.info("router.placed", model=req.model, at=round(now, 3),
                       candidates=[{"server": c.server_id, "score": round(c.score, 3), "residency": c.residency,
