@@ -41,6 +41,7 @@ class Settings:
     redis_password: str | None = None
     max_queued: int = 512          # per server; new sessions' first calls are refused above it (0 = no bound)
     session_idle_s: float = 600.0  # model seconds without a call before a session's reservation and KV are released
+    control_timeout_s: float = 10.0  # wall seconds the substrate waits for an engine's sleep/wake answer
 
     @classmethod
     def from_env(cls, argv: list[str] | None = None) -> "Settings":
@@ -67,6 +68,9 @@ class Settings:
                        help="queued calls per server above which new sessions get no_capacity (0 = unbounded)")
         p.add_argument("--session-idle-s", type=float, default=float(_env("TALARIA_SESSION_IDLE_S", "600")),
                        help="model seconds of idleness after which a session's reservation and KV are released")
+        p.add_argument("--control-timeout-s", type=float, default=float(_env("TALARIA_CONTROL_TIMEOUT_S", "10")),
+                       help="wall seconds the substrate waits for an engine's sleep/wake (a GPU reload of a "
+                            ">100B model's weights takes tens of seconds: raise it there)")
         a = p.parse_args(argv)
         pol = a.policy.strip()
         policy = decode_policy(pol) if pol.startswith("{") else resolve_policy(pol)
@@ -96,4 +100,5 @@ class Settings:
             redis_password=os.environ.get("TALARIA_REDIS_PASSWORD") or None,
             max_queued=max(0, a.max_queued),
             session_idle_s=a.session_idle_s,
+            control_timeout_s=max(0.1, a.control_timeout_s),
         )

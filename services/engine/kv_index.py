@@ -133,3 +133,19 @@ class KvIndex:
         for o in await self.redis.hvals(self.keys.kv_blocks(self.server_id, self.model)):
             out[o.decode()] = out.get(o.decode(), 0) + 1
         return out
+
+    async def demote_to_host(self) -> list[str]:
+        """The engine slept (its HBM KV is gone) with a host KV tier outside the
+        process holding what it wrote: every session this engine held is now
+        restorable from host memory on this server, not in HBM."""
+        k, sid_server = self.keys, self.server_id
+        blocks = k.kv_blocks(sid_server, self.model)
+        sessions = sorted({o.decode() for o in await self.redis.hvals(blocks)})
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.delete(blocks)
+        for session in sessions:
+            pipe.delete(k.kv_session_blocks(session, sid_server))
+            pipe.hset(k.kv_locality(session), sid_server, "host")
+            pipe.expire(k.kv_locality(session), SESSION_TTL_S)
+        await pipe.execute()
+        return sessions

