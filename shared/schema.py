@@ -215,10 +215,12 @@ class Sleep(Base, tag="sleep"):
 class Wake(Base, tag="wake"):
     kv_capacity_tokens: Count
     host_kv: dict[str, Count] = {}
+    at: float | None = None  # model time the switch completes (the message may land later)
 
 
 class Abort(Base, tag="abort"):
     call_id: str
+    at: float | None = None  # model time of the preemption at admission (it may land later)
 
 
 class ProtectKv(Base, tag="protect"):
@@ -309,6 +311,7 @@ KvEvent = KvBlocksStored | KvBlocksRemoved | KvAllCleared
 class SwitchRequest(Base, tag="switch"):
     from_model: str | None
     to_model: str
+    requested_at: float | None = None  # model time of the decision at admission (it may land later)
 
 
 class SwitchResult(Base, tag="switch_result"):
@@ -323,6 +326,7 @@ class SwitchResult(Base, tag="switch_result"):
 
 class StageRequest(Base, tag="stage"):
     model: str
+    requested_at: float | None = None  # model time of the hint at admission
 
 
 SubstrateRequest = SwitchRequest | StageRequest

@@ -305,10 +305,10 @@ class AdmissionService(ServiceProcess):
                     self.log.info("admission.switch", from_model=old, to_model=new)
                     self.spawn(self._switch(old, new), "switch")
                 case sch.Stage(model=m):
-                    await self.nc.publish(self.subjects.substrate_stage(s.server_id), encode(StageRequest(model=m)))
+                    await self.nc.publish(self.subjects.substrate_stage(s.server_id), encode(StageRequest(model=m, requested_at=self.scheduler.last_step_at)))
                 case sch.Preempt(call_id=cid):
                     for m in self.scheduler.models:
-                        await self.nc.publish(self.subjects.engine_control(s.server_id, m), encode(Abort(call_id=cid)))
+                        await self.nc.publish(self.subjects.engine_control(s.server_id, m), encode(Abort(call_id=cid, at=self.scheduler.last_step_at)))
                 case sch.Protect(session_id=sid, model=m, on=on):
                     if on and not await self._claim(sid):
                         await self.apply(self.scheduler.cancel_reservation(sid))
@@ -345,6 +345,8 @@ class AdmissionService(ServiceProcess):
             self.log.warning("reservation.release_failed", error=str(exc))
 
     async def _switch(self, old: str | None, new: str) -> None:
+        # the switch starts when the scheduler decided it, not when the request lands
+        requested_at = self.scheduler.switch_started_at
         # a switch can take a cold start's worth of model time; wait for it on the wall clock
         timeout = self.clock.wall_s(600.0) + 30.0
         attempt = 0
@@ -353,7 +355,8 @@ class AdmissionService(ServiceProcess):
             retry = self.switch_attempt[new] = asyncio.Event()
             try:
                 req = asyncio.ensure_future(self.nc.request(self.subjects.substrate_switch(self.settings.server_id),
-                                                            encode(SwitchRequest(from_model=old, to_model=new)), timeout=timeout))
+                                                            encode(SwitchRequest(from_model=old, to_model=new, requested_at=requested_at)),
+                                                            timeout=timeout))
                 again = asyncio.ensure_future(retry.wait())
                 await asyncio.wait([req, again], return_when=asyncio.FIRST_COMPLETED)
                 if not req.done():
@@ -373,7 +376,9 @@ class AdmissionService(ServiceProcess):
                 await asyncio.sleep(min(5.0, 0.5 * attempt))
 
     async def timer(self) -> None:
-        await drive_timer(self.clock, self.scheduler.next_wakeup, self.wakeup, lambda: self.step(sch.Tick()))
+        # a wake-up is stepped at its own model time, not at the (later) moment the timer fired
+        await drive_timer(self.clock, self.scheduler.next_wakeup, self.wakeup,
+                          lambda: self.step(sch.Tick(), at=self.scheduler.next_wakeup()))
 
     async def heartbeats(self) -> None:
         """Tell every waiting agent its call is alive (queued or running)."""

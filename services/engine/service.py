@@ -108,17 +108,19 @@ class EngineWorker(EngineWorkerBase):
                 kv = self.engine.sleep(now)
                 out = ControlOk(kv_out=kv)
                 self.log.info("engine.sleep", kv_sessions=len(kv), at=round(now, 3))
-            case Wake(kv_capacity_tokens=cap, host_kv=host):
+            case Wake(kv_capacity_tokens=cap, host_kv=host, at=at):
                 if self.engine.active:  # a repeated wake only refreshes the budget
                     self.engine.kv_capacity_tokens = cap
                 else:
-                    self.engine.wake(now, cap, host)
+                    # awake from the switch's end in model time, not from when the message landed
+                    self.engine.wake(now if at is None else max(self.engine.t, min(at, now)), cap, host)
                 self.log.info("engine.wake", kv_capacity_tokens=cap, host_kv_sessions=len(host), at=round(now, 3))
                 for rc in list(self.pending.values()):
                     del self.pending[rc.call_id]
                     await self._submit(rc)
-            case Abort(call_id=cid):
-                self.engine.abort(cid, now)
+            case Abort(call_id=cid, at=at):
+                # preempted at admission's decision time, not when the message landed
+                self.engine.abort(cid, now if at is None else max(self.engine.t, min(at, now)))
                 self.calls.pop(cid, None)
             case ProtectKv(session_id=sid, on=on):
                 (self.engine.protected.add if on else self.engine.protected.discard)(sid)

@@ -42,6 +42,7 @@ class SubstrateManager(ServiceProcess):
         await self.nc.subscribe(self.subjects.engine_announce(s.server_id),
                                 cb=self.guarded_handler(self.on_engine_announce, "engine_announce"))
         self.switch_lock = asyncio.Lock()  # one switch at a time, even if a restarted admission asks again
+        self.last_switch_end = 0.0  # model time
         await self._mirror()
         # a switch an admission was waiting for died with our predecessor: it asks again
         await self.nc.publish(self.subjects.substrate_announce(s.server_id), encode(SubstrateAnnounce(server_id=s.server_id)))
@@ -58,9 +59,9 @@ class SubstrateManager(ServiceProcess):
     async def on_request(self, msg: Msg) -> None:
         req = substrate_decoder.decode(msg.data)
         match req:
-            case StageRequest(model=m):
+            case StageRequest(model=m, requested_at=at):
                 if m in self.ledger.models:
-                    st = self.ledger.stage(m, self.clock.now())
+                    st = self.ledger.stage(m, self._source_time(at))
                     if st is not None:
                         self.log.info("substrate.stage", model=m, staged_gb=round(st.nbytes / 1e9, 1))
                     await self._mirror()
@@ -100,15 +101,23 @@ class SubstrateManager(ServiceProcess):
                     # the requester's view is stale (it restarted): put to sleep what is really awake
                     self.log.warning("substrate.switch_from_corrected", asked=req.from_model, active=self.ledger.active)
                     req = SwitchRequest(from_model=self.ledger.active, to_model=req.to_model)
-                await self._do_switch(req, reply, self.clock.now())
+                await self._do_switch(req, reply, self._source_time(req.requested_at))
         finally:
             self.switching_to.discard(req.to_model)
+
+    def _source_time(self, at: float | None) -> float:
+        """The model time a request was made at its source (admission), never in the
+        future and never before the last switch ended: message latency, which the
+        time scale multiplies, stays out of switch timings."""
+        now = self.clock.now()
+        return max(self.last_switch_end, now if at is None else min(at, now))
 
     async def _do_switch(self, req: SwitchRequest, reply: str | None, t0: float) -> None:
         kv_out: dict[str, int] = {}
         if req.from_model:
             kv_out = (await self._control(req.from_model, Sleep())).kv_out
-        plan = self.ledger.plan_switch(self.clock.now(), req.to_model, kv_out)
+        plan = self.ledger.plan_switch(t0, req.to_model, kv_out)
+        self.last_switch_end = t0 + plan.duration_s
         self.ledger.check_bounds()
         self.log.info("substrate.switch", from_model=req.from_model, to_model=req.to_model,
                       duration_s=round(plan.duration_s, 3), weights_in_s=round(plan.weights_in_s, 3),
@@ -117,7 +126,8 @@ class SubstrateManager(ServiceProcess):
                       kv_to_host_tokens=plan.kv_to_host_tokens, kv_dropped_tokens=plan.kv_dropped_tokens,
                       region_reservations=self.ledger.region_reservations)
         await self.clock.sleep_until(t0 + plan.duration_s)
-        await self._control(req.to_model, Wake(kv_capacity_tokens=plan.kv_capacity_tokens, host_kv=plan.host_kv_view))
+        await self._control(req.to_model, Wake(kv_capacity_tokens=plan.kv_capacity_tokens, host_kv=plan.host_kv_view,
+                                               at=t0 + plan.duration_s))
         await self._mirror()
         if reply:
             await self.nc.publish(reply, encode(SwitchResult(
