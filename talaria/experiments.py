@@ -2,8 +2,10 @@
 
 Fairness rules (docs/results.md states them):
 - every policy is tuned by the same criterion (mean SCT) over the same number
-  of configurations (the tuning budget), on traces drawn from the default
-  generator settings with seeds that are never scored (TUNE_SEEDS);
+  of configurations (the tuning budget), on the fleet of checked-in settings
+  (the default generator settings on one server and the multi-server
+  scenarios, TUNING_SCENARIOS) with seeds that are never scored (TUNE_SEEDS);
+  one configuration per policy must serve them all;
 - scored: the default trace (seed 0) and ten further seeds (SCORE_SEEDS);
 - ablations start from tuned Talaria and remove one mechanism each.
 All figures are model seconds from the sim engine's cost model.
@@ -12,8 +14,10 @@ All figures are model seconds from the sim engine's cost model.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
+import multiprocessing
 import statistics
 import sys
 import time
@@ -41,9 +45,14 @@ GRIDS: dict[str, dict[str, list[Any]]] = {
     "baseline": {"closing_slot": [("drain", 60.0)] + [("preempt", s) for s in (
         10.0, 12.0, 15.0, 18.0, 20.0, 24.0, 27.0, 30.0, 33.0, 36.0, 40.0, 45.0, 50.0, 60.0, 75.0, 90.0,
         105.0, 120.0, 150.0, 180.0, 240.0, 300.0, 360.0, 480.0, 600.0, 720.0, 960.0, 1200.0, 1440.0, 1920.0, 3600.0)]},
-    "talaria": {"slot_s": [120.0, 240.0, 480.0, 960.0], "idle_hold_max_s": [0.0, 2.0],
-                "next_model": ["round-robin", "oldest-first"], "hold_factor": [1.5, 3.0]},
+    # hold rule (hold_factor, hold_min_s, hold_max_s): 1.5 x the 0.9-quantile of the session's
+    # gaps within [2, 30] s, or the 0.9-quantile itself within [0, 120] s
+    "talaria": {"slot_s": [240.0, 480.0, 960.0, 1920.0], "idle_hold_max_s": [0.0, 2.0],
+                "next_model": ["round-robin", "most-waiting"], "hold": [(1.5, 2.0, 30.0), (1.0, 0.0, 120.0)]},
 }
+# Where a configuration is scored while tuning: the default settings on one server, and the
+# multi-server scenarios (their generator settings, servers and profile), each on TUNE_SEEDS.
+TUNING_SCENARIOS = ("scenarios/4x120x5.toml", "scenarios/16x1000x5.toml")
 
 
 def traces_for(seeds: tuple[int, ...], settings_path: str = DEFAULT_SETTINGS, **overrides: Any) -> list[list[TraceSession]]:
@@ -64,22 +73,49 @@ def run_one(sessions: list[TraceSession], policy: PolicyConfig, **kw: Any) -> di
     })
 
 
-def tune(criterion: str = "sct_mean_s", progress: bool = True) -> dict:
-    """Grid search per policy; returns {policy: {"best": overrides, "sweep": [...]}}."""
-    tune_traces = traces_for(TUNE_SEEDS)
+def _expand(ov: dict[str, Any]) -> dict[str, Any]:
+    """Compound grid keys into policy fields."""
+    ov = dict(ov)
+    if "closing_slot" in ov:
+        ov["closing"], ov["slot_s"] = ov.pop("closing_slot")
+    if "hold" in ov:
+        ov["hold_factor"], ov["hold_min_s"], ov["hold_max_s"] = ov.pop("hold")
+    return ov
+
+
+def _score_config(args: tuple[str, dict[str, Any], str]) -> dict[str, Any]:
+    """One configuration on every tuning set: {set: mean criterion over its seeds}."""
+    name, ov, criterion = args
+    from talaria.scenarios import load_scenario, trace_of
+
+    pol = resolve_policy(name, ov, tuned=False)
+    per_set = {"1x30x3 (default settings)": statistics.fmean(run_one(t, pol)[criterion] for t in traces_for(TUNE_SEEDS))}
+    for path in TUNING_SCENARIOS:
+        sc = load_scenario(path)
+        per_set[sc.name] = statistics.fmean(
+            run_one(trace_of(sc, seed), pol, servers=sc.servers, server_profile=sc.server_profile,
+                    max_tokens=sc.max_tokens)[criterion] for seed in TUNE_SEEDS)
+    return per_set
+
+
+def tune(criterion: str = "sct_mean_s", progress: bool = True, jobs: int = 1) -> dict:
+    """Grid search per policy; returns {policy: {"best": overrides, "sweep": [...]}}.
+    A configuration's score is the mean over the tuning sets of its mean
+    `criterion` there: each setting counts the same, whatever its size."""
     out: dict[str, dict] = {}
     for name, grid in GRIDS.items():
         keys = list(grid)
+        configs = [_expand(dict(zip(keys, values))) for values in itertools.product(*(grid[k] for k in keys))]
         sweep = []
-        for values in itertools.product(*(grid[k] for k in keys)):
-            ov = dict(zip(keys, values))
-            if "closing_slot" in ov:
-                ov["closing"], ov["slot_s"] = ov.pop("closing_slot")
-            pol = resolve_policy(name, ov, tuned=False)
-            scores = [run_one(t, pol)[criterion] for t in tune_traces]
-            sweep.append({"overrides": ov, criterion: statistics.fmean(scores)})
-            if progress:
-                print(f"  tune {name} {ov}: {criterion} {statistics.fmean(scores):.1f}", file=sys.stderr)
+        with (multiprocessing.get_context("spawn").Pool(jobs) if jobs > 1 else contextlib.nullcontext()) as pool:
+            args = [(name, ov, criterion) for ov in configs]
+            results = pool.imap(_score_config, args) if pool is not None else map(_score_config, args)
+            for ov, per_set in zip(configs, results):
+                score = statistics.fmean(per_set.values())
+                sweep.append({"overrides": ov, criterion: score, "per_set": per_set})
+                if progress:
+                    print(f"  tune {name} {ov}: {criterion} {score:.1f} "
+                          f"({', '.join(f'{k} {v:.0f}' for k, v in per_set.items())})", file=sys.stderr)
         best = min(sweep, key=lambda x: x[criterion])
         out[name] = {"best": best["overrides"], "criterion": criterion, "budget": len(sweep), "sweep": sweep}
     return out
@@ -87,7 +123,8 @@ def tune(criterion: str = "sct_mean_s", progress: bool = True) -> dict:
 
 def write_tuned(result: dict, path: Path = TUNED_PATH) -> None:
     lines = ["# Tuned policy parameters, written by `talaria study tune` (see docs/results.md).",
-             f"# Criterion: mean SCT over generator seeds {list(TUNE_SEEDS)} (never scored); the same budget of configurations per policy.", ""]
+             f"# Criterion: mean SCT over seeds {list(TUNE_SEEDS)} (never scored) of the default settings on one server and of",
+             f"# {', '.join(TUNING_SCENARIOS)}, each setting weighted the same; the same budget of configurations per policy.", ""]
     for name, r in result.items():
         lines.append(f"[{name}]")
         for k, v in r["best"].items():
@@ -134,18 +171,20 @@ def cmd_study(a: argparse.Namespace) -> int:
     report: dict[str, Any] = {}
     md: list[str] = []
     if a.what in ("tune", "all"):
-        res = tune(a.criterion)
+        res = tune(a.criterion, jobs=a.jobs)
         report["tuning"] = res
         if a.criterion == "sct_mean_s" and a.write_tuned:
             write_tuned(res)
             print(f"tuned parameters written to {TUNED_PATH}", file=sys.stderr)
         md.append(f"### Tuning sweeps (criterion {a.criterion}, seeds {list(TUNE_SEEDS)})\n")
         for name, r in res.items():
+            sets = list(r["sweep"][0]["per_set"])
             md.append(f"{name}: best {r['best']} (budget {r['budget']} configurations)\n")
-            md.append("| " + " | ".join(list(r["best"]) + [a.criterion]) + " |")
-            md.append("|" + " --- |" * (len(r["best"]) + 1))
+            md.append("| " + " | ".join(list(r["best"]) + [f"{s} {a.criterion}" for s in sets] + [a.criterion]) + " |")
+            md.append("|" + " --- |" * (len(r["best"]) + len(sets) + 1))
             for row in r["sweep"]:
-                md.append("| " + " | ".join(str(v) for v in row["overrides"].values()) + f" | {row[a.criterion]:.1f} |")
+                md.append("| " + " | ".join(str(v) for v in row["overrides"].values()) + " | "
+                          + " | ".join(f"{row['per_set'][s]:.1f}" for s in sets) + f" | **{row[a.criterion]:.1f}** |")
             md.append("")
     if a.what in ("headline", "all"):
         sessions = load_trace(DEFAULT_TRACE)
@@ -213,6 +252,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--write-tuned", action="store_true", help=f"write the tuned parameters to {TUNED_PATH}")
     p.add_argument("--out", help="JSON with every figure")
     p.add_argument("--markdown", help="write the tables as markdown here")
+    p.add_argument("--jobs", type=int, default=1, help="configurations scored in parallel while tuning (processes)")
     p.set_defaults(fn=cmd_study)
 
 
