@@ -33,8 +33,9 @@ from talaria.generate import generate, load_settings
 from talaria.report import oracle_sct, summarize
 from talaria.simulator import simulate
 
-DEFAULT_TRACE = "traces/swebench-30.jsonl"
-DEFAULT_SETTINGS = "traces/swebench-30.toml"
+ROOT = Path(__file__).resolve().parent.parent  # the checkout: the commands work from any directory
+DEFAULT_TRACE = str(ROOT / "traces" / "swebench-30.jsonl")
+DEFAULT_SETTINGS = str(ROOT / "traces" / "swebench-30.toml")
 TUNE_SEEDS = (1001, 1002, 1003)
 SCORE_SEEDS = tuple(range(1, 11))
 
@@ -91,7 +92,7 @@ def _score_config(args: tuple[str, dict[str, Any], str]) -> dict[str, Any]:
     pol = resolve_policy(name, ov, tuned=False)
     per_set = {"1x30x3 (default settings)": statistics.fmean(run_one(t, pol)[criterion] for t in traces_for(TUNE_SEEDS))}
     for path in TUNING_SCENARIOS:
-        sc = load_scenario(path)
+        sc = load_scenario(ROOT / path)
         per_set[sc.name] = statistics.fmean(
             run_one(trace_of(sc, seed), pol, servers=sc.servers, server_profile=sc.server_profile,
                     max_tokens=sc.max_tokens)[criterion] for seed in TUNE_SEEDS)

@@ -1,0 +1,73 @@
+"""The fairness rules of `talaria study tune` (docs/results.md): the same budget
+for every policy, grids that name real policy fields, tuning settings that are
+never scored, and tuned parameters that are points of the sweep."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from shared.policy import PolicyConfig, resolve_policy, tuned_overrides
+from talaria import experiments as ex
+from talaria.scenarios import load_scenario
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _configs(name: str) -> list[dict]:
+    grid = ex.GRIDS[name]
+    keys = list(grid)
+    return [ex._expand(dict(zip(keys, values))) for values in itertools.product(*(grid[k] for k in keys))]
+
+
+def test_every_policy_gets_the_same_budget() -> None:
+    budgets = {name: len(_configs(name)) for name in ex.GRIDS}
+    assert set(budgets.values()) == {32}, budgets
+
+
+@pytest.mark.parametrize("name", list(ex.GRIDS))
+def test_grid_points_are_distinct_valid_policies(name: str) -> None:
+    configs = _configs(name)
+    assert len({msgspec.json.encode(c) for c in configs}) == len(configs)
+    for ov in configs:
+        assert set(ov) <= set(PolicyConfig.__struct_fields__), ov
+        pol = resolve_policy(name, ov, tuned=False)
+        assert all(getattr(pol, k) == v for k, v in ov.items())
+
+
+def test_tuning_settings_are_never_scored() -> None:
+    for path in ex.TUNING_SCENARIOS:
+        sc = load_scenario(ROOT / path)  # load_scenario refuses tuning seeds among the scored ones
+        assert not set(sc.seeds) & set(ex.TUNE_SEEDS)
+        assert sc.servers > 1, "the one-server setting is the default generator settings"
+    assert not set(ex.SCORE_SEEDS) & set(ex.TUNE_SEEDS)
+
+
+@pytest.mark.parametrize("name", list(ex.GRIDS))
+def test_tuned_parameters_are_a_point_of_the_sweep(name: str) -> None:
+    """shared/data/tuned.toml holds what the sweep chose, nothing hand-set."""
+    tuned = tuned_overrides()[name]
+    assert any(ov == tuned for ov in _configs(name)), tuned
+
+
+def test_a_configuration_is_scored_on_every_setting() -> None:
+    """One configuration's score covers the one-server settings and every tuning scenario."""
+    calls: list[tuple] = []
+
+    def fake_run_one(sessions, policy, **kw):  # type: ignore[no-untyped-def]
+        calls.append((len(sessions), kw.get("servers", 1)))
+        return {"sct_mean_s": 100.0 * kw.get("servers", 1)}
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(ex, "run_one", fake_run_one)
+    try:
+        per_set = ex._score_config(("talaria", _configs("talaria")[0], "sct_mean_s"))
+    finally:
+        mp.undo()
+    names = [load_scenario(ROOT / p).name for p in ex.TUNING_SCENARIOS]
+    assert list(per_set) == ["1x30x3 (default settings)", *names]
+    assert len(calls) == len(ex.TUNE_SEEDS) * (1 + len(names))
+    assert per_set["1x30x3 (default settings)"] == 100.0
