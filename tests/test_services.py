@@ -586,6 +586,36 @@ async def test_engine_killed_mid_generation_still_answers_once(nats_server: Nats
         await svc.stop()
 
 
+async def test_switch_to_a_dead_engine_is_retried_not_stalled(nats_server: NatsServer, redis_server: RedisServer,
+                                                              subject_prefix: str, key_prefix: str, tmp_path: Path) -> None:
+    """The incoming model's engine-worker is down when a switch wants to wake it:
+    the substrate answers the switch with an error once its Wake times out, and
+    admission asks again, so the call is served soon after the worker is back
+    (before, the switch hung until admission's request timeout, ~40 s of wall)."""
+    svc = Services(nats_server.url, redis_server.url, subject_prefix, key_prefix, tmp_path / "logs",
+                   models=[MODEL_A, MODEL_B], extra_env={"TALARIA_CONTROL_TIMEOUT_S": "0.5"})
+    await svc.start()
+    try:
+        async with await TalariaClient.connect(nats_server.url, subject_prefix=subject_prefix) as c:
+            a = await c.open_session(MODEL_A)
+            assert (await a.call(prompt_tokens=2000, max_tokens=64, sim_output_tokens=10)).output_tokens == 10
+            name = svc.engine(MODEL_B)
+            svc.group.kill(name)
+            b = await c.open_session(MODEL_B)
+            call = asyncio.ensure_future(b.call(prompt_tokens=2000, max_tokens=64, sim_output_tokens=12))
+            await asyncio.sleep(1.5)  # the switch's Wake to B times out meanwhile
+            assert not call.done()
+            t0 = time.monotonic()
+            svc.group.start(name)
+            reply = await asyncio.wait_for(call, 20.0)
+            assert reply.output_tokens == 12 and reply.model == MODEL_B
+            assert time.monotonic() - t0 < 15.0
+            log = svc.log_tail(svc.substrate, 400)
+            assert "substrate.switch_failed" in log, log
+    finally:
+        await svc.stop()
+
+
 async def test_call_queued_in_a_killed_admission_is_resubmitted(nats_server: NatsServer, redis_server: RedisServer,
                                                                 subject_prefix: str, key_prefix: str, tmp_path: Path) -> None:
     """Admission dies holding a queued call: the agent's retry (same call id,

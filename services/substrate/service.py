@@ -88,22 +88,33 @@ class SubstrateManager(ServiceProcess):
         self.switching_to.add(req.to_model)
         try:
             async with self.switch_lock:
-                if req.to_model == self.ledger.active:
-                    # already active (a repeated request, e.g. from a restarted admission): wake is idempotent
-                    cap = self.ledger.kv_capacity_tokens(req.to_model)
-                    view = self.ledger.host_view(req.to_model) if self.settings.policy.host_kv else {}
-                    await self._control(req.to_model, Wake(kv_capacity_tokens=cap, host_kv=view))
-                    if reply:
-                        await self.nc.publish(reply, encode(SwitchResult(to_model=req.to_model, kv_capacity_tokens=cap,
-                                                                         duration_s=0.0)))
-                    return
-                if self.ledger.active and req.from_model != self.ledger.active:
-                    # the requester's view is stale (it restarted): put to sleep what is really awake
-                    self.log.warning("substrate.switch_from_corrected", asked=req.from_model, active=self.ledger.active)
-                    req = SwitchRequest(from_model=self.ledger.active, to_model=req.to_model)
-                await self._do_switch(req, reply, self._source_time(req.requested_at))
+                await self._switch_locked(req, reply)
+        except Exception as exc:
+            # e.g. the incoming engine is down and its Wake found no responder or timed
+            # out: say so now, so admission asks again soon (once the ledger has the
+            # model active, a retry only wakes it) instead of waiting out its request
+            # timeout; the worker's restart announcement gets it woken meanwhile
+            self.log.warning("substrate.switch_failed", to_model=req.to_model, error=str(exc) or type(exc).__name__)
+            await self.reply_error(reply, "internal", f"switch to {req.to_model} failed: "
+                                   f"{str(exc) or type(exc).__name__}; ask again", retry_after_s=0.5)
         finally:
             self.switching_to.discard(req.to_model)
+
+    async def _switch_locked(self, req: SwitchRequest, reply: str | None) -> None:
+        if req.to_model == self.ledger.active:
+            # already active (a repeated request, e.g. from a restarted admission): wake is idempotent
+            cap = self.ledger.kv_capacity_tokens(req.to_model)
+            view = self.ledger.host_view(req.to_model) if self.settings.policy.host_kv else {}
+            await self._control(req.to_model, Wake(kv_capacity_tokens=cap, host_kv=view))
+            if reply:
+                await self.nc.publish(reply, encode(SwitchResult(to_model=req.to_model, kv_capacity_tokens=cap,
+                                                                 duration_s=0.0)))
+            return
+        if self.ledger.active and req.from_model != self.ledger.active:
+            # the requester's view is stale (it restarted): put to sleep what is really awake
+            self.log.warning("substrate.switch_from_corrected", asked=req.from_model, active=self.ledger.active)
+            req = SwitchRequest(from_model=self.ledger.active, to_model=req.to_model, requested_at=req.requested_at)
+        await self._do_switch(req, reply, self._source_time(req.requested_at))
 
     def _source_time(self, at: float | None) -> float:
         """The model time a request was made at its source (admission), never in the
