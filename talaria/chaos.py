@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import json
 import random
+import shutil
 import statistics
 import sys
 import time
@@ -192,6 +193,10 @@ async def run_chaos(sessions: list[TraceSession], *, seed: int = 0, policy: str 
                     log_dir: Path | None = None, nats_cluster: int = 3, kinds: tuple[str, ...] = FAULT_KINDS,
                     rounds: int = 1, silence_s: float = 5.0, servers: int = 1) -> dict:
     base = Path(log_dir or default_log_dir()) / f"chaos-{seed}"
+    if base.exists():
+        # the duplicate count reads these logs: an earlier run's lines would count twice
+        shutil.rmtree(base)
+        print(f"[chaos] removed the logs of an earlier run in {base}", file=sys.stderr, flush=True)
     models = sorted({s.model for s in sessions})
     pol = resolve_policy(policy)
 
