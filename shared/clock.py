@@ -32,6 +32,14 @@ class ScaledClock:
         await asyncio.sleep(max(0.0, model_t - self.now()) / self.scale)
 
 
+def at_source(at: float | None, now: float, floor: float) -> float:
+    """The model time an event takes effect: `at`, when it was decided or
+    happened at its source, rather than `now`, when its message landed (wall
+    latency, which the time scale multiplies, stays out of the answer); never in
+    the future and never before `floor`, the receiver's last step."""
+    return max(floor, now if at is None else min(at, now))
+
+
 class LagMonitor:
     """Measures event-loop lag: how late a short sleep wakes up."""
 
@@ -51,11 +59,11 @@ async def drive_timer(
     clock: ScaledClock,
     next_at: Callable[[], float | None],
     wakeup: asyncio.Event,
-    on_due: Callable[[], Awaitable[None]],
+    on_due: Callable[[float], Awaitable[None]],
 ) -> None:
     """Drive a state machine's wake-ups on the model clock: sleep until its
     next wake-up (model time), or until `wakeup` says its state changed, then
-    call `on_due`. Never returns; run it as a task."""
+    call `on_due` with the wake-up's model time. Never returns; run it as a task."""
     while True:
         wakeup.clear()
         nxt = next_at()
@@ -69,4 +77,4 @@ async def drive_timer(
                 continue  # something changed: recompute
             except TimeoutError:
                 pass
-        await on_due()
+        await on_due(nxt)

@@ -18,7 +18,7 @@ from nats.aio.msg import Msg
 from services.admission import scheduler as sch
 from services.engine.costmodel import CostModel
 from shared.bus import ServiceProcess, run_service, trace_headers
-from shared.clock import drive_timer
+from shared.clock import at_source, drive_timer
 from shared.schema import (
     Abort, AdmissionCallMsg, ApiError, CallQueued, CallRunning, ListCalls, ProtectKv, ReleaseSession, RunCall,
     StageRequest, Submitted, SubmitCall, SwitchRequest, admission_decoder, encode, engine_announce_decoder,
@@ -269,11 +269,7 @@ class AdmissionService(ServiceProcess):
         call's arrival at the router, an engine's finish, a switch's end), so
         the wall latency of the message, which the time scale multiplies, does
         not leak into decisions; never earlier than the last step."""
-        now = self.clock.now()
-        if at is not None:
-            now = max(self.scheduler.last_step_at, min(at, now))
-        now = max(now, self.scheduler.last_step_at)
-        actions = self.scheduler.step(event, now)
+        actions = self.scheduler.step(event, at_source(at, self.clock.now(), self.scheduler.last_step_at))
         await self.apply(actions)
         self.wakeup.set()
         self.dirty.set()
@@ -377,8 +373,7 @@ class AdmissionService(ServiceProcess):
 
     async def timer(self) -> None:
         # a wake-up is stepped at its own model time, not at the (later) moment the timer fired
-        await drive_timer(self.clock, self.scheduler.next_wakeup, self.wakeup,
-                          lambda: self.step(sch.Tick(), at=self.scheduler.next_wakeup()))
+        await drive_timer(self.clock, self.scheduler.next_wakeup, self.wakeup, lambda due: self.step(sch.Tick(), at=due))
 
     async def heartbeats(self) -> None:
         """Tell every waiting agent its call is alive (queued or running)."""

@@ -17,7 +17,7 @@ from nats.aio.msg import Msg
 from services.engine.costmodel import CostModel
 from services.engine.sim_engine import CallResult, EngineCall, SimEngine
 from shared.bus import ServiceProcess, run_service, trace_headers
-from shared.clock import drive_timer
+from shared.clock import at_source, drive_timer
 from shared.keys import CALL_TTL_S, SESSION_TTL_S
 from shared.schema import (
     Abort, CallFinished, EngineAnnounce, CallReply, CallRunning, ControlOk, EngineState, ListCalls, ProtectKv,
@@ -85,9 +85,7 @@ class EngineWorker(EngineWorkerBase):
         with structlog.contextvars.bound_contextvars(session_id=rc.session_id, call_id=rc.call_id):
             # start at the dispatch's own model time (not when the message landed), never
             # before the engine's clock: message latency stays out of the model's answer
-            now = self.clock.now()
-            if rc.dispatched_at is not None:
-                now = max(self.engine.t, min(rc.dispatched_at, now))
+            now = at_source(rc.dispatched_at, self.clock.now(), self.engine.t)
             self.engine.submit(
                 EngineCall(rc.call_id, rc.session_id, rc.model, rc.prompt_tokens, rc.prefix_tokens,
                            rc.max_tokens, rc.stop_tokens, rc.reserved_tokens),
@@ -113,14 +111,14 @@ class EngineWorker(EngineWorkerBase):
                     self.engine.kv_capacity_tokens = cap
                 else:
                     # awake from the switch's end in model time, not from when the message landed
-                    self.engine.wake(now if at is None else max(self.engine.t, min(at, now)), cap, host)
+                    self.engine.wake(at_source(at, now, self.engine.t), cap, host)
                 self.log.info("engine.wake", kv_capacity_tokens=cap, host_kv_sessions=len(host), at=round(now, 3))
                 for rc in list(self.pending.values()):
                     del self.pending[rc.call_id]
                     await self._submit(rc)
             case Abort(call_id=cid, at=at):
                 # preempted at admission's decision time, not when the message landed
-                self.engine.abort(cid, now if at is None else max(self.engine.t, min(at, now)))
+                self.engine.abort(cid, at_source(at, now, self.engine.t))
                 self.calls.pop(cid, None)
             case ProtectKv(session_id=sid, on=on):
                 (self.engine.protected.add if on else self.engine.protected.discard)(sid)
@@ -141,8 +139,9 @@ class EngineWorker(EngineWorkerBase):
             await self.nc.publish(msg.reply, encode(out))
 
     async def timer(self) -> None:
+        # advance to now, not just to the due time: it computes every finish up to now in one go
         await drive_timer(self.clock, self.engine.next_event_at, self.wakeup,
-                          lambda: self._publish(self.engine.advance(self.clock.now())))
+                          lambda _due: self._publish(self.engine.advance(self.clock.now())))
 
     async def _publish(self, done: list[CallResult]) -> None:
         s = self.settings

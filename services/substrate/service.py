@@ -16,6 +16,7 @@ from nats.aio.msg import Msg
 from services.engine.costmodel import CostModel
 from services.substrate.ledger import SubstrateLedger
 from shared.bus import ServiceProcess, run_service
+from shared.clock import at_source
 from shared.schema import (
     ApiError, ControlOk, Sleep, StageRequest, SubstrateAnnounce, SwitchRequest, SwitchResult, Wake,
     control_reply_decoder, encode, engine_announce_decoder, substrate_decoder,
@@ -61,7 +62,7 @@ class SubstrateManager(ServiceProcess):
         match req:
             case StageRequest(model=m, requested_at=at):
                 if m in self.ledger.models:
-                    st = self.ledger.stage(m, self._source_time(at))
+                    st = self.ledger.stage(m, at_source(at, self.clock.now(), self.last_switch_end))
                     if st is not None:
                         self.log.info("substrate.stage", model=m, staged_gb=round(st.nbytes / 1e9, 1))
                     await self._mirror()
@@ -114,14 +115,7 @@ class SubstrateManager(ServiceProcess):
             # the requester's view is stale (it restarted): put to sleep what is really awake
             self.log.warning("substrate.switch_from_corrected", asked=req.from_model, active=self.ledger.active)
             req = SwitchRequest(from_model=self.ledger.active, to_model=req.to_model, requested_at=req.requested_at)
-        await self._do_switch(req, reply, self._source_time(req.requested_at))
-
-    def _source_time(self, at: float | None) -> float:
-        """The model time a request was made at its source (admission), never in the
-        future and never before the last switch ended: message latency, which the
-        time scale multiplies, stays out of switch timings."""
-        now = self.clock.now()
-        return max(self.last_switch_end, now if at is None else min(at, now))
+        await self._do_switch(req, reply, at_source(req.requested_at, self.clock.now(), self.last_switch_end))
 
     async def _do_switch(self, req: SwitchRequest, reply: str | None, t0: float) -> None:
         kv_out: dict[str, int] = {}
