@@ -7,9 +7,12 @@ carries them.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
+from pathlib import Path
+from typing import Any
 
 import structlog
 
@@ -34,3 +37,16 @@ def configure_logging(service: str, level: str | None = None) -> structlog.stdli
         cache_logger_on_first_use=True,
     )
     return structlog.get_logger().bind(service=service)
+
+
+def read_log_events(path: Path) -> list[dict[str, Any]]:
+    """The JSON lines of a service's log, parsed; other lines (a supervisor's
+    notes, a traceback) are skipped."""
+    out: list[dict[str, Any]] = []
+    for line in path.read_text(errors="replace").splitlines():
+        if line.startswith("{"):
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                pass
+    return out

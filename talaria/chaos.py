@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import json
 import random
 import shutil
 import statistics
@@ -35,8 +33,8 @@ from pathlib import Path
 import nats
 
 from shared.clock import ScaledClock
+from shared.logs import read_log_events
 from shared.policy import resolve_policy
-from shared.schema import CallReply
 from shared.trace import TraceSession, load_trace
 from talaria.client import TalariaClient
 from talaria.replay import ReplayOutcome, drive, write_json
@@ -76,16 +74,8 @@ def _sct_summary(sct: dict[str, float]) -> dict[str, float]:
 
 def _engine_generations(log_dir: Path) -> Counter[str]:
     """How many times each call id was generated to the end (engine.finished), over every engine log."""
-    out: Counter[str] = Counter()
-    for p in log_dir.glob("engine-*.log"):
-        for line in p.read_text(errors="replace").splitlines():
-            if '"engine.finished"' not in line or not line.startswith("{"):
-                continue
-            with contextlib.suppress(ValueError):
-                d = json.loads(line)
-                if d.get("event") == "engine.finished" and d.get("call_id"):
-                    out[d["call_id"]] += 1
-    return out
+    return Counter(d["call_id"] for p in log_dir.glob("engine-*.log") for d in read_log_events(p)
+                   if d.get("event") == "engine.finished" and d.get("call_id"))
 
 
 class Injector:

@@ -30,13 +30,13 @@ from shared.catalog import load_catalog
 from shared.policy import PRESETS, TUNED_PATH, PolicyConfig, resolve_policy
 from shared.trace import TraceSession, load_trace
 from talaria.generate import generate, load_settings
-from talaria.report import oracle_sct, summarize
-from talaria.simulator import simulate
+from talaria.report import summarize
+from talaria.scenarios import (  # scenarios define the tuning seeds: they refuse to score them
+    DEFAULT_TRACE, ROOT, TUNE_SEEDS, load_scenario, run_policy, simulate_run, trace_of,
+)
 
-ROOT = Path(__file__).resolve().parent.parent  # the checkout: the commands work from any directory
-DEFAULT_TRACE = str(ROOT / "traces" / "swebench-30.jsonl")
+# paths from the checkout's root, so the commands work from any directory
 DEFAULT_SETTINGS = str(ROOT / "traces" / "swebench-30.toml")
-TUNE_SEEDS = (1001, 1002, 1003)
 SCORE_SEEDS = tuple(range(1, 11))
 
 # The same budget for each policy: 32 configurations.
@@ -64,14 +64,8 @@ def traces_for(seeds: tuple[int, ...], settings_path: str = DEFAULT_SETTINGS, **
 
 
 def run_one(sessions: list[TraceSession], policy: PolicyConfig, **kw: Any) -> dict:
-    catalog = load_catalog()
-    r = simulate(sessions, catalog, policy, **kw)
-    return summarize(policy.name, sessions, r.sct, r.records, oracle_sct(sessions, catalog), extra={
-        "wall_s": r.wall_s, "switches": r.stats["switches"], "sp_admits": r.stats["sp_admits"],
-        "utilisation": sum(s["busy_s"] for s in r.servers) / (r.horizon_s * len(r.servers)) if r.horizon_s else 0.0,
-        "reservations": {k: r.stats[k] for k in ("reservations_made", "reservations_hit", "reservations_expired", "reserved_idle_s")},
-        "kv_bytes_to_host": r.stats["kv_bytes_to_host"], "region_reservations": r.stats["region_reservations"],
-    })
+    """One policy on one trace of the default settings (one h100x8 server unless `kw` says otherwise)."""
+    return simulate_run(sessions, load_catalog(), policy, **kw)
 
 
 def _expand(ov: dict[str, Any]) -> dict[str, Any]:
@@ -87,15 +81,11 @@ def _expand(ov: dict[str, Any]) -> dict[str, Any]:
 def _score_config(args: tuple[str, dict[str, Any], str]) -> dict[str, Any]:
     """One configuration on every tuning set: {set: mean criterion over its seeds}."""
     name, ov, criterion = args
-    from talaria.scenarios import load_scenario, trace_of
-
     pol = resolve_policy(name, ov, tuned=False)
     per_set = {"1x30x3 (default settings)": statistics.fmean(run_one(t, pol)[criterion] for t in traces_for(TUNE_SEEDS))}
     for path in TUNING_SCENARIOS:
         sc = load_scenario(ROOT / path)
-        per_set[sc.name] = statistics.fmean(
-            run_one(trace_of(sc, seed), pol, servers=sc.servers, server_profile=sc.server_profile,
-                    max_tokens=sc.max_tokens)[criterion] for seed in TUNE_SEEDS)
+        per_set[sc.name] = statistics.fmean(run_policy(sc, trace_of(sc, seed), pol)[criterion] for seed in TUNE_SEEDS)
     return per_set
 
 

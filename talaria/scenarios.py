@@ -29,8 +29,8 @@ from typing import Annotated, Any
 
 import msgspec
 
-from shared.catalog import CatalogError, load_catalog
-from shared.policy import PolicyError, resolve_policy
+from shared.catalog import Catalog, CatalogError, load_catalog
+from shared.policy import PolicyConfig, PolicyError, resolve_policy
 from shared.trace import TraceSession
 from shared.tomlfile import load_toml_struct
 from talaria.agent import DEFAULT_MAX_TOKENS
@@ -38,7 +38,7 @@ from talaria.generate import GeneratorSettings, SettingsError, _check, generate
 from talaria.report import oracle_sct, summarize
 
 ROOT = Path(__file__).resolve().parent.parent
-TUNE_SEEDS = (1001, 1002, 1003)  # talaria.experiments.TUNE_SEEDS: never scored
+TUNE_SEEDS = (1001, 1002, 1003)  # the seeds `talaria study tune` tunes on (talaria/experiments.py): never scored
 BENCH_SCENARIO = ROOT / "scenarios" / "bench-16x3000x5.toml"
 DEFAULT_TRACE = ROOT / "traces" / "swebench-30.jsonl"
 
@@ -109,17 +109,26 @@ def trace_of(sc: Scenario, seed: int) -> list[TraceSession]:
     return generate(sc.trace, seed=seed)
 
 
-def run_policy(sc: Scenario, sessions: list[TraceSession], policy_name: str, *, check: bool = False) -> dict:
+def simulate_run(sessions: list[TraceSession], catalog: Catalog, policy: PolicyConfig, *,
+                 server_profile: str = "h100x8", **kw: Any) -> dict:
+    """Simulate one policy on a trace and summarise it as a run of the results
+    JSON (the replay's shape, plus the simulator's own figures)."""
     from talaria.simulator import simulate
 
-    catalog = load_catalog(_catalog_path(sc))
-    pol = resolve_policy(policy_name)
-    r = simulate(sessions, catalog, pol, servers=sc.servers, server_profile=sc.server_profile,
-                 max_tokens=sc.max_tokens, check_invariants=check)
-    run = summarize(policy_name, sessions, r.sct, r.records, oracle_sct(sessions, catalog, sc.server_profile), extra={
+    r = simulate(sessions, catalog, policy, server_profile=server_profile, **kw)
+    return summarize(policy.name, sessions, r.sct, r.records, oracle_sct(sessions, catalog, server_profile), extra={
         "wall_s": r.wall_s, "switches": r.stats["switches"], "sp_admits": r.stats["sp_admits"],
         "utilisation": sum(s["busy_s"] for s in r.servers) / (r.horizon_s * len(r.servers)) if r.horizon_s else 0.0,
+        "reservations": {k: r.stats[k] for k in ("reservations_made", "reservations_hit", "reservations_expired", "reserved_idle_s")},
+        "kv_bytes_to_host": r.stats["kv_bytes_to_host"], "region_reservations": r.stats["region_reservations"],
     })
+
+
+def run_policy(sc: Scenario, sessions: list[TraceSession], policy: str | PolicyConfig, *, check: bool = False) -> dict:
+    """One policy (a name, with its tuned parameters, or a configuration) on one of the scenario's traces."""
+    pol = resolve_policy(policy) if isinstance(policy, str) else policy
+    run = simulate_run(sessions, load_catalog(_catalog_path(sc)), pol, servers=sc.servers,
+                       server_profile=sc.server_profile, max_tokens=sc.max_tokens, check_invariants=check)
     run.pop("sessions")  # per-session SCTs: large for big scenarios and not needed by the table
     return run
 

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from shared.catalog import load_catalog
+from shared.logs import read_log_events
 from shared.policy import resolve_policy
 from shared.trace import TraceSession, dump_trace, load_trace
 from talaria.generate import generate, load_settings
@@ -57,17 +58,6 @@ def check_run(run: dict[str, Any], sessions: list[TraceSession]) -> None:
         assert set(s) >= {"session_id", "sct_s"} and s["sct_s"] > 0
     assert 0 < run["sct_p50_s"] <= run["sct_p95_s"]
     assert run["sct_mean_s"] == pytest.approx(statistics.fmean(s["sct_s"] for s in run["sessions"]))
-
-
-def log_events(path: Path) -> list[dict[str, Any]]:
-    out = []
-    for line in path.read_text(errors="replace").splitlines():
-        if line.startswith("{"):
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                pass
-    return out
 
 
 # -- the smoke trace, both policies ------------------------------------------------------------------
@@ -116,7 +106,7 @@ def test_logs_trace_a_session_router_admission_engine(smoke_replay: dict[str, An
     hits: dict[str, list[dict[str, Any]]] = {}
     for name, path in files.items():
         if sid in path.read_text(errors="replace"):
-            hits[name] = [d for d in log_events(path) if d.get("session_id") == sid]
+            hits[name] = [d for d in read_log_events(path) if d.get("session_id") == sid]
     engine = f"engine-s0-{model}"
     assert {"router-0", "admission-s0", engine} <= set(hits), sorted(hits)
     for other in (f for f in files if f.startswith("engine-") and f != engine):
@@ -167,21 +157,18 @@ def test_time_scale_does_not_change_the_answer(tmp_path: Path) -> None:
             check_run(run, sessions)
             assert run["time_scale"] == scale
             outs[(seed, scale)] = run["sct_mean_s"]
-    report = []
-    for seed, (_, sessions) in traces.items():
-        expected = sim_mean(sessions, "baseline")
-        lo, hi = outs[(seed, 10)], outs[(seed, 100)]
-        report.append(f"seed {seed}: sim {expected:.1f} s, 10x {lo:.1f} s, 100x {hi:.1f} s")
+    expected = {seed: sim_mean(sessions, "baseline") for seed, (_, sessions) in traces.items()}
+    report = "\n".join(f"seed {seed}: sim {expected[seed]:.1f} s, 10x {outs[(seed, 10)]:.1f} s, "
+                       f"100x {outs[(seed, 100)]:.1f} s" for seed in traces)
     # events and requests carry their source's model time (arrival, finish, switch start and
     # end, staging hint, preemption, wake-up) and the replay's tools start from the reply's
     # model time, so messaging latency, which the time scale multiplies, stays out of the
     # answer (measured: seed 1 163.6 s at 100x against 163.0 s simulated, both cores loaded too)
-    for seed, (_, sessions) in traces.items():
-        expected = sim_mean(sessions, "baseline")
+    for seed in traces:
         lo, hi = outs[(seed, 10)], outs[(seed, 100)]
-        assert abs(lo - expected) <= TOLERANCE * expected, "\n".join(report)
-        assert abs(hi - expected) <= TOLERANCE * expected, "\n".join(report)
-        assert abs(hi - lo) <= TOLERANCE * min(lo, hi), "\n".join(report)
+        assert abs(lo - expected[seed]) <= TOLERANCE * expected[seed], report
+        assert abs(hi - expected[seed]) <= TOLERANCE * expected[seed], report
+        assert abs(hi - lo) <= TOLERANCE * min(lo, hi), report
 
 
 # -- a bad trace starts nothing ------------------------------------------------------------------------

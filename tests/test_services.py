@@ -23,9 +23,10 @@ import pytest
 import redis.asyncio as aioredis
 from nats.aio.client import Client as NATS
 
+from shared.logs import read_log_events
 from shared.schema import (
     MAX_MESSAGE_BYTES, ApiError, CallAccepted, CallQueued, CallReply, CallRunning, api_reply_decoder,
-    call_event_decoder, encode, CallRequest, OpenSession,
+    call_event_decoder, encode, CallRequest,
 )
 from shared.subjects import Subjects
 from talaria.client import (
@@ -126,14 +127,7 @@ class Services:
         await self.group.astop_all(timeout=10)
 
     def log_lines(self, name: str) -> list[dict[str, Any]]:
-        out = []
-        for line in (self.log_dir / f"{name}.log").read_text(errors="replace").splitlines():
-            if line.startswith("{"):
-                try:
-                    out.append(json.loads(line))
-                except ValueError:
-                    pass
-        return out
+        return read_log_events(self.log_dir / f"{name}.log")
 
     def log_tail(self, name: str, n: int = 20) -> str:
         p = self.log_dir / f"{name}.log"

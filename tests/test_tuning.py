@@ -53,20 +53,21 @@ def test_tuned_parameters_are_a_point_of_the_sweep(name: str) -> None:
     assert any(ov == tuned for ov in _configs(name)), tuned
 
 
-def test_a_configuration_is_scored_on_every_setting() -> None:
+def test_a_configuration_is_scored_on_every_setting(monkeypatch: pytest.MonkeyPatch) -> None:
     """One configuration's score covers the one-server settings and every tuning scenario."""
     calls: list[tuple] = []
 
     def fake_run_one(sessions, policy, **kw):  # type: ignore[no-untyped-def]
-        calls.append((len(sessions), kw.get("servers", 1)))
-        return {"sct_mean_s": 100.0 * kw.get("servers", 1)}
+        calls.append((len(sessions), 1))
+        return {"sct_mean_s": 100.0}
 
-    mp = pytest.MonkeyPatch()
-    mp.setattr(ex, "run_one", fake_run_one)
-    try:
-        per_set = ex._score_config(("talaria", _configs("talaria")[0], "sct_mean_s"))
-    finally:
-        mp.undo()
+    def fake_run_policy(sc, sessions, policy, **kw):  # type: ignore[no-untyped-def]
+        calls.append((len(sessions), sc.servers))
+        return {"sct_mean_s": 100.0 * sc.servers}
+
+    monkeypatch.setattr(ex, "run_one", fake_run_one)
+    monkeypatch.setattr(ex, "run_policy", fake_run_policy)
+    per_set = ex._score_config(("talaria", _configs("talaria")[0], "sct_mean_s"))
     names = [load_scenario(ROOT / p).name for p in ex.TUNING_SCENARIOS]
     assert list(per_set) == ["1x30x3 (default settings)", *names]
     assert len(calls) == len(ex.TUNE_SEEDS) * (1 + len(names))
