@@ -20,6 +20,7 @@ from typing import Self
 
 import msgspec
 import nats
+from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 
@@ -144,7 +145,15 @@ class TalariaClient:
                           sim_output_tokens=sim_output_tokens, prompt_text=prompt_text,
                           prompt_token_ids=prompt_token_ids)
         data = encode(req)
-        sub = await self.nc.subscribe(inbox)
+        # Our own queue read under `asyncio.timeout`, not `sub.next_msg`: nats-py's next_msg wraps
+        # `asyncio.wait_for`, which on Python 3.11 can swallow a cancellation that races a message,
+        # so an agent giving up on a streaming call would silently keep waiting for the reply.
+        inbox_msgs: asyncio.Queue[Msg] = asyncio.Queue()
+
+        async def deliver(msg: Msg) -> None:
+            inbox_msgs.put_nowait(msg)
+
+        sub = await self.nc.subscribe(inbox, cb=deliver)
         streamed: list[int] = []
         done = False
         try:
@@ -154,8 +163,9 @@ class TalariaClient:
                 await self.nc.publish(self.subjects.api_call, data)
                 while True:
                     try:
-                        msg = await sub.next_msg(timeout=self.silence_s)
-                    except NatsTimeout:
+                        async with asyncio.timeout(self.silence_s):
+                            msg = await inbox_msgs.get()
+                    except TimeoutError:
                         break  # silence: retry under the same call id
                     try:
                         ev = call_event_decoder.decode(msg.data)

@@ -1,0 +1,80 @@
+"""The agent client against a scripted responder on a real NATS (no services).
+
+The responder answers each call with a burst of streamed tokens and the reply, so
+an agent's cancellation lands while messages are arriving: the case where a
+cancellation raced by a message used to be lost (nats-py's `next_msg` waits with
+`asyncio.wait_for`, which on Python 3.11 can swallow it) and the agent kept
+waiting for a reply it had given up on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import msgspec
+import pytest
+
+from shared.schema import CallReply, CallRequest, CallTokens, CancelCall, encode
+from shared.subjects import Subjects
+from talaria.client import TalariaClient
+from talaria.infra import NatsServer
+
+BURST_TOKENS = 40  # streamed events per call, all published back to back
+
+
+def _reply(req: CallRequest) -> CallReply:
+    return CallReply(call_id=req.call_id, session_id=req.session_id, server_id="s0", model=req.model,
+                     prompt_tokens=req.prompt_tokens, cached_tokens=0, restored_tokens=0, reprefill_tokens=0,
+                     output_tokens=BURST_TOKENS, arrived_at=0.0, finished_at=1.0, waited_s=0.0, switch_wait_s=0.0,
+                     round_wait=False, restore_s=0.0, prefill_s=0.0, decode_s=1.0, engine="vllm")
+
+
+async def test_cancel_during_a_token_burst_raises_and_tells_the_engine(nats_server: NatsServer) -> None:
+    prefix = f"t{uuid.uuid4().hex[:8]}"
+    subjects = Subjects(prefix)
+    request_decoder = msgspec.json.Decoder(CallRequest)
+    cancels: list[str] = []
+    async with await TalariaClient.connect(nats_server.url, subject_prefix=prefix, silence_s=5.0) as client:
+        nc = client.nc
+
+        cancelled: dict[str, asyncio.Event] = {}
+
+        async def stream(req: CallRequest) -> None:
+            for i in range(BURST_TOKENS):
+                await nc.publish(req.reply_to, encode(CallTokens(call_id=req.call_id, index=i, token_ids=[i])))
+            # the reply only if the agent has not given up within a second (an engine aborts a cancelled call)
+            try:
+                await asyncio.wait_for(cancelled.setdefault(req.call_id, asyncio.Event()).wait(), 1.0)
+            except TimeoutError:
+                await nc.publish(req.reply_to, encode(_reply(req)))
+
+        async def responder(msg) -> None:  # type: ignore[no-untyped-def]
+            asyncio.create_task(stream(request_decoder.decode(msg.data)))
+
+        async def on_cancel(msg) -> None:  # type: ignore[no-untyped-def]
+            call_id = msgspec.json.decode(msg.data, type=CancelCall).call_id
+            cancels.append(call_id)
+            cancelled.setdefault(call_id, asyncio.Event()).set()
+
+        await nc.subscribe(subjects.api_call, cb=responder)
+        await nc.subscribe(subjects.call_cancel, cb=on_cancel)
+        await nc.flush()
+
+        # a whole call first: the burst is collected in order, the reply comes after a second
+        whole = await client.call("sess", "m", prompt_tokens=10, max_tokens=BURST_TOKENS, call_id="whole")
+        assert whole.token_ids == list(range(BURST_TOKENS))
+
+        # then give up after the first token, many times over (the race is a matter of timing)
+        for n in range(30):
+            first = asyncio.Event()
+            call = asyncio.create_task(client.call(
+                "sess", "m", prompt_tokens=10, max_tokens=BURST_TOKENS, call_id=f"c{n}",
+                on_event=lambda ev: first.set() if isinstance(ev, CallTokens) else None))
+            await asyncio.wait_for(first.wait(), 5)
+            call.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await call
+        await nc.flush()
+        await asyncio.sleep(0.1)
+    assert sorted(cancels) == sorted(f"c{n}" for n in range(30)), "every call given up on is cancelled at the engine"
