@@ -238,7 +238,14 @@ class ReleaseSession(Base, tag="release_session"):
     session_id: Id
 
 
-EngineControl = Sleep | Wake | Abort | ProtectKv | ListCalls | ReleaseSession
+class ForgetHostKv(Base, tag="forget_host_kv"):
+    """The substrate's host KV tier could not keep these sessions' spilled KV:
+    the engine must not count on restoring it."""
+
+    session_ids: list[Id]
+
+
+EngineControl = Sleep | Wake | Abort | ProtectKv | ListCalls | ReleaseSession | ForgetHostKv
 
 
 class ControlOk(Base, tag="control_ok"):
@@ -275,6 +282,17 @@ class EngineAnnounce(Base, tag="engine_announce"):
     server_id: str
     model: str
     awake: bool
+
+
+class KvSpilled(Base, tag="kv_spilled"):
+    """The active engine pushed idle sessions' KV out of HBM to host DRAM for
+    room (host-KV restore on): tokens per session, for the substrate's ledger,
+    which owns host memory."""
+
+    server_id: str
+    model: str
+    sessions: dict[str, Count]
+    at: float | None = None  # the engine's model time of the spill
 
 
 class SessionEndedEvent(Base, tag="session_ended"):
@@ -352,6 +370,7 @@ switch_reply_decoder = msgspec.json.Decoder(SwitchResult | ApiError)
 api_reply_decoder = msgspec.json.Decoder(SessionOpened | Ok | Info | ApiError)
 reply_decoder = msgspec.json.Decoder(CallReply)
 kv_event_decoder = msgspec.json.Decoder(KvEvent)
+kv_spilled_decoder = msgspec.json.Decoder(KvSpilled)
 cancel_decoder = msgspec.json.Decoder(CancelCall)
 
 

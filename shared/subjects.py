@@ -68,6 +68,10 @@ class Subjects:
         """An agent gave up on a call (CancelCall); the engine running it aborts it."""
         return f"{self.prefix}.api.cancel"
 
+    def kv_spilled(self, server: str) -> str:
+        """The active engine spilled idle KV to host DRAM (KvSpilled), for the substrate's ledger."""
+        return f"{self.prefix}.events.{server}.kv_spilled"
+
     def substrate_announce(self, server: str) -> str:
         return f"{self.prefix}.events.{server}.substrate"
 

@@ -90,7 +90,7 @@ class Simulator:
                 server_id=sid,
                 scheduler=sch.RoundScheduler(sid, specs, self.cost, policy),
                 ledger=SubstrateLedger(profile, specs, self.cost, policy),
-                engines={m: SimEngine(spec, self.cost) for m, spec in specs.items()},
+                engines={m: SimEngine(spec, self.cost, spill_to_host=policy.host_kv) for m, spec in specs.items()},
             )
         self.sessions = {s.session_id: _Session(s, plan_session(s, max_tokens)) for s in sessions}
         self.records: dict[str, CallRecord] = {}
@@ -144,6 +144,7 @@ class Simulator:
                 sid, model, cap, host_view = payload
                 srv = self.servers[sid]
                 srv.engines[model].wake(self.now, cap, host_view)
+                self._sync_spills(srv, model)
                 self._admission_step(srv, sch.SwitchDone(model, cap))
         unfinished = [s.trace.session_id for s in self.sessions.values() if s.finished_at is None]
         if unfinished:
@@ -285,11 +286,22 @@ class Simulator:
                 case _:
                     pass
         for m in touched:
+            self._sync_spills(srv, m)
             self._arm_engine(srv, m)
+
+    def _sync_spills(self, srv: _Server, model: str) -> None:
+        """KV the engine pushed to host for room goes into the substrate's ledger,
+        which owns host memory; what the tier cannot keep the engine forgets."""
+        eng = srv.engines[model]
+        if eng.spilled:
+            eng.forget_host(srv.ledger.accept_spill(model, eng.take_spilled()))
+            if self.check:
+                srv.ledger.check_bounds()
 
     def _engine_step(self, srv: _Server, model: str) -> None:
         eng = srv.engines[model]
         done = eng.advance(self.now)
+        self._sync_spills(srv, model)
         for r in done:
             rec = self.records[r.call_id]
             rec.finished_at = r.finished_at

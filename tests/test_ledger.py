@@ -282,3 +282,33 @@ def test_check_bounds_detects_overcommit() -> None:
     st.nbytes = GLM.weights_bytes  # more than the 120 GB of spare room next to Qwen3
     with pytest.raises(AssertionError):
         led2.check_bounds()
+
+
+def test_kv_spilled_during_a_slot_is_booked_and_bounded() -> None:
+    weights_gb = sum(m.weights_gb for m in SPECS.values())
+    small = dataclasses.replace(H100, host_dram_gb=weights_gb + 1.0)  # 1 GB of host KV
+    led = ledger(pol("talaria"), small)
+    led.plan_switch(0.0, AIR.name, {})
+    led.plan_switch(10.0, GLM.name, {})
+    led.plan_switch(20.0, AIR.name, {"g1": 1_000})  # a switched-out GLM session (~377 MB)
+    led.check_bounds()
+    # the active AIR engine spills one session (~377 MB at 2k tokens): it fits beside g1
+    assert led.accept_spill(AIR.name, {"a1": 2_000}) == []
+    assert led.host_view(AIR.name) == {"a1": 2_000}
+    assert led.kv_bytes_to_host == pytest.approx(GLM.kv_bytes(1_000) + AIR.kv_bytes(2_000))
+    # more than the tier holds: the other model's session goes first, then AIR's least recently spilled
+    lost = led.accept_spill(AIR.name, {"a2": 2_000, "a3": 2_000})
+    led.check_bounds()
+    assert led.host_view(GLM.name) == {}
+    assert lost == ["a1"] and led.host_view(AIR.name) == {"a2": 2_000, "a3": 2_000}
+    # spilling again: only the part not already there is copied
+    before = led.kv_bytes_to_host
+    assert led.accept_spill(AIR.name, {"a3": 2_000}) == []
+    assert led.kv_bytes_to_host == before
+
+
+def test_kv_spill_with_host_kv_off_is_refused() -> None:
+    led = ledger(pol("talaria", host_kv=False))
+    led.plan_switch(0.0, QWEN.name, {})
+    with pytest.raises(ValueError):
+        led.accept_spill(QWEN.name, {"s": 1_000})

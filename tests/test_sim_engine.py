@@ -327,3 +327,41 @@ def test_call_finished_inside_submit_is_handed_out_by_next_advance() -> None:
     assert done[0].finished_at < 1.0
     assert [r.call_id for r in e.advance(1e6)] == ["b"]
     assert e.advance(2e6) == []  # handed out once
+
+
+# -- KV pushed out for room goes to host with host-KV restore on -------------------------
+
+
+def test_kv_pushed_out_for_room_is_spilled_to_host_and_restored() -> None:
+    e = SimEngine(QWEN, CM, spill_to_host=True)
+    e.wake(0.0, 30_000, {})
+    e.submit(call("A0", "A", 9_900, stop=100, reserved=10_000), 0.0)
+    e.advance(100.0)
+    assert e.hbm_kv == {"A": 10_000}
+    e.submit(call("B0", "B", 20_000, stop=100, reserved=25_000), 100.0)
+    assert e.hbm_kv == {} and e.host_kv == {"A": 10_000}
+    assert e.take_spilled() == {"A": 10_000} and e.take_spilled() == {}
+    [b] = e.advance(1e4)
+    # the call that needed the room waited for the copy to host
+    assert b.restore_s == pytest.approx(CM.d2h_s(QWEN.kv_bytes(10_000)))
+    # A returns: its prefix comes back from host instead of being computed again
+    e.submit(call("A1", "A", 10_500, prefix=10_000, stop=10, reserved=11_000), 2e4)
+    [a] = run_to_end(e)
+    assert (a.cached_tokens, a.restored_tokens, a.reprefill_tokens) == (0, 10_000, 0)
+
+
+def test_spill_off_drops_and_forget_host_undoes_a_spill() -> None:
+    dropped = SimEngine(QWEN, CM)
+    dropped.wake(0.0, 30_000, {})
+    dropped.submit(call("A0", "A", 9_900, stop=100, reserved=10_000), 0.0)
+    dropped.advance(100.0)
+    dropped.submit(call("B0", "B", 20_000, stop=100, reserved=25_000), 100.0)
+    assert dropped.host_kv == {} and dropped.take_spilled() == {}
+    e = SimEngine(QWEN, CM, spill_to_host=True)
+    e.wake(0.0, 30_000, {"A": 4_000})
+    e.submit(call("A0", "A", 9_900, prefix=4_000, stop=100, reserved=10_000), 0.0)
+    e.advance(100.0)
+    e.submit(call("B0", "B", 20_000, stop=100, reserved=25_000), 100.0)
+    assert e.host_kv == {"A": 10_000} and e.spilled == {"A": 10_000}
+    e.forget_host(["A"])  # the substrate's tier could not keep it
+    assert e.host_kv == {} and e.spilled == {}

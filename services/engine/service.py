@@ -20,8 +20,8 @@ from shared.bus import ServiceProcess, run_service, trace_headers
 from shared.clock import at_source, drive_timer
 from shared.keys import CALL_TTL_S, SESSION_TTL_S
 from shared.schema import (
-    Abort, CallFinished, EngineAnnounce, CallReply, CallRunning, ControlOk, EngineState, ListCalls, ProtectKv,
-    ReleaseSession, RunCall, Sleep, Wake, control_decoder, encode, reply_decoder, run_decoder,
+    Abort, CallFinished, EngineAnnounce, CallReply, CallRunning, ControlOk, EngineState, ForgetHostKv, KvSpilled,
+    ListCalls, ProtectKv, ReleaseSession, RunCall, Sleep, Wake, control_decoder, encode, reply_decoder, run_decoder,
 )
 
 
@@ -45,7 +45,7 @@ class EngineWorker(EngineWorkerBase):
         self.check_model()
         self.log = self.log.bind(model=s.model)
         cost = CostModel(self.catalog, self.catalog.server(s.server_profile), s.switch_cost_scale, s.prefill_speed_scale)
-        self.engine = SimEngine(self.catalog.model(s.model), cost)
+        self.engine = SimEngine(self.catalog.model(s.model), cost, spill_to_host=s.policy.host_kv)
         self.calls: dict[str, RunCall] = {}
         self.wakeup = asyncio.Event()
         await self.nc.subscribe(self.subjects.engine_run(s.server_id, s.model), queue="engine",
@@ -93,6 +93,7 @@ class EngineWorker(EngineWorkerBase):
             )
             self.calls[rc.call_id] = rc
             self.log.info("engine.started", at=round(now, 3), prompt_tokens=rc.prompt_tokens, prefix_tokens=rc.prefix_tokens)
+            await self._report_spills()
             await self.nc.publish(rc.reply_to, encode(CallRunning(call_id=rc.call_id, server_id=self.settings.server_id)))
             self.wakeup.set()
 
@@ -134,6 +135,10 @@ class EngineWorker(EngineWorkerBase):
                 self.engine.protected.discard(sid)
                 dropped = self.engine.hbm_kv.pop(sid, 0) + self.engine.host_kv.pop(sid, 0)
                 self.log.info("engine.session_released", session_id=sid, kv_tokens=dropped)
+            case ForgetHostKv(session_ids=sids):
+                self.engine.forget_host(sids)
+                self.log.info("engine.host_kv_forgotten", sessions=len(sids))
+        await self._report_spills()
         self.wakeup.set()
         if msg.reply:
             await self.nc.publish(msg.reply, encode(out))
@@ -143,8 +148,24 @@ class EngineWorker(EngineWorkerBase):
         await drive_timer(self.clock, self.engine.next_event_at, self.wakeup,
                           lambda _due: self._publish(self.engine.advance(self.clock.now())))
 
+    async def _report_spills(self) -> None:
+        """KV pushed out of HBM to host for room: the locality view says `host`
+        and the substrate books it (it owns host memory and may refuse some)."""
+        spilled = self.engine.take_spilled()
+        if not spilled:
+            return
+        s = self.settings
+        pipe = self.redis.pipeline(transaction=False)
+        for sid in spilled:
+            pipe.hset(self.keys.kv_locality(sid), s.server_id, "host")
+        await pipe.execute()
+        await self.nc.publish(self.subjects.kv_spilled(s.server_id),
+                              encode(KvSpilled(server_id=s.server_id, model=s.model, sessions=spilled, at=self.engine.t)))
+        self.log.info("engine.kv_spilled", sessions=len(spilled), tokens=sum(spilled.values()), at=round(self.engine.t, 3))
+
     async def _publish(self, done: list[CallResult]) -> None:
         s = self.settings
+        await self._report_spills()
         for r in done:
             rc = self.calls.pop(r.call_id, None)
             if rc is None:

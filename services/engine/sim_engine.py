@@ -8,7 +8,10 @@ otherwise every running call decodes one token per ITL(batch, context). So a
 
 The engine keeps its own KV table like a prefix cache: idle sessions' KV stays
 in HBM (LRU) until room is needed; `host_kv` is the restorable view the
-substrate hands over at wake-up. It never over-commits: running calls' KV must
+substrate hands over at wake-up. With `spill_to_host` (host-KV restore on), KV
+pushed out of HBM for room goes to host DRAM instead of being dropped: it joins
+`host_kv` at once (restorable) and waits in `spilled` until the driver hands it
+to the substrate, which owns host memory and may refuse some (`forget_host`). It never over-commits: running calls' KV must
 fit `kv_capacity_tokens` (the admission scheduler checks before dispatch, and
 `submit` refuses otherwise).
 """
@@ -56,7 +59,7 @@ class CallResult:
     submitted_at: float
     first_token_at: float
     finished_at: float
-    restore_s: float
+    restore_s: float        # KV moved for this call: its prefix from host, and what it pushed to host for room
     prefill_s: float
     decode_s: float
 
@@ -84,6 +87,8 @@ class SimEngine:
     hbm_kv: OrderedDict[str, int] = field(default_factory=OrderedDict)
     host_kv: dict[str, int] = field(default_factory=dict)
     protected: set[str] = field(default_factory=set)
+    spill_to_host: bool = False
+    spilled: dict[str, int] = field(default_factory=dict)  # spilled to host, not yet reported to the substrate
     running: dict[str, _Running] = field(default_factory=dict)
     prefill_queue: deque[str] = field(default_factory=deque)
     t: float = 0.0
@@ -131,19 +136,40 @@ class SimEngine:
     def idle_kv_tokens(self) -> int:
         return sum(self.hbm_kv.values())
 
-    def _evict_to_fit(self, extra: int) -> None:
-        """Drop idle cached KV (unprotected first, then protected, LRU order)
-        until reserved running KV + idle cache + extra fits."""
+    def _evict_to_fit(self, extra: int) -> int:
+        """Push idle cached KV out of HBM (unprotected first, then protected, LRU
+        order) until reserved running KV + idle cache + extra fits: to host DRAM
+        with `spill_to_host`, else dropped. Returns the tokens copied to host."""
         budget = self.kv_capacity_tokens - self.reserved_kv_tokens() - extra
         idle = self.idle_kv_tokens()
+        copied = 0
         if idle <= budget:
-            return
+            return copied
         for protected_pass in (False, True):
             for sid in list(self.hbm_kv):
                 if idle <= budget:
-                    return
+                    return copied
                 if (sid in self.protected) == protected_pass:
-                    idle -= self.hbm_kv.pop(sid)
+                    tokens = self.hbm_kv.pop(sid)
+                    idle -= tokens
+                    if self.spill_to_host:
+                        already = self.host_kv.get(sid, 0)
+                        if tokens > already:  # only the part not already in host DRAM is copied
+                            copied += tokens - already
+                            self.host_kv[sid] = tokens
+                            self.spilled[sid] = tokens
+        return copied
+
+    def take_spilled(self) -> dict[str, int]:
+        """KV spilled to host since the last call, for the substrate's ledger."""
+        out, self.spilled = self.spilled, {}
+        return out
+
+    def forget_host(self, session_ids: list[str]) -> None:
+        """The substrate could not keep these sessions' KV in host DRAM."""
+        for sid in session_ids:
+            self.host_kv.pop(sid, None)
+            self.spilled.pop(sid, None)
 
     # -- events ------------------------------------------------------------------
     def submit(self, call: EngineCall, now: float) -> None:
@@ -165,7 +191,8 @@ class SimEngine:
         if cached < prefix and host > cached:
             restored = min(prefix, host) - cached
             restore_s = self.cost.kv_restore_s(self.model, restored)
-        self._evict_to_fit(call.reserved_tokens)
+        # the room this call needs is free once what was in it has been copied to host
+        restore_s += self.cost.d2h_s(self.model.kv_bytes(self._evict_to_fit(call.reserved_tokens)))
         reused = cached + restored
         prefill_s = self.cost.prefill_s(self.model, call.prompt_tokens - reused, reused)
         self.running[call.call_id] = _Running(

@@ -57,7 +57,7 @@ from shared.bus import trace_headers
 from shared.keys import CALL_TTL_S, SESSION_TTL_S
 from shared.schema import (
     Abort, CallFinished, CallReply, CallRunning, CallTokens, ControlOk, EngineAnnounce, EngineState, KvAllCleared,
-    KvBlocksRemoved, KvBlocksStored, KvEvent, ListCalls, ProtectKv, ReleaseSession, RunCall, Sleep, Wake,
+    ForgetHostKv, KvBlocksRemoved, KvBlocksStored, KvEvent, ListCalls, ProtectKv, ReleaseSession, RunCall, Sleep, Wake,
     cancel_decoder, control_decoder, encode, run_decoder,
 )
 
@@ -461,6 +461,8 @@ class VllmEngineWorker(EngineWorkerBase):
                     self.log.info("engine.abort", call_id=cid, reason="admission preempted the call")
             case ProtectKv():
                 pass  # the real engine's prefix cache is its own LRU; nothing to protect on CPU
+            case ForgetHostKv():
+                pass  # vLLM spills through its own KV connector (LMCache), which keeps its own index
             case ListCalls():
                 state = EngineState(awake=self.ready and not self.sleeping and self.want_awake, kv_capacity_tokens=0,
                                     running=[lv.rc for lv in self.live.values()], pending=list(self.pending.values()))

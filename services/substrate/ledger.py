@@ -20,7 +20,11 @@ Rules (docs/mechanisms.md states them for users):
   the staging that began during it (whatever part it could not hide is paid).
 - host-KV restore on: the old model's idle session KV is copied to host
   (only the part not already there) in parallel with the weight load, and
-  restored per call at the engine. Off: it is dropped.
+  restored per call at the engine; so is KV the active engine pushes out of
+  HBM for room during a slot (`accept_spill`). Off: it is dropped.
+- the host KV tier is bounded by host DRAM less every model's pinned weights;
+  over it, least recently spilled sessions go first, the active model's last
+  (the active engine's view of host KV is told what it lost).
 """
 
 from __future__ import annotations
@@ -204,21 +208,50 @@ class SubstrateLedger:
             dropped = sum(kv_out.values())
             self.kv_bytes_dropped += old.kv_bytes(dropped)
             return 0.0, 0, dropped
+        copy_bytes = self._add_host_kv(old, kv_out)
+        self._fit_host_tier(keep_model=None)
+        return self.cost.d2h_s(copy_bytes), sum(kv_out.values()), 0
+
+    def accept_spill(self, model: str, spilled: dict[str, int]) -> list[str]:
+        """The active engine pushed these sessions' KV out of HBM to host DRAM
+        (host-KV restore on). Book it; return the sessions of `model` the tier
+        could not keep, which the engine must forget."""
+        if not spilled:
+            return []
+        if not self.policy.host_kv:
+            raise ValueError("KV spilled to host with host-KV restore off")
+        self._add_host_kv(self.models[model], spilled)
+        return self._fit_host_tier(keep_model=model)
+
+    def _add_host_kv(self, spec: ModelSpec, kv: dict[str, int]) -> float:
         copy_bytes = 0.0
-        moved = 0
-        for sid, tokens in kv_out.items():
-            key = (old.name, sid)
+        for sid, tokens in kv.items():
+            key = (spec.name, sid)
             already = self.host_kv.pop(key, 0)
-            if tokens > already:
-                copy_bytes += old.kv_bytes(tokens) - old.kv_bytes(already)
+            if tokens > already:  # only the part not already in host DRAM is copied
+                copy_bytes += spec.kv_bytes(tokens) - spec.kv_bytes(already)
             self.host_kv[key] = max(tokens, already)  # most recently used last
-            moved += tokens
-        # evict least recently used sessions until the tier fits
-        while self.host_kv and self.host_kv_bytes() > self.host_kv_capacity_bytes:
-            (m, sid), t = self.host_kv.popitem(last=False)
-            self.kv_evicted_from_host += self.models[m].kv_bytes(t)
         self.kv_bytes_to_host += copy_bytes
-        return self.cost.d2h_s(copy_bytes), moved, 0
+        return copy_bytes
+
+    def _fit_host_tier(self, keep_model: str | None) -> list[str]:
+        """Evict least recently used sessions until the tier fits; `keep_model`'s
+        last. Returns the evicted sessions of `keep_model`."""
+        lost: list[str] = []
+        used = self.host_kv_bytes()
+        for last_pass in (False, True):
+            for key in list(self.host_kv):
+                if used <= self.host_kv_capacity_bytes:
+                    return lost
+                if (key[0] == keep_model) != last_pass:
+                    continue
+                t = self.host_kv.pop(key)
+                freed = self.models[key[0]].kv_bytes(t)
+                used -= freed
+                self.kv_evicted_from_host += freed
+                if key[0] == keep_model:
+                    lost.append(key[1])
+        return lost
 
     def forget_session(self, session_id: str) -> None:
         """A session ended (or idled out): its host KV is released."""

@@ -18,8 +18,8 @@ from services.substrate.ledger import SubstrateLedger
 from shared.bus import ServiceProcess, run_service
 from shared.clock import at_source
 from shared.schema import (
-    ApiError, ControlOk, Sleep, StageRequest, SubstrateAnnounce, SwitchRequest, SwitchResult, Wake,
-    control_reply_decoder, encode, engine_announce_decoder, substrate_decoder,
+    ApiError, ControlOk, ForgetHostKv, Sleep, StageRequest, SubstrateAnnounce, SwitchRequest, SwitchResult, Wake,
+    control_reply_decoder, encode, engine_announce_decoder, kv_spilled_decoder, substrate_decoder,
 )
 
 
@@ -42,6 +42,8 @@ class SubstrateManager(ServiceProcess):
                                 cb=self.guarded_handler(self.on_request, "substrate"))
         await self.nc.subscribe(self.subjects.engine_announce(s.server_id),
                                 cb=self.guarded_handler(self.on_engine_announce, "engine_announce"))
+        await self.nc.subscribe(self.subjects.kv_spilled(s.server_id), queue="substrate",
+                                cb=self.guarded_handler(self.on_kv_spilled, "kv_spilled"))
         self.switch_lock = asyncio.Lock()  # one switch at a time, even if a restarted admission asks again
         self.last_switch_end = 0.0  # model time
         await self._mirror()
@@ -56,6 +58,20 @@ class SubstrateManager(ServiceProcess):
             view = self.ledger.host_view(ann.model) if self.settings.policy.host_kv else {}
             self.spawn(self._control(ann.model, Wake(kv_capacity_tokens=self.ledger.kv_capacity_tokens(ann.model), host_kv=view)),
                        "rewake")
+
+    async def on_kv_spilled(self, msg: Msg) -> None:
+        ev = kv_spilled_decoder.decode(msg.data)
+        if not self.settings.policy.host_kv or ev.model not in self.ledger.models:
+            self.log.warning("substrate.kv_spill_refused", model=ev.model, sessions=len(ev.sessions))
+            await self.nc.publish(self.subjects.engine_control(self.settings.server_id, ev.model),
+                                  encode(ForgetHostKv(session_ids=list(ev.sessions))))
+            return
+        lost = self.ledger.accept_spill(ev.model, ev.sessions)
+        self.log.info("substrate.kv_spilled", model=ev.model, sessions=len(ev.sessions), lost=len(lost),
+                      host_kv_gb=round(self.ledger.host_kv_bytes() / 1e9, 1))
+        if lost:  # the tier is full: the engine must not restore what it no longer holds
+            await self.nc.publish(self.subjects.engine_control(self.settings.server_id, ev.model),
+                                  encode(ForgetHostKv(session_ids=lost)))
 
     async def on_request(self, msg: Msg) -> None:
         req = substrate_decoder.decode(msg.data)
