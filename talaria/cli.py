@@ -47,6 +47,7 @@ def _print_results(runs: list[dict]) -> None:
 # -- sim ---------------------------------------------------------------------------
 def cmd_sim(a: argparse.Namespace) -> int:
     from talaria.replay import write_json
+    from talaria.scenarios import sim_summary
     from talaria.simulator import simulate
 
     policy_arg = a.policy or "baseline"
@@ -72,12 +73,7 @@ def cmd_sim(a: argparse.Namespace) -> int:
                      switch_cost_scale=a.switch_cost_scale, prefill_speed_scale=a.prefill_speed_scale,
                      check_invariants=a.check)
         total_wall += r.wall_s
-        run = summarize(pol.name, sessions, r.sct, r.records, oracle, extra={
-            "wall_s": r.wall_s, "switches": r.stats["switches"], "sp_admits": r.stats["sp_admits"],
-            "reservations": {k: r.stats[k] for k in ("reservations_made", "reservations_hit", "reservations_expired", "reserved_idle_s")},
-            "kv_bytes_to_host": r.stats["kv_bytes_to_host"], "region_reservations": r.stats["region_reservations"],
-            "utilisation": sum(s["busy_s"] for s in r.servers) / (r.horizon_s * len(r.servers)) if r.horizon_s else 0.0,
-        })
+        run = sim_summary(pol.name, sessions, r, oracle)
         runs.append(run)
         records[pol.name] = r.records
         print(f"[{pol.name}] simulated {run['calls_completed']}/{run['calls_total']} calls in {r.wall_s:.2f} s wall", file=sys.stderr)

@@ -25,7 +25,7 @@ import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import msgspec
 
@@ -36,6 +36,9 @@ from shared.tomlfile import load_toml_struct
 from talaria.agent import DEFAULT_MAX_TOKENS
 from talaria.generate import GeneratorSettings, SettingsError, _check, generate
 from talaria.report import oracle_sct, summarize
+
+if TYPE_CHECKING:
+    from talaria.simulator import SimResult
 
 ROOT = Path(__file__).resolve().parent.parent
 TUNE_SEEDS = (1001, 1002, 1003)  # the seeds `talaria study tune` tunes on (talaria/experiments.py): never scored
@@ -116,8 +119,14 @@ def simulate_run(sessions: list[TraceSession], catalog: Catalog, policy: PolicyC
     from talaria.simulator import simulate
 
     r = simulate(sessions, catalog, policy, server_profile=server_profile, **kw)
-    return summarize(policy.name, sessions, r.sct, r.records, oracle_sct(sessions, catalog, server_profile), extra={
+    return sim_summary(policy.name, sessions, r, oracle_sct(sessions, catalog, server_profile))
+
+
+def sim_summary(name: str, sessions: list[TraceSession], r: SimResult, oracle: dict[str, float]) -> dict:
+    """A simulated run as a run of the results JSON: the replay's shape plus the simulator's own figures."""
+    return summarize(name, sessions, r.sct, r.records, oracle, extra={
         "wall_s": r.wall_s, "switches": r.stats["switches"], "sp_admits": r.stats["sp_admits"],
+        # the share of the run (until its last session ends) each server had a call running
         "utilisation": sum(s["busy_s"] for s in r.servers) / (r.horizon_s * len(r.servers)) if r.horizon_s else 0.0,
         "reservations": {k: r.stats[k] for k in ("reservations_made", "reservations_hit", "reservations_expired", "reserved_idle_s")},
         "kv_bytes_to_host": r.stats["kv_bytes_to_host"], "region_reservations": r.stats["region_reservations"],

@@ -156,7 +156,8 @@ class Simulator:
             records=sorted(self.records.values(), key=lambda r: (r.session_id, r.index)),
             sct=sct,
             wall_s=time.perf_counter() - wall0,
-            horizon_s=self.now,
+            # the run ends when its last session does (a timer left armed past it is not the run)
+            horizon_s=max((s.finished_at or 0.0 for s in self.sessions.values()), default=self.now),
             servers=[{"server_id": s.server_id, "busy_s": sum(e.busy_s for e in s.engines.values()), "switch_s": s.switch_s}
                      for s in self.servers.values()],
             stats=stats,
