@@ -319,6 +319,13 @@ def _own_tempdir(prefix: str) -> Path:
     return Path(d)
 
 
+BIND_ATTEMPTS = 3  # a free port can be taken between picking it and the server binding it
+
+
+def _lost_bind_race(exc: InfraError) -> bool:
+    return "address already in use" in str(exc).lower()
+
+
 class _ServerBase:
     """Shared lifecycle of a single server process."""
 
@@ -326,6 +333,8 @@ class _ServerBase:
 
     def __init__(self, port: int | None, log_file: str | Path | None, workdir: Path) -> None:
         # Pick the port once so .url stays valid across restart().
+        self._chosen_port = port is not None
+        self._started_once = False
         self.port: int = port if port is not None else free_port()
         self.workdir = workdir
         self.log_file: Path = Path(log_file) if log_file else workdir / f"{self._what}.log"
@@ -368,12 +377,30 @@ class _ServerBase:
             self.kill()
             raise
 
+    def _repick_ports(self) -> bool:
+        """New free ports after losing a bind race; False where the caller chose them."""
+        if self._chosen_port:
+            return False
+        self.port = free_port()
+        return True
+
     def start(self, timeout: float = 10.0) -> None:
-        """Spawn and wait until ready; a no-op if already running."""
+        """Spawn and wait until ready; a no-op if already running. On the first
+        start, a port taken between picking and binding is picked again (ports
+        we chose ourselves only: a restart keeps its port so `.url` holds)."""
         if self.running:
             return
-        self.spawn()
-        self.wait_ready(timeout)
+        for attempt in range(1, BIND_ATTEMPTS + 1):
+            self.spawn()
+            try:
+                self.wait_ready(timeout)
+            except InfraError as exc:
+                if (attempt < BIND_ATTEMPTS and not self._started_once and _lost_bind_race(exc)
+                        and self._repick_ports()):
+                    continue
+                raise
+            self._started_once = True
+            return
 
     def stop(self, timeout: float = 10.0) -> None:
         """SIGTERM, then SIGKILL after `timeout` seconds."""
@@ -467,6 +494,12 @@ class NatsServer(_ServerBase):
         self.http_port = free_port()  # monitoring endpoint, for /healthz readiness
         self.config_file = workdir / "nats.conf"
 
+    def _repick_ports(self) -> bool:
+        if self.cluster_name:
+            return False  # the other nodes' routes name our ports: start_cluster starts again instead
+        self.http_port = free_port()
+        return super()._repick_ports()
+
     @property
     def url(self) -> str:
         """Client URL; carries the first user's credentials when users are configured.
@@ -559,7 +592,34 @@ def start_cluster(
     permissions: dict[str, dict[str, list[str]]] | None = None,
     max_payload: int | None = None,
 ) -> list[NatsServer]:
-    """Start an n-node NATS cluster on loopback, fully routed, with clustered JetStream."""
+    """Start an n-node NATS cluster on loopback, fully routed, with clustered JetStream.
+    A node that loses a bind race (a picked port taken before it bound it) makes
+    the whole cluster start again on fresh ports, since routes name every port."""
+    for attempt in range(1, BIND_ATTEMPTS + 1):
+        try:
+            return _start_cluster_once(n, cluster_name=cluster_name, jetstream=jetstream, users=users,
+                                       base_dir=base_dir, timeout=timeout, permissions=permissions,
+                                       max_payload=max_payload)
+        except InfraError as exc:
+            if attempt == BIND_ATTEMPTS or not _lost_bind_race(exc):
+                raise
+            if base_dir:  # the failed attempt's JetStream state names nodes that no longer exist
+                for i in range(n):
+                    shutil.rmtree(Path(base_dir) / f"n{i}", ignore_errors=True)
+    raise AssertionError("unreachable")
+
+
+def _start_cluster_once(
+    n: int,
+    *,
+    cluster_name: str | None,
+    jetstream: bool,
+    users: list[tuple[str, str]] | None,
+    base_dir: str | Path | None,
+    timeout: float,
+    permissions: dict[str, dict[str, list[str]]] | None,
+    max_payload: int | None,
+) -> list[NatsServer]:
     name = cluster_name or f"talaria-{os.getpid()}-{free_port()}"
     cluster_ports = [free_port() for _ in range(n)]
     routes = [f"nats-route://{LOOPBACK}:{p}" for p in cluster_ports]
@@ -655,6 +715,12 @@ class RedisServer(_ServerBase):
             # default for new users is no channels.
             lines.append(f"user {_redis_q(user)} on {_redis_q('>' + pw)} ~* &* +@all")
         return "\n".join(lines) + "\n"
+
+    def _repick_ports(self) -> bool:
+        if not super()._repick_ports():
+            return False
+        self.config_file = self.workdir / f"redis-{self.port}.conf"
+        return True
 
     def _argv(self) -> list[str]:
         self.config_file.write_text(self.render_config())

@@ -171,6 +171,54 @@ def test_nats_start_failure_is_reported(tmp_path: Path) -> None:
         first.stop()
 
 
+def test_a_port_taken_before_bind_is_picked_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Between picking a free port and the server binding it, another process can
+    take it: a server whose port we picked tries fresh ones (CI saw a NATS cluster
+    node fail so); one whose port the caller chose fails clearly (test above)."""
+    import talaria.infra as infra
+
+    squatter = NatsServer(jetstream=False, log_file=tmp_path / "squatter.log")
+    squatter.start(timeout=DEADLINE_S)
+    real_free_port = infra.free_port
+    handed: list[int] = []
+    taken_at = {0}  # which picks (in order) hand out the squatter's port
+
+    def racy_free_port() -> int:
+        port = squatter.port if len(handed) in taken_at else real_free_port()
+        handed.append(port)
+        return port
+
+    try:
+        monkeypatch.setattr(infra, "free_port", racy_free_port)
+        server = NatsServer(jetstream=False, log_file=tmp_path / "nats.log")
+        assert server.port == squatter.port
+        server.start(timeout=DEADLINE_S)
+        try:
+            assert server.running and server.port != squatter.port
+        finally:
+            server.stop()
+        handed.clear()
+        taken_at = {1}  # the first node's route port (pick 0 names the cluster)
+        nodes = start_cluster(3, base_dir=tmp_path / "cluster", timeout=60)
+        try:
+            assert handed[1] == squatter.port
+            assert all(n.running for n in nodes)
+            assert squatter.port not in {n.port for n in nodes} | {n.cluster_port for n in nodes}
+        finally:
+            for node in nodes:
+                node.stop()
+        handed.clear()
+        taken_at = {0}
+        redis = RedisServer(dir=tmp_path / "redis")
+        redis.start(timeout=DEADLINE_S)
+        try:
+            assert redis.running and redis.port != squatter.port
+        finally:
+            redis.stop()
+    finally:
+        squatter.stop()
+
+
 async def test_nats_users(tmp_path: Path) -> None:
     server = NatsServer(jetstream=False, users=[("svc", "p@ss:word"), ("other", "pw2")],
                         log_file=tmp_path / "nats.log")
