@@ -73,7 +73,10 @@ async def drive_timer(
         delay = clock.wall_s(nxt - clock.now())
         if delay > 0:
             try:
-                await asyncio.wait_for(wakeup.wait(), timeout=delay)
+                # asyncio.timeout, not wait_for: on Python 3.11 wait_for can swallow a
+                # cancellation racing the wake-up, and the service would not stop
+                async with asyncio.timeout(delay):
+                    await wakeup.wait()
                 continue  # something changed: recompute
             except TimeoutError:
                 pass

@@ -942,8 +942,9 @@ class ProcessGroup:
         """
         while not stop_event.is_set():
             self.check()
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(stop_event.wait(), timeout=self.poll_interval)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.poll_interval):  # not wait_for: it can swallow a cancel on 3.11
+                    await stop_event.wait()
 
     def _procs(self) -> list[subprocess.Popen[bytes]]:
         return [c.proc for c in self.children.values() if c.proc is not None]

@@ -75,9 +75,14 @@ async def test_admission_sigkilled_with_calls_queued_and_running(nats_server: Na
             assert not (ra.duplicate or rb.duplicate or rb2.duplicate)
             assert sum(isinstance(e, CallReply) for e in ev_a) == 1
             assert sum(isinstance(e, CallReply) for e in ev_b) == 1
-        await asyncio.sleep(0.3)
-        finished = engine_counts(svc, "engine.finished")
-        for cid in (f"{a.session_id}-0", f"{b.session_id}-0", f"{b2.session_id}-0"):
+        cids = (f"{a.session_id}-0", f"{b.session_id}-0", f"{b2.session_id}-0")
+        deadline = time.monotonic() + 10  # the replies are in; give the engine's log lines a moment
+        while True:
+            await asyncio.sleep(0.3)  # also lets any (wrong) second generation show up
+            finished = engine_counts(svc, "engine.finished")
+            if all(finished[cid] for cid in cids) or time.monotonic() > deadline:
+                break
+        for cid in cids:
             assert finished[cid] == 1, (cid, finished)
         adm = svc.log_lines(svc.admission)
         # A was adopted, not re-sent: after the restart it is dispatched again only if the

@@ -167,7 +167,8 @@ class AdmissionService(ServiceProcess):
         key = self.keys.admission_calls(self.settings.server_id)
         while True:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.persist_dirty.wait(), timeout=1.0)
+                async with asyncio.timeout(1.0):  # not wait_for: it can swallow a cancel on 3.11
+                    await self.persist_dirty.wait()
             self.persist_dirty.clear()
             try:
                 have = {k.decode() for k in await self.redis.hkeys(key)}

@@ -40,6 +40,7 @@ TALARIA_VLLM_ENGINE_ARGS (JSON object of further `AsyncEngineArgs`, e.g. for a G
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import os
@@ -289,10 +290,9 @@ class VllmEngineWorker(EngineWorkerBase):
         """Let the KV events of a finished call reach Redis before the agent hears
         the reply (its next call's placement reads them)."""
         await asyncio.sleep(0.01)
-        try:
-            await asyncio.wait_for(self.kv_queue.join(), timeout=timeout_s)
-        except TimeoutError:
-            pass
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout_s):  # not wait_for: it can swallow a cancel on 3.11
+                await self.kv_queue.join()
 
     # -- calls -------------------------------------------------------------------------------
     async def on_run(self, msg: Msg) -> None:
