@@ -198,6 +198,17 @@ async def _sleep_wake_and_cancel(client, stack, probe, log_dir: Path) -> None:  
         if finished or asyncio.get_running_loop().time() > deadline:
             break
         await asyncio.sleep(0.2)
-    assert finished and finished[0].get("aborted") is True, finished
+    assert finished, "the cancelled call never finished at the engine"
+    cancels = [d for f in log_dir.glob("*.log") for d in read_log_events(f)
+               if d.get("call_id") == "kv-probe#cancel" and d.get("event") == "engine.cancel"]
+    assert cancels, "the engine never heard the agent give up"
     out = finished[0]["output_tokens"]
-    assert out < 500, f"generation ran to the end ({out} tokens) after the agent gave up"
+    if cancels[0].get("generating"):
+        # the usual case: the cancel reached vLLM mid-generation and it stopped there
+        assert finished[0].get("aborted") is True, finished
+        assert out < 500, f"generation ran to the end ({out} tokens) after the agent gave up"
+    else:
+        # a busy machine can hand the worker every token at once (the tiny model makes 500 in
+        # about a second): generation was over when the cancel came, and the call is
+        # finished, not aborted, and not left running (checked above)
+        assert finished[0].get("aborted") is False and out == 500, finished

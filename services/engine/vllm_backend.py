@@ -88,6 +88,14 @@ class Live:
     task: asyncio.Task | None = None
     finished_by_agent: bool = False
     tokens: list[int] = field(default_factory=list)
+    generating: bool = False  # inside vLLM's generate loop: the only place a cancel may land
+
+    def stop_generating(self) -> None:
+        """Cancel the call's task while it is still generating. Once the loop has
+        ended (an abort can end it first) the task is finishing the call: its
+        reply and CallFinished must still go out, so it is left alone."""
+        if self.generating and self.task is not None:
+            self.task.cancel()
 
 
 def sleep_level_for_platform() -> int:
@@ -342,6 +350,7 @@ class VllmEngineWorker(EngineWorkerBase):
             t_first: float | None = None
             last = None
             aborted = False
+            live.generating = True
             try:
                 async for out in self.llm.generate(TokensPrompt(prompt_token_ids=ids), sp, request_id=live.request_id):
                     o = out.outputs[0]
@@ -360,6 +369,10 @@ class VllmEngineWorker(EngineWorkerBase):
                 if not live.finished_by_agent:  # admission's preempt: admission already moved on
                     self.live.pop(rc.call_id, None)
                     raise
+            finally:
+                live.generating = False
+            # the agent gave up and vLLM's abort ended the loop before the cancel reached it
+            aborted = aborted or live.finished_by_agent
             t_end = time.monotonic()
             self.matcher.extend(live.request_id, live.tokens)
             cached = int(getattr(last, "num_cached_tokens", 0) or 0) if last is not None else 0
@@ -433,10 +446,11 @@ class VllmEngineWorker(EngineWorkerBase):
                                                           context_tokens=0)))
             return
         live.finished_by_agent = True
+        was_generating = live.generating  # False: generation had ended, the call is being finished
+        live.stop_generating()  # before the abort's await: the abort may end the loop meanwhile
         await self.llm.abort(live.request_id)
-        if live.task is not None:
-            live.task.cancel()
-        self.log.info("engine.cancel", call_id=c.call_id, session_id=live.rc.session_id, reason="agent gave up")
+        self.log.info("engine.cancel", call_id=c.call_id, session_id=live.rc.session_id, reason="agent gave up",
+                      generating=was_generating)
 
     async def on_control(self, msg: Msg) -> None:
         cmd = control_decoder.decode(msg.data)
@@ -455,9 +469,8 @@ class VllmEngineWorker(EngineWorkerBase):
                 live = self.live.get(cid)
                 self.pending.pop(cid, None)
                 if live is not None:
+                    live.stop_generating()
                     await self.llm.abort(live.request_id)
-                    if live.task is not None:
-                        live.task.cancel()
                     self.log.info("engine.abort", call_id=cid, reason="admission preempted the call")
             case ProtectKv():
                 pass  # the real engine's prefix cache is its own LRU; nothing to protect on CPU
