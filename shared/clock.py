@@ -32,6 +32,18 @@ class ScaledClock:
         await asyncio.sleep(max(0.0, model_t - self.now()) / self.scale)
 
 
+async def done_within(aw: Awaitable[object], timeout_s: float) -> bool:
+    """Await `aw` for at most `timeout_s` wall seconds; True if it completed.
+    With asyncio.timeout, not wait_for: on Python 3.11 wait_for can swallow a
+    cancellation that races the completion, and a task told to stop would not."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            await aw
+    except TimeoutError:
+        return False
+    return True
+
+
 def at_source(at: float | None, now: float, floor: float) -> float:
     """The model time an event takes effect: `at`, when it was decided or
     happened at its source, rather than `now`, when its message landed (wall
@@ -71,13 +83,6 @@ async def drive_timer(
             await wakeup.wait()
             continue
         delay = clock.wall_s(nxt - clock.now())
-        if delay > 0:
-            try:
-                # asyncio.timeout, not wait_for: on Python 3.11 wait_for can swallow a
-                # cancellation racing the wake-up, and the service would not stop
-                async with asyncio.timeout(delay):
-                    await wakeup.wait()
-                continue  # something changed: recompute
-            except TimeoutError:
-                pass
+        if delay > 0 and await done_within(wakeup.wait(), delay):
+            continue  # something changed: recompute
         await on_due(nxt)

@@ -37,6 +37,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, Self
 
+from shared.clock import done_within
+
 __all__ = [
     "InfraError",
     "find_nats_server",
@@ -332,9 +334,9 @@ class _ServerBase:
     _what = "server"
 
     def __init__(self, port: int | None, log_file: str | Path | None, workdir: Path) -> None:
-        # Pick the port once so .url stays valid across restart().
-        self._chosen_port = port is not None
-        self._started_once = False
+        # Pick the port once so .url stays valid across restart(); it stays open to a
+        # new pick only until the first start (and never when the caller chose it).
+        self._port_fixed = port is not None
         self.port: int = port if port is not None else free_port()
         self.workdir = workdir
         self.log_file: Path = Path(log_file) if log_file else workdir / f"{self._what}.log"
@@ -378,8 +380,8 @@ class _ServerBase:
             raise
 
     def _repick_ports(self) -> bool:
-        """New free ports after losing a bind race; False where the caller chose them."""
-        if self._chosen_port:
+        """New free ports after losing a bind race; False once the port is fixed."""
+        if self._port_fixed:
             return False
         self.port = free_port()
         return True
@@ -395,11 +397,10 @@ class _ServerBase:
             try:
                 self.wait_ready(timeout)
             except InfraError as exc:
-                if (attempt < BIND_ATTEMPTS and not self._started_once and _lost_bind_race(exc)
-                        and self._repick_ports()):
+                if attempt < BIND_ATTEMPTS and _lost_bind_race(exc) and self._repick_ports():
                     continue
                 raise
-            self._started_once = True
+            self._port_fixed = True
             return
 
     def stop(self, timeout: float = 10.0) -> None:
@@ -495,10 +496,10 @@ class NatsServer(_ServerBase):
         self.config_file = workdir / "nats.conf"
 
     def _repick_ports(self) -> bool:
-        if self.cluster_name:
-            return False  # the other nodes' routes name our ports: start_cluster starts again instead
+        if self.cluster_name or not super()._repick_ports():
+            return False  # (a cluster's routes name our ports: start_cluster starts it again instead)
         self.http_port = free_port()
-        return super()._repick_ports()
+        return True
 
     @property
     def url(self) -> str:
@@ -595,11 +596,41 @@ def start_cluster(
     """Start an n-node NATS cluster on loopback, fully routed, with clustered JetStream.
     A node that loses a bind race (a picked port taken before it bound it) makes
     the whole cluster start again on fresh ports, since routes name every port."""
+    def start_once() -> list[NatsServer]:
+        name = cluster_name or f"talaria-{os.getpid()}-{free_port()}"
+        cluster_ports = [free_port() for _ in range(n)]
+        routes = [f"nats-route://{LOOPBACK}:{p}" for p in cluster_ports]
+        nodes: list[NatsServer] = []
+        for i, cport in enumerate(cluster_ports):
+            store = Path(base_dir) / f"n{i}" if base_dir else None
+            nodes.append(NatsServer(
+                jetstream=jetstream,
+                store_dir=store,
+                users=users,
+                cluster_name=name,
+                cluster_port=cport,
+                routes=routes,  # a route to itself is ignored by nats-server
+                server_name=f"{name}-n{i}",
+                log_file=(Path(base_dir) / f"n{i}.log") if base_dir else None,
+                permissions=permissions,
+                max_payload=max_payload,
+            ))
+        try:
+            # Spawn all first: clustered JetStream only becomes healthy once a quorum is up.
+            for node in nodes:
+                node.spawn()
+            deadline = time.monotonic() + timeout
+            for node in nodes:
+                node.wait_ready(max(deadline - time.monotonic(), 1.0))
+        except BaseException:
+            for node in nodes:
+                node.kill()
+            raise
+        return nodes
+
     for attempt in range(1, BIND_ATTEMPTS + 1):
         try:
-            return _start_cluster_once(n, cluster_name=cluster_name, jetstream=jetstream, users=users,
-                                       base_dir=base_dir, timeout=timeout, permissions=permissions,
-                                       max_payload=max_payload)
+            return start_once()
         except InfraError as exc:
             if attempt == BIND_ATTEMPTS or not _lost_bind_race(exc):
                 raise
@@ -607,49 +638,6 @@ def start_cluster(
                 for i in range(n):
                     shutil.rmtree(Path(base_dir) / f"n{i}", ignore_errors=True)
     raise AssertionError("unreachable")
-
-
-def _start_cluster_once(
-    n: int,
-    *,
-    cluster_name: str | None,
-    jetstream: bool,
-    users: list[tuple[str, str]] | None,
-    base_dir: str | Path | None,
-    timeout: float,
-    permissions: dict[str, dict[str, list[str]]] | None,
-    max_payload: int | None,
-) -> list[NatsServer]:
-    name = cluster_name or f"talaria-{os.getpid()}-{free_port()}"
-    cluster_ports = [free_port() for _ in range(n)]
-    routes = [f"nats-route://{LOOPBACK}:{p}" for p in cluster_ports]
-    nodes: list[NatsServer] = []
-    for i, cport in enumerate(cluster_ports):
-        store = Path(base_dir) / f"n{i}" if base_dir else None
-        nodes.append(NatsServer(
-            jetstream=jetstream,
-            store_dir=store,
-            users=users,
-            cluster_name=name,
-            cluster_port=cport,
-            routes=routes,  # a route to itself is ignored by nats-server
-            server_name=f"{name}-n{i}",
-            log_file=(Path(base_dir) / f"n{i}.log") if base_dir else None,
-            permissions=permissions,
-            max_payload=max_payload,
-        ))
-    try:
-        # Spawn all first: clustered JetStream only becomes healthy once a quorum is up.
-        for node in nodes:
-            node.spawn()
-        deadline = time.monotonic() + timeout
-        for node in nodes:
-            node.wait_ready(max(deadline - time.monotonic(), 1.0))
-    except BaseException:
-        for node in nodes:
-            node.kill()
-        raise
-    return nodes
 
 
 def cluster_urls(nodes: Sequence[NatsServer]) -> list[str]:
@@ -942,9 +930,7 @@ class ProcessGroup:
         """
         while not stop_event.is_set():
             self.check()
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(self.poll_interval):  # not wait_for: it can swallow a cancel on 3.11
-                    await stop_event.wait()
+            await done_within(stop_event.wait(), self.poll_interval)
 
     def _procs(self) -> list[subprocess.Popen[bytes]]:
         return [c.proc for c in self.children.values() if c.proc is not None]

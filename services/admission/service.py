@@ -18,7 +18,7 @@ from nats.aio.msg import Msg
 from services.admission import scheduler as sch
 from services.engine.costmodel import CostModel
 from shared.bus import ServiceProcess, run_service, trace_headers
-from shared.clock import at_source, drive_timer
+from shared.clock import at_source, done_within, drive_timer
 from shared.schema import (
     Abort, AdmissionCallMsg, ApiError, CallQueued, CallRunning, ListCalls, ProtectKv, ReleaseSession, RunCall,
     StageRequest, Submitted, SubmitCall, SwitchRequest, admission_decoder, encode, engine_announce_decoder,
@@ -166,9 +166,7 @@ class AdmissionService(ServiceProcess):
         change and checked every second (Redis may have restarted empty)."""
         key = self.keys.admission_calls(self.settings.server_id)
         while True:
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(1.0):  # not wait_for: it can swallow a cancel on 3.11
-                    await self.persist_dirty.wait()
+            await done_within(self.persist_dirty.wait(), 1.0)
             self.persist_dirty.clear()
             try:
                 have = {k.decode() for k in await self.redis.hkeys(key)}

@@ -40,7 +40,6 @@ TALARIA_VLLM_ENGINE_ARGS (JSON object of further `AsyncEngineArgs`, e.g. for a G
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import json
 import os
@@ -55,6 +54,7 @@ from nats.aio.msg import Msg
 from services.engine.kv_index import BlockMatcher, KvIndex, hash_str
 from services.engine.service import EngineWorkerBase
 from shared.bus import trace_headers
+from shared.clock import done_within
 from shared.keys import CALL_TTL_S, SESSION_TTL_S
 from shared.schema import (
     Abort, CallFinished, CallReply, CallRunning, CallTokens, ControlOk, EngineAnnounce, EngineState, KvAllCleared,
@@ -298,9 +298,7 @@ class VllmEngineWorker(EngineWorkerBase):
         """Let the KV events of a finished call reach Redis before the agent hears
         the reply (its next call's placement reads them)."""
         await asyncio.sleep(0.01)
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(timeout_s):  # not wait_for: it can swallow a cancel on 3.11
-                await self.kv_queue.join()
+        await done_within(self.kv_queue.join(), timeout_s)
 
     # -- calls -------------------------------------------------------------------------------
     async def on_run(self, msg: Msg) -> None:

@@ -63,13 +63,12 @@ class SubstrateManager(ServiceProcess):
         ev = kv_spilled_decoder.decode(msg.data)
         if not self.settings.policy.host_kv or ev.model not in self.ledger.models:
             self.log.warning("substrate.kv_spill_refused", model=ev.model, sessions=len(ev.sessions))
-            await self.nc.publish(self.subjects.engine_control(self.settings.server_id, ev.model),
-                                  encode(ForgetHostKv(session_ids=list(ev.sessions))))
-            return
-        lost = self.ledger.accept_spill(ev.model, ev.sessions)
-        self.log.info("substrate.kv_spilled", model=ev.model, sessions=len(ev.sessions), lost=len(lost),
-                      host_kv_gb=round(self.ledger.host_kv_bytes() / 1e9, 1))
-        if lost:  # the tier is full: the engine must not restore what it no longer holds
+            lost = list(ev.sessions)
+        else:
+            lost = self.ledger.accept_spill(ev.model, ev.sessions)
+            self.log.info("substrate.kv_spilled", model=ev.model, sessions=len(ev.sessions), lost=len(lost),
+                          host_kv_gb=round(self.ledger.host_kv_bytes() / 1e9, 1))
+        if lost:  # refused, or the tier is full: the engine must not restore what host DRAM does not hold
             await self.nc.publish(self.subjects.engine_control(self.settings.server_id, ev.model),
                                   encode(ForgetHostKv(session_ids=lost)))
 
