@@ -102,8 +102,8 @@ def test_host_kv_view_is_restored(host: int, prefix: int, restored: int, reprefi
     assert r.prefill_s == pytest.approx(prefill)
     assert r.first_token_at == pytest.approx(10.0 + restore_s + prefill)
     assert r.finished_at == pytest.approx(10.0 + restore_s + prefill + 200 * CM.itl_s(QWEN, 1, prefix + 1_000))
-    # the host view is used once
-    assert "s" not in e.host_kv
+    # the host copy stays (as in the substrate's ledger): restoring does not consume it
+    assert e.host_kv == {"s": host}
 
 
 def test_restore_beats_recompute() -> None:
@@ -365,3 +365,18 @@ def test_spill_off_drops_and_forget_host_undoes_a_spill() -> None:
     assert e.host_kv == {"A": 10_000} and e.spilled == {"A": 10_000}
     e.forget_host(["A"])  # the substrate's tier could not keep it
     assert e.host_kv == {} and e.spilled == {}
+
+
+def test_a_restored_session_spilled_again_copies_only_its_new_tokens() -> None:
+    """The ledger keeps a session's host copy after a restore, so pushing the
+    grown context out again copies only the tokens host DRAM lacks; the engine
+    charges the same bytes as the ledger books."""
+    e = SimEngine(QWEN, CM, spill_to_host=True)
+    e.wake(0.0, 30_000, {"A": 4_000})
+    e.submit(call("A0", "A", 9_900, prefix=4_000, stop=100, reserved=10_000), 0.0)
+    [a] = e.advance(100.0)
+    assert a.restored_tokens == 4_000
+    e.submit(call("B0", "B", 20_000, stop=100, reserved=25_000), 100.0)
+    [b] = e.advance(1e4)
+    assert b.restore_s == pytest.approx(CM.d2h_s(QWEN.kv_bytes(10_000) - QWEN.kv_bytes(4_000)))
+    assert e.take_spilled() == {"A": 10_000}

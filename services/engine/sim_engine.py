@@ -187,7 +187,9 @@ class SimEngine:
         cached = min(prefix, self.hbm_kv.pop(call.session_id, 0))
         restored = 0
         restore_s = 0.0
-        host = self.host_kv.pop(call.session_id, 0)
+        # the host copy stays valid after a restore (a prefix's KV never changes),
+        # as the substrate's ledger keeps it: a later spill copies only what is new
+        host = self.host_kv.get(call.session_id, 0)
         if cached < prefix and host > cached:
             restored = min(prefix, host) - cached
             restore_s = self.cost.kv_restore_s(self.model, restored)
