@@ -47,7 +47,7 @@ class Keys:
         return f"{self.prefix}engine:{server_id}:{model}"
 
     def server(self, server_id: str) -> str:
-        """Hash: active model, staged model, queued, running, kv occupancy, reservations."""
+        """Hash: active model, staged model, queued, running, kv occupancy, reservations, live models."""
         return f"{self.prefix}server:{server_id}"
 
     def reservation(self, session_id: str) -> str:

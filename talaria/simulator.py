@@ -240,6 +240,8 @@ class Simulator:
             session_kv=kv,  # type: ignore[arg-type]
             session_reserved=mine,
             load_tokens=sc.load_tokens() if self._need_load_tokens else 0,
+            live_models=frozenset([m for m, q in sc.queues.items() if q] + [r.call.model for r in sc.running.values()]
+                                  + [r.model for r in res.values()]),
         )
 
     # -- admission and substrate ---------------------------------------------------

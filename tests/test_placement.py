@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.router.placement import ServerView, pressure_of, rank, residency_of
+from services.router.placement import ServerView, contention_of, pressure_of, rank, residency_of
 import msgspec
 
 from shared.policy import PRESETS
@@ -17,8 +17,10 @@ TALARIA = PRESETS["talaria"]  # weights: residency 4, KV locality 3, pressure 1
 
 
 def view(sid: str, *, models: frozenset[str] = ALL, active: str | None = None, staged: str | None = None,
-         queued: int = 0, running: int = 0, kv: float = 0.0, res: int = 0, session_kv: str = "none") -> ServerView:
-    return ServerView(sid, models, active, staged, queued, running, kv, res, session_kv)  # type: ignore[arg-type]
+         queued: int = 0, running: int = 0, kv: float = 0.0, res: int = 0, session_kv: str = "none",
+         live: frozenset[str] = frozenset()) -> ServerView:
+    return ServerView(sid, models, active, staged, queued, running, kv, res, session_kv,  # type: ignore[arg-type]
+                      live_models=live)
 
 
 @pytest.mark.parametrize(
@@ -141,3 +143,36 @@ def test_rank_is_pure() -> None:
     first = rank(M, views, TALARIA)
     assert views == snapshot
     assert rank(M, list(reversed(views)), TALARIA) == first
+
+
+def test_round_contention_counts_the_other_models_with_work() -> None:
+    assert contention_of(view("a"), M) == 0
+    assert contention_of(view("a", live=frozenset({M})), M) == 0
+    assert contention_of(view("a", live=ALL), M) == 2
+
+
+def test_talaria_prefers_the_server_where_its_model_does_not_contend_for_rounds() -> None:
+    # equal residency, KV and pressure: the server whose rounds also serve two
+    # other models loses to the one serving this model alone
+    mixed = view("s0", active=M, running=2, live=ALL)
+    alone = view("s1", active=M, running=2, live=frozenset({M}))
+    ranked = rank(M, [mixed, alone], TALARIA)
+    assert ranked[0].server_id == "s1"
+    assert ranked[0].score - ranked[1].score == pytest.approx(2 * TALARIA.w_contention)
+    # weight 0 leaves residency, locality and pressure alone (ties by server id)
+    plain = msgspec.structs.replace(TALARIA, w_contention=0.0)
+    assert rank(M, [mixed, alone], plain)[0].server_id == "s0"
+    # load-only placement never reads it
+    assert rank(M, [mixed, alone], LOAD)[0].server_id == "s0"
+
+
+def test_contention_can_outweigh_a_warm_prefix() -> None:
+    """A session whose server also serves other busy models moves to a server
+    where its model runs alone once the contention outweighs its prefix and
+    residency: it pays a prefill, not a turn of every other model."""
+    home = view("s0", active=M, session_kv="hbm", live=ALL)
+    alone = view("s1", active=M, live=frozenset({M}))
+    heavy = msgspec.structs.replace(TALARIA, w_contention=8.0)
+    assert rank(M, [home, alone], heavy)[0].server_id == "s1"
+    light = msgspec.structs.replace(TALARIA, w_contention=0.5)
+    assert rank(M, [home, alone], light)[0].server_id == "s0"

@@ -422,3 +422,17 @@ def test_duplicate_arrival_is_ignored() -> None:
 def test_unknown_model_is_refused() -> None:
     with pytest.raises(ValueError):
         sched().step(Arrive(mk("gpt-oss-120b", 0.0)), 0.0)
+
+
+def test_live_models_are_those_with_queued_running_or_claimed_work() -> None:
+    s = sched(policy("talaria"))
+    assert s.live_models() == frozenset()
+    c = mk(B, 0.0, sid="X", gaps=(4.0,))
+    waiting = mk(C, 0.5)
+    open_slot(s, B, 5.0, c, waiting)
+    assert s.live_models() == {B, C}  # B running, C queued
+    s.step(Finished(c.call_id, "X", 10_300), 10.0)
+    # B's session is at a tool under a claim: B still takes a turn of this server's rounds
+    assert "X" in s.reservations and s.live_models() == {B, C}
+    s.step(SessionEnded("X"), 11.0)
+    assert s.live_models() == {C}

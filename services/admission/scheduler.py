@@ -335,6 +335,14 @@ class RoundScheduler:
     def reserved_kv_tokens(self) -> int:
         return self._reserved_total
 
+    def live_models(self) -> frozenset[str]:
+        """Models with work here: calls queued or running, or a session's claim.
+        Each takes a turn of this server's rounds (placement's round contention)."""
+        live = {m for m, q in self.queues.items() if q}
+        live.update(r.call.model for r in self.running.values())
+        live.update(r.model for r in self.reservations.values())
+        return frozenset(live)
+
     # -- internals ---------------------------------------------------------------
     def _enqueue(self, item: _Queued) -> None:
         q = self.queues[item.call.model]

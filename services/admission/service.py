@@ -406,6 +406,7 @@ class AdmissionService(ServiceProcess):
                     "kv_occupancy": f"{sc.reserved_kv_tokens() / cap:.4f}",
                     "load_tokens": sc.load_tokens(),
                     "reservations": len(sc.reservations),
+                    "live_models": ",".join(sorted(sc.live_models())),
                     "models": ",".join(sc.models),
                     # counters for reports (the replay sums them over servers)
                     "stat_switches": sc.stats.switches,

@@ -2,7 +2,8 @@
 
 `rank(call, snapshot, policy)` is a pure function of the call and a snapshot
 of server state, with its weights in the policy. The baseline places by load
-only; Talaria scores model residency, KV locality and pressure. The peer
+only; Talaria scores model residency, KV locality, pressure and round
+contention (the other models with work on the server). The peer
 policies' rules (docs/peers.md) live here too, selected by `policy.placement`,
 so the router and the simulator run the very same code for them. The router
 logs the candidates and scores of every decision on one line.
@@ -40,6 +41,7 @@ class ServerView:
     session_kv: KvTier = "none"  # where this call's session prefix lives on this server
     session_reserved: bool = False  # this server holds a soft reservation for the session
     load_tokens: int = 0  # prompt tokens of the calls queued or running here (a router's active-sequence count)
+    live_models: frozenset[str] = frozenset()  # models with calls queued, running or claimed here
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +65,14 @@ def residency_of(view: ServerView, model: str) -> Residency:
 
 def pressure_of(view: ServerView) -> float:
     return view.queued_calls + view.running_calls + 0.5 * view.reservations_for_others + view.kv_occupancy
+
+
+def contention_of(view: ServerView, model: str) -> int:
+    """Round contention: the other models with work on the server. One model
+    runs at a time, so each of them takes a turn of the server's rounds
+    before this call's model comes back; a call placed where its model is
+    alone never waits for a round."""
+    return len(view.live_models - {model})
 
 
 def outstanding(view: ServerView) -> int:
@@ -179,6 +189,7 @@ def _rank_talaria(model: str, views: list[ServerView], policy: PolicyConfig) -> 
                 + policy.w_kv_locality * KV_SCORE[v.session_kv]
                 - policy.w_pressure * p
                 + (policy.w_reservation if v.session_reserved else 0.0)
+                - policy.w_contention * contention_of(v, model)
             )
         out.append(Candidate(v.server_id, score, res, v.session_kv, p))
     out.sort(key=lambda c: (-c.score, c.server_id))

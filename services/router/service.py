@@ -177,6 +177,7 @@ class Router(ServiceProcess):
                 reservations_for_others=int(g.get("reservations", 0)) - (reserved_on == server_id),
                 session_kv=kv.get(server_id, "none"), session_reserved=reserved_on == server_id,  # type: ignore[arg-type]
                 load_tokens=int(g.get("load_tokens", 0)),
+                live_models=frozenset(filter(None, g.get("live_models", "").split(","))),
             ))
         ranked = rank(req.model, views, self.settings.policy, session_id=req.session_id, call_id=req.call_id,
                       prompt_tokens=req.prompt_tokens, prefix_tokens=req.prefix_tokens)
