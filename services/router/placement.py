@@ -51,6 +51,7 @@ class Candidate:
     residency: Residency
     kv: KvTier
     pressure: float
+    contention: int = 0  # other models with work on the server
 
 
 def residency_of(view: ServerView, model: str) -> Residency:
@@ -191,6 +192,6 @@ def _rank_talaria(model: str, views: list[ServerView], policy: PolicyConfig) -> 
                 + (policy.w_reservation if v.session_reserved else 0.0)
                 - policy.w_contention * contention_of(v, model)
             )
-        out.append(Candidate(v.server_id, score, res, v.session_kv, p))
+        out.append(Candidate(v.server_id, score, res, v.session_kv, p, contention_of(v, model)))
     out.sort(key=lambda c: (-c.score, c.server_id))
     return out

@@ -183,7 +183,8 @@ class Router(ServiceProcess):
                       prompt_tokens=req.prompt_tokens, prefix_tokens=req.prefix_tokens)
         self.log.info("router.placed", model=req.model, at=round(now, 3),
                       candidates=[{"server": c.server_id, "score": round(c.score, 3), "residency": c.residency,
-                                   "kv": c.kv, "pressure": round(c.pressure, 2)} for c in ranked])
+                                   "kv": c.kv, "pressure": round(c.pressure, 2), "contention": c.contention}
+                                  for c in ranked])
         call = AdmissionCallMsg(
             call_id=req.call_id, session_id=req.session_id, model=req.model, prompt_tokens=req.prompt_tokens,
             prefix_tokens=req.prefix_tokens, max_tokens=req.max_tokens, arrived_at=now,
