@@ -23,6 +23,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from nats.aio.client import Client as NATS
 
+from polling import until
 from talaria.infra import (
     InfraError,
     NatsServer,
@@ -61,13 +62,6 @@ async def eventually(fn: Callable[[], Awaitable[Any]], timeout: float = DEADLINE
             if time.monotonic() > deadline:
                 raise
         await asyncio.sleep(interval)
-
-
-async def wait_for(pred: Callable[[], bool], timeout: float = DEADLINE_S) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.05)
 
 
 async def nats_client(servers: str | list[str]) -> NATS:
@@ -387,13 +381,13 @@ async def test_supervisor_restarts_crashing_child(tmp_path: Path) -> None:
     stop = asyncio.Event()
     task = asyncio.create_task(group.supervise(stop))
     try:
-        await wait_for(lambda: crashy.restarts >= 2)
+        await until(lambda: crashy.restarts >= 2, DEADLINE_S)
         assert crashy.exit_codes[:2] == [3, 3]
         assert steady.restarts == 0 and steady.pid == steady_pid and steady.running
 
         # A SIGKILLed child (fault injection) is restarted too, with a new pid.
         group.kill("steady")
-        await wait_for(lambda: steady.restarts == 1 and steady.running)
+        await until(lambda: steady.restarts == 1 and steady.running, DEADLINE_S)
         assert steady.pid != steady_pid
         assert steady.exit_codes == [-signal.SIGKILL]
 
@@ -427,7 +421,7 @@ async def test_stop_all_kills_whole_process_group(tmp_path: Path) -> None:
                 return int(line.split()[1])
         return None
 
-    await wait_for(lambda: grandchild_pid() is not None)
+    await until(lambda: grandchild_pid() is not None, DEADLINE_S)
     pids = [grandchild_pid(), *(c.pid for c in group.children.values())]
     assert all(p is not None and pid_alive(p) for p in pids)
 

@@ -16,6 +16,7 @@ from shared.keys import Keys
 from shared.schema import CallAccepted, CallQueued, CallReply, CallRunning
 from talaria.client import NoCapacity, TalariaClient
 from talaria.infra import NatsServer, RedisServer
+from polling import until
 from test_services import MODEL_A, MODEL_B, SERVER, Services, svc_redis_hash
 
 pytestmark = pytest.mark.timeout(150)
@@ -28,13 +29,6 @@ def engine_counts(svc: Services, event: str) -> Counter[str]:
             if d.get("event") == event and d.get("call_id"):
                 out[d["call_id"]] += 1
     return out
-
-
-async def wait_for(pred, timeout_s: float, what: str) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout_s
-    while not await pred():
-        assert time.monotonic() < deadline, what
-        await asyncio.sleep(0.02)
 
 
 async def test_admission_sigkilled_with_calls_queued_and_running(nats_server: NatsServer, redis_server: RedisServer,
@@ -58,7 +52,7 @@ async def test_admission_sigkilled_with_calls_queued_and_running(nats_server: Na
             # a long call of A (~2-3 wall s at 100x) holds the server; B's calls queue behind it
             ta = asyncio.ensure_future(a.call(prompt_tokens=3000, max_tokens=16384, sim_output_tokens=16000,
                                               call_id=f"{a.session_id}-0", on_event=ev_a.append))
-            await wait_for(lambda: _has(ev_a, CallRunning), 15, "A never ran")
+            await until(lambda: _has(ev_a, CallRunning), 15, "A never ran")
             tb = asyncio.ensure_future(b.call(prompt_tokens=2000, max_tokens=512, sim_output_tokens=30,
                                               call_id=f"{b.session_id}-0", on_event=ev_b.append))
             tb2 = asyncio.ensure_future(b2.call(prompt_tokens=1500, max_tokens=512, sim_output_tokens=20,
@@ -66,7 +60,7 @@ async def test_admission_sigkilled_with_calls_queued_and_running(nats_server: Na
 
             async def queued_two() -> bool:
                 return int((await svc_redis_hash(svc)).get(b"queued", b"0")) >= 2
-            await wait_for(queued_two, 10, "B calls never queued")
+            await until(queued_two, 10, "B calls never queued")
             assert not ta.done()
             svc.group.kill(svc.admission)          # SIGKILL: no graceful anything
             svc.group.start(svc.admission)
@@ -108,10 +102,8 @@ async def test_admission_sigkilled_with_calls_queued_and_running(nats_server: Na
         await svc.stop()
 
 
-def _has(events: list[Any], kind: type) -> Any:
-    async def check() -> bool:
-        return any(isinstance(e, kind) for e in events)
-    return check()
+def _has(events: list[Any], kind: type) -> bool:
+    return any(isinstance(e, kind) for e in events)
 
 
 async def test_bounded_queue_refuses_new_sessions_only(nats_server: NatsServer, redis_server: RedisServer,
@@ -128,7 +120,7 @@ async def test_bounded_queue_refuses_new_sessions_only(nats_server: NatsServer, 
             ev_x: list[Any] = []
             tx = asyncio.ensure_future(x.call(prompt_tokens=3000, max_tokens=16384, sim_output_tokens=12000,
                                               on_event=ev_x.append))
-            await wait_for(lambda: _has(ev_x, CallRunning), 15, "X never ran")
+            await until(lambda: _has(ev_x, CallRunning), 15, "X never ran")
             y = await c.open_session(MODEL_A)
             ev_y: list[Any] = []
             ty = asyncio.ensure_future(y.call(prompt_tokens=1000, max_tokens=256, sim_output_tokens=10,
@@ -136,7 +128,7 @@ async def test_bounded_queue_refuses_new_sessions_only(nats_server: NatsServer, 
 
             async def one_queued() -> bool:
                 return int((await svc_redis_hash(svc)).get(b"queued", b"0")) >= 1
-            await wait_for(one_queued, 10, "Y never queued")
+            await until(one_queued, 10, "Y never queued")
             z = await c.open_session(MODEL_A)
             with pytest.raises(NoCapacity) as exc:
                 await z.call(prompt_tokens=1000, max_tokens=256, sim_output_tokens=10, call_id=f"{z.session_id}-0")
@@ -145,7 +137,7 @@ async def test_bounded_queue_refuses_new_sessions_only(nats_server: NatsServer, 
             ev_w: list[Any] = []
             tw = asyncio.ensure_future(w.call(prompt_tokens=1400, prefix_tokens=1010, max_tokens=256,
                                               sim_output_tokens=5, call_id=f"{w.session_id}-1", on_event=ev_w.append))
-            await wait_for(lambda: _has(ev_w, CallAccepted), 10, "the continuation was not accepted")
+            await until(lambda: _has(ev_w, CallAccepted), 10, "the continuation was not accepted")
             rx, ry, rw = await asyncio.wait_for(asyncio.gather(tx, ty, tw), timeout=60)
             assert r1.output_tokens == 10 and rw.output_tokens == 5 and ry.output_tokens == 10
             # once drained, the refused session's first call goes through under the same id
@@ -172,7 +164,7 @@ async def test_idle_session_releases_reservation_and_kv(nats_server: NatsServer,
             async def released() -> bool:
                 return any(d.get("event") == "engine.session_released" and d.get("session_id") == s.session_id
                            for d in svc.log_lines(svc.engine(MODEL_A)))
-            await wait_for(released, 10, "the idle session was never released")
+            await until(released, 10, "the idle session was never released")
             rel = [d for d in svc.log_lines(svc.engine(MODEL_A)) if d.get("event") == "engine.session_released"]
             assert rel[-1]["kv_tokens"] > 0, rel
             assert await r.get(keys.reservation(s.session_id)) is None

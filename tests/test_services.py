@@ -23,6 +23,7 @@ import pytest
 import redis.asyncio as aioredis
 from nats.aio.client import Client as NATS
 
+from polling import until
 from shared.logs import read_log_events
 from shared.schema import (
     MAX_MESSAGE_BYTES, ApiError, CallAccepted, CallQueued, CallReply, CallRunning, api_reply_decoder,
@@ -483,10 +484,9 @@ async def test_queued_and_running_heartbeats(stack: Services, client: TalariaCli
     await asyncio.sleep(0.05)
     tb = asyncio.ensure_future(b.call(prompt_tokens=2000, max_tokens=512, sim_output_tokens=20, on_event=ev_b.append))
     # the router sees both models contending for this server's rounds (one running, one queued)
-    deadline = time.monotonic() + 20
-    while (await svc_redis_hash(stack)).get(b"live_models") != f"{MODEL_A},{MODEL_B}".encode():
-        assert time.monotonic() < deadline and not ta.done(), await svc_redis_hash(stack)
-        await asyncio.sleep(0.05)
+    async def both_live() -> bool:
+        return (await svc_redis_hash(stack)).get(b"live_models") == f"{MODEL_A},{MODEL_B}".encode()
+    await until(both_live, 20, "the mirror never showed both models live")
     ra, rb = await asyncio.gather(ta, tb)  # bounded by the module's pytest timeout
     assert ra.output_tokens == 3000 and rb.output_tokens == 20
     kinds_a = {type(e).__name__ for e in ev_a}
