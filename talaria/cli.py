@@ -8,6 +8,7 @@ import json
 import signal
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from shared.catalog import CatalogError, load_catalog
 from shared.policy import PRESETS, PolicyError, resolve_policy
@@ -15,6 +16,9 @@ from shared.trace import TraceError, TraceSession, load_trace
 from talaria import generate as gen
 from talaria.report import add_speedups, format_table, oracle_sct, slowest_sessions, summarize
 from talaria.stack import DEFAULT_MODELS, EmbeddedStack, StackSpec, default_log_dir
+
+if TYPE_CHECKING:
+    from talaria.replay import ReplayOutcome
 
 
 def _fail(msg: str, code: int = 2) -> int:
@@ -34,14 +38,25 @@ def _models_of(sessions: list[TraceSession]) -> list[str]:
     return sorted({s.model for s in sessions})
 
 
+def live_utilisation(out: ReplayOutcome, servers: int) -> dict[str, float]:
+    """The share of the run (until its last session ends) each server had a call
+    running, from the sim engine-workers' busy time mirrored in Redis; as the
+    simulator reports it. Empty where no worker reported one (a real engine, or
+    a replay against a deployment without its Redis)."""
+    busy = sum(v for k, v in out.server_stats.items() if k.startswith("busy_s_"))
+    horizon = max((r.finished_at for r in out.records), default=0.0)
+    return {"utilisation": busy / (horizon * servers)} if busy and horizon else {}
+
+
 def _print_results(runs: list[dict]) -> None:
     add_speedups(runs)
     print()
     print(format_table(runs))
     for r in runs:
         slow = ", ".join(f"{sid} {v:.0f}s" for sid, v in slowest_sessions(r, 3))
+        busy = f"; servers busy {r['utilisation']:.0%} of the run" if "utilisation" in r else ""
         print(f"  {r['policy']}: slowest sessions {slow}; longest wait for a slot by model "
-              + ", ".join(f"{m} {w:.0f}s" for m, w in r["max_wait_s_by_model"].items()))
+              + ", ".join(f"{m} {w:.0f}s" for m, w in r["max_wait_s_by_model"].items()) + busy)
 
 
 # -- sim ---------------------------------------------------------------------------
@@ -119,6 +134,7 @@ def cmd_replay(a: argparse.Namespace) -> int:
             "worst_loop_lag_service": out.worst_lag_service,
             "switches": int(out.server_stats.get("switches", 0)), "sp_admits": int(out.server_stats.get("sp_admits", 0)),
             "reservations": {k: out.server_stats.get(k, 0) for k in ("reservations_made", "reservations_hit", "reservations_expired", "reserved_idle_s")},
+            **live_utilisation(out, a.servers),
         })
         runs.append(run)
         if out.worst_lag_model_s > a.max_lag_s:

@@ -199,3 +199,16 @@ def test_bad_trace_exits_2_with_the_line_and_starts_nothing(tmp_path: Path) -> N
     p = replay(trace, "baseline", 50, tmp_path / "r.json", log_dir, timeout=60)
     assert p.returncode == 2 and "line 4" in p.stderr, p.stderr
     assert not log_dir.exists()
+
+
+@pytest.mark.parametrize("policy", ["baseline", "talaria"])
+def test_live_utilisation_matches_sim(smoke_replay: dict[str, Any], policy: str) -> None:
+    """The replay reports the servers' utilisation from the engine-workers' own
+    busy time, as the simulator does from its engines'."""
+    sessions = load_trace(SMOKE)
+    run = next(r for r in smoke_replay["data"]["runs"] if r["policy"] == policy)
+    r = simulate(sessions, load_catalog(), resolve_policy(policy))
+    expected = sum(s["busy_s"] for s in r.servers) / (r.horizon_s * len(r.servers))
+    assert 0 < expected <= 1
+    assert abs(run["utilisation"] - expected) <= TOLERANCE * expected, (run["utilisation"], expected)
+    assert "servers busy" in smoke_replay["stdout"]

@@ -166,6 +166,9 @@ class EngineWorker(EngineWorkerBase):
     async def _publish(self, done: list[CallResult]) -> None:
         s = self.settings
         await self._report_spills()
+        if done:
+            # model seconds with a call running, for the replay's utilisation (one field per engine)
+            await self.redis.hset(self.keys.server(s.server_id), f"stat_busy_s_{s.model}", f"{self.engine.busy_s:.3f}")
         for r in done:
             rc = self.calls.pop(r.call_id, None)
             if rc is None:
