@@ -144,6 +144,7 @@ class Simulator:
                 sid, model, cap, host_view = payload
                 srv = self.servers[sid]
                 srv.engines[model].wake(self.now, cap, host_view)
+                srv.ledger.finish_switch()
                 self._sync_spills(srv, model)
                 self._admission_step(srv, sch.SwitchDone(model, cap))
         unfinished = [s.trace.session_id for s in self.sessions.values() if s.finished_at is None]
@@ -232,7 +233,7 @@ class Simulator:
             server_id=srv.server_id,
             models=srv.models,
             active_model=sc.active,
-            staged_model=srv.ledger.staging.model if srv.ledger.staging else None,
+            staged_model=srv.ledger.incoming_model(self.now),
             queued_calls=sc.queued(),
             running_calls=len(sc.running),
             kv_occupancy=(eng.reserved_kv_tokens() / eng.kv_capacity_tokens) if eng and eng.kv_capacity_tokens else 0.0,

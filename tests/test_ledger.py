@@ -312,3 +312,20 @@ def test_kv_spill_with_host_kv_off_is_refused() -> None:
     led.plan_switch(0.0, QWEN.name, {})
     with pytest.raises(ValueError):
         led.accept_spill(QWEN.name, {"s": 1_000})
+
+
+def test_incoming_model_is_the_staged_one_then_the_one_switching_in() -> None:
+    """Placement scores the model moving into HBM as `staged`: staged ahead of
+    its slot, or being switched in, until the switch is done."""
+    led = ledger(pol("talaria"))
+    assert led.incoming_model(0.0) is None
+    plan = led.plan_switch(0.0, AIR.name, {})
+    assert led.incoming_model(plan.duration_s / 2) == AIR.name  # switching in
+    assert led.incoming_model(plan.duration_s) is None  # its switch has ended
+    led.finish_switch()
+    led.stage(QWEN.name, 10.0)
+    assert led.incoming_model(10.0) == QWEN.name  # staged ahead of its slot
+    plan = led.plan_switch(20.0, QWEN.name, {})
+    assert led.incoming_model(20.0) == QWEN.name
+    led.finish_switch()  # awake: active, no longer incoming, even before the planned end
+    assert led.incoming_model(20.0) is None

@@ -92,6 +92,7 @@ class SubstrateLedger:
     region_reservations: int = 0
     host_kv: OrderedDict[tuple[str, str], int] = field(default_factory=OrderedDict)
     staging: _Staging | None = None
+    switch_in: tuple[str, float] | None = None  # (model, model time its switch ends): moving into HBM now
     # counters for reports
     switches: int = 0
     kv_bytes_to_host: float = 0.0
@@ -114,6 +115,15 @@ class SubstrateLedger:
 
     def host_kv_bytes(self) -> float:
         return sum(self.models[m].kv_bytes(t) for (m, _), t in self.host_kv.items())
+
+    def incoming_model(self, now: float) -> str | None:
+        """The model whose weights are moving into HBM: staged ahead of its slot,
+        or being switched in right now. Placement scores it as `staged`."""
+        if self.staging is not None:
+            return self.staging.model
+        if self.switch_in is not None and now < self.switch_in[1]:
+            return self.switch_in[0]
+        return None
 
     def host_view(self, model: str) -> dict[str, int]:
         return {sid: t for (m, sid), t in self.host_kv.items() if m == model}
@@ -180,6 +190,7 @@ class SubstrateLedger:
         duration = weights_out_s + max(weights_in_s, kv_out_s) + fixed_s
         self.active = to_model
         self.staging = None
+        self.switch_in = (to_model, now + duration)
         self.switches += 1
         return SwitchPlan(
             from_model=old.name if old else None,
@@ -195,6 +206,10 @@ class SubstrateLedger:
             kv_capacity_tokens=self.kv_capacity_tokens(to_model),
             host_kv_view=self.host_view(to_model) if self.policy.host_kv else {},
         )
+
+    def finish_switch(self) -> None:
+        """The switched-in model is awake: it is active, no longer moving in."""
+        self.switch_in = None
 
     def activate(self, model: str) -> None:
         """The first model on an idle server is loaded like any other switch;

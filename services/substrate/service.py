@@ -138,6 +138,7 @@ class SubstrateManager(ServiceProcess):
             kv_out = (await self._control(req.from_model, Sleep())).kv_out
         plan = self.ledger.plan_switch(t0, req.to_model, kv_out)
         self.last_switch_end = t0 + plan.duration_s
+        await self._mirror()  # the router sees the model moving in for the switch's duration
         self.ledger.check_bounds()
         self.log.info("substrate.switch", from_model=req.from_model, to_model=req.to_model,
                       duration_s=round(plan.duration_s, 3), weights_in_s=round(plan.weights_in_s, 3),
@@ -148,6 +149,7 @@ class SubstrateManager(ServiceProcess):
         await self.clock.sleep_until(t0 + plan.duration_s)
         await self._control(req.to_model, Wake(kv_capacity_tokens=plan.kv_capacity_tokens, host_kv=plan.host_kv_view,
                                                at=t0 + plan.duration_s))
+        self.ledger.finish_switch()
         await self._mirror()
         if reply:
             await self.nc.publish(reply, encode(SwitchResult(
@@ -160,7 +162,7 @@ class SubstrateManager(ServiceProcess):
         key = self.keys.server(self.settings.server_id)
         await self.redis.hset(key, mapping={
             "resident": led.active or "",
-            "staged": led.staging.model if led.staging else "",
+            "staged": led.incoming_model(self.clock.now()) or "",
             "host_kv_gb": f"{led.host_kv_bytes() / 1e9:.1f}",
             "region_reservations": led.region_reservations,
             "switches": led.switches,
