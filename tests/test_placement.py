@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from services.router.placement import ServerView, contention_of, pressure_of, rank, residency_of
+from services.router.placement import (
+    InFlightPlacements, ServerView, contention_of, pressure_of, rank, residency_of, with_in_flight,
+)
 import msgspec
 
 from shared.policy import PRESETS
@@ -176,3 +178,40 @@ def test_contention_can_outweigh_a_warm_prefix() -> None:
     assert rank(M, [home, alone], heavy)[0].server_id == "s1"
     light = msgspec.structs.replace(TALARIA, w_contention=0.5)
     assert rank(M, [home, alone], light)[0].server_id == "s0"
+
+
+def test_in_flight_placements_count_until_the_mirror_shows_them() -> None:
+    inf = InFlightPlacements(max_age=2.0)
+    a = inf.placed("s0", M, 1_000, arrivals=5, now=0.0)
+    b = inf.placed("s0", OTHER, 2_000, arrivals=5, now=0.001)  # the mirror has not moved yet
+    assert (a.shown_at_arrivals, b.shown_at_arrivals) == (6, 7)
+    assert inf.pending("s0", 5, now=0.002) == [a, b]
+    assert inf.pending("s0", 6, now=0.003) == [b]  # the server counted the first
+    assert inf.pending("s0", 7, now=0.004) == []
+    assert inf.pending("s1", 0, now=0.0) == []
+    # refused or unanswered: it never shows
+    c = inf.placed("s1", M, 500, arrivals=0, now=1.0)
+    inf.unplaced("s1", c)
+    assert inf.pending("s1", 0, now=1.0) == []
+    # the mirror never catches up (e.g. the admission restarted and counts from 0): forgotten after max_age
+    d = inf.placed("s0", M, 500, arrivals=7, now=10.0)
+    assert inf.pending("s0", 0, now=11.0) == [d]
+    assert inf.pending("s0", 0, now=12.5) == []
+
+
+def test_two_calls_closer_than_the_mirror_do_not_both_take_the_idle_server() -> None:
+    """The second call sees the first one's placement before the mirror does:
+    it is queued there and its model is live there."""
+    idle = view("s0")
+    busy = view("s1", queued=1, live=frozenset({OTHER}))
+    first = rank(M, [idle, busy], TALARIA)[0].server_id
+    assert first == "s0"
+    inf = InFlightPlacements(max_age=2.0)
+    inf.placed("s0", M, 1_000, arrivals=0, now=0.0)
+    seen = with_in_flight(idle, inf.pending("s0", 0, now=0.001))
+    assert (seen.queued_calls, seen.live_models, seen.load_tokens) == (1, frozenset({M}), 1_000)
+    # the next call of M joins its own model there; a call of OTHER goes where OTHER is live, not
+    # to the server that now also has M's work
+    assert rank(M, [seen, busy], TALARIA)[0].server_id == "s0"
+    assert rank(OTHER, [seen, busy], TALARIA)[0].server_id == "s1"
+    assert with_in_flight(idle, []) is idle

@@ -26,6 +26,7 @@ from shared.schema import (
 )
 
 LIST_CALLS_TIMEOUT_WALL_S = 2.0
+MIRROR_COALESCE_S = 0.005  # wall seconds between two writes of the scheduler's mirror
 
 
 class AdmissionService(ServiceProcess):
@@ -41,6 +42,7 @@ class AdmissionService(ServiceProcess):
         specs = {m: self.catalog.model(m) for m in sorted(s.models)}
         self.scheduler = sch.RoundScheduler(s.server_id, specs, cost, s.policy)
         self.payloads: dict[str, SubmitCall] = {}
+        self.arrivals = 0  # submissions stepped, mirrored for the routers' in-flight bookkeeping
         self.wakeup = asyncio.Event()
         self.dirty = asyncio.Event()
         self.persist_dirty = asyncio.Event()
@@ -231,6 +233,7 @@ class AdmissionService(ServiceProcess):
                 await self.nc.publish(msg.reply, encode(Submitted(call_id=c.call_id, server_id=self.settings.server_id)))
             call = self._admission_call(sub)
             self.log.info("admission.queued", model=c.model, at=round(self.clock.now(), 3))
+            self.arrivals += 1
             await self.step(sch.Arrive(call), at=call.arrived_at)
 
     async def on_finished(self, msg: Msg) -> None:
@@ -407,6 +410,7 @@ class AdmissionService(ServiceProcess):
                     "load_tokens": sc.load_tokens(),
                     "reservations": len(sc.reservations),
                     "live_models": ",".join(sorted(sc.live_models())),
+                    "arrivals": self.arrivals,  # submissions stepped so far: routers match their in-flight calls to it
                     "models": ",".join(sc.models),
                     # counters for reports (the replay sums them over servers)
                     "stat_switches": sc.stats.switches,
@@ -421,7 +425,10 @@ class AdmissionService(ServiceProcess):
                 })
             except Exception as exc:
                 self.log.warning("admission.mirror_failed", error=str(exc))
-            await asyncio.sleep(0.05)
+            # coalesce bursts, but keep the router's view fresh: a wall millisecond is
+            # time_scale milliseconds of model time, and two arrivals that close apart
+            # would otherwise both see the server as it was before either
+            await asyncio.sleep(MIRROR_COALESCE_S)
 
 
 def main() -> None:

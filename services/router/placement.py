@@ -12,6 +12,7 @@ logs the candidates and scores of every decision on one line.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import hashlib
 from dataclasses import dataclass
 from functools import lru_cache
@@ -52,6 +53,61 @@ class Candidate:
     kv: KvTier
     pressure: float
     contention: int = 0  # other models with work on the server
+
+
+@dataclass(frozen=True, slots=True)
+class InFlight:
+    """A call this router placed on a server whose mirror may not show it yet."""
+
+    model: str
+    prompt_tokens: int
+    shown_at_arrivals: int  # the server's mirrored arrival count that includes it
+    placed_at: float  # the router's clock
+
+
+@dataclass
+class InFlightPlacements:
+    """A router's own recent placements, per server, until the server's mirror
+    shows them. Admission mirrors how many submissions it has stepped
+    (`arrivals`); a placement made while the mirror said n, after k others still
+    pending there, is shown once it says n + k + 1. Placements by other router
+    replicas advance the count too, so under several routers one may drop out
+    early: the overlay corrects the mirror's latency, the mirror stays the
+    truth. Entries older than `max_age` go (e.g. the admission restarted and
+    counts from 0 again)."""
+
+    max_age: float
+    by_server: dict[str, list[InFlight]] = dataclasses.field(default_factory=dict)
+
+    def pending(self, server_id: str, arrivals: int, now: float) -> list[InFlight]:
+        live = [c for c in self.by_server.get(server_id, ())
+                if c.shown_at_arrivals > arrivals and now - c.placed_at < self.max_age]
+        self.by_server[server_id] = live
+        return live
+
+    def placed(self, server_id: str, model: str, prompt_tokens: int, arrivals: int, now: float) -> InFlight:
+        mine = self.by_server.setdefault(server_id, [])
+        call = InFlight(model, prompt_tokens, max([arrivals] + [c.shown_at_arrivals for c in mine]) + 1, now)
+        mine.append(call)
+        return call
+
+    def unplaced(self, server_id: str, call: InFlight) -> None:
+        """The server refused it, or did not answer: it will never show."""
+        mine = self.by_server.get(server_id, [])
+        if call in mine:
+            mine.remove(call)
+
+
+def with_in_flight(view: ServerView, calls: list[InFlight]) -> ServerView:
+    """The view as it will be once the server has these calls: queued, their
+    models live there, their prompts in its load. A router's own recent
+    placements, so that two calls arriving closer together than the mirror's
+    latency do not both see the server as it was before either."""
+    if not calls:
+        return view
+    return dataclasses.replace(view, queued_calls=view.queued_calls + len(calls),
+                               live_models=view.live_models | {c.model for c in calls},
+                               load_tokens=view.load_tokens + sum(c.prompt_tokens for c in calls))
 
 
 def residency_of(view: ServerView, model: str) -> Residency:

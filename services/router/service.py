@@ -8,13 +8,15 @@ and forwards the call to the chosen server's admission.
 
 from __future__ import annotations
 
+import time
+
 import msgspec
 import structlog
 from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 
-from services.router.placement import ServerView, rank
+from services.router.placement import InFlightPlacements, ServerView, rank, with_in_flight
 from shared.bus import ServiceProcess, run_service, trace_headers
 from shared.keys import CALL_TTL_S, SESSION_TTL_S
 from shared.schema import (
@@ -26,6 +28,7 @@ from shared.schema import (
 SUBMIT_TIMEOUT_WALL_S = 5.0
 NO_CAPACITY_RETRY_AFTER_S = 1.0  # wall seconds an agent should wait before asking again
 HISTORY = 16  # gaps and outputs the decisions may look back on
+IN_FLIGHT_MAX_WALL_S = 2.0  # forget an in-flight placement the mirror never showed (e.g. admission restarted)
 
 
 class Router(ServiceProcess):
@@ -40,6 +43,8 @@ class Router(ServiceProcess):
 
     async def setup(self) -> None:
         self.served = set(self.settings.models)
+        # calls this router placed that a server's mirror may not show yet, per server
+        self.in_flight = InFlightPlacements(max_age=IN_FLIGHT_MAX_WALL_S)
         for subject in (self.subjects.api_call, self.subjects.api_session_open, self.subjects.api_session_end, self.subjects.api_info):
             await self.nc.subscribe(subject, queue="router", cb=self.guarded_handler(self.on_api, "api"))
 
@@ -167,8 +172,10 @@ class Router(ServiceProcess):
         reserved_on = resv_raw.decode().split("|", 1)[0] if resv_raw else None
         kv = {k.decode(): v.decode() for k, v in kv_raw.items()}
         views = []
+        arrivals: dict[str, int] = {}
         for server_id, h in zip(self.settings.servers, server_hashes):
             g = {k.decode(): v.decode() for k, v in h.items()}
+            arrivals[server_id] = int(g.get("arrivals", 0))
             models = frozenset(filter(None, g.get("models", ",".join(self.settings.models)).split(",")))
             views.append(ServerView(
                 server_id=server_id, models=models, active_model=g.get("active") or None,
@@ -179,6 +186,7 @@ class Router(ServiceProcess):
                 load_tokens=int(g.get("load_tokens", 0)),
                 live_models=frozenset(filter(None, g.get("live_models", "").split(","))),
             ))
+            views[-1] = with_in_flight(views[-1], self.in_flight.pending(server_id, arrivals[server_id], time.monotonic()))
         ranked = rank(req.model, views, self.settings.policy, session_id=req.session_id, call_id=req.call_id,
                       prompt_tokens=req.prompt_tokens, prefix_tokens=req.prefix_tokens)
         self.log.info("router.placed", model=req.model, at=round(now, 3),
@@ -195,14 +203,18 @@ class Router(ServiceProcess):
         sub = SubmitCall(call=call, reply_to=reply_to, sim_output_tokens=req.sim_output_tokens,
                          prompt_text=req.prompt_text, prompt_token_ids=req.prompt_token_ids)
         for cand in ranked:
+            pending = self.in_flight.placed(cand.server_id, req.model, req.prompt_tokens, arrivals.get(cand.server_id, 0),
+                                            time.monotonic())
             try:
                 resp = await self.nc.request(self.subjects.admission_submit(cand.server_id), encode(sub),
                                              timeout=SUBMIT_TIMEOUT_WALL_S, headers=trace_headers(req.session_id, req.call_id))
             except (NoRespondersError, NatsTimeout) as exc:
+                self.in_flight.unplaced(cand.server_id, pending)
                 self.log.warning("router.admission_unavailable", server_id=cand.server_id, error=type(exc).__name__)
                 continue
             out = submit_reply_decoder.decode(resp.data)
             if isinstance(out, ApiError):
+                self.in_flight.unplaced(cand.server_id, pending)
                 # e.g. no_capacity: that server's queue is at its bound (TALARIA_MAX_QUEUED) and this is a
                 # new session's first call; admission decides on its own exact count, not a mirrored one
                 self.log.warning("router.admission_refused", server_id=cand.server_id, reason=out.message, code=out.code)
