@@ -1,9 +1,11 @@
-"""router: the agent API's front door (a NATS queue group; stateless).
+"""router: the agent API's front door (a NATS queue group; stateless but for
+a moment's memory of its own placements, which a restart may lose at no cost).
 
 Validates each request (typed errors for anything wrong), deduplicates call
-ids, reads the session and the servers' state from Redis, ranks placements
-with the pure `placement.rank`, logs the candidates and scores on one line,
-and forwards the call to the chosen server's admission.
+ids, reads the session and the servers' state from Redis, adds the calls it
+placed that a server's mirror does not show yet, ranks placements with the
+pure `placement.rank`, logs the candidates and scores on one line, and
+forwards the call to the chosen server's admission.
 """
 
 from __future__ import annotations
