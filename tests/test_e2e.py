@@ -188,12 +188,16 @@ def test_two_servers_live_placement_matches_sim(tmp_path: Path) -> None:
     sessions = generate(settings, seed=3)
     path = tmp_path / "two-servers.jsonl"
     dump_trace(sessions, path)
-    p = replay(path, "talaria", 10, tmp_path / "r.json", tmp_path / "logs", servers=2)
+    # 5x: a finish and an arrival a few model milliseconds apart can reach the router in
+    # either order, and on 8 sessions one call placed differently moves the mean by up to
+    # ~20% (measured at 10x with both cores loaded: 1 run in 21 off by 21%); at 5x the
+    # same wall latency is half the model time
+    p = replay(path, "talaria", 5, tmp_path / "r.json", tmp_path / "logs", servers=2)
     assert p.returncode == 0, f"rc {p.returncode}\nstderr:\n{p.stderr[-3000:]}"
     run = json.loads((tmp_path / "r.json").read_text())["runs"][0]
     check_run(run, sessions)
     placed = [d for d in read_log_events(tmp_path / "logs" / "talaria" / "router-0.log") if d.get("event") == "router.placed"]
-    assert len(placed) == 40
+    assert {d["call_id"] for d in placed} == {f"{x.session_id}#{i:03d}" for x in sessions for i in range(len(x.calls))}
     for d in placed:
         assert {c["server"] for c in d["candidates"]} == {"s0", "s1"}
         assert all({"score", "residency", "kv", "pressure", "contention"} <= set(c) for c in d["candidates"])
