@@ -100,6 +100,7 @@ class Simulator:
         self._admission_version: dict[str, int] = {}
         self.now = 0.0
         self._need_load_tokens = policy.placement in ("kv-overlap", "cache-aware")
+        self._need_live_models = policy.placement == "talaria"  # round contention is Talaria's term
 
     # -- event plumbing ------------------------------------------------------------
     def _push(self, t: float, kind: str, payload: tuple) -> None:
@@ -241,8 +242,7 @@ class Simulator:
             session_kv=kv,  # type: ignore[arg-type]
             session_reserved=mine,
             load_tokens=sc.load_tokens() if self._need_load_tokens else 0,
-            live_models=frozenset([m for m, q in sc.queues.items() if q] + [r.call.model for r in sc.running.values()]
-                                  + [r.model for r in res.values()]),
+            live_models=sc.live_models() if self._need_live_models else frozenset(),
         )
 
     # -- admission and substrate ---------------------------------------------------

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 
 from shared.catalog import load_catalog
@@ -182,8 +183,6 @@ def test_two_servers_live_placement_matches_sim(tmp_path: Path) -> None:
     services' Redis mirrors (residency, KV locality, pressure, round contention),
     both servers serve, each decision logs its candidates, and the live result
     agrees with the simulator's two-server run."""
-    import msgspec
-
     settings = msgspec.structs.replace(load_settings(ROOT / "traces" / "smoke-4.toml"), sessions=8, calls_total=40, servers=2)
     sessions = generate(settings, seed=3)
     path = tmp_path / "two-servers.jsonl"

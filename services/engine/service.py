@@ -166,9 +166,6 @@ class EngineWorker(EngineWorkerBase):
     async def _publish(self, done: list[CallResult]) -> None:
         s = self.settings
         await self._report_spills()
-        if done:
-            # model seconds with a call running, for the replay's utilisation (one field per engine)
-            await self.redis.hset(self.keys.server(s.server_id), f"stat_busy_s_{s.model}", f"{self.engine.busy_s:.3f}")
         for r in done:
             rc = self.calls.pop(r.call_id, None)
             if rc is None:
@@ -189,6 +186,8 @@ class EngineWorker(EngineWorkerBase):
             pipe.expire(skey, SESSION_TTL_S)
             pipe.expire(self.keys.session_outputs(r.session_id), SESSION_TTL_S)
             pipe.hset(self.keys.kv_locality(r.session_id), s.server_id, "hbm")
+            # model seconds with a call running, for the replay's utilisation (one field per engine)
+            pipe.hset(self.keys.server(s.server_id), f"stat_busy_s_{s.model}", f"{self.engine.busy_s:.3f}")
             await pipe.execute()
             hdrs = trace_headers(r.session_id, r.call_id)
             await self.nc.publish(rc.reply_to, data, headers=hdrs)

@@ -52,7 +52,7 @@ class Candidate:
     residency: Residency
     kv: KvTier
     pressure: float
-    contention: int = 0  # other models with work on the server
+    contention: int  # other models with work on the server (logged; only Talaria's score weighs it)
 
 
 @dataclass(frozen=True, slots=True)
@@ -219,7 +219,8 @@ def rank(model: str, views: list[ServerView], policy: PolicyConfig, *, session_i
     if not serving:
         return []
     scores = _peer_scores(model, serving, policy, session_id, prompt_tokens, prefix_tokens)
-    out = [Candidate(v.server_id, sc, residency_of(v, model), v.session_kv, pressure_of(v)) for v, sc in zip(serving, scores)]
+    out = [Candidate(v.server_id, sc, residency_of(v, model), v.session_kv, pressure_of(v), contention_of(v, model))
+           for v, sc in zip(serving, scores)]
     if policy.placement in ("least-loaded", "session-affinity") and call_id:
         # a load-only rule has no reason to prefer one of two equally loaded
         # servers: spread ties by the call (round-robin in effect, stateless and
@@ -238,6 +239,7 @@ def _rank_talaria(model: str, views: list[ServerView], policy: PolicyConfig) -> 
             continue
         res = residency_of(v, model)
         p = pressure_of(v)
+        k = contention_of(v, model)
         if policy.placement == "load":
             score = -p
         else:
@@ -246,8 +248,8 @@ def _rank_talaria(model: str, views: list[ServerView], policy: PolicyConfig) -> 
                 + policy.w_kv_locality * KV_SCORE[v.session_kv]
                 - policy.w_pressure * p
                 + (policy.w_reservation if v.session_reserved else 0.0)
-                - policy.w_contention * contention_of(v, model)
+                - policy.w_contention * k
             )
-        out.append(Candidate(v.server_id, score, res, v.session_kv, p, contention_of(v, model)))
+        out.append(Candidate(v.server_id, score, res, v.session_kv, p, k))
     out.sort(key=lambda c: (-c.score, c.server_id))
     return out

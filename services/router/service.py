@@ -179,7 +179,7 @@ class Router(ServiceProcess):
             g = {k.decode(): v.decode() for k, v in h.items()}
             arrivals[server_id] = int(g.get("arrivals", 0))
             models = frozenset(filter(None, g.get("models", ",".join(self.settings.models)).split(",")))
-            views.append(ServerView(
+            views.append(with_in_flight(ServerView(
                 server_id=server_id, models=models, active_model=g.get("active") or None,
                 staged_model=g.get("staged") or None, queued_calls=int(g.get("queued", 0)),
                 running_calls=int(g.get("running", 0)), kv_occupancy=float(g.get("kv_occupancy", 0.0)),
@@ -187,8 +187,7 @@ class Router(ServiceProcess):
                 session_kv=kv.get(server_id, "none"), session_reserved=reserved_on == server_id,  # type: ignore[arg-type]
                 load_tokens=int(g.get("load_tokens", 0)),
                 live_models=frozenset(filter(None, g.get("live_models", "").split(","))),
-            ))
-            views[-1] = with_in_flight(views[-1], self.in_flight.pending(server_id, arrivals[server_id], time.monotonic()))
+            ), self.in_flight.pending(server_id, arrivals[server_id], time.monotonic())))
         ranked = rank(req.model, views, self.settings.policy, session_id=req.session_id, call_id=req.call_id,
                       prompt_tokens=req.prompt_tokens, prefix_tokens=req.prefix_tokens)
         self.log.info("router.placed", model=req.model, at=round(now, 3),
