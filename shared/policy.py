@@ -35,6 +35,7 @@ class PolicyConfig(msgspec.Struct, frozen=True, kw_only=True):
     next_model: NextModel = "round-robin"
     session_prefill: bool = False        # SP: admit continuations into the open slot
     sp_overrun_s: float = 0.0            # SP budget: estimated finish may pass the quantum by this much
+    sp_new_sessions: bool = False        # the SP budget rule also admits a new session's first call
     reservations: bool = False           # soft reservations for sessions off at a tool
     hold_quantile: float = 0.9           # hold = this quantile of the session's observed gaps ...
     hold_factor: float = 1.5             # ... times this factor,
@@ -74,6 +75,7 @@ BASELINE = PolicyConfig(name="baseline")
 TALARIA = PolicyConfig(
     name="talaria",
     session_prefill=True,
+    sp_new_sessions=True,
     reservations=True,
     host_kv=True,
     staging=True,
@@ -90,6 +92,7 @@ PRESETS: dict[str, PolicyConfig] = {
     "baseline": BASELINE,
     "talaria": TALARIA,
     "talaria-no-sp": msgspec.structs.replace(TALARIA, name="talaria-no-sp", session_prefill=False),
+    "talaria-no-sp-new": msgspec.structs.replace(TALARIA, name="talaria-no-sp-new", sp_new_sessions=False),
     "talaria-no-hostkv": msgspec.structs.replace(TALARIA, name="talaria-no-hostkv", host_kv=False),
     "talaria-no-staging": msgspec.structs.replace(TALARIA, name="talaria-no-staging", staging=False),
     "talaria-no-stable": msgspec.structs.replace(TALARIA, name="talaria-no-stable", stable_addresses=False),

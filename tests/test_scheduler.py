@@ -146,11 +146,28 @@ def test_session_prefill_admits_continuation_at_once(p: PolicyConfig) -> None:
     assert s.stats.sp_admits == 1 and s.queued(B) == 0
 
 
-def test_session_prefill_only_for_continuations() -> None:
-    s = sched(policy("talaria-no-reservations"))
+@pytest.mark.parametrize("new_sessions", [False, True])
+def test_session_prefill_for_new_sessions_only_when_switched_on(new_sessions: bool) -> None:
+    s = sched(policy("talaria-no-reservations", sp_new_sessions=new_sessions))
     open_slot(s, B, 5.0, mk(B, 0.0), mk(A, 1.0))
-    acts = s.step(Arrive(mk(B, 6.0)), 6.0)  # a new session of B: not a continuation
-    assert dispatched(acts) == []
+    new = mk(B, 6.0)  # a new session of B: not a continuation
+    acts = s.step(Arrive(new), 6.0)
+    assert dispatched(acts) == ([new.call_id] if new_sessions else [])
+    assert s.stats.round_waits == 0
+
+
+def test_new_session_admission_keeps_the_budget_rule() -> None:
+    """A new session's first call meets the SP budget like a continuation: not past the quantum."""
+    s = sched(policy("talaria-no-reservations", sp_new_sessions=True, slot_s=30.0))
+    open_slot(s, B, 5.0, mk(B, 0.0, sid="L"), mk(A, 1.0))
+    late = mk(B, 36.0)  # after the 30-s quantum: waits for B's next slot
+    assert dispatched(s.step(Arrive(late), 36.0)) == []
+    assert s.queued(B) == 1
+
+
+def test_talaria_presets_switch_new_session_admission() -> None:
+    assert policy("talaria").sp_new_sessions and not policy("talaria-no-sp-new").sp_new_sessions
+    assert not policy("baseline").sp_new_sessions
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,7 @@
 """Session-prefill end to end: a continuation that returns while its model's
 slot is still open is admitted in that slot with SP on, and waits for the
-model's next round with SP off — through the live services and in the
+model's next round with SP off; likewise a new session's first call with
+`sp_new_sessions` on and off — through the live services and in the
 simulator (the same scheduler code)."""
 
 from __future__ import annotations
@@ -31,36 +32,52 @@ TRACE = [
 ]
 
 
+# a3 starts while AIR's slot is open (a2 keeps it busy, g1 waits): with
+# sp_new_sessions its first call joins the slot; without it, it waits a round.
+TRACE_NEW_SESSION = [*TRACE, TraceSession("a3", AIR, 8.0, [TraceCall(2000, 20, 0.0)])]
+
+
 def second_call(records):
     return next(r for r in records if r.session_id == "a1" and r.index == 1)
 
 
-@pytest.mark.parametrize("policy,expect_round_wait", [("talaria", False), ("talaria-no-sp", True)])
-def test_sp_in_the_simulator(policy: str, expect_round_wait: bool) -> None:
-    r = simulate(TRACE, load_catalog(), resolve_policy(policy))
-    c = second_call(r.records)
-    assert c.round_wait is expect_round_wait
-    if not expect_round_wait:
-        assert c.waited_s < 0.5
+def new_session_call(records):
+    return next(r for r in records if r.session_id == "a3" and r.index == 0)
 
 
-@pytest.mark.e2e
-@pytest.mark.parametrize("policy,expect_round_wait", [("talaria", False), ("talaria-no-sp", True)])
-async def test_sp_through_the_live_services(tmp_path: Path, policy: str, expect_round_wait: bool) -> None:
-    spec = StackSpec(policy=resolve_policy(policy), models=[AIR, GLM], time_scale=20.0, log_dir=tmp_path / "logs")
-    async with EmbeddedStack(spec) as stack:
-        client = await TalariaClient.connect(stack.nats_urls, subject_prefix=stack.subject_prefix, **stack.nats_auth("agent"))
-        try:
-            out = await asyncio.wait_for(
-                drive(client, ScaledClock(spec.time_scale, stack.clock_epoch), TRACE, policy, progress_every_wall_s=30),
-                timeout=120,
-            )
-        finally:
-            await client.close()
-    assert not out.failures
-    c = second_call(out.records)
+CASES = [
+    pytest.param(TRACE, second_call, "talaria", False, id="sp-on"),
+    pytest.param(TRACE, second_call, "talaria-no-sp", True, id="sp-off"),
+    pytest.param(TRACE_NEW_SESSION, new_session_call, "talaria", False, id="new-session-on"),
+    pytest.param(TRACE_NEW_SESSION, new_session_call, "talaria-no-sp-new", True, id="new-session-off"),
+]
+
+
+def check(c, expect_round_wait: bool) -> None:
     assert c.round_wait is expect_round_wait
     if not expect_round_wait:
         assert c.waited_s < 1.0
     else:
         assert c.waited_s > 5.0  # it sat out a2's decode, g1's slot and two switches
+
+
+@pytest.mark.parametrize("trace,pick,policy,expect_round_wait", CASES)
+def test_in_the_simulator(trace, pick, policy: str, expect_round_wait: bool) -> None:
+    check(pick(simulate(trace, load_catalog(), resolve_policy(policy)).records), expect_round_wait)
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("trace,pick,policy,expect_round_wait", CASES)
+async def test_through_the_live_services(tmp_path: Path, trace, pick, policy: str, expect_round_wait: bool) -> None:
+    spec = StackSpec(policy=resolve_policy(policy), models=[AIR, GLM], time_scale=20.0, log_dir=tmp_path / "logs")
+    async with EmbeddedStack(spec) as stack:
+        client = await TalariaClient.connect(stack.nats_urls, subject_prefix=stack.subject_prefix, **stack.nats_auth("agent"))
+        try:
+            out = await asyncio.wait_for(
+                drive(client, ScaledClock(spec.time_scale, stack.clock_epoch), trace, policy, progress_every_wall_s=30),
+                timeout=120,
+            )
+        finally:
+            await client.close()
+    assert not out.failures
+    check(pick(out.records), expect_round_wait)

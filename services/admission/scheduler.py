@@ -14,7 +14,8 @@ Rules (docs/scheduler.md states them for users; keep the two in step):
    (a) no other model has demand — then the round has one member and the slot
    simply continues, admitting it now — or (b) SP is on, it is a
    continuation, the slot's quantum has not passed and its estimated service
-   time fits what is left of it (plus `sp_overrun_s`).
+   time fits what is left of it (plus `sp_overrun_s`), or (c) it is a new
+   session's first call, `sp_new_sessions` is on and the same budget holds.
 3. The slot closes, with the drain rule, once its admitted work has finished
    and another model has demand (never idling while others wait), except that
    a live soft reservation of M holds it open until the reservation is used
@@ -447,9 +448,10 @@ class RoundScheduler:
             ok = not blocked and self._fits(c)
             sp = False
             if ok and not (admission_point or alone):
+                # SP for a session's return; with sp_new_sessions the same budget rule
+                # for a new session's first call (it would otherwise wait a whole round)
                 sp = (
-                    self.policy.session_prefill
-                    and c.continuation
+                    (self.policy.session_prefill if c.continuation else self.policy.sp_new_sessions)
                     and now < self.slot_deadline
                     and now + self._estimated_service_s(c) <= self.slot_deadline + self.policy.sp_overrun_s
                 )
