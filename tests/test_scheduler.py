@@ -292,6 +292,46 @@ def test_preempt_closing_rule_requeues_at_the_quantum() -> None:
     assert of(d.step(Tick(), 100.0), Preempt) == []
 
 
+def _preempted_at_quantum() -> tuple[RoundScheduler, AdmissionCall, float]:
+    """B's only call is preempted at the quantum (A waits): it is back in B's queue."""
+    s = sched(policy("baseline", closing="preempt", slot_s=30.0))
+    run = mk(B, 0.0, sid="X")
+    open_slot(s, B, 5.0, run)
+    s.step(Arrive(mk(A, 6.0)), 6.0)
+    at = s.next_wakeup()
+    while not of(s.step(Tick(), at), Preempt):
+        at = s.next_wakeup()
+    assert s.queued(B) == 1 and s.running == {}
+    return s, run, at
+
+
+def test_a_finish_that_crosses_its_preemption_wins() -> None:
+    """Live, the engine may finish a call before the Abort reaches it: the reply is
+    out, so the requeued copy must never run again (a copy without its payload
+    held B's turns for the rest of a live run)."""
+    s, run, at = _preempted_at_quantum()
+    s.step(Finished(run.call_id, "X", 12_000), at + 0.01)
+    assert s.queued(B) == 0
+    acts = s.step(SwitchDone(A, CAP), at + 5.0)
+    (da,) = of(acts, Dispatch)
+    acts = s.step(Finished(da.call.call_id, da.call.session_id, 11_000), at + 20.0)
+    assert of(acts, StartSwitch) == []  # nothing of B left to switch back for
+    assert all(d.call.call_id != run.call_id for d in of(acts, Dispatch))
+
+
+def test_forget_drops_a_call_that_cannot_run() -> None:
+    s = sched(policy("baseline", closing="preempt", slot_s=30.0))
+    run = mk(B, 0.0, sid="X")
+    open_slot(s, B, 5.0, run)
+    s.step(Arrive(mk(A, 6.0)), 6.0)
+    acts = s.forget(run.call_id, 7.0)  # e.g. its payload is gone: it can never finish
+    assert s.running == {} and s.queued(B) == 0 and s.reserved_kv_tokens() == 0
+    assert of(acts, SlotClosed)[0].reason == "drained" and of(acts, StartSwitch) == [StartSwitch(B, A)]
+    s2, queued, at = _preempted_at_quantum()
+    s2.forget(queued.call_id, at + 0.01)
+    assert s2.queued(B) == 0
+
+
 # -- soft reservations -----------------------------------------------------------------------
 
 

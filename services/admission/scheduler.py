@@ -240,6 +240,10 @@ class RoundScheduler:
                 run = self.running.pop(cid, None)
                 if run is not None:
                     self._reserved_total -= run.reserved_tokens
+                else:
+                    # it finished before our preemption reached the engine (the two
+                    # crossed): its reply is out, so the requeued copy must not run again
+                    self._drop_queued(cid)
                 if run is not None and self.policy.reservations and run.call.model == self.active:
                     ttl = self.policy.retention == "ttl"
                     hold = self.ttl_s(run.call.gap_history) if ttl else self.hold_s(run.call.gap_history)
@@ -315,6 +319,18 @@ class RoundScheduler:
         q = ordered[min(len(ordered) - 1, int(p.ttl_quantile * len(ordered)))]
         return max(0.0, min(p.ttl_max_s, q))
 
+    def forget(self, call_id: str, now: float) -> list[Action]:
+        """A call that can no longer run here (its payload is gone): drop it,
+        running or queued, so it can neither hold a slot open nor be preempted
+        and requeued forever; then schedule as after any other step."""
+        run = self.running.pop(call_id, None)
+        if run is not None:
+            self._reserved_total -= run.reserved_tokens
+        self._drop_queued(call_id)
+        actions: list[Action] = []
+        self._schedule(now, actions)
+        return actions
+
     def cancel_reservation(self, session_id: str) -> list[Action]:
         """Another server already holds this session's claim: drop ours."""
         res = self.reservations.pop(session_id, None)
@@ -356,6 +372,13 @@ class RoundScheduler:
         while i > 0 and _program_key(q[i - 1].call) > key:
             i -= 1
         q.insert(i, item)
+
+    def _drop_queued(self, call_id: str) -> None:
+        for q in self.queues.values():
+            for item in q:
+                if item.call.call_id == call_id:
+                    q.remove(item)
+                    return
 
     def _switch_clock(self, now: float) -> float:
         extra = now - self.switch_started_at if self.phase == "switching" else 0.0

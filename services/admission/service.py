@@ -278,12 +278,16 @@ class AdmissionService(ServiceProcess):
 
     async def apply(self, actions: list[sch.Action]) -> None:
         s = self.settings
+        lost: list[str] = []
         for a in actions:
             match a:
                 case sch.Dispatch(call=c):
                     sub = self.payloads.get(c.call_id)
                     if sub is None:
-                        self.log.error("admission.lost_payload", call_id=c.call_id)
+                        # nothing to send: forget the call, or the scheduler would count it
+                        # as running and give its model turns it can never use
+                        self.log.error("admission.lost_payload", call_id=c.call_id, session_id=c.session_id)
+                        lost.append(c.call_id)
                         continue
                     stop = sub.sim_output_tokens or c.max_tokens
                     run = RunCall(
@@ -318,6 +322,8 @@ class AdmissionService(ServiceProcess):
                     self.log.info("admission.slot_opened", model=m, slot_id=i, at=round(t, 3))
                 case sch.SlotClosed(model=m, slot_id=i, at=t, reason=why):
                     self.log.info("admission.slot_closed", model=m, slot_id=i, at=round(t, 3), reason=why)
+        for cid in lost:
+            await self.apply(self.scheduler.forget(cid, self.scheduler.last_step_at))
 
     async def _claim(self, session_id: str) -> bool:
         """Mirror a reservation into Redis atomically: one claim per session
