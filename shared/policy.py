@@ -53,8 +53,6 @@ class PolicyConfig(msgspec.Struct, frozen=True, kw_only=True):
     w_pressure: float = 1.0
     w_reservation: float = 2.0
     w_contention: float = 4.0            # per other model with work on the server (its turns of the round)
-    # what a call reserves for its output when admitted (max_tokens is the bound)
-    admission_output_estimate: Literal["max_tokens", "history"] = "max_tokens"
     # -- peer policies' rules (docs/peers.md); defaults are the peers' published defaults
     retention: Retention = "reservation"   # with reservations on: soft reservation or TTL pin
     admission_order: AdmissionOrder = "call"
