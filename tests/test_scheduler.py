@@ -292,12 +292,18 @@ def test_preempt_closing_rule_requeues_at_the_quantum() -> None:
     assert of(d.step(Tick(), 100.0), Preempt) == []
 
 
-def _preempted_at_quantum() -> tuple[RoundScheduler, AdmissionCall, float]:
-    """B's only call is preempted at the quantum (A waits): it is back in B's queue."""
+def _b_running_a_waiting() -> tuple[RoundScheduler, AdmissionCall]:
+    """Under the preempt rule, B's slot runs one call while A waits."""
     s = sched(policy("baseline", closing="preempt", slot_s=30.0))
     run = mk(B, 0.0, sid="X")
     open_slot(s, B, 5.0, run)
     s.step(Arrive(mk(A, 6.0)), 6.0)
+    return s, run
+
+
+def _preempted_at_quantum() -> tuple[RoundScheduler, AdmissionCall, float]:
+    """B's only call is preempted at the quantum (A waits): it is back in B's queue."""
+    s, run = _b_running_a_waiting()
     at = s.next_wakeup()
     while not of(s.step(Tick(), at), Preempt):
         at = s.next_wakeup()
@@ -320,10 +326,7 @@ def test_a_finish_that_crosses_its_preemption_wins() -> None:
 
 
 def test_forget_drops_a_call_that_cannot_run() -> None:
-    s = sched(policy("baseline", closing="preempt", slot_s=30.0))
-    run = mk(B, 0.0, sid="X")
-    open_slot(s, B, 5.0, run)
-    s.step(Arrive(mk(A, 6.0)), 6.0)
+    s, run = _b_running_a_waiting()
     acts = s.forget(run.call_id, 7.0)  # e.g. its payload is gone: it can never finish
     assert s.running == {} and s.queued(B) == 0 and s.reserved_kv_tokens() == 0
     assert of(acts, SlotClosed)[0].reason == "drained" and of(acts, StartSwitch) == [StartSwitch(B, A)]

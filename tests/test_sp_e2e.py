@@ -7,6 +7,7 @@ simulator (the same scheduler code)."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ from shared.clock import ScaledClock
 from shared.policy import resolve_policy
 from shared.trace import TraceCall, TraceSession
 from talaria.client import TalariaClient
+from talaria.records import CallRecord
 from talaria.replay import drive
 from talaria.simulator import simulate
 from talaria.stack import EmbeddedStack, StackSpec
@@ -37,11 +39,11 @@ TRACE = [
 TRACE_NEW_SESSION = [*TRACE, TraceSession("a3", AIR, 8.0, [TraceCall(2000, 20, 0.0)])]
 
 
-def second_call(records):
+def second_call(records: list[CallRecord]) -> CallRecord:
     return next(r for r in records if r.session_id == "a1" and r.index == 1)
 
 
-def new_session_call(records):
+def new_session_call(records: list[CallRecord]) -> CallRecord:
     return next(r for r in records if r.session_id == "a3" and r.index == 0)
 
 
@@ -53,7 +55,7 @@ CASES = [
 ]
 
 
-def check(c, expect_round_wait: bool) -> None:
+def check(c: CallRecord, expect_round_wait: bool) -> None:
     assert c.round_wait is expect_round_wait
     if not expect_round_wait:
         assert c.waited_s < 1.0
@@ -62,13 +64,15 @@ def check(c, expect_round_wait: bool) -> None:
 
 
 @pytest.mark.parametrize("trace,pick,policy,expect_round_wait", CASES)
-def test_in_the_simulator(trace, pick, policy: str, expect_round_wait: bool) -> None:
+def test_in_the_simulator(trace: list[TraceSession], pick: Callable[[list[CallRecord]], CallRecord], policy: str, expect_round_wait: bool) -> None:
     check(pick(simulate(trace, load_catalog(), resolve_policy(policy)).records), expect_round_wait)
 
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("trace,pick,policy,expect_round_wait", CASES)
-async def test_through_the_live_services(tmp_path: Path, trace, pick, policy: str, expect_round_wait: bool) -> None:
+async def test_through_the_live_services(tmp_path: Path, trace: list[TraceSession],
+                                         pick: Callable[[list[CallRecord]], CallRecord], policy: str,
+                                         expect_round_wait: bool) -> None:
     spec = StackSpec(policy=resolve_policy(policy), models=[AIR, GLM], time_scale=20.0, log_dir=tmp_path / "logs")
     async with EmbeddedStack(spec) as stack:
         client = await TalariaClient.connect(stack.nats_urls, subject_prefix=stack.subject_prefix, **stack.nats_auth("agent"))

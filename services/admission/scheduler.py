@@ -237,10 +237,8 @@ class RoundScheduler:
                 open_slot = self.slot_id if (self.phase == "open" and self.active == call.model) else None
                 self._enqueue(_Queued(call, self._switch_clock(now), open_slot))
             case Finished(call_id=cid, session_id=sid, context_tokens=ctx):
-                run = self.running.pop(cid, None)
-                if run is not None:
-                    self._reserved_total -= run.reserved_tokens
-                else:
+                run = self._pop_running(cid)
+                if run is None:
                     # it finished before our preemption reached the engine (the two
                     # crossed): its reply is out, so the requeued copy must not run again
                     self._drop_queued(cid)
@@ -323,9 +321,7 @@ class RoundScheduler:
         """A call that can no longer run here (its payload is gone): drop it,
         running or queued, so it can neither hold a slot open nor be preempted
         and requeued forever; then schedule as after any other step."""
-        run = self.running.pop(call_id, None)
-        if run is not None:
-            self._reserved_total -= run.reserved_tokens
+        self._pop_running(call_id)
         self._drop_queued(call_id)
         actions: list[Action] = []
         self._schedule(now, actions)
@@ -372,6 +368,13 @@ class RoundScheduler:
         while i > 0 and _program_key(q[i - 1].call) > key:
             i -= 1
         q.insert(i, item)
+
+    def _pop_running(self, call_id: str) -> _Running | None:
+        """Stop counting a call as running (finished, preempted or forgotten)."""
+        run = self.running.pop(call_id, None)
+        if run is not None:
+            self._reserved_total -= run.reserved_tokens
+        return run
 
     def _drop_queued(self, call_id: str) -> None:
         for q in self.queues.values():
@@ -574,8 +577,7 @@ class RoundScheduler:
                 preempt_at = self._preempt_at(m_running)
                 if self.policy.closing == "preempt" and now >= preempt_at - 1e-9:
                     for r in m_running:
-                        del self.running[r.call.call_id]
-                        self._reserved_total -= r.reserved_tokens
+                        self._pop_running(r.call.call_id)
                         self.stats.preemptions += 1
                         actions.append(Preempt(r.call.call_id))
                     # back to the head of the queue in their admission (FIFO) order
