@@ -120,8 +120,8 @@ def cmd_replay(a: argparse.Namespace) -> int:
         if a.nats:
             out = asyncio.run(replay_external(sessions, a.nats.split(","), a.subject_prefix, a.redis, a.key_prefix))
         else:
-            spec = StackSpec(policy=pol, models=_models_of(sessions), servers=a.servers, server_profile=a.server_profile,
-                             time_scale=a.time_scale, log_dir=Path(a.log_dir) / pol.name,
+            spec = StackSpec(policy=pol, models=_models_of(sessions), servers=a.servers, routers=a.routers,
+                             server_profile=a.server_profile, time_scale=a.time_scale, log_dir=Path(a.log_dir) / pol.name,
                              switch_cost_scale=a.switch_cost_scale, prefill_speed_scale=a.prefill_speed_scale)
             out = asyncio.run(replay_embedded(sessions, pol, spec))
         outcomes.append(out)
@@ -166,7 +166,7 @@ def cmd_replay(a: argparse.Namespace) -> int:
 def cmd_up(a: argparse.Namespace) -> int:
     async def run() -> None:
         spec = StackSpec(policy=resolve_policy(a.policy), models=a.models.split(","), servers=a.servers,
-                         server_profile=a.server_profile, time_scale=a.time_scale, log_dir=Path(a.log_dir),
+                         routers=a.routers, server_profile=a.server_profile, time_scale=a.time_scale, log_dir=Path(a.log_dir),
                          nats_urls=a.nats.split(",") if a.nats else None, redis_url=a.redis,
                          subject_prefix=a.subject_prefix, key_prefix=a.key_prefix)
         stack = EmbeddedStack(spec)
@@ -226,6 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--key-prefix", default="talaria:")
     r.add_argument("--log-dir", default=str(default_log_dir()))
     r.add_argument("--max-lag-s", type=float, default=5.0, help="fail when a service's loop lag exceeds this many model seconds")
+    r.add_argument("--routers", type=int, default=1, help="router replicas in the embedded stack (default 1)")
     common(r)
     r.set_defaults(fn=cmd_replay)
 
@@ -239,6 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--key-prefix", default=None)
     u.add_argument("--log-dir", default=str(default_log_dir()))
     u.add_argument("--servers", type=int, default=1)
+    u.add_argument("--routers", type=int, default=1, help="router replicas (one queue group)")
     u.add_argument("--server-profile", default="h100x8")
     u.set_defaults(fn=cmd_up)
 

@@ -31,6 +31,7 @@ class StackSpec:
     policy: PolicyConfig
     models: list[str] = field(default_factory=lambda: list(DEFAULT_MODELS))
     servers: int = 1
+    routers: int = 1  # router replicas in one queue group (placements shared through Redis)
     server_profile: str = "h100x8"
     time_scale: float = 50.0
     log_dir: Path = Path(".talaria/logs")
@@ -108,7 +109,10 @@ class EmbeddedStack:
 
     def service_table(self) -> list[tuple[str, str, dict[str, str]]]:
         """(instance name, module, extra env) of every service process."""
-        out: list[tuple[str, str, dict[str, str]]] = [("router-0", "services.router", {"TALARIA_INSTANCE_ID": "0", **self._role("router")})]
+        out: list[tuple[str, str, dict[str, str]]] = [
+            (f"router-{i}", "services.router", {"TALARIA_INSTANCE_ID": str(i), **self._role("router")})
+            for i in range(max(1, self.spec.routers))
+        ]
         for sid in self.server_ids:
             out.append((f"admission-{sid}", "services.admission", {"TALARIA_SERVER_ID": sid, **self._role("admission")}))
             out.append((f"substrate-{sid}", "services.substrate", {"TALARIA_SERVER_ID": sid, **self._role("substrate")}))
