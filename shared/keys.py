@@ -11,6 +11,10 @@ from dataclasses import dataclass
 
 CALL_TTL_S = 6 * 3600       # dedupe and cached replies outlive any replay
 SESSION_TTL_S = 6 * 3600
+# one Redis Cluster hash tag for the keys that placement reads and writes together
+# (a router's compare-and-set, admission's mirror transaction): one slot, so the
+# multi-key script and transaction work on a cluster as on one node
+PLACEMENT_SLOT = "{placement}:"
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,8 +51,25 @@ class Keys:
         return f"{self.prefix}engine:{server_id}:{model}"
 
     def server(self, server_id: str) -> str:
-        """Hash: active model, staged model, queued, running, kv occupancy, reservations, live models."""
-        return f"{self.prefix}server:{server_id}"
+        """Hash: active model, staged model, queued, running, kv occupancy, reservations, live models.
+        Written by the server's admission in one transaction with `in_flight`."""
+        return f"{self.prefix}{PLACEMENT_SLOT}server:{server_id}"
+
+    def placements(self) -> str:
+        """String: a counter every router placement advances. A router writes a
+        placement only if the counter is still what its ranking read (a Lua
+        compare-and-set with the `in_flight` write), else it reads and ranks again,
+        so two replicas never place on the same stale snapshot."""
+        return f"{self.prefix}{PLACEMENT_SLOT}placements"
+
+    def in_flight(self, server_id: str) -> str:
+        """Hash: call id -> "model|prompt_tokens|placed_at" (wall seconds), every call
+        a router replica placed on the server and the server's mirror does not count
+        yet. The router writes it before it forwards the call; admission deletes it
+        in the transaction that writes the mirror counting the call (or the router,
+        when the server refuses it). Every router adds these to the mirror, so
+        calls placed by several replicas within the mirror's latency see each other."""
+        return f"{self.prefix}{PLACEMENT_SLOT}inflight:{server_id}"
 
     def reservation(self, session_id: str) -> str:
         """String "server|expires_at": the session's soft reservation. Made with

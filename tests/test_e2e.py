@@ -34,9 +34,10 @@ SEEDS = (1, 2)
 
 
 def replay(trace: Path, policy: str, time_scale: float, out: Path, log_dir: Path, *, wait: bool = True,
-           timeout: float = 180, servers: int = 1) -> subprocess.Popen[str] | subprocess.CompletedProcess[str]:
+           timeout: float = 180, servers: int = 1, routers: int = 1) -> subprocess.Popen[str] | subprocess.CompletedProcess[str]:
     argv = [sys.executable, "-m", "talaria.cli", "replay", str(trace), "--policy", policy,
-            "--time-scale", f"{time_scale:g}", "--out", str(out), "--log-dir", str(log_dir), "--servers", str(servers)]
+            "--time-scale", f"{time_scale:g}", "--out", str(out), "--log-dir", str(log_dir), "--servers", str(servers),
+            "--routers", str(routers)]
     if wait:
         return subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     return subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -178,11 +179,14 @@ def test_time_scale_does_not_change_the_answer(tmp_path: Path) -> None:
 
 
 # -- two servers: placement through the mirrors ------------------------------------------------------
-def test_two_servers_live_placement_matches_sim(tmp_path: Path) -> None:
+@pytest.mark.parametrize("routers", [1, 2])
+def test_two_servers_live_placement_matches_sim(tmp_path: Path, routers: int) -> None:
     """Two servers, three models: the router places every call from the admission
     services' Redis mirrors (residency, KV locality, pressure, round contention),
     both servers serve, each decision logs its candidates, and the live result
-    agrees with the simulator's two-server run."""
+    agrees with the simulator's two-server run; with two router replicas too
+    (one queue group: each places some calls, and each sees the other's
+    placements that the mirrors do not count yet)."""
     settings = msgspec.structs.replace(load_settings(ROOT / "traces" / "smoke-4.toml"), sessions=8, calls_total=40, servers=2)
     sessions = generate(settings, seed=3)
     path = tmp_path / "two-servers.jsonl"
@@ -191,11 +195,15 @@ def test_two_servers_live_placement_matches_sim(tmp_path: Path) -> None:
     # either order, and on 8 sessions one call placed differently moves the mean by up to
     # ~20% (measured at 10x with both cores loaded: 1 run in 21 off by 21%); at 5x the
     # same wall latency is half the model time
-    p = replay(path, "talaria", 5, tmp_path / "r.json", tmp_path / "logs", servers=2)
+    p = replay(path, "talaria", 5, tmp_path / "r.json", tmp_path / "logs", servers=2, routers=routers)
     assert p.returncode == 0, f"rc {p.returncode}\nstderr:\n{p.stderr[-3000:]}"
     run = json.loads((tmp_path / "r.json").read_text())["runs"][0]
     check_run(run, sessions)
-    placed = [d for d in read_log_events(tmp_path / "logs" / "talaria" / "router-0.log") if d.get("event") == "router.placed"]
+    by_router = [[d for d in read_log_events(tmp_path / "logs" / "talaria" / f"router-{i}.log")
+                  if d.get("event") == "router.placed"] for i in range(routers)]
+    assert all(by_router), [len(x) for x in by_router]  # the queue group spreads the calls over every replica
+    placed = [d for x in by_router for d in x]
+    assert len(placed) == len({d["call_id"] for d in placed})  # each call placed once, by one replica
     assert {d["call_id"] for d in placed} == {f"{x.session_id}#{i:03d}" for x in sessions for i in range(len(x.calls))}
     for d in placed:
         assert {c["server"] for c in d["candidates"]} == {"s0", "s1"}

@@ -618,7 +618,7 @@ def check_replies(m: Msg, got: list[bytes]) -> str | None:
 
 # -- the test --------------------------------------------------------------------------------------------
 # keys a service writes under its own name (server/engine/model), never named after a call or session
-SERVICE_OWN = ("lag:", "server:", "servers", "adm:", "engine:", "kvblocks:")
+SERVICE_OWN = ("lag:", "{placement}:", "servers", "adm:", "engine:", "kvblocks:")
 ID_KEYS = ("call:", "reply:", "session:", "kv:", "resv:")
 
 

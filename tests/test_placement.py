@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from services.router.placement import (
-    InFlightPlacements, ServerView, contention_of, pressure_of, rank, residency_of, with_in_flight,
+    InFlight, InFlightPlacements, ServerView, contention_of, pressure_of, rank, residency_of, with_in_flight,
 )
 import msgspec
 
@@ -180,23 +180,57 @@ def test_contention_can_outweigh_a_warm_prefix() -> None:
     assert rank(M, [home, alone], light)[0].server_id == "s0"
 
 
-def test_in_flight_placements_count_until_the_mirror_shows_them() -> None:
+def test_own_placements_count_until_the_shared_hash_is_seen_without_them() -> None:
     inf = InFlightPlacements(max_age=2.0)
-    a = inf.placed("s0", M, 1_000, arrivals=5, now=0.0)
-    b = inf.placed("s0", OTHER, 2_000, arrivals=5, now=0.001)  # the mirror has not moved yet
-    assert (a.shown_at_arrivals, b.shown_at_arrivals) == (6, 7)
-    assert inf.pending("s0", 5, now=0.002) == [a, b]
-    assert inf.pending("s0", 6, now=0.003) == [b]  # the server counted the first
-    assert inf.pending("s0", 7, now=0.004) == []
-    assert inf.pending("s1", 0, now=0.0) == []
+    a, b = InFlight("c1", M, 1_000, 0.0), InFlight("c2", OTHER, 2_000, 0.001)
+    read = inf.begin_read()  # a snapshot fetched before either write landed
+    inf.placed("s0", a)
+    inf.placed("s0", b)
+    assert inf.pending("s0", {}, read, now=0.002) == [a, b]  # known here before Redis has them
+    inf.written("c1")
+    inf.written("c2")
+    read = inf.begin_read()
+    assert inf.pending("s0", {"c2": b}, read, now=0.003) == [b]  # c1 gone from the hash: the mirror counts it
+    read = inf.begin_read()
+    assert inf.pending("s0", {}, read, now=0.004) == []
+    assert inf.pending("s1", {}, read, now=0.0) == []
+
+
+def test_a_read_that_began_before_the_write_landed_does_not_drop_the_placement() -> None:
+    inf = InFlightPlacements(max_age=2.0)
+    early = inf.begin_read()
+    a = InFlight("c1", M, 1_000, 0.0)
+    inf.placed("s0", a)
+    inf.written("c1")
+    # that snapshot could not hold it: absent there says nothing about the mirror
+    assert inf.pending("s0", {}, early, now=0.001) == [a]
+    assert inf.pending("s0", {"c1": a}, inf.begin_read(), now=0.002) == [a]
+
+
+def test_other_replicas_placements_count_from_the_shared_hash_until_they_age_out() -> None:
+    inf = InFlightPlacements(max_age=2.0)
+    theirs = {"x1": InFlight("x1", M, 700, 10.0), "x2": InFlight("x2", OTHER, 800, 7.0)}
+    read = inf.begin_read()
+    # x2 is older than max_age (its router died between write and forward): ignored
+    assert inf.pending("s0", theirs, read, now=10.5) == [theirs["x1"]]
+    # an own placement the hash never drops (e.g. the admission restarted) goes after max_age
+    c = InFlight("c9", M, 500, 20.0)
+    inf.placed("s0", c)
+    inf.written("c9")
+    assert inf.pending("s0", {"c9": c}, inf.begin_read(), now=21.0) == [c]
+    assert inf.pending("s0", {"c9": c}, inf.begin_read(), now=22.5) == []
     # refused or unanswered: it never shows
-    c = inf.placed("s1", M, 500, arrivals=0, now=1.0)
-    inf.unplaced("s1", c)
-    assert inf.pending("s1", 0, now=1.0) == []
-    # the mirror never catches up (e.g. the admission restarted and counts from 0): forgotten after max_age
-    d = inf.placed("s0", M, 500, arrivals=7, now=10.0)
-    assert inf.pending("s0", 0, now=11.0) == [d]
-    assert inf.pending("s0", 0, now=12.5) == []
+    d = InFlight("c10", M, 500, 30.0)
+    inf.placed("s1", d)
+    inf.unplaced("s1", "c10")
+    assert inf.pending("s1", {}, inf.begin_read(), now=30.0) == []
+
+
+def test_in_flight_values_round_trip_and_unreadable_ones_are_ignored() -> None:
+    a = InFlight("s-1#003", M, 12_345, 1_700_000_000.25)
+    assert InFlight.decode(a.call_id, a.encode()) == a
+    assert InFlight.decode("x", "garbage") is None
+    assert InFlight.decode("x", "m|notanint|1.0") is None
 
 
 def test_two_calls_closer_than_the_mirror_do_not_both_take_the_idle_server() -> None:
@@ -207,8 +241,9 @@ def test_two_calls_closer_than_the_mirror_do_not_both_take_the_idle_server() -> 
     first = rank(M, [idle, busy], TALARIA)[0].server_id
     assert first == "s0"
     inf = InFlightPlacements(max_age=2.0)
-    inf.placed("s0", M, 1_000, arrivals=0, now=0.0)
-    seen = with_in_flight(idle, inf.pending("s0", 0, now=0.001))
+    read = inf.begin_read()
+    inf.placed("s0", InFlight("c1", M, 1_000, 0.0))
+    seen = with_in_flight(idle, inf.pending("s0", {}, read, now=0.001))
     assert (seen.queued_calls, seen.live_models, seen.load_tokens) == (1, frozenset({M}), 1_000)
     # the next call of M joins its own model there; a call of OTHER goes where OTHER is live, not
     # to the server that now also has M's work

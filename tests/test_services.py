@@ -24,6 +24,9 @@ import redis.asyncio as aioredis
 from nats.aio.client import Client as NATS
 
 from polling import until
+from services.router.placement import InFlight
+from services.router.service import PLACE_SCRIPT
+from shared.keys import Keys
 from shared.logs import read_log_events
 from shared.schema import (
     MAX_MESSAGE_BYTES, ApiError, CallAccepted, CallQueued, CallReply, CallRunning, api_reply_decoder,
@@ -318,6 +321,36 @@ def bad_inputs(s: Subjects, model: str) -> dict[str, list[bytes]]:
         s.substrate_switch(SERVER): substrate, s.substrate_stage(SERVER): substrate,
         s.engine_run(SERVER, model): run, s.engine_control(SERVER, model): control,
     }
+
+
+async def test_router_replicas_never_place_on_the_same_snapshot(redis_client: aioredis.Redis) -> None:
+    """The placement compare-and-set (docs/deploy.md, several routers): two
+    replicas that ranked on the same snapshot race to record their placements;
+    one lands, the other reads again and then sees the first in flight."""
+    keys = Keys(f"tpl{uuid.uuid4().hex[:6]}:")
+    place = redis_client.register_script(PLACE_SCRIPT)
+    first, second = InFlight("c1", MODEL_A, 1_000, time.time()), InFlight("c2", MODEL_A, 2_000, time.time())
+
+    async def land(call: InFlight, seq: str) -> int:
+        return int(await place(keys=[keys.placements(), keys.in_flight(SERVER)], args=[seq, call.call_id, call.encode(), 60]))
+
+    seq = (await redis_client.get(keys.placements()) or b"0").decode()
+    assert sorted(await asyncio.gather(land(first, seq), land(second, seq))) == [0, 1]
+    held = await redis_client.hgetall(keys.in_flight(SERVER))
+    assert len(held) == 1
+    winner = InFlight.decode(*(x.decode() for x in next(iter(held.items()))))
+    assert winner is not None and winner.call_id in ("c1", "c2")
+    loser = second if winner.call_id == first.call_id else first
+    # the loser's next snapshot holds the winner, and with its sequence it lands
+    seq = (await redis_client.get(keys.placements())).decode()
+    assert seq == "1" and await land(loser, seq) == 1
+    assert {k.decode() for k in await redis_client.hgetall(keys.in_flight(SERVER))} == {"c1", "c2"}
+    # a stale sequence never lands; '' (a fallback candidate, or the last attempt) always does
+    third = InFlight("c3", MODEL_B, 10, time.time())
+    assert await land(third, "1") == 0
+    assert await land(third, "") == 1
+    assert (await redis_client.get(keys.placements())) == b"3"
+    assert await redis_client.ttl(keys.in_flight(SERVER)) > 0
 
 
 async def test_bad_input_gets_typed_error_and_never_crashes(stack: Services, nc: NATS) -> None:
@@ -664,8 +697,6 @@ async def svc_has_running(c: TalariaClient, svc: "Services") -> bool:
 async def svc_redis_hash(svc: "Services") -> dict[bytes, bytes]:
     r = aioredis.Redis.from_url(svc.redis_url)
     try:
-        from shared.keys import Keys
-
         return await r.hgetall(Keys(svc.key_prefix).server(SERVER))
     finally:
         await r.aclose()
@@ -688,7 +719,7 @@ async def test_redis_loss_mid_session_is_survived(nats_server: NatsServer, redis
             assert r1.output_tokens == 40 and r2.output_tokens == 20
             # the server's mirror is back (rebuilt from the admission service's own state)
             deadline = time.monotonic() + 5
-            while not await r.exists(f"{key_prefix}server:{SERVER}"):
+            while not await r.exists(Keys(key_prefix).server(SERVER)):
                 assert time.monotonic() < deadline
                 await asyncio.sleep(0.05)
             await r.aclose()

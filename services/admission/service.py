@@ -42,7 +42,7 @@ class AdmissionService(ServiceProcess):
         specs = {m: self.catalog.model(m) for m in sorted(s.models)}
         self.scheduler = sch.RoundScheduler(s.server_id, specs, cost, s.policy)
         self.payloads: dict[str, SubmitCall] = {}
-        self.arrivals = 0  # submissions stepped, mirrored for the routers' in-flight bookkeeping
+        self.newly_counted: set[str] = set()  # calls stepped since the last mirror write: their in-flight entries go with it
         self.wakeup = asyncio.Event()
         self.dirty = asyncio.Event()
         self.persist_dirty = asyncio.Event()
@@ -233,7 +233,7 @@ class AdmissionService(ServiceProcess):
                 await self.nc.publish(msg.reply, encode(Submitted(call_id=c.call_id, server_id=self.settings.server_id)))
             call = self._admission_call(sub)
             self.log.info("admission.queued", model=c.model, at=round(self.clock.now(), 3))
-            self.arrivals += 1
+            self.newly_counted.add(c.call_id)
             await self.step(sch.Arrive(call), at=call.arrived_at)
 
     async def on_finished(self, msg: Msg) -> None:
@@ -406,8 +406,12 @@ class AdmissionService(ServiceProcess):
             self.dirty.clear()
             sc = self.scheduler
             cap = sc.kv_capacity or 1
+            counted = list(self.newly_counted)
             try:
-                await self.redis.hset(key, mapping={
+                # one transaction: a router that reads the in-flight hash and then the
+                # mirror sees each of these calls in one of them at least
+                pipe = self.redis.pipeline(transaction=True)
+                pipe.hset(key, mapping={
                     "active": sc.active or "",
                     "phase": sc.phase,
                     "queued": sc.queued(),
@@ -416,7 +420,6 @@ class AdmissionService(ServiceProcess):
                     "load_tokens": sc.load_tokens(),
                     "reservations": len(sc.reservations),
                     "live_models": ",".join(sorted(sc.live_models())),
-                    "arrivals": self.arrivals,  # submissions stepped so far: routers match their in-flight calls to it
                     "models": ",".join(sc.models),
                     # counters for reports (the replay sums them over servers)
                     "stat_switches": sc.stats.switches,
@@ -429,6 +432,10 @@ class AdmissionService(ServiceProcess):
                     "stat_reservations_expired": sc.stats.reservations_expired,
                     "stat_reserved_idle_s": f"{sc.stats.reserved_idle_s:.3f}",
                 })
+                if counted:
+                    pipe.hdel(self.keys.in_flight(self.settings.server_id), *counted)
+                await pipe.execute()
+                self.newly_counted.difference_update(counted)
             except Exception as exc:
                 self.log.warning("admission.mirror_failed", error=str(exc))
             # coalesce bursts, but keep the router's view fresh: a wall millisecond is

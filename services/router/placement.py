@@ -57,45 +57,76 @@ class Candidate:
 
 @dataclass(frozen=True, slots=True)
 class InFlight:
-    """A call this router placed on a server whose mirror may not show it yet."""
+    """A call a router placed on a server whose mirror may not count it yet."""
 
+    call_id: str
     model: str
     prompt_tokens: int
-    shown_at_arrivals: int  # the server's mirrored arrival count that includes it
-    placed_at: float  # the router's clock
+    placed_at: float  # wall seconds (time.time()) of the router that placed it
+
+    def encode(self) -> str:
+        """The value in the server's shared in-flight hash (keys.in_flight)."""
+        return f"{self.model}|{self.prompt_tokens}|{self.placed_at:.6f}"
+
+    @classmethod
+    def decode(cls, call_id: str, value: str) -> InFlight | None:
+        """None for a value this version cannot read (it is then ignored, not fatal)."""
+        try:
+            model, tokens, at = value.split("|")
+            return cls(call_id, model, int(tokens), float(at))
+        except ValueError:
+            return None
 
 
 @dataclass
 class InFlightPlacements:
-    """A router's own recent placements, per server, until the server's mirror
-    shows them. Admission mirrors how many submissions it has stepped
-    (`arrivals`); a placement made while the mirror said n, after k others still
-    pending there, is shown once it says n + k + 1. Placements by other router
-    replicas advance the count too, so under several routers one may drop out
-    early: the overlay corrects the mirror's latency, the mirror stays the
-    truth. Entries older than `max_age` go (e.g. the admission restarted and
-    counts from 0 again)."""
+    """The calls placed on each server that its mirror does not count yet.
+
+    Two sources: what every router replica wrote to the server's shared
+    in-flight hash (admission deletes an entry in the same transaction as the
+    mirror write that counts the call), and this router's own placements,
+    which it knows before its write of them has reached Redis. An own placement
+    is dropped once a read that began after its write finds it gone from the
+    hash: the mirror counts it. Entries older than `max_age` go either way (a
+    router that died between its write and its forward, an admission that
+    restarted). The reader fetches the hash before the mirror, so a call is
+    counted twice for a moment at worst, never missed."""
 
     max_age: float
-    by_server: dict[str, list[InFlight]] = dataclasses.field(default_factory=dict)
+    own: dict[str, dict[str, InFlight]] = dataclasses.field(default_factory=dict)
+    written_at_read: dict[str, int] = dataclasses.field(default_factory=dict)  # call id -> reads begun when its write landed
+    reads: int = 0
 
-    def pending(self, server_id: str, arrivals: int, now: float) -> list[InFlight]:
-        live = [c for c in self.by_server.get(server_id, ())
-                if c.shown_at_arrivals > arrivals and now - c.placed_at < self.max_age]
-        self.by_server[server_id] = live
-        return live
+    def begin_read(self) -> int:
+        """A snapshot of the shared hashes is about to be fetched: its number."""
+        self.reads += 1
+        return self.reads
 
-    def placed(self, server_id: str, model: str, prompt_tokens: int, arrivals: int, now: float) -> InFlight:
-        mine = self.by_server.setdefault(server_id, [])
-        call = InFlight(model, prompt_tokens, max([arrivals] + [c.shown_at_arrivals for c in mine]) + 1, now)
-        mine.append(call)
-        return call
+    def placed(self, server_id: str, call: InFlight) -> None:
+        self.own.setdefault(server_id, {})[call.call_id] = call
 
-    def unplaced(self, server_id: str, call: InFlight) -> None:
+    def written(self, call_id: str) -> None:
+        """Its entry is in the shared hash: every read begun from now on sees it or its deletion."""
+        self.written_at_read[call_id] = self.reads
+
+    def unplaced(self, server_id: str, call_id: str) -> None:
         """The server refused it, or did not answer: it will never show."""
-        mine = self.by_server.get(server_id, [])
-        if call in mine:
-            mine.remove(call)
+        self.own.get(server_id, {}).pop(call_id, None)
+        self.written_at_read.pop(call_id, None)
+
+    def pending(self, server_id: str, shared: dict[str, InFlight], read: int, now: float) -> list[InFlight]:
+        """The server's uncounted calls, given the shared hash as read by snapshot `read`."""
+        out = {cid: c for cid, c in shared.items() if now - c.placed_at < self.max_age}
+        mine = self.own.get(server_id, {})
+        for cid, c in list(mine.items()):
+            landed = self.written_at_read.get(cid)
+            counted = landed is not None and read > landed and cid not in shared
+            if counted or now - c.placed_at >= self.max_age:
+                del mine[cid]
+                self.written_at_read.pop(cid, None)
+                continue
+            out.setdefault(cid, c)
+        return list(out.values())
 
 
 def with_in_flight(view: ServerView, calls: list[InFlight]) -> ServerView:

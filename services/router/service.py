@@ -2,15 +2,18 @@
 a moment's memory of its own placements, which a restart may lose at no cost).
 
 Validates each request (typed errors for anything wrong), deduplicates call
-ids, reads the session and the servers' state from Redis, adds the calls it
-placed that a server's mirror does not show yet, ranks placements with the
-pure `placement.rank`, logs the candidates and scores on one line, and
-forwards the call to the chosen server's admission.
+ids, reads the session and the servers' state from Redis, adds the calls that
+any router replica placed and a server's mirror does not count yet (the
+server's shared in-flight hash, and this router's own placements until that
+hash holds them), ranks placements with the pure `placement.rank`, logs the
+candidates and scores on one line, records the placement in the shared hash
+and forwards the call to the chosen server's admission.
 """
 
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import msgspec
 import structlog
@@ -18,7 +21,7 @@ from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 
-from services.router.placement import InFlightPlacements, ServerView, rank, with_in_flight
+from services.router.placement import InFlight, InFlightPlacements, ServerView, rank, with_in_flight
 from shared.bus import ServiceProcess, run_service, trace_headers
 from shared.keys import CALL_TTL_S, SESSION_TTL_S
 from shared.schema import (
@@ -30,7 +33,15 @@ from shared.schema import (
 SUBMIT_TIMEOUT_WALL_S = 5.0
 NO_CAPACITY_RETRY_AFTER_S = 1.0  # wall seconds an agent should wait before asking again
 HISTORY = 16  # gaps and outputs the decisions may look back on
-IN_FLIGHT_MAX_WALL_S = 2.0  # forget an in-flight placement the mirror never showed (e.g. admission restarted)
+PLACEMENT_ATTEMPTS = 4  # snapshots a placement may take when other replicas keep placing; the last one lands anyway
+# KEYS: the placement sequence, the chosen server's in-flight hash; ARGV: the sequence
+# the ranking read ('' = unconditionally), call id, InFlight value, TTL. Writes the
+# placement only if no replica placed a call since that read; every write advances it.
+PLACE_SCRIPT = (
+    "if ARGV[1] ~= '' and (redis.call('GET', KEYS[1]) or '0') ~= ARGV[1] then return 0 end "
+    "redis.call('INCR', KEYS[1]) redis.call('HSET', KEYS[2], ARGV[2], ARGV[3]) "
+    "redis.call('EXPIRE', KEYS[2], ARGV[4]) return 1")
+IN_FLIGHT_MAX_WALL_S = 2.0  # forget an in-flight placement the mirror never counted (e.g. admission restarted)
 
 
 class Router(ServiceProcess):
@@ -45,8 +56,9 @@ class Router(ServiceProcess):
 
     async def setup(self) -> None:
         self.served = set(self.settings.models)
-        # calls this router placed that a server's mirror may not show yet, per server
+        # calls placed on each server that its mirror may not count yet (shared and own)
         self.in_flight = InFlightPlacements(max_age=IN_FLIGHT_MAX_WALL_S)
+        self._place_script = self.redis.register_script(PLACE_SCRIPT)
         for subject in (self.subjects.api_call, self.subjects.api_session_open, self.subjects.api_session_end, self.subjects.api_info):
             await self.nc.subscribe(subject, queue="router", cb=self.guarded_handler(self.on_api, "api"))
 
@@ -164,33 +176,29 @@ class Router(ServiceProcess):
         pipe.expire(self.keys.session_gaps(req.session_id), SESSION_TTL_S)
         # every server's mirrored state in the same round trip: fewer hops, less
         # wall latency, which a scaled clock multiplies
-        n = len(self.settings.servers)
-        for server_id in self.settings.servers:
-            pipe.hgetall(self.keys.server(server_id))
+        n = self._queue_server_reads(pipe)
+        read = self.in_flight.begin_read()
         results = await pipe.execute()
-        server_hashes = results[len(results) - n:]
+        server_raw = results[len(results) - n:]
         results = results[: len(results) - n]
         gaps_raw, outputs_raw, kv_raw, resv_raw = results[-5], results[-4], results[-3], results[-2]
         reserved_on = resv_raw.decode().split("|", 1)[0] if resv_raw else None
         kv = {k.decode(): v.decode() for k, v in kv_raw.items()}
-        views = []
-        arrivals: dict[str, int] = {}
-        for server_id, h in zip(self.settings.servers, server_hashes):
-            g = {k.decode(): v.decode() for k, v in h.items()}
-            arrivals[server_id] = int(g.get("arrivals", 0))
-            models = frozenset(filter(None, g.get("models", ",".join(self.settings.models)).split(",")))
-            views.append(with_in_flight(ServerView(
-                server_id=server_id, models=models, active_model=g.get("active") or None,
-                staged_model=g.get("staged") or None, queued_calls=int(g.get("queued", 0)),
-                running_calls=int(g.get("running", 0)), kv_occupancy=float(g.get("kv_occupancy", 0.0)),
-                reservations_for_others=int(g.get("reservations", 0)) - (reserved_on == server_id),
-                session_kv=kv.get(server_id, "none"), session_reserved=reserved_on == server_id,  # type: ignore[arg-type]
-                load_tokens=int(g.get("load_tokens", 0)),
-                live_models=frozenset(filter(None, g.get("live_models", "").split(","))),
-            ), self.in_flight.pending(server_id, arrivals[server_id], time.monotonic())))
-        ranked = rank(req.model, views, self.settings.policy, session_id=req.session_id, call_id=req.call_id,
-                      prompt_tokens=req.prompt_tokens, prefix_tokens=req.prefix_tokens)
-        self.log.info("router.placed", model=req.model, at=round(now, 3),
+        seq, views = self._server_views(server_raw, read, kv, reserved_on)
+        # optimistic concurrency between router replicas: the placement lands only if
+        # no replica placed a call since this snapshot; else read again and rank again
+        placement = InFlight(req.call_id, req.model, req.prompt_tokens, time.time())
+        for attempt in range(1, PLACEMENT_ATTEMPTS + 1):
+            ranked = rank(req.model, views, self.settings.policy, session_id=req.session_id, call_id=req.call_id,
+                          prompt_tokens=req.prompt_tokens, prefix_tokens=req.prefix_tokens)
+            if not ranked or await self.mark_in_flight(ranked[0].server_id, placement,
+                                                       expect_seq=seq if attempt < PLACEMENT_ATTEMPTS else None):
+                break
+            pipe = self.redis.pipeline(transaction=False)
+            n = self._queue_server_reads(pipe)
+            read = self.in_flight.begin_read()
+            seq, views = self._server_views(await pipe.execute(), read, kv, reserved_on)
+        self.log.info("router.placed", model=req.model, at=round(now, 3), attempts=attempt,
                       candidates=[{"server": c.server_id, "score": round(c.score, 3), "residency": c.residency,
                                    "kv": c.kv, "pressure": round(c.pressure, 2), "contention": c.contention}
                                   for c in ranked])
@@ -203,19 +211,19 @@ class Router(ServiceProcess):
         )
         sub = SubmitCall(call=call, reply_to=reply_to, sim_output_tokens=req.sim_output_tokens,
                          prompt_text=req.prompt_text, prompt_token_ids=req.prompt_token_ids)
-        for cand in ranked:
-            pending = self.in_flight.placed(cand.server_id, req.model, req.prompt_tokens, arrivals.get(cand.server_id, 0),
-                                            time.monotonic())
+        for i, cand in enumerate(ranked):
+            if i > 0:  # the first choice did not take it: the next one counts it now
+                await self.mark_in_flight(cand.server_id, placement)
             try:
                 resp = await self.nc.request(self.subjects.admission_submit(cand.server_id), encode(sub),
                                              timeout=SUBMIT_TIMEOUT_WALL_S, headers=trace_headers(req.session_id, req.call_id))
             except (NoRespondersError, NatsTimeout) as exc:
-                self.in_flight.unplaced(cand.server_id, pending)
+                await self.unmark_in_flight(cand.server_id, req.call_id)
                 self.log.warning("router.admission_unavailable", server_id=cand.server_id, error=type(exc).__name__)
                 continue
             out = submit_reply_decoder.decode(resp.data)
             if isinstance(out, ApiError):
-                self.in_flight.unplaced(cand.server_id, pending)
+                await self.unmark_in_flight(cand.server_id, req.call_id)
                 # e.g. no_capacity: that server's queue is at its bound (TALARIA_MAX_QUEUED) and this is a
                 # new session's first call; admission decides on its own exact count, not a mirrored one
                 self.log.warning("router.admission_refused", server_id=cand.server_id, reason=out.message, code=out.code)
@@ -227,6 +235,68 @@ class Router(ServiceProcess):
         if new_session:
             await self.redis.hincrby(skey, "calls", -1)  # so the retry is the session's first call again
         await self.reply_error(reply_to, "no_capacity", f"no server could take a {req.model} call now", req.call_id, retry_after_s=NO_CAPACITY_RETRY_AFTER_S)
+
+
+    def _queue_server_reads(self, pipe: Any) -> int:
+        """Queue the reads of a servers snapshot; returns how many results they add.
+        Each server's in-flight hash comes before its mirror: a call admission moves
+        from one to the other between the two reads is counted twice, never missed."""
+        pipe.get(self.keys.placements())
+        for server_id in self.settings.servers:
+            pipe.hgetall(self.keys.in_flight(server_id))
+            pipe.hgetall(self.keys.server(server_id))
+        return 1 + 2 * len(self.settings.servers)
+
+    def _server_views(self, raw: list[Any], read: int, kv: dict[str, str],
+                      reserved_on: str | None) -> tuple[str, list[ServerView]]:
+        """The placement sequence and every server's view, uncounted placements included."""
+        seq = raw[0].decode() if raw[0] is not None else "0"
+        views = []
+        wall = time.time()
+        for i, server_id in enumerate(self.settings.servers):
+            fh, h = raw[1 + 2 * i], raw[2 + 2 * i]
+            g = {k.decode(): v.decode() for k, v in h.items()}
+            shared = {c.call_id: c for k, v in fh.items() if (c := InFlight.decode(k.decode(), v.decode())) is not None}
+            stale = [k for k in fh if k.decode() not in shared or wall - shared[k.decode()].placed_at >= IN_FLIGHT_MAX_WALL_S]
+            if stale:  # a replica that died between its write and its forward, an admission that restarted
+                self.spawn(self.redis.hdel(self.keys.in_flight(server_id), *stale), "in-flight-prune")
+            models = frozenset(filter(None, g.get("models", ",".join(self.settings.models)).split(",")))
+            views.append(with_in_flight(ServerView(
+                server_id=server_id, models=models, active_model=g.get("active") or None,
+                staged_model=g.get("staged") or None, queued_calls=int(g.get("queued", 0)),
+                running_calls=int(g.get("running", 0)), kv_occupancy=float(g.get("kv_occupancy", 0.0)),
+                reservations_for_others=int(g.get("reservations", 0)) - (reserved_on == server_id),
+                session_kv=kv.get(server_id, "none"), session_reserved=reserved_on == server_id,  # type: ignore[arg-type]
+                load_tokens=int(g.get("load_tokens", 0)),
+                live_models=frozenset(filter(None, g.get("live_models", "").split(","))),
+            ), self.in_flight.pending(server_id, shared, read, wall)))
+        return seq, views
+
+    async def mark_in_flight(self, server_id: str, call: InFlight, expect_seq: str | None = None) -> bool:
+        """Count the call on the server, for this router at once and, before it is
+        forwarded (so admission's deletion always comes after), for every replica.
+        With `expect_seq`, only if no replica placed a call since the snapshot that
+        read that sequence (False: read again). Redis down: counted here only."""
+        try:
+            landed = await self._place_script(keys=[self.keys.placements(), self.keys.in_flight(server_id)],
+                                              args=[expect_seq or "", call.call_id, call.encode(), CALL_TTL_S])
+        except Exception as exc:  # the other replicas miss it for a moment; this one still counts it
+            self.log.warning("router.in_flight_write_failed", server_id=server_id, error=str(exc))
+            self.in_flight.placed(server_id, call)
+            return True
+        if not landed:
+            return False
+        self.in_flight.placed(server_id, call)
+        self.in_flight.written(call.call_id)
+        return True
+
+    async def unmark_in_flight(self, server_id: str, call_id: str) -> None:
+        """The server did not take it: it will never be counted there."""
+        self.in_flight.unplaced(server_id, call_id)
+        try:
+            await self.redis.hdel(self.keys.in_flight(server_id), call_id)
+        except Exception as exc:  # the entry ages out (IN_FLIGHT_MAX_WALL_S)
+            self.log.warning("router.in_flight_clear_failed", server_id=server_id, error=str(exc))
 
 
 def main() -> None:
