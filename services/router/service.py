@@ -236,7 +236,6 @@ class Router(ServiceProcess):
             await self.redis.hincrby(skey, "calls", -1)  # so the retry is the session's first call again
         await self.reply_error(reply_to, "no_capacity", f"no server could take a {req.model} call now", req.call_id, retry_after_s=NO_CAPACITY_RETRY_AFTER_S)
 
-
     def _queue_server_reads(self, pipe: Any) -> int:
         """Queue the reads of a servers snapshot; returns how many results they add.
         Each server's in-flight hash comes before its mirror: a call admission moves
