@@ -255,8 +255,9 @@ class Router(ServiceProcess):
         for i, server_id in enumerate(self.settings.servers):
             fh, h = raw[1 + 2 * i], raw[2 + 2 * i]
             g = {k.decode(): v.decode() for k, v in h.items()}
-            shared = {c.call_id: c for k, v in fh.items() if (c := InFlight.decode(k.decode(), v.decode())) is not None}
-            stale = [k for k in fh if k.decode() not in shared or wall - shared[k.decode()].placed_at >= IN_FLIGHT_MAX_WALL_S]
+            entries = {k.decode(): v.decode() for k, v in fh.items()}
+            shared = {cid: c for cid, v in entries.items() if (c := InFlight.decode(cid, v)) is not None}
+            stale = [cid for cid in entries if cid not in shared or wall - shared[cid].placed_at >= IN_FLIGHT_MAX_WALL_S]
             if stale:  # a replica that died between its write and its forward, an admission that restarted
                 self.spawn(self.redis.hdel(self.keys.in_flight(server_id), *stale), "in-flight-prune")
             models = frozenset(filter(None, g.get("models", ",".join(self.settings.models)).split(",")))
