@@ -21,6 +21,17 @@ if TYPE_CHECKING:
     from talaria.replay import ReplayOutcome
 
 
+def _seconds(text: str) -> float:
+    """An argparse type: a finite number of seconds, zero or more."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not (v >= 0 and v < float("inf")):
+        raise argparse.ArgumentTypeError(f"must be zero or more seconds, got {text}")
+    return v
+
+
 def _fail(msg: str, code: int = 2) -> int:
     print(f"talaria: error: {msg}", file=sys.stderr)
     return code
@@ -86,7 +97,7 @@ def cmd_sim(a: argparse.Namespace) -> int:
     for pol in _policies(policy_arg):
         r = simulate(sessions, catalog, pol, servers=a.servers, server_profile=a.server_profile,
                      switch_cost_scale=a.switch_cost_scale, prefill_speed_scale=a.prefill_speed_scale,
-                     check_invariants=a.check)
+                     call_latency_s=a.call_latency, check_invariants=a.check)
         total_wall += r.wall_s
         run = sim_summary(pol.name, sessions, r, oracle)
         runs.append(run)
@@ -211,6 +222,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--out", help="write results JSON here")
     s.add_argument("--check", action="store_true", help="check memory and KV bounds at every event")
     s.add_argument("--plots", help="write PNG figures (SCT distribution, slowest-session timelines) into this folder")
+    s.add_argument("--call-latency", type=_seconds, default=0.0, metavar="S",
+                   help="sensitivity: model seconds between a reply and the session's next call reaching admission, "
+                        "beyond the tool gap (the control plane's hops; a live replay at --time-scale 50 measures "
+                        "about 0.1-0.2 here, docs/results.md); default 0")
     common(s)
     s.set_defaults(fn=cmd_sim)
 

@@ -74,9 +74,15 @@ class Simulator:
         max_tokens: int = DEFAULT_MAX_TOKENS,
         switch_cost_scale: float = 1.0,
         prefill_speed_scale: float = 1.0,
+        call_latency_s: float = 0.0,
         check_invariants: bool = False,
     ) -> None:
+        if call_latency_s < 0:
+            raise ValueError(f"call_latency_s must be >= 0, got {call_latency_s}")
         self.catalog = catalog
+        # model seconds between a reply and the session's next call reaching
+        # admission, beyond the tool gap: the live control plane's hops
+        self.call_latency_s = call_latency_s
         self.policy = policy
         self.check = check_invariants
         profile = catalog.server(server_profile)
@@ -330,7 +336,7 @@ class Simulator:
                 self._admission_step(srv, sch.SessionEnded(session_id))
                 srv.ledger.forget_session(session_id)
             return
-        self._push(at + pc.tool_s, "issue", (session_id,))
+        self._push(at + pc.tool_s + self.call_latency_s, "issue", (session_id,))
 
 
 def simulate(sessions: list[TraceSession], catalog: Catalog, policy: PolicyConfig, **kw: object) -> SimResult:

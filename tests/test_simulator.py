@@ -235,3 +235,27 @@ def test_simresult_shape() -> None:
     res = simulate(generate(SMOKE, seed=1), CAT, PRESETS["baseline"])
     assert isinstance(res, SimResult) and res.policy == "baseline"
     assert res.records == sorted(res.records, key=lambda r: (r.session_id, r.index))
+
+
+def test_call_latency_delays_each_return_by_exactly_that() -> None:
+    """`call_latency_s` (talaria sim --call-latency) models the control plane's
+    hops between a reply and the next call: a session alone on its server is
+    longer by exactly the latency once per return, and nothing else moves."""
+    session = generate(SMOKE, seed=2)[0]
+    alone = [msgspec.structs.replace(session, arrival_s=0.0)]
+    base = simulate(alone, CAT, PRESETS["talaria"])
+    late = simulate(alone, CAT, PRESETS["talaria"], call_latency_s=0.25)
+    returns = len(session.calls) - 1
+    assert late.sct[session.session_id] == pytest.approx(base.sct[session.session_id] + 0.25 * returns, abs=1e-6)
+    with pytest.raises(ValueError, match="call_latency_s"):
+        Simulator(alone, CAT, PRESETS["talaria"], call_latency_s=-0.1)
+
+
+@pytest.mark.parametrize("value", ["-1", "nan", "inf", "soon"])
+def test_cli_refuses_a_bad_call_latency(value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from talaria.cli import build_parser
+
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(["sim", "traces/swebench-30.jsonl", f"--call-latency={value}"])
+    assert exc.value.code == 2
+    assert "--call-latency" in capsys.readouterr().err
