@@ -49,14 +49,15 @@ class TraceSession(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
 
 
 class TraceError(ValueError):
-    """A trace line failed to parse; `line` is 1-based, `field` a path like `calls[2].output_tokens`."""
+    """A trace failed to load: `line` is 1-based (0: the file as a whole, e.g.
+    it cannot be read), `field` a path like `calls[2].output_tokens`."""
 
     def __init__(self, source: str, line: int, field: str, problem: str) -> None:
         self.source = source
         self.line = line
         self.field = field
         self.problem = problem
-        where = f"{source} line {line}" + (f", field {field}" if field else "")
+        where = source + (f" line {line}" if line else "") + (f", field {field}" if field else "")
         super().__init__(f"{where}: {problem}")
 
 
@@ -175,7 +176,12 @@ def parse_trace(
 
 def load_trace(path: str | Path, known_models: Iterable[str] | None = None) -> list[TraceSession]:
     p = Path(path)
-    return parse_trace(p.read_text(encoding="utf-8"), source=str(p), known_models=known_models)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise TraceError(str(p), 0, "", f"cannot read the trace: {reason}") from None
+    return parse_trace(text, source=str(p), known_models=known_models)
 
 
 _encoder = msgspec.json.Encoder()

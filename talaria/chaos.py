@@ -36,6 +36,7 @@ from shared.clock import ScaledClock
 from shared.logs import read_log_events
 from shared.policy import resolve_policy
 from shared.trace import TraceSession, load_trace
+from talaria.argtypes import positive_float, positive_int
 from talaria.client import TalariaClient
 from talaria.replay import ReplayOutcome, drive, write_json
 from talaria.stack import EmbeddedStack, StackSpec, default_log_dir
@@ -257,10 +258,10 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="write the figures as JSON")
     p.add_argument("--policy", default="talaria")
-    p.add_argument("--time-scale", type=float, default=50.0)
-    p.add_argument("--nats-nodes", type=int, default=3)
-    p.add_argument("--rounds", type=int, default=1, help="how many times each fault kind is injected")
-    p.add_argument("--silence-s", type=float, default=5.0, help="the agents' silence before a retry (wall s)")
+    p.add_argument("--time-scale", type=positive_float, default=50.0)
+    p.add_argument("--nats-nodes", type=positive_int, default=3)
+    p.add_argument("--rounds", type=positive_int, default=1, help="how many times each fault kind is injected")
+    p.add_argument("--silence-s", type=positive_float, default=5.0, help="the agents' silence before a retry (wall s)")
     p.add_argument("--log-dir", default=str(default_log_dir()))
     p.set_defaults(fn=run)
 

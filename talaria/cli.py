@@ -14,22 +14,12 @@ from shared.catalog import CatalogError, load_catalog
 from shared.policy import PRESETS, PolicyError, resolve_policy
 from shared.trace import TraceError, TraceSession, load_trace
 from talaria import generate as gen
+from talaria.argtypes import positive_float, positive_int, seconds
 from talaria.report import add_speedups, format_table, oracle_sct, slowest_sessions, summarize
 from talaria.stack import DEFAULT_MODELS, EmbeddedStack, StackSpec, default_log_dir
 
 if TYPE_CHECKING:
     from talaria.replay import ReplayOutcome
-
-
-def _seconds(text: str) -> float:
-    """An argparse type: a finite number of seconds, zero or more."""
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
-    if not (v >= 0 and v < float("inf")):
-        raise argparse.ArgumentTypeError(f"must be zero or more seconds, got {text}")
-    return v
 
 
 def _fail(msg: str, code: int = 2) -> int:
@@ -175,8 +165,18 @@ def cmd_replay(a: argparse.Namespace) -> int:
 
 # -- up ------------------------------------------------------------------------------
 def cmd_up(a: argparse.Namespace) -> int:
+    # refuse a bad model or profile here, not as services that fail their health checks
+    models = [m.strip() for m in a.models.split(",") if m.strip()]
+    if not models:
+        return _fail("--models names no model")
+    catalog = load_catalog()
+    catalog.server(a.server_profile)
+    for m in models:
+        catalog.model(m)
+    policy = resolve_policy(a.policy)
+
     async def run() -> None:
-        spec = StackSpec(policy=resolve_policy(a.policy), models=a.models.split(","), servers=a.servers,
+        spec = StackSpec(policy=policy, models=models, servers=a.servers,
                          routers=a.routers, server_profile=a.server_profile, time_scale=a.time_scale, log_dir=Path(a.log_dir),
                          nats_urls=a.nats.split(",") if a.nats else None, redis_url=a.redis,
                          subject_prefix=a.subject_prefix, key_prefix=a.key_prefix)
@@ -210,10 +210,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True)
 
     def common(sp: argparse.ArgumentParser) -> None:
-        sp.add_argument("--servers", type=int, default=1, help="number of servers (default 1)")
+        sp.add_argument("--servers", type=positive_int, default=1, help="number of servers (default 1)")
         sp.add_argument("--server-profile", default="h100x8", help="server profile from the catalog (default h100x8)")
-        sp.add_argument("--switch-cost-scale", type=float, default=1.0, help="sensitivity: scale model-switch costs")
-        sp.add_argument("--prefill-speed-scale", type=float, default=1.0, help="sensitivity: scale prefill speed")
+        sp.add_argument("--switch-cost-scale", type=positive_float, default=1.0, help="sensitivity: scale model-switch costs")
+        sp.add_argument("--prefill-speed-scale", type=positive_float, default=1.0, help="sensitivity: scale prefill speed")
 
     s = sub.add_parser("sim", help="simulate policies on a trace on a virtual clock (same policy code)")
     s.add_argument("trace", help="a trace (JSONL), or a scenario file (scenarios/*.toml: its first seed, servers and policies)")
@@ -222,7 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--out", help="write results JSON here")
     s.add_argument("--check", action="store_true", help="check memory and KV bounds at every event")
     s.add_argument("--plots", help="write PNG figures (SCT distribution, slowest-session timelines) into this folder")
-    s.add_argument("--call-latency", type=_seconds, default=0.0, metavar="S",
+    s.add_argument("--call-latency", type=seconds, default=0.0, metavar="S",
                    help="sensitivity: model seconds between a reply and the session's next call reaching admission, "
                         "beyond the tool gap (the control plane's hops; a live replay at --time-scale 50 measures "
                         "about 0.1-0.2 here, docs/results.md); default 0")
@@ -232,7 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("replay", help="replay a trace's agents through the live services over NATS")
     r.add_argument("trace")
     r.add_argument("--policy", default="baseline", help=f"comma-separated: {', '.join(PRESETS)}")
-    r.add_argument("--time-scale", type=float, default=50.0, help="model seconds per wall second (default 50)")
+    r.add_argument("--time-scale", type=positive_float, default=50.0, help="model seconds per wall second (default 50)")
     r.add_argument("--out", help="write results JSON here")
     r.add_argument("--plots", help="write PNG figures (SCT distribution, slowest-session timelines) into this folder")
     r.add_argument("--nats", help="replay against a running deployment at these NATS URLs (comma-separated)")
@@ -240,22 +240,22 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--subject-prefix", default="talaria")
     r.add_argument("--key-prefix", default="talaria:")
     r.add_argument("--log-dir", default=str(default_log_dir()))
-    r.add_argument("--max-lag-s", type=float, default=5.0, help="fail when a service's loop lag exceeds this many model seconds")
-    r.add_argument("--routers", type=int, default=1, help="router replicas in the embedded stack (default 1)")
+    r.add_argument("--max-lag-s", type=positive_float, default=5.0, help="fail when a service's loop lag exceeds this many model seconds")
+    r.add_argument("--routers", type=positive_int, default=1, help="router replicas in the embedded stack (default 1)")
     common(r)
     r.set_defaults(fn=cmd_replay)
 
     u = sub.add_parser("up", help="bring up NATS, Redis and every service; Ctrl-C stops everything")
     u.add_argument("--policy", default="baseline")
     u.add_argument("--models", default=",".join(DEFAULT_MODELS))
-    u.add_argument("--time-scale", type=float, default=50.0)
+    u.add_argument("--time-scale", type=positive_float, default=50.0)
     u.add_argument("--nats", help="use this NATS (comma-separated URLs) instead of starting one")
     u.add_argument("--redis", help="use this Redis URL instead of starting one")
     u.add_argument("--subject-prefix", default=None)
     u.add_argument("--key-prefix", default=None)
     u.add_argument("--log-dir", default=str(default_log_dir()))
-    u.add_argument("--servers", type=int, default=1)
-    u.add_argument("--routers", type=int, default=1, help="router replicas (one queue group)")
+    u.add_argument("--servers", type=positive_int, default=1)
+    u.add_argument("--routers", type=positive_int, default=1, help="router replicas (one queue group)")
     u.add_argument("--server-profile", default="h100x8")
     u.set_defaults(fn=cmd_up)
 

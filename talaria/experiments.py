@@ -29,6 +29,7 @@ import msgspec
 from shared.catalog import load_catalog
 from shared.policy import PRESETS, TUNED_PATH, PolicyConfig, resolve_policy
 from shared.trace import TraceSession, load_trace
+from talaria.argtypes import positive_float, positive_int
 from talaria.generate import generate, load_settings
 from talaria.report import summarize
 from talaria.scenarios import (  # scenarios define the tuning seeds: they refuse to score them
@@ -246,7 +247,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--write-tuned", action="store_true", help=f"write the tuned parameters to {TUNED_PATH}")
     p.add_argument("--out", help="JSON with every figure")
     p.add_argument("--markdown", help="write the tables as markdown here")
-    p.add_argument("--jobs", type=int, default=1, help="configurations scored in parallel while tuning (processes)")
+    p.add_argument("--jobs", type=positive_int, default=1, help="configurations scored in parallel while tuning (processes)")
     p.set_defaults(fn=cmd_study)
 
 
@@ -297,7 +298,7 @@ def cmd_fidelity(a: argparse.Namespace) -> int:
 def configure_fidelity(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seeds", default="1,2,3,4,5", help="generator seeds of the default settings (comma-separated)")
     p.add_argument("--policy", default="baseline,talaria")
-    p.add_argument("--time-scale", type=float, default=50.0)
+    p.add_argument("--time-scale", type=positive_float, default=50.0)
     p.add_argument("--log-dir", default=".talaria/fidelity")
     p.add_argument("--markdown", help="write the table here")
     p.set_defaults(fn=cmd_fidelity)

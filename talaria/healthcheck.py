@@ -30,6 +30,7 @@ import os
 import sys
 
 from shared.auth import nats_password_from_env
+from talaria.argtypes import positive_float
 
 SERVICES = ("router", "admission", "substrate", "engine")
 
@@ -95,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--user", default=os.environ.get("TALARIA_NATS_USER"))
     p.add_argument("--password", default=nats_password_from_env(os.environ.get("TALARIA_NATS_USER"), dict(os.environ)),
                    help="prefer the environment variable")
-    p.add_argument("--timeout", type=float, default=3.0, help="seconds for connect and for the answer")
+    p.add_argument("--timeout", type=positive_float, default=3.0, help="seconds for connect and for the answer")
     p.add_argument("-q", "--quiet", action="store_true")
     a = p.parse_args(argv)
     try:

@@ -34,6 +34,7 @@ from shared.policy import PolicyConfig, PolicyError, resolve_policy
 from shared.trace import TraceSession
 from shared.tomlfile import load_toml_struct
 from talaria.agent import DEFAULT_MAX_TOKENS
+from talaria.argtypes import positive_float, positive_int
 from talaria.generate import GeneratorSettings, SettingsError, _check, generate
 from talaria.report import oracle_sct, summarize
 
@@ -243,7 +244,7 @@ def configure_compare(p: argparse.ArgumentParser) -> None:
     p.add_argument("scenario", help="scenario file (TOML), e.g. scenarios/4x120x5.toml")
     p.add_argument("--out", help="JSON with every run's figures")
     p.add_argument("--markdown", help="write the table as markdown here")
-    p.add_argument("--jobs", type=int, default=1, help="simulations in parallel (processes; default 1)")
+    p.add_argument("--jobs", type=positive_int, default=1, help="simulations in parallel (processes; default 1)")
     p.add_argument("--check", action="store_true", help="check memory and KV bounds at every event")
     p.set_defaults(fn=cmd_compare)
 
@@ -295,6 +296,6 @@ def configure_bench(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", default="talaria", help="policy for the default-trace run (default talaria)")
     p.add_argument("--scenario", default=str(BENCH_SCENARIO), help="the ~100,000-call scenario")
     p.add_argument("--big-policy", default="talaria", help="comma-separated policies for the big run (default talaria)")
-    p.add_argument("--default-limit-s", type=float, default=5.0)
-    p.add_argument("--big-limit-s", type=float, default=120.0)
+    p.add_argument("--default-limit-s", type=positive_float, default=5.0)
+    p.add_argument("--big-limit-s", type=positive_float, default=120.0)
     p.set_defaults(fn=cmd_bench)

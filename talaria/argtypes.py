@@ -1,0 +1,45 @@
+"""argparse types for the command line: numbers are checked where they are
+read, so a bad value is a one-line usage error (exit 2), never a traceback or
+an embedded stack that starts and then fails."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+
+def _number(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not math.isfinite(v):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+    return v
+
+
+def seconds(text: str) -> float:
+    """A finite number of seconds, zero or more."""
+    v = _number(text)
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be zero or more seconds, got {text}")
+    return v
+
+
+def positive_float(text: str) -> float:
+    """A finite number above zero (a time scale, a cost factor, a timeout)."""
+    v = _number(text)
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"must be above zero, got {text}")
+    return v
+
+
+def positive_int(text: str) -> int:
+    """A whole number, one or more (servers, replicas, processes)."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, got {text}")
+    return v

@@ -1,0 +1,67 @@
+"""The command line refuses bad input with one line and exit code 2: no
+traceback, and no embedded stack started only to fail its health checks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from talaria.cli import build_parser, main
+
+ROOT = Path(__file__).resolve().parent.parent
+TRACE = str(ROOT / "traces" / "swebench-30.jsonl")
+
+
+@pytest.mark.parametrize(
+    "argv,fragment",
+    [
+        (["sim", TRACE, "--call-latency=-1"], "--call-latency: must be zero or more seconds"),
+        (["sim", TRACE, "--call-latency=nan"], "--call-latency: must be a finite number"),
+        (["sim", TRACE, "--call-latency=soon"], "--call-latency: not a number"),
+        (["sim", TRACE, "--servers=0"], "--servers: must be 1 or more"),
+        (["sim", TRACE, "--switch-cost-scale=-1"], "--switch-cost-scale: must be above zero"),
+        (["sim", TRACE, "--prefill-speed-scale=inf"], "--prefill-speed-scale: must be a finite number"),
+        (["replay", TRACE, "--time-scale=0"], "--time-scale: must be above zero"),
+        (["replay", TRACE, "--routers=0"], "--routers: must be 1 or more"),
+        (["replay", TRACE, "--max-lag-s=-5"], "--max-lag-s: must be above zero"),
+        (["up", "--servers=-2"], "--servers: must be 1 or more"),
+        (["up", "--time-scale=0"], "--time-scale: must be above zero"),
+        (["study", "headline", "--jobs=0"], "--jobs: must be 1 or more"),
+        (["compare", "x.toml", "--jobs=1.5"], "--jobs: not a whole number"),
+        (["chaos", TRACE, "--rounds=0"], "--rounds: must be 1 or more"),
+        (["fidelity", "--time-scale=-50"], "--time-scale: must be above zero"),
+    ],
+)
+def test_bad_numbers_are_usage_errors(argv: list[str], fragment: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(argv)
+    assert exc.value.code == 2
+    assert fragment in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv,fragment",
+    [
+        (["sim", "no-such-trace.jsonl"], "no-such-trace.jsonl: cannot read the trace: No such file or directory"),
+        (["sim", str(ROOT / "traces")], "cannot read the trace: Is a directory"),
+        (["sim", TRACE, "--policy", "nonsense"], "unknown policy 'nonsense'"),
+        (["sim", TRACE, "--server-profile", "tpu"], "unknown server profile 'tpu'"),
+        (["replay", "no-such-trace.jsonl"], "cannot read the trace"),
+        (["up", "--models", "gpt-9"], "unknown model 'gpt-9'"),
+        (["up", "--models", ","], "--models names no model"),
+        (["up", "--server-profile", "tpu"], "unknown server profile 'tpu'"),
+        (["up", "--policy", "nonsense"], "unknown policy 'nonsense'"),
+    ],
+)
+def test_bad_inputs_fail_before_anything_starts(argv: list[str], fragment: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("talaria: error: ") and fragment in err and "Traceback" not in err
+
+
+def test_an_undecodable_trace_is_a_trace_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "bin.jsonl"
+    bad.write_bytes(b"\xff\xfe\x00garbage")
+    assert main(["sim", str(bad)]) == 2
+    assert "cannot read the trace" in capsys.readouterr().err
