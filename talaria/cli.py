@@ -282,6 +282,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     vllm_bench.configure_parsers(sub)
 
+    from talaria import sessionlog
+
+    lg = sub.add_parser("logs", help="one session's path through the services, merged from their logs")
+    sessionlog.configure_parser(lg, default_log_dir())
+
     g = sub.add_parser("generate", help="generate a SWE-bench-like trace from a settings file")
     gen.configure_parser(g)
     g.set_defaults(fn=gen.run)

@@ -37,6 +37,7 @@ from talaria.client import (
     ContextLimit, Malformed, TalariaClient, UnknownModel, UnknownSession,
 )
 from talaria.infra import NatsServer, ProcessGroup, RedisServer
+from talaria.sessionlog import session_lines, summarize_calls
 
 ROOT = Path(__file__).resolve().parents[1]
 SERVER = "s0"
@@ -557,6 +558,14 @@ async def test_logs_trace_a_session(stack: Services, client: TalariaClient) -> N
     # the router's session lines too
     assert any(d.get("event") == "session.opened" and d.get("session_id") == sid
                for d in stack.log_lines(stack.router))
+    # `talaria logs SESSION` merges them into one timeline in the order they happened
+    runs = session_lines(stack.log_dir, sid)
+    assert list(runs) == [stack.log_dir]
+    events = [ln.record["event"] for ln in runs[stack.log_dir] if ln.record.get("call_id") == cid]
+    order = ["router.placed", "admission.queued", "admission.dispatched", "engine.started", "engine.finished"]
+    assert [e for e in events if e in order] == order, events
+    (summary,) = summarize_calls(runs[stack.log_dir])
+    assert summary.call_id == cid and summary.placed_on == "s0" and summary.output_tokens == 10 and summary.waited_s is not None
 
 
 # -- restart one process without the others ------------------------------------------------------

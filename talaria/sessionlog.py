@@ -1,0 +1,172 @@
+"""`talaria logs SESSION`: one session's path through the services, merged
+from their JSON-line logs in wall-clock order.
+
+Every service binds `session_id` and `call_id` on each line of a call's work
+(shared/logs.py), so a session's story is spread over the router's,
+admission's, the substrate's and the engine-workers' logs. This reads every
+`*.log` under a log folder, keeps the lines of one session (or one call),
+and prints them as one timeline per run folder (a replay writes one folder per
+policy), with a line per call at the end: where it was placed, how long it
+waited and why, what it cost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from shared.logs import read_log_events
+
+# shown in their own columns or implied by the file, not repeated as details
+_COLUMNS = {"service", "event", "level", "timestamp", "session_id", "call_id", "at", "instance", "server_id"}
+
+
+@dataclass(frozen=True, slots=True)
+class LogLine:
+    source: str  # the log file's stem: router-0, admission-s0, engine-s0-glm-4.5-fp8 ...
+    record: dict[str, Any]
+
+    @property
+    def timestamp(self) -> str:
+        return str(self.record.get("timestamp", ""))
+
+
+@dataclass(slots=True)
+class CallSummary:
+    call_id: str
+    placed_on: str = ""
+    waited_s: float | None = None
+    round_wait: bool = False
+    switch_wait_s: float | None = None
+    output_tokens: int | None = None
+    cached_tokens: int | None = None
+    prefill_s: float | None = None
+    decode_s: float | None = None
+    problems: list[str] = field(default_factory=list)
+
+
+def session_lines(log_dir: Path, session_id: str, call_id: str | None = None) -> dict[Path, list[LogLine]]:
+    """The session's (or one call's) log lines per run folder, in wall-clock
+    order (ISO-8601 UTC stamps from one machine's clock sort as text)."""
+    runs: dict[Path, list[LogLine]] = {}
+    for path in sorted(log_dir.rglob("*.log")):
+        for rec in read_log_events(path):
+            if rec.get("session_id") != session_id:
+                continue
+            if call_id is not None and rec.get("call_id") != call_id:
+                continue
+            # a file of one service is named after it; a merged file (docker compose logs) gets the service added
+            service = str(rec.get("service", ""))
+            source = path.stem if service in path.stem else f"{path.stem}:{service}"
+            runs.setdefault(path.parent, []).append(LogLine(source, rec))
+    for lines in runs.values():
+        lines.sort(key=lambda ln: ln.timestamp)
+    return runs
+
+
+def details(record: dict[str, Any]) -> str:
+    """The line's own fields as `key=value`, placement candidates condensed."""
+    parts: list[str] = []
+    for k, v in record.items():
+        if k in _COLUMNS:
+            continue
+        if k == "candidates" and isinstance(v, list):
+            cands = [f"{c.get('server')} {c.get('score')} ({c.get('residency')}/{c.get('kv')})"
+                     for c in v if isinstance(c, dict)]
+            parts.append("candidates=[" + ", ".join(cands) + "]")
+        elif isinstance(v, (dict, list)):
+            parts.append(f"{k}={json.dumps(v, separators=(',', ':'))}")
+        else:
+            parts.append(f"{k}={v}")
+    return " ".join(parts)
+
+
+def summarize_calls(lines: list[LogLine]) -> list[CallSummary]:
+    """One summary per call, in the order the calls first appear."""
+    calls: dict[str, CallSummary] = {}
+    for ln in lines:
+        r = ln.record
+        cid = r.get("call_id")
+        if not cid:
+            continue
+        s = calls.setdefault(cid, CallSummary(cid))
+        ev = r.get("event", "")
+        if ev == "router.placed":
+            chosen = r.get("candidates") or [{}]
+            s.placed_on = str(chosen[0].get("server", "")) if isinstance(chosen[0], dict) else ""
+        elif ev == "admission.dispatched":
+            s.waited_s = r.get("waited_s")
+            s.round_wait = bool(r.get("round_wait"))
+            s.switch_wait_s = r.get("switch_wait_s", s.switch_wait_s)
+        elif ev == "engine.finished":
+            s.output_tokens = r.get("output_tokens")
+            s.cached_tokens = r.get("cached_tokens")
+            s.prefill_s = r.get("prefill_s")
+            s.decode_s = r.get("decode_s")
+        if r.get("level") in ("warning", "error"):
+            s.problems.append(ev)
+    return list(calls.values())
+
+
+def _fmt(v: float | int | None, spec: str = ".1f") -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def render(runs: dict[Path, list[LogLine]]) -> str:
+    out: list[str] = []
+    for run_dir, lines in runs.items():
+        sources = sorted({ln.source for ln in lines})
+        out.append(f"== {run_dir}  ({len(lines)} lines from {', '.join(sources)})")
+        out.append(f"{'model t':>9}  {'source':<30} {'event':<30} {'call':<14} details")
+        for ln in lines:
+            r = ln.record
+            at = r.get("at")
+            at_s = f"{at:9.2f}" if isinstance(at, (int, float)) else " " * 9
+            cid = str(r.get("call_id", ""))
+            out.append(f"{at_s}  {ln.source:<30} {r.get('event', ''):<30} {cid:<14} {details(r)}")
+        calls = summarize_calls(lines)
+        if calls:
+            out.append("")
+            out.append(f"{'call':<16} {'server':<7} {'waited s':>9} {'round wait':>10} {'output':>7} "
+                       f"{'cached':>8} {'prefill s':>10} {'decode s':>9}  problems")
+            for c in calls:
+                out.append(f"{c.call_id:<16} {c.placed_on or '-':<7} {_fmt(c.waited_s):>9} "
+                           f"{'yes' if c.round_wait else 'no':>10} {_fmt(c.output_tokens, 'd'):>7} "
+                           f"{_fmt(c.cached_tokens, 'd'):>8} {_fmt(c.prefill_s, '.2f'):>10} {_fmt(c.decode_s, '.2f'):>9}  "
+                           f"{', '.join(c.problems) or '-'}")
+        out.append("")
+    return "\n".join(out)
+
+
+def cmd_logs(a: argparse.Namespace) -> int:
+    log_dir = Path(a.log_dir)
+    if not log_dir.is_dir():
+        print(f"talaria: error: no log folder at {log_dir} (a replay or `talaria up` writes one; see --log-dir)",
+              file=sys.stderr)
+        return 2
+    runs = session_lines(log_dir, a.session, a.call)
+    if not runs:
+        what = f"call {a.call} of session {a.session}" if a.call else f"session {a.session}"
+        n = sum(1 for _ in log_dir.rglob("*.log"))
+        print(f"talaria: error: no log line names {what} under {log_dir} ({n} log files)", file=sys.stderr)
+        return 1
+    if a.json:
+        for lines in runs.values():
+            for ln in lines:
+                print(json.dumps({"source": ln.source, **ln.record}))
+    else:
+        print(render(runs))
+    return 0
+
+
+def configure_parser(p: argparse.ArgumentParser, default_log_dir: Path) -> None:
+    p.add_argument("session", help="session id, e.g. swe-007")
+    p.add_argument("--call", default=None, help="only this call id, e.g. swe-007#003")
+    p.add_argument("--log-dir", default=str(default_log_dir),
+                   help=f"a log folder of a replay or of `talaria up` (default {default_log_dir}; every *.log below it)")
+    p.add_argument("--json", action="store_true", help="the merged lines as JSON, one per line (each with its source)")
+    p.set_defaults(fn=cmd_logs)

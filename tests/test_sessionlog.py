@@ -1,0 +1,112 @@
+"""`talaria logs SESSION` (talaria/sessionlog.py): one session's lines from
+every service's log, merged in wall-clock order, per run folder."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from talaria.cli import main
+from talaria.sessionlog import details, session_lines, summarize_calls
+
+
+def _write(path: Path, *records: dict | str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
+
+
+def _line(ts: str, event: str, session: str = "swe-007", call: str | None = "swe-007#000", **kw: object) -> dict:
+    rec: dict = {"event": event, "session_id": session, "level": "info", "timestamp": f"2026-11-30T03:21:{ts}Z", **kw}
+    if call is not None:
+        rec["call_id"] = call
+    return rec
+
+
+@pytest.fixture
+def logs(tmp_path: Path) -> Path:
+    run = tmp_path / "talaria"
+    _write(run / "router-0.log",
+           _line("38.100000", "session.opened", call=None, model="m"),
+           _line("38.200000", "router.placed", at=51.2, candidates=[{"server": "s1", "score": 0.8, "residency": "active",
+                                                                       "kv": "hbm"}]),
+           _line("38.250000", "router.placed", session="swe-008", call="swe-008#000"),
+           "--- [infra 2026-11-30 03:21:40] exited with code 1; restart in 10.0s")
+    _write(run / "admission-s1.log",
+           _line("38.300000", "admission.queued", at=51.3),
+           _line("38.400000", "admission.dispatched", waited_s=12.5, round_wait=True, switch_wait_s=2.0),
+           "{not json")
+    _write(run / "engine-s1-m.log",
+           _line("38.350000", "engine.kv_spilled", level="warning"),
+           _line("38.500000", "engine.started", at=64.0),
+           _line("38.900000", "engine.finished", at=70.0, output_tokens=40, cached_tokens=900, prefill_s=0.1, decode_s=5.9),
+           _line("39.000000", "engine.finished", call="swe-007#001", at=80.0, output_tokens=7))
+    _write(tmp_path / "baseline" / "router-0.log", _line("10.000000", "router.placed"))
+    return tmp_path
+
+
+def test_lines_merge_in_wall_order_per_run(logs: Path) -> None:
+    runs = session_lines(logs, "swe-007")
+    assert set(runs) == {logs / "talaria", logs / "baseline"}
+    events = [(ln.source, ln.record["event"]) for ln in runs[logs / "talaria"]]
+    assert events == [
+        ("router-0", "session.opened"), ("router-0", "router.placed"), ("admission-s1", "admission.queued"),
+        ("engine-s1-m", "engine.kv_spilled"), ("admission-s1", "admission.dispatched"), ("engine-s1-m", "engine.started"),
+        ("engine-s1-m", "engine.finished"), ("engine-s1-m", "engine.finished"),
+    ]
+    assert all(ln.record["session_id"] == "swe-007" for lines in runs.values() for ln in lines)
+
+
+def test_one_call_only(logs: Path) -> None:
+    runs = session_lines(logs, "swe-007", call_id="swe-007#001")
+    assert [ln.record["output_tokens"] for ln in runs[logs / "talaria"]] == [7]
+    assert logs / "baseline" not in runs
+
+
+def test_call_summaries(logs: Path) -> None:
+    first, second = summarize_calls(session_lines(logs, "swe-007")[logs / "talaria"])
+    assert (first.call_id, first.placed_on, first.waited_s, first.round_wait, first.switch_wait_s) == (
+        "swe-007#000", "s1", 12.5, True, 2.0)
+    assert (first.output_tokens, first.cached_tokens, first.prefill_s, first.decode_s) == (40, 900, 0.1, 5.9)
+    assert first.problems == ["engine.kv_spilled"]
+    assert (second.call_id, second.output_tokens, second.placed_on, second.waited_s) == ("swe-007#001", 7, "", None)
+
+
+def test_details_condense_candidates() -> None:
+    text = details(_line("1", "router.placed", at=1.0, attempts=2,
+                         candidates=[{"server": "s0", "score": -3.5, "residency": "host", "kv": "none"}]))
+    assert text == "attempts=2 candidates=[s0 -3.5 (host/none)]"
+
+
+def test_cli_prints_a_timeline_and_a_call_table(logs: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["logs", "swe-007", "--log-dir", str(logs)]) == 0
+    out = capsys.readouterr().out
+    assert f"== {logs / 'talaria'}" in out and f"== {logs / 'baseline'}" in out
+    assert "router.placed" in out and "swe-008" not in out
+    talaria_run = out.split(f"== {logs / 'talaria'}")[1].split("== ")[0]
+    row = next(ln for ln in talaria_run.splitlines() if ln.startswith("swe-007#000 "))
+    assert row.split()[:4] == ["swe-007#000", "s1", "12.5", "yes"]
+
+
+def test_cli_json_lines(logs: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["logs", "swe-007", "--call", "swe-007#000", "--log-dir", str(logs / "talaria"), "--json"]) == 0
+    recs = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert [r["event"] for r in recs][:2] == ["router.placed", "admission.queued"]
+    assert {r["source"] for r in recs} == {"router-0", "admission-s1", "engine-s1-m"}
+
+
+def test_cli_errors(logs: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["logs", "swe-999", "--log-dir", str(logs)]) == 1
+    assert "no log line names session swe-999" in capsys.readouterr().err
+    assert main(["logs", "swe-007", "--log-dir", str(tmp_path / "nowhere")]) == 2
+    assert "no log folder at" in capsys.readouterr().err
+
+
+def test_a_merged_log_names_each_line_by_its_service(tmp_path: Path) -> None:
+    """`docker compose logs --no-log-prefix > all.log`: one file, every service."""
+    _write(tmp_path / "all.log",
+           _line("38.2", "router.placed", service="router"),
+           _line("38.3", "admission.queued", service="admission"))
+    (lines,) = session_lines(tmp_path, "swe-007").values()
+    assert [ln.source for ln in lines] == ["all:router", "all:admission"]
