@@ -4,17 +4,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
+import os
 import signal
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from shared.auth import nats_password_from_env
 from shared.catalog import CatalogError, load_catalog
 from shared.policy import PRESETS, PolicyError, resolve_policy
 from shared.trace import TraceError, TraceSession, load_trace
 from talaria import generate as gen
 from talaria.argtypes import positive_float, positive_int, seconds
+from talaria.client import AgentLogin, Deployment
 from talaria.report import add_speedups, format_table, oracle_sct, slowest_sessions, summarize
 from talaria.stack import DEFAULT_MODELS, EmbeddedStack, StackSpec, default_log_dir
 
@@ -109,28 +111,54 @@ def cmd_sim(a: argparse.Namespace) -> int:
 
 
 # -- replay ------------------------------------------------------------------------
+def _deployment(a: argparse.Namespace) -> Deployment | None:
+    """The running deployment `replay` is pointed at (--credentials, --nats), or
+    None for an embedded stack. Flags given explicitly win over the file."""
+    if not a.credentials and not a.nats:
+        return None
+    dep = Deployment.load(a.credentials) if a.credentials else Deployment(nats_urls=a.nats.split(","))
+    login = dep.agent
+    if a.nats_user:
+        login = AgentLogin(user=a.nats_user, password=nats_password_from_env(a.nats_user, dict(os.environ)))
+    return Deployment(
+        nats_urls=a.nats.split(",") if a.nats else dep.nats_urls,
+        subject_prefix=a.subject_prefix or dep.subject_prefix,
+        agent=login,
+        redis_url=a.redis or dep.redis_url,
+        key_prefix=a.key_prefix or dep.key_prefix,
+    )
+
+
 def cmd_replay(a: argparse.Namespace) -> int:
-    from talaria.replay import replay_embedded, replay_external, write_json
+    from talaria.replay import ReplayTargetError, replay_embedded, replay_external, write_json
 
     sessions = _load(a.trace)
     catalog = load_catalog()
-    policies = _policies(a.policy)
     oracle = oracle_sct(sessions, catalog, a.server_profile)
     outcomes = []
-    for pol in policies:
-        if a.nats:
-            out = asyncio.run(replay_external(sessions, a.nats.split(","), a.subject_prefix, a.redis, a.key_prefix))
-        else:
+    try:
+        target = _deployment(a)
+    except ValueError as exc:  # an unreadable or malformed credentials file
+        return _fail(str(exc))
+    if target is not None:
+        # a running deployment replays under its own policy and time scale (it reports both)
+        if a.policy is not None:
+            return _fail("--policy chooses the embedded stack's policy; a running deployment uses its own")
+        try:
+            outcomes.append(asyncio.run(replay_external(sessions, target)))
+        except ReplayTargetError as exc:
+            return _fail(str(exc))
+    else:
+        for pol in _policies(a.policy or "baseline"):
             spec = StackSpec(policy=pol, models=_models_of(sessions), servers=a.servers, routers=a.routers,
                              server_profile=a.server_profile, time_scale=a.time_scale, log_dir=Path(a.log_dir) / pol.name,
                              switch_cost_scale=a.switch_cost_scale, prefill_speed_scale=a.prefill_speed_scale)
-            out = asyncio.run(replay_embedded(sessions, pol, spec))
-        outcomes.append(out)
+            outcomes.append(asyncio.run(replay_embedded(sessions, pol, spec)))
     runs = []
     lag_bad = []
     for out in outcomes:
         run = summarize(out.policy, sessions, out.sct, out.records, oracle, extra={
-            "wall_s": out.wall_s, "time_scale": a.time_scale, "failures": out.failures,
+            "wall_s": out.wall_s, "time_scale": out.time_scale or a.time_scale, "failures": out.failures,
             "calls_duplicated": out.duplicates, "worst_loop_lag_model_s": out.worst_lag_model_s,
             "worst_loop_lag_service": out.worst_lag_service,
             "switches": int(out.server_stats.get("switches", 0)), "sp_admits": int(out.server_stats.get("sp_admits", 0)),
@@ -147,7 +175,10 @@ def cmd_replay(a: argparse.Namespace) -> int:
         for path in write_plots(runs, {o.policy: o.records for o in outcomes}, a.plots):
             print(f"figure written to {path}")
     for r in runs:
-        print(f"  {r['policy']}: worst event-loop lag {r['worst_loop_lag_model_s']:.3f} model s ({r['worst_loop_lag_service']})")
+        if r["worst_loop_lag_service"]:
+            print(f"  {r['policy']}: worst event-loop lag {r['worst_loop_lag_model_s']:.3f} model s ({r['worst_loop_lag_service']})")
+        else:  # a running deployment's lag and counters live in its Redis
+            print(f"  {r['policy']}: event-loop lag and scheduler counters not read (pass the deployment's --redis)")
     if a.out:
         write_json(a.out, {"trace": a.trace, "engine": "sim", "servers": a.servers, "server_profile": a.server_profile,
                            "oracle": {"sct_p50_s": runs[0]["oracle_p50_s"], "sct_p95_s": runs[0]["oracle_p95_s"]},
@@ -187,12 +218,13 @@ def cmd_up(a: argparse.Namespace) -> int:
             loop.add_signal_handler(sig, stop.set)
         try:
             await stack.start()
+            cred_file = Path(a.log_dir) / "credentials.json"
+            Deployment(nats_urls=stack.nats_urls, subject_prefix=stack.subject_prefix,
+                       agent=AgentLogin(**stack.nats_auth("agent")), redis_url=stack.redis_url,
+                       key_prefix=stack.key_prefix).write(cred_file)
             if stack.creds is not None:
-                cred_file = Path(a.log_dir) / "credentials.json"
-                cred_file.write_text(json.dumps({"nats_urls": stack.nats_urls, "subject_prefix": stack.subject_prefix,
-                                                 "agent": stack.nats_auth("agent"), "redis_url": stack.redis_url}, indent=1))
-                cred_file.chmod(0o600)
                 print(f"authentication on: agent credentials (NATS user 'agent') in {cred_file}")
+            print(f"replay against it: talaria replay TRACE --credentials {cred_file}")
             print(f"talaria is up: NATS {','.join(stack.nats_urls)}\n"
                   f"  subject prefix {stack.subject_prefix}  key prefix {stack.key_prefix}  policy {spec.policy.name}  "
                   f"time scale {spec.time_scale:g}x\n  logs in {stack.log_dir}; Ctrl-C stops everything", flush=True)
@@ -231,14 +263,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     r = sub.add_parser("replay", help="replay a trace's agents through the live services over NATS")
     r.add_argument("trace")
-    r.add_argument("--policy", default="baseline", help=f"comma-separated: {', '.join(PRESETS)}")
+    r.add_argument("--policy", default=None, help=f"comma-separated: {', '.join(PRESETS)} (default baseline; "
+                                                  "the embedded stack only)")
     r.add_argument("--time-scale", type=positive_float, default=50.0, help="model seconds per wall second (default 50)")
     r.add_argument("--out", help="write results JSON here")
     r.add_argument("--plots", help="write PNG figures (SCT distribution, slowest-session timelines) into this folder")
+    r.add_argument("--credentials", metavar="FILE",
+                   help="replay against a running deployment: the credentials file `talaria up` writes "
+                        "(its NATS URLs, subject prefix, agent login, Redis)")
     r.add_argument("--nats", help="replay against a running deployment at these NATS URLs (comma-separated)")
+    r.add_argument("--nats-user", help="with --nats: log in as this NATS user (a compose deployment's agents: agent); "
+                                       "the password from TALARIA_NATS_PASSWORD or TALARIA_NATS_PASSWORD_<USER>")
     r.add_argument("--redis", help="with --nats: the deployment's Redis, to read its loop-lag reports")
-    r.add_argument("--subject-prefix", default="talaria")
-    r.add_argument("--key-prefix", default="talaria:")
+    r.add_argument("--subject-prefix", default=None, help="a running deployment's subject prefix (default talaria)")
+    r.add_argument("--key-prefix", default=None, help="a running deployment's Redis key prefix (default talaria:)")
     r.add_argument("--log-dir", default=str(default_log_dir()))
     r.add_argument("--max-lag-s", type=positive_float, default=5.0, help="fail when a service's loop lag exceeds this many model seconds")
     r.add_argument("--routers", type=positive_int, default=1, help="router replicas in the embedded stack (default 1)")

@@ -5,6 +5,9 @@
         reply = await session.call(prompt_tokens=8000, max_tokens=1024)
         await session.end()
 
+Against `talaria up` (authentication on, a private subject prefix):
+`TalariaClient.from_deployment(Deployment.load(".talaria/logs/credentials.json"))`.
+
 A call waiting for its model's slot is alive: the services send `queued` and
 `running` heartbeats, and the client only gives up when it has heard nothing
 for `silence_s` (wall seconds). Then it retries the same call id (served at
@@ -14,8 +17,11 @@ most once) up to `retries` times before raising `CallTimeout`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 from typing import Self
 
 import msgspec
@@ -30,6 +36,8 @@ from shared.schema import (
     InfoRequest, OpenSession, SessionOpened, api_reply_decoder, call_event_decoder, encode,
 )
 from shared.subjects import Subjects
+
+log = logging.getLogger("talaria.client")
 
 
 class TalariaError(Exception):
@@ -60,6 +68,42 @@ def raise_for(err: ApiError) -> None:
     raise _ERRORS.get(err.code, TalariaError)(err.code, err.message, err.retry_after_s)
 
 
+class AgentLogin(msgspec.Struct, frozen=True):
+    user: str | None = None
+    password: str | None = None
+
+
+class Deployment(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
+    """Where a running Talaria listens and how an agent logs in: the file
+    `talaria up` writes to `<log dir>/credentials.json` (mode 600)."""
+
+    nats_urls: list[str]
+    subject_prefix: str = "talaria"
+    agent: AgentLogin = AgentLogin()
+    redis_url: str | None = None  # the stack's Redis (operators: loop-lag reports), not for agents
+    key_prefix: str = "talaria:"
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Deployment":
+        """Read a credentials file; a `ValueError` that names the file and the problem."""
+        try:
+            dep = msgspec.json.decode(Path(path).read_bytes(), type=cls)
+        except OSError as exc:
+            raise ValueError(f"{path}: cannot read the credentials file: {exc.strerror or exc}") from None
+        except msgspec.ValidationError as exc:
+            raise ValueError(f"{path}: not a Talaria credentials file: {exc}") from None
+        except msgspec.DecodeError as exc:
+            raise ValueError(f"{path}: not JSON: {exc}") from None
+        if not dep.nats_urls:
+            raise ValueError(f"{path}: not a Talaria credentials file: `nats_urls` is empty")
+        return dep
+
+    def write(self, path: str | Path) -> None:
+        p = Path(path)
+        p.write_bytes(msgspec.json.format(msgspec.json.encode(self), indent=1))
+        p.chmod(0o600)
+
+
 class TalariaClient:
     def __init__(self, nc: nats.NATS, subject_prefix: str = "talaria", silence_s: float = 15.0,
                  retries: int = 3, request_timeout_s: float = 5.0, reply_namespace: str = "agent") -> None:
@@ -74,10 +118,46 @@ class TalariaClient:
 
     @classmethod
     async def connect(cls, urls: list[str] | str, *, user: str | None = None, password: str | None = None,
-                      **kw: object) -> Self:
-        nc = await nats.connect(servers=urls, max_reconnect_attempts=-1, reconnect_time_wait=0.5, name="talaria-agent",
-                                user=user, password=password)
+                      connect_timeout_s: float = 10.0, **kw: object) -> Self:
+        """Connect to NATS. Once connected the client reconnects forever; the
+        first connection fails fast instead (nats-py would retry it forever):
+        a refused login at once, an unreachable server after `connect_timeout_s`,
+        either as `ConnectionError` naming the servers and the last error."""
+        urls = [urls] if isinstance(urls, str) else list(urls)
+        errors: list[Exception] = []
+        refused = asyncio.Event()
+
+        async def on_error(e: Exception) -> None:
+            errors.append(e)
+            if "authorization violation" in str(e).lower():
+                refused.set()
+            log.warning("NATS error: %s", e)
+
+        nc = nats.NATS()
+        connecting = asyncio.ensure_future(nc.connect(
+            servers=urls, max_reconnect_attempts=-1, reconnect_time_wait=0.5, name="talaria-agent",
+            user=user, password=password, error_cb=on_error))
+        refusal = asyncio.ensure_future(refused.wait())
+        done, _ = await asyncio.wait({connecting, refusal}, timeout=connect_timeout_s,
+                                     return_when=asyncio.FIRST_COMPLETED)
+        refusal.cancel()
+        if connecting not in done or refused.is_set():
+            connecting.cancel()
+            with contextlib.suppress(BaseException):
+                await connecting
+            with contextlib.suppress(Exception):
+                await nc.close()
+            why = "login refused (Authorization Violation)" if refused.is_set() else (
+                f"{errors[-1]!s} (after {connect_timeout_s:g} s)" if errors else f"no answer in {connect_timeout_s:g} s")
+            raise ConnectionError(f"cannot connect to NATS at {', '.join(urls)}: {why}")
+        connecting.result()  # a connect that failed outright raises here
         return cls(nc, **kw)  # type: ignore[arg-type]
+
+    @classmethod
+    async def from_deployment(cls, deployment: Deployment, **kw: object) -> Self:
+        """Connect as the deployment's agent user (`Deployment.load(credentials file)`)."""
+        kw.setdefault("subject_prefix", deployment.subject_prefix)
+        return await cls.connect(deployment.nats_urls, user=deployment.agent.user, password=deployment.agent.password, **kw)
 
     async def __aenter__(self) -> Self:
         return self

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
+import nats.errors
 import redis.asyncio as aioredis
 
 from shared.clock import ScaledClock
@@ -28,7 +29,7 @@ from shared.policy import PolicyConfig
 from shared.schema import CallReply
 from shared.trace import TraceSession
 from talaria.agent import DEFAULT_MAX_TOKENS, call_id_for, plan_session
-from talaria.client import TalariaClient, TalariaError
+from talaria.client import Deployment, TalariaClient, TalariaError
 from talaria.records import CallRecord
 from talaria.stack import EmbeddedStack, StackSpec
 
@@ -46,6 +47,7 @@ class ReplayOutcome:
     worst_lag_service: str = ""
     duplicates: int = 0
     server_stats: dict[str, float] = field(default_factory=dict)
+    time_scale: float = 0.0  # model seconds per wall second of the run (0: not recorded)
 
 
 class Progress:
@@ -197,21 +199,44 @@ async def replay_embedded(sessions: list[TraceSession], policy: PolicyConfig, sp
         name, lag = await worst_lag(stack.redis_url, stack.key_prefix)
         out.worst_lag_service, out.worst_lag_model_s = name, lag * spec.time_scale
         out.server_stats = await server_stats(stack.redis_url, stack.key_prefix, stack.server_ids)
+        out.time_scale = spec.time_scale
         return out
 
 
-async def replay_external(sessions: list[TraceSession], nats_urls: list[str], subject_prefix: str,
-                          redis_url: str | None, key_prefix: str) -> ReplayOutcome:
-    client = await TalariaClient.connect(nats_urls, subject_prefix=subject_prefix)
+class ReplayTargetError(Exception):
+    """The running deployment cannot take this replay: unreachable, the login
+    refused, no router answering, or a model of the trace not served."""
+
+
+async def replay_external(sessions: list[TraceSession], target: Deployment) -> ReplayOutcome:
+    where = ",".join(target.nats_urls)
     try:
-        info = await client.info()  # doubles as the health check of the deployment's router
+        client = await TalariaClient.from_deployment(target)
+    except (ConnectionError, nats.errors.Error, OSError) as exc:
+        hint = " (log in with --credentials FILE from `talaria up`, or --nats-user)" if "refused" in str(exc) else ""
+        raise ReplayTargetError(f"{exc}{hint}") from None
+    try:
+        try:
+            info = await client.info()  # doubles as the health check of the deployment's router
+        except TalariaError as exc:
+            raise ReplayTargetError(f"no Talaria router answers at {where} under subject prefix "
+                                    f"{target.subject_prefix!r}: {exc}") from None
+        missing = sorted({s.model for s in sessions} - set(info.models))
+        if missing:
+            raise ReplayTargetError(f"the deployment at {where} does not serve {', '.join(missing)} "
+                                    f"(it serves {', '.join(info.models)})")
+        print(f"[{info.policy}] replaying against {where} at {info.time_scale:g}x "
+              f"({len(info.servers)} servers)", file=sys.stderr, flush=True)
         clock = ScaledClock(info.time_scale, info.clock_epoch)
         out = await drive(client, clock, sessions, info.policy, run_tag=f"r{uuid.uuid4().hex[:6]}-")
     finally:
         await client.close()
-    if redis_url:
-        name, lag = await worst_lag(redis_url, key_prefix)
-        out.worst_lag_service, out.worst_lag_model_s = name, lag * info.time_scale
+    out.time_scale = info.time_scale
+    if target.redis_url:
+        with contextlib.suppress(Exception):  # operators' extras: the replay stands without them
+            name, lag = await worst_lag(target.redis_url, target.key_prefix)
+            out.worst_lag_service, out.worst_lag_model_s = name, lag * info.time_scale
+            out.server_stats = await server_stats(target.redis_url, target.key_prefix, info.servers)
     return out
 
 

@@ -10,14 +10,17 @@ waiting for a reply it had given up on.
 from __future__ import annotations
 
 import asyncio
+import socket
+import stat
 import uuid
+from pathlib import Path
 
 import msgspec
 import pytest
 
 from shared.schema import CallReply, CallRequest, CallTokens, CancelCall, encode
 from shared.subjects import Subjects
-from talaria.client import TalariaClient
+from talaria.client import AgentLogin, Deployment, TalariaClient
 from talaria.infra import NatsServer
 
 BURST_TOKENS = 40  # streamed events per call, all published back to back
@@ -78,3 +81,29 @@ async def test_cancel_during_a_token_burst_raises_and_tells_the_engine(nats_serv
         await nc.flush()
         await asyncio.sleep(0.1)
     assert sorted(cancels) == sorted(f"c{n}" for n in range(30)), "every call given up on is cancelled at the engine"
+
+
+async def test_connect_to_nothing_is_a_connection_error_after_the_timeout() -> None:
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(ConnectionError, match=f"127.0.0.1:{port}.*after 1 s"):
+        await TalariaClient.connect(f"nats://127.0.0.1:{port}", connect_timeout_s=1.0)
+
+
+def test_deployment_file_round_trip_and_errors(tmp_path: Path) -> None:
+
+    dep = Deployment(nats_urls=["nats://h:4222", "nats://h:4223"], subject_prefix="tal1", agent=AgentLogin("agent", "pw"),
+                     redis_url="redis://u:p@h:6379/0", key_prefix="tal1:")
+    f = tmp_path / "credentials.json"
+    dep.write(f)
+    assert Deployment.load(f) == dep
+    assert stat.S_IMODE(f.stat().st_mode) == 0o600
+    for content, fragment in [("{", "not JSON"), ('{"subject_prefix": "x"}', "missing required field `nats_urls`"),
+                              ('{"nats_urls": []}', "`nats_urls` is empty"), ('{"nats_urls": "nats://h"}', "Expected `array`")]:
+        f.write_text(content)
+        with pytest.raises(ValueError, match=fragment):
+            Deployment.load(f)
+    with pytest.raises(ValueError, match="cannot read the credentials file"):
+        Deployment.load(tmp_path / "missing.json")

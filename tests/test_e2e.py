@@ -20,7 +20,7 @@ import pytest
 from shared.catalog import load_catalog
 from shared.logs import read_log_events
 from shared.policy import resolve_policy
-from shared.trace import TraceSession, dump_trace, load_trace
+from shared.trace import TraceCall, TraceSession, dump_trace, load_trace
 from talaria.generate import generate, load_settings
 from talaria.simulator import simulate
 
@@ -250,3 +250,48 @@ def test_live_utilisation_matches_sim(smoke_replay: dict[str, Any], policy: str)
     assert 0 < expected <= 1
     assert abs(run["utilisation"] - expected) <= TOLERANCE * expected, (run["utilisation"], expected)
     assert "servers busy" in smoke_replay["stdout"]
+
+
+def test_replay_against_talaria_up_with_its_credentials(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """What the README shows: `talaria up` in one terminal, `talaria replay
+    TRACE --credentials <log dir>/credentials.json` in another. The replay logs
+    in as the agent user of the authenticated stack and runs under the
+    deployment's own policy and time scale; a trace of a model it does not
+    serve is refused before any call."""
+    import signal
+
+    from talaria.cli import main
+    from talaria.client import Deployment
+
+    logs = tmp_path / "up"
+    up = subprocess.Popen([sys.executable, "-m", "talaria.cli", "up", "--policy", "talaria", "--time-scale", "50",
+                           "--log-dir", str(logs)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, start_new_session=True)
+    creds = logs / "credentials.json"
+    try:
+        deadline = time.monotonic() + 150
+        while not creds.exists() and up.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert creds.exists(), f"talaria up did not come up (rc {up.poll()})"
+        time.sleep(0.2)  # written in one go, but let the mode change land
+        assert Deployment.load(creds).agent.user == "agent"
+        out = tmp_path / "r.json"
+        assert main(["replay", str(SMOKE), "--credentials", str(creds), "--out", str(out)]) == 0
+        run = json.loads(out.read_text())["runs"][0]
+        assert run["policy"] == "talaria" and run["time_scale"] == 50.0
+        assert run["calls_completed"] == run["calls_total"] == sum(len(s.calls) for s in load_trace(SMOKE))
+
+        other = tmp_path / "other.jsonl"
+        dump_trace([TraceSession(session_id="x", model="gpt-oss-120b", arrival_s=0.0,
+                                 calls=[TraceCall(new_input_tokens=100, output_tokens=5, tool_s=0.0)])], other)
+        capsys.readouterr()
+        assert main(["replay", str(other), "--credentials", str(creds)]) == 2
+        assert "does not serve gpt-oss-120b" in capsys.readouterr().err
+    finally:
+        if up.poll() is None:
+            up.send_signal(signal.SIGINT)
+            try:
+                up.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                up.kill()
+                up.wait()

@@ -149,3 +149,17 @@ async def test_redis_refuses_unauthenticated_and_wrong_password(secure_redis: Re
     good = aioredis.Redis.from_url(secure_redis.url)
     assert await good.set("k", "v") and await good.get("k") == b"v"
     await good.aclose()
+
+
+async def test_agent_client_fails_fast_on_a_refused_login(secure_nats: NatsServer, creds) -> None:
+    """The agent client retries a lost connection forever, but not a first
+    connection whose login is refused: that is a ConnectionError at once."""
+    from talaria.client import TalariaClient
+
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    with pytest.raises(ConnectionError, match="login refused"):
+        await TalariaClient.connect(secure_nats.plain_url, user="agent", password="guess", connect_timeout_s=30)
+    assert loop.time() - t0 < 10
+    ok = await TalariaClient.connect(secure_nats.plain_url, user="agent", password=creds.nats["agent"])
+    await ok.close()
