@@ -43,3 +43,14 @@ def positive_int(text: str) -> int:
     if v < 1:
         raise argparse.ArgumentTypeError(f"must be 1 or more, got {text}")
     return v
+
+
+def int_list(text: str) -> tuple[int, ...]:
+    """Comma-separated whole numbers (seeds): `1,2,3`."""
+    parts = [x.strip() for x in text.split(",") if x.strip()]
+    if not parts:
+        raise argparse.ArgumentTypeError("names no number")
+    try:
+        return tuple(int(x) for x in parts)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not comma-separated whole numbers: {text!r}") from None

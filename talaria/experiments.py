@@ -29,7 +29,7 @@ import msgspec
 from shared.catalog import load_catalog
 from shared.policy import PRESETS, TUNED_PATH, PolicyConfig, resolve_policy
 from shared.trace import TraceSession, load_trace
-from talaria.argtypes import positive_float, positive_int
+from talaria.argtypes import int_list, positive_float, positive_int
 from talaria.generate import generate, load_settings
 from talaria.report import summarize
 from talaria.scenarios import (  # scenarios define the tuning seeds: they refuse to score them
@@ -261,7 +261,7 @@ def cmd_fidelity(a: argparse.Namespace) -> int:
     from talaria.simulator import simulate
     from talaria.stack import StackSpec
 
-    seeds = tuple(int(x) for x in a.seeds.split(","))
+    seeds = a.seeds
     rows = ["| seed | policy | sim p50 s | live p50 s | sim p95 s | live p95 s | sim mean s | live mean s | diff p50 | diff p95 | diff mean |",
             "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     diffs: dict[str, dict[str, list[float]]] = {}
@@ -296,7 +296,8 @@ def cmd_fidelity(a: argparse.Namespace) -> int:
 
 
 def configure_fidelity(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--seeds", default="1,2,3,4,5", help="generator seeds of the default settings (comma-separated)")
+    p.add_argument("--seeds", type=int_list, default=(1, 2, 3, 4, 5),
+                   help="generator seeds of the default settings (comma-separated; default 1,2,3,4,5)")
     p.add_argument("--policy", default="baseline,talaria")
     p.add_argument("--time-scale", type=positive_float, default=50.0)
     p.add_argument("--log-dir", default=".talaria/fidelity")

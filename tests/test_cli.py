@@ -31,6 +31,8 @@ TRACE = str(ROOT / "traces" / "swebench-30.jsonl")
         (["compare", "x.toml", "--jobs=1.5"], "--jobs: not a whole number"),
         (["chaos", TRACE, "--rounds=0"], "--rounds: must be 1 or more"),
         (["fidelity", "--time-scale=-50"], "--time-scale: must be above zero"),
+        (["fidelity", "--seeds=a,b"], "--seeds: not comma-separated whole numbers"),
+        (["fidelity", "--seeds=,"], "--seeds: names no number"),
     ],
 )
 def test_bad_numbers_are_usage_errors(argv: list[str], fragment: str, capsys: pytest.CaptureFixture[str]) -> None:
