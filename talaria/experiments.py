@@ -161,6 +161,40 @@ def table(runs: list[dict], base: dict | None = None) -> str:
     return "\n".join(rows)
 
 
+# `study latency`: how the live control plane's delay moves Talaria, and whether an idle hold
+# (the tuned policy has none) would make it steadier. Seeds 1001-1012 are one-server
+# tuning seeds: a decision about the policy is taken on them, never on scored seeds.
+LATENCIES_S = (0.0, 0.05, 0.1, 0.15, 0.2, 0.3)
+IDLE_HOLDS_S = (0.0, 0.3, 0.6, 1.0)
+ROBUSTNESS_SEEDS = tuple(range(1001, 1013))
+
+
+def latency_study() -> tuple[dict[str, Any], list[str]]:
+    sessions = load_trace(DEFAULT_TRACE)
+    tuning = traces_for(ROBUSTNESS_SEEDS)
+    report: dict[str, Any] = {"latencies_s": LATENCIES_S, "idle_holds_s": IDLE_HOLDS_S, "default_trace": {}, "tuning_seeds": {}}
+    md = ["### Talaria under the control plane's latency (`talaria sim --call-latency S`)\n",
+          "Default trace, p50 / p95 / mean SCT (model s), by idle hold (the tuned policy: 0):\n",
+          "| idle hold s | " + " | ".join(f"latency {x:g} s" for x in LATENCIES_S) + " |",
+          "| ---: |" + " ---: |" * len(LATENCIES_S)]
+    for hold in IDLE_HOLDS_S:
+        pol = resolve_policy("talaria", {"idle_hold_max_s": hold})
+        runs = [run_one(sessions, pol, call_latency_s=lat) for lat in LATENCIES_S]
+        report["default_trace"][str(hold)] = [{k: r[k] for k in ("sct_p50_s", "sct_p95_s", "sct_mean_s")} for r in runs]
+        md.append(f"| {hold:g} | " + " | ".join(f"{r['sct_p50_s']:.0f} / {r['sct_p95_s']:.0f} / {r['sct_mean_s']:.0f}"
+                                                for r in runs) + " |")
+    md += ["", f"Mean SCT (model s) over the one-server tuning seeds {ROBUSTNESS_SEEDS[0]}-{ROBUSTNESS_SEEDS[-1]}:\n",
+           "| idle hold s | " + " | ".join(f"latency {x:g} s" for x in LATENCIES_S) + " |",
+           "| ---: |" + " ---: |" * len(LATENCIES_S)]
+    for hold in IDLE_HOLDS_S:
+        pol = resolve_policy("talaria", {"idle_hold_max_s": hold})
+        means = [statistics.fmean(run_one(t, pol, call_latency_s=lat)["sct_mean_s"] for t in tuning) for lat in LATENCIES_S]
+        report["tuning_seeds"][str(hold)] = means
+        md.append(f"| {hold:g} | " + " | ".join(f"{m:.1f}" for m in means) + " |")
+    md.append("")
+    return report, md
+
+
 def cmd_study(a: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     report: dict[str, Any] = {}
@@ -231,6 +265,9 @@ def cmd_study(a: argparse.Namespace) -> int:
         md.append(table(alt, base=runs[0]))
         report["preempt_rule"] = alt
         md.append("")
+    if a.what == "latency":
+        report["latency"], lines = latency_study()
+        md += lines
     md.append(f"_{time.perf_counter() - t0:.1f} s of wall time on this machine; every SCT in model seconds from the sim engine's cost model._")
     text = "\n".join(md)
     print(text)
@@ -242,7 +279,9 @@ def cmd_study(a: argparse.Namespace) -> int:
 
 
 def configure_parser(p: argparse.ArgumentParser) -> None:
-    p.add_argument("what", choices=["tune", "headline", "all"], help="tune: sweep and pick parameters; headline: score the tuned policies")
+    p.add_argument("what", choices=["tune", "headline", "all", "latency"],
+                   help="tune: sweep and pick parameters; headline: score the tuned policies; latency: Talaria under "
+                        "the control plane's delay, with and without idle holds (not part of all)")
     p.add_argument("--criterion", default="sct_mean_s", choices=["sct_mean_s", "sct_p50_s", "sct_p95_s"])
     p.add_argument("--write-tuned", action="store_true", help=f"write the tuned parameters to {TUNED_PATH}")
     p.add_argument("--out", help="JSON with every figure")

@@ -72,3 +72,11 @@ def test_a_configuration_is_scored_on_every_setting(monkeypatch: pytest.MonkeyPa
     assert list(per_set) == ["1x30x3 (default settings)", *names]
     assert len(calls) == len(ex.TUNE_SEEDS) * (1 + len(names))
     assert per_set["1x30x3 (default settings)"] == 100.0
+
+
+def test_latency_study_decides_on_unscored_seeds_and_includes_the_tuned_policy() -> None:
+    """`talaria study latency` judges idle holds on tuning seeds only, and its
+    first row is the tuned policy (no idle hold) at no latency."""
+    assert not set(ex.ROBUSTNESS_SEEDS) & set(ex.SCORE_SEEDS)
+    assert min(ex.ROBUSTNESS_SEEDS) > max(ex.SCORE_SEEDS)
+    assert ex.IDLE_HOLDS_S[0] == tuned_overrides()["talaria"]["idle_hold_max_s"] and ex.LATENCIES_S[0] == 0.0
