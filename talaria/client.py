@@ -143,7 +143,7 @@ class TalariaClient:
         refusal.cancel()
         if connecting not in done or refused.is_set():
             connecting.cancel()
-            with contextlib.suppress(BaseException):
+            with contextlib.suppress(asyncio.CancelledError, Exception):
                 await connecting
             with contextlib.suppress(Exception):
                 await nc.close()
