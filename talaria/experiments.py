@@ -195,6 +195,45 @@ def latency_study() -> tuple[dict[str, Any], list[str]]:
     return report, md
 
 
+def sharing_study() -> tuple[dict[str, Any], list[str]]:
+    """What if the three models did not take turns? Each model's sessions on a
+    share of the server of their own for the whole run, at 1/k of its prefill
+    and decode speed: k = 1 is a server per model (three servers' capacity);
+    k = 3 is the three models co-running on one server at a fair third each
+    (a layout whose weights would not fit in HBM). Nobody waits for a round
+    there: the time goes to sharing instead. A what-if on the cost model's
+    figures, not a mechanism."""
+    from talaria.report import percentile
+    from talaria.simulator import simulate
+
+    sessions = load_trace(DEFAULT_TRACE)
+    catalog = load_catalog()
+    talaria = resolve_policy("talaria")
+    rows: list[tuple[str, dict[str, float]]] = []
+    turns = run_one(sessions, talaria)
+    rows.append(("Talaria: the three models take turns on one server", turns))
+    for k, label in ((1, "each model on a server of its own (three servers)"),
+                     (3, "each model on a third of one server for the whole run (co-running, fair shares)")):
+        sct: dict[str, float] = {}
+        decode_s = 0.0
+        for model in sorted({s.model for s in sessions}):
+            mine = [s for s in sessions if s.model == model]
+            res = simulate(mine, catalog, talaria, prefill_speed_scale=1 / k, decode_speed_scale=1 / k)
+            sct.update(res.sct)
+            decode_s += sum(r.decode_s for r in res.records)
+        v = list(sct.values())
+        rows.append((label, {"sct_p50_s": percentile(v, 50), "sct_p95_s": percentile(v, 95),
+                             "sct_mean_s": statistics.fmean(v), "decode_per_session_s": decode_s / len(v)}))
+    turns["decode_per_session_s"] = turns["time_breakdown_s"]["decode_s"] / len(sessions)
+    md = ["### Taking turns against sharing the server (default trace, `talaria study sharing`)\n",
+          "| layout | p50 s | p95 s | mean s | decode per session s |", "| --- | ---: | ---: | ---: | ---: |"]
+    md += [f"| {label} | {r['sct_p50_s']:.0f} | {r['sct_p95_s']:.0f} | {r['sct_mean_s']:.0f} | {r['decode_per_session_s']:.0f} |"
+           for label, r in rows]
+    md.append("")
+    report = {label: {k: r[k] for k in ("sct_p50_s", "sct_p95_s", "sct_mean_s", "decode_per_session_s")} for label, r in rows}
+    return report, md
+
+
 def cmd_study(a: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     report: dict[str, Any] = {}
@@ -268,6 +307,9 @@ def cmd_study(a: argparse.Namespace) -> int:
     if a.what == "latency":
         report["latency"], lines = latency_study()
         md += lines
+    if a.what == "sharing":
+        report["sharing"], lines = sharing_study()
+        md += lines
     md.append(f"_{time.perf_counter() - t0:.1f} s of wall time on this machine; every SCT in model seconds from the sim engine's cost model._")
     text = "\n".join(md)
     print(text)
@@ -279,9 +321,10 @@ def cmd_study(a: argparse.Namespace) -> int:
 
 
 def configure_parser(p: argparse.ArgumentParser) -> None:
-    p.add_argument("what", choices=["tune", "headline", "all", "latency"],
+    p.add_argument("what", choices=["tune", "headline", "all", "latency", "sharing"],
                    help="tune: sweep and pick parameters; headline: score the tuned policies; latency: Talaria under "
-                        "the control plane's delay, with and without idle holds (not part of all)")
+                        "the control plane's delay, with and without idle holds; sharing: taking turns against "
+                        "each model on a share of the server (neither part of all)")
     p.add_argument("--criterion", default="sct_mean_s", choices=["sct_mean_s", "sct_p50_s", "sct_p95_s"])
     p.add_argument("--write-tuned", action="store_true", help=f"write the tuned parameters to {TUNED_PATH}")
     p.add_argument("--out", help="JSON with every figure")

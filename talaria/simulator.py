@@ -74,6 +74,7 @@ class Simulator:
         max_tokens: int = DEFAULT_MAX_TOKENS,
         switch_cost_scale: float = 1.0,
         prefill_speed_scale: float = 1.0,
+        decode_speed_scale: float = 1.0,
         call_latency_s: float = 0.0,
         check_invariants: bool = False,
     ) -> None:
@@ -86,7 +87,7 @@ class Simulator:
         self.policy = policy
         self.check = check_invariants
         profile = catalog.server(server_profile)
-        self.cost = CostModel(catalog, profile, switch_cost_scale, prefill_speed_scale)
+        self.cost = CostModel(catalog, profile, switch_cost_scale, prefill_speed_scale, decode_speed_scale)
         model_names = list(dict.fromkeys(s.model for s in sessions))
         specs = {m: catalog.model(m) for m in sorted(model_names)}
         self.servers: dict[str, _Server] = {}

@@ -176,6 +176,16 @@ def test_prefill_speed_scale_divides_prefill_only(cm: CostModel, scale: float) -
     assert s.wake_residual_s == cm.wake_residual_s
 
 
+@pytest.mark.parametrize("scale", [1 / 3, 0.5, 2.0])
+def test_decode_speed_scale_divides_decode_steps_only(cm: CostModel, scale: float) -> None:
+    s = CostModel(CAT, H100, decode_speed_scale=scale)
+    for batch, ctx in [(1, 4_000), (16, 500_000), (64, 3_000_000)]:
+        assert s.itl_s(QWEN, batch, ctx) == pytest.approx(cm.itl_s(QWEN, batch, ctx) / scale, rel=1e-12)
+    assert s.decode_alone_s(QWEN, 30_000, 200) == pytest.approx(cm.decode_alone_s(QWEN, 30_000, 200) / scale, rel=1e-12)
+    assert s.prefill_s(QWEN, 5_000, 20_000) == cm.prefill_s(QWEN, 5_000, 20_000)
+    assert s.h2d_s(1e9) == cm.h2d_s(1e9)
+
+
 def test_faster_server_has_faster_kv_read() -> None:
     h200 = CostModel(CAT, CAT.server("h200x8"))
     h100 = CostModel(CAT, H100)

@@ -80,3 +80,13 @@ def test_latency_study_decides_on_unscored_seeds_and_includes_the_tuned_policy()
     assert not set(ex.ROBUSTNESS_SEEDS) & set(ex.SCORE_SEEDS)
     assert min(ex.ROBUSTNESS_SEEDS) > max(ex.SCORE_SEEDS)
     assert ex.IDLE_HOLDS_S[0] == tuned_overrides()["talaria"]["idle_hold_max_s"] and ex.LATENCIES_S[0] == 0.0
+
+
+def test_sharing_study_lays_out_turns_three_servers_and_thirds() -> None:
+    """`talaria study sharing`: three servers' capacity beats turns on one, and
+    a third of a server decodes every session more slowly than a whole one."""
+    report, md = ex.sharing_study()
+    turns, servers, thirds = report.values()
+    assert servers["sct_mean_s"] < turns["sct_mean_s"]
+    assert thirds["decode_per_session_s"] > 2.5 * servers["decode_per_session_s"]
+    assert len([line for line in md if line.startswith("| ") and "---" not in line]) == 4

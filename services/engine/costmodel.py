@@ -26,6 +26,7 @@ class CostModel:
     # Sensitivity knobs (issue 3's sensitivity table); 1.0 = the catalog's figures.
     switch_cost_scale: float = 1.0
     prefill_speed_scale: float = 1.0
+    decode_speed_scale: float = 1.0  # what-ifs only (talaria study sharing): a share of the server's decode
 
     # -- compute -------------------------------------------------------------
     def prefill_s(self, model: ModelSpec, new_tokens: int, cached_tokens: int) -> float:
@@ -56,7 +57,7 @@ class CostModel:
         """Seconds per decode step for a batch holding `context_tokens` in total."""
         kv_bytes = context_tokens * model.kv_bytes_per_token + batch * model.kv_bytes_per_seq
         kv_read = kv_bytes / self.server.gpus / (self.server.hbm_tb_s_per_gpu * 1e12)
-        return self.base_itl_s(batch) * model.decode_itl_scale + kv_read
+        return (self.base_itl_s(batch) * model.decode_itl_scale + kv_read) / self.decode_speed_scale
 
     def decode_alone_s(self, model: ModelSpec, context_tokens: int, output_tokens: int) -> float:
         """Decode time of one call running alone (used by the oracle bound)."""
