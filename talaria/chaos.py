@@ -158,8 +158,7 @@ class Injector:
 async def _run_once(sessions: list[TraceSession], spec: StackSpec, *, plan: list[tuple[float, str]] | None,
                     seed: int, silence_s: float) -> tuple[ReplayOutcome, Injector | None, Path, float]:
     async with EmbeddedStack(spec) as stack:
-        client = await TalariaClient.connect(stack.nats_urls, subject_prefix=stack.subject_prefix,
-                                             silence_s=silence_s, retries=50, **stack.nats_auth("agent"))
+        client = await TalariaClient.from_deployment(stack.deployment(), silence_s=silence_s, retries=50)
         t0 = time.monotonic()
         inj = Injector(stack, random.Random(seed), t0) if plan is not None else None
         try:

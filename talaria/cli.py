@@ -10,6 +10,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import msgspec
+
 from shared.auth import nats_password_from_env
 from shared.catalog import CatalogError, load_catalog
 from shared.policy import PRESETS, PolicyError, resolve_policy
@@ -117,16 +119,11 @@ def _deployment(a: argparse.Namespace) -> Deployment | None:
     if not a.credentials and not a.nats:
         return None
     dep = Deployment.load(a.credentials) if a.credentials else Deployment(nats_urls=a.nats.split(","))
-    login = dep.agent
+    given: dict[str, object] = {"nats_urls": a.nats.split(",") if a.nats else None, "subject_prefix": a.subject_prefix,
+                                "redis_url": a.redis, "key_prefix": a.key_prefix}
     if a.nats_user:
-        login = AgentLogin(user=a.nats_user, password=nats_password_from_env(a.nats_user, dict(os.environ)))
-    return Deployment(
-        nats_urls=a.nats.split(",") if a.nats else dep.nats_urls,
-        subject_prefix=a.subject_prefix or dep.subject_prefix,
-        agent=login,
-        redis_url=a.redis or dep.redis_url,
-        key_prefix=a.key_prefix or dep.key_prefix,
-    )
+        given["agent"] = AgentLogin(user=a.nats_user, password=nats_password_from_env(a.nats_user, dict(os.environ)))
+    return msgspec.structs.replace(dep, **{k: v for k, v in given.items() if v is not None})
 
 
 def cmd_replay(a: argparse.Namespace) -> int:
@@ -219,9 +216,7 @@ def cmd_up(a: argparse.Namespace) -> int:
         try:
             await stack.start()
             cred_file = Path(a.log_dir) / "credentials.json"
-            Deployment(nats_urls=stack.nats_urls, subject_prefix=stack.subject_prefix,
-                       agent=AgentLogin(**stack.nats_auth("agent")), redis_url=stack.redis_url,
-                       key_prefix=stack.key_prefix).write(cred_file)
+            stack.deployment().write(cred_file)
             if stack.creds is not None:
                 print(f"authentication on: agent credentials (NATS user 'agent') in {cred_file}")
             print(f"replay against it: talaria replay TRACE --credentials {cred_file}")

@@ -26,6 +26,7 @@ from typing import Self
 
 import msgspec
 import nats
+import nats.errors
 from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
@@ -66,6 +67,10 @@ _ERRORS: dict[str, type[TalariaError]] = {
 
 def raise_for(err: ApiError) -> None:
     raise _ERRORS.get(err.code, TalariaError)(err.code, err.message, err.retry_after_s)
+
+
+class LoginRefused(ConnectionError):
+    """NATS refused the first connection's login (wrong user or password)."""
 
 
 class AgentLogin(msgspec.Struct, frozen=True):
@@ -121,15 +126,16 @@ class TalariaClient:
                       connect_timeout_s: float = 10.0, **kw: object) -> Self:
         """Connect to NATS. Once connected the client reconnects forever; the
         first connection fails fast instead (nats-py would retry it forever):
-        a refused login at once, an unreachable server after `connect_timeout_s`,
-        either as `ConnectionError` naming the servers and the last error."""
+        a refused login at once (`LoginRefused`), an unreachable server after
+        `connect_timeout_s` (`ConnectionError`), naming the servers and the last error."""
         urls = [urls] if isinstance(urls, str) else list(urls)
         errors: list[Exception] = []
         refused = asyncio.Event()
 
         async def on_error(e: Exception) -> None:
             errors.append(e)
-            if "authorization violation" in str(e).lower():
+            # during the handshake nats-py raises a plain Error carrying the server's text
+            if isinstance(e, nats.errors.AuthorizationError) or "authorization violation" in str(e).lower():
                 refused.set()
             log.warning("NATS error: %s", e)
 
@@ -147,9 +153,11 @@ class TalariaClient:
                 await connecting
             with contextlib.suppress(Exception):
                 await nc.close()
-            why = "login refused (Authorization Violation)" if refused.is_set() else (
-                f"{errors[-1]!s} (after {connect_timeout_s:g} s)" if errors else f"no answer in {connect_timeout_s:g} s")
-            raise ConnectionError(f"cannot connect to NATS at {', '.join(urls)}: {why}")
+            where = ", ".join(urls)
+            if refused.is_set():
+                raise LoginRefused(f"cannot connect to NATS at {where}: login refused (Authorization Violation)")
+            why = f"{errors[-1]!s} (after {connect_timeout_s:g} s)" if errors else f"no answer in {connect_timeout_s:g} s"
+            raise ConnectionError(f"cannot connect to NATS at {where}: {why}")
         connecting.result()  # a connect that failed outright raises here
         return cls(nc, **kw)  # type: ignore[arg-type]
 

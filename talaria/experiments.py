@@ -173,25 +173,23 @@ def latency_study() -> tuple[dict[str, Any], list[str]]:
     sessions = load_trace(DEFAULT_TRACE)
     tuning = traces_for(ROBUSTNESS_SEEDS)
     report: dict[str, Any] = {"latencies_s": LATENCIES_S, "idle_holds_s": IDLE_HOLDS_S, "default_trace": {}, "tuning_seeds": {}}
-    md = ["### Talaria under the control plane's latency (`talaria sim --call-latency S`)\n",
-          "Default trace, p50 / p95 / mean SCT (model s), by idle hold (the tuned policy: 0):\n",
-          "| idle hold s | " + " | ".join(f"latency {x:g} s" for x in LATENCIES_S) + " |",
-          "| ---: |" + " ---: |" * len(LATENCIES_S)]
+    header = ["| idle hold s | " + " | ".join(f"latency {x:g} s" for x in LATENCIES_S) + " |",
+              "| ---: |" + " ---: |" * len(LATENCIES_S)]
+    default_rows, tuning_rows = [], []
     for hold in IDLE_HOLDS_S:
         pol = resolve_policy("talaria", {"idle_hold_max_s": hold})
         runs = [run_one(sessions, pol, call_latency_s=lat) for lat in LATENCIES_S]
-        report["default_trace"][str(hold)] = [{k: r[k] for k in ("sct_p50_s", "sct_p95_s", "sct_mean_s")} for r in runs]
-        md.append(f"| {hold:g} | " + " | ".join(f"{r['sct_p50_s']:.0f} / {r['sct_p95_s']:.0f} / {r['sct_mean_s']:.0f}"
-                                                for r in runs) + " |")
-    md += ["", f"Mean SCT (model s) over the one-server tuning seeds {ROBUSTNESS_SEEDS[0]}-{ROBUSTNESS_SEEDS[-1]}:\n",
-           "| idle hold s | " + " | ".join(f"latency {x:g} s" for x in LATENCIES_S) + " |",
-           "| ---: |" + " ---: |" * len(LATENCIES_S)]
-    for hold in IDLE_HOLDS_S:
-        pol = resolve_policy("talaria", {"idle_hold_max_s": hold})
         means = [statistics.fmean(run_one(t, pol, call_latency_s=lat)["sct_mean_s"] for t in tuning) for lat in LATENCIES_S]
+        report["default_trace"][str(hold)] = [{k: r[k] for k in ("sct_p50_s", "sct_p95_s", "sct_mean_s")} for r in runs]
         report["tuning_seeds"][str(hold)] = means
-        md.append(f"| {hold:g} | " + " | ".join(f"{m:.1f}" for m in means) + " |")
-    md.append("")
+        default_rows.append(f"| {hold:g} | " + " | ".join(
+            f"{r['sct_p50_s']:.0f} / {r['sct_p95_s']:.0f} / {r['sct_mean_s']:.0f}" for r in runs) + " |")
+        tuning_rows.append(f"| {hold:g} | " + " | ".join(f"{m:.1f}" for m in means) + " |")
+    md = ["### Talaria under the control plane's latency (`talaria sim --call-latency S`)\n",
+          "Default trace, p50 / p95 / mean SCT (model s), by idle hold (the tuned policy: 0):\n",
+          *header, *default_rows, "",
+          f"Mean SCT (model s) over the one-server tuning seeds {ROBUSTNESS_SEEDS[0]}-{ROBUSTNESS_SEEDS[-1]}:\n",
+          *header, *tuning_rows, ""]
     return report, md
 
 

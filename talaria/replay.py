@@ -29,7 +29,7 @@ from shared.policy import PolicyConfig
 from shared.schema import CallReply
 from shared.trace import TraceSession
 from talaria.agent import DEFAULT_MAX_TOKENS, call_id_for, plan_session
-from talaria.client import Deployment, TalariaClient, TalariaError
+from talaria.client import Deployment, LoginRefused, TalariaClient, TalariaError
 from talaria.records import CallRecord
 from talaria.stack import EmbeddedStack, StackSpec
 
@@ -188,8 +188,7 @@ async def replay_embedded(sessions: list[TraceSession], policy: PolicyConfig, sp
     print(f"[{policy.name}] starting the embedded stack (NATS, Redis, {len(spec.models) + 3} service processes) ...", file=sys.stderr, flush=True)
     async with EmbeddedStack(spec) as stack:
         print(f"[{policy.name}] stack up; logs in {stack.log_dir}; replaying at {spec.time_scale:g}x", file=sys.stderr, flush=True)
-        client = await TalariaClient.connect(stack.nats_urls, subject_prefix=stack.subject_prefix,
-                                             **stack.nats_auth("agent"))
+        client = await TalariaClient.from_deployment(stack.deployment())
         try:
             clock = ScaledClock(spec.time_scale, stack.clock_epoch)
             out = await drive(client, clock, sessions, policy.name)
@@ -212,8 +211,8 @@ async def replay_external(sessions: list[TraceSession], target: Deployment) -> R
     where = ",".join(target.nats_urls)
     try:
         client = await TalariaClient.from_deployment(target)
-    except (ConnectionError, nats.errors.Error, OSError) as exc:
-        hint = " (log in with --credentials FILE from `talaria up`, or --nats-user)" if "refused" in str(exc) else ""
+    except (nats.errors.Error, OSError) as exc:  # ConnectionError and LoginRefused are OSErrors
+        hint = " (log in with --credentials FILE from `talaria up`, or --nats-user)" if isinstance(exc, LoginRefused) else ""
         raise ReplayTargetError(f"{exc}{hint}") from None
     try:
         try:
@@ -233,10 +232,13 @@ async def replay_external(sessions: list[TraceSession], target: Deployment) -> R
         await client.close()
     out.time_scale = info.time_scale
     if target.redis_url:
-        with contextlib.suppress(Exception):  # operators' extras: the replay stands without them
+        try:  # operators' extras: the replay stands without them
             name, lag = await worst_lag(target.redis_url, target.key_prefix)
             out.worst_lag_service, out.worst_lag_model_s = name, lag * info.time_scale
             out.server_stats = await server_stats(target.redis_url, target.key_prefix, info.servers)
+        except Exception as exc:
+            print(f"[{info.policy}] could not read the deployment's Redis at {target.redis_url}: {exc}",
+                  file=sys.stderr, flush=True)
     return out
 
 

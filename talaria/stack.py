@@ -21,6 +21,7 @@ import nats
 
 from shared.auth import Credentials, generate_credentials, nats_permissions
 from shared.policy import PolicyConfig, encode_policy
+from talaria.client import AgentLogin, Deployment
 from talaria.infra import NatsServer, ProcessGroup, RedisServer, start_cluster
 
 DEFAULT_MODELS = ["glm-4.5-fp8", "qwen3-235b-a22b-fp8", "glm-4.5-air-fp8"]
@@ -79,6 +80,12 @@ class EmbeddedStack:
         if self.creds is None:
             return {}
         return {"user": role, "password": self.creds.nats[role]}
+
+    def deployment(self) -> Deployment:
+        """How an agent reaches this stack (what `talaria up` writes to credentials.json)."""
+        return Deployment(nats_urls=self.nats_urls, subject_prefix=self.subject_prefix,
+                          agent=AgentLogin(**self.nats_auth("agent")), redis_url=self.redis_url,
+                          key_prefix=self.key_prefix)
 
     @property
     def redis_url(self) -> str:

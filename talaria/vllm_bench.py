@@ -137,8 +137,7 @@ async def run_policy(policy: str, log_dir: Path, *, sessions: int = 4, calls: in
     try:
         await stack.start(timeout_s=300)
         starts = await wait_engines(stack)
-        client = await TalariaClient.connect(stack.nats_urls, subject_prefix=stack.subject_prefix, silence_s=60.0,
-                                             **stack.nats_auth("agent"))
+        client = await TalariaClient.from_deployment(stack.deployment(), silence_s=60.0)
         try:
             stats = await play_sessions(client, sessions, calls, seed=seed)
         finally:
@@ -244,8 +243,7 @@ async def demo(log_dir: Path, *, sessions: int = 3, calls: int = 4, policy: str 
     try:
         await stack.start(timeout_s=300)
         await wait_engines(stack)
-        client = await TalariaClient.connect(stack.nats_urls, subject_prefix=stack.subject_prefix, silence_s=60.0,
-                                             **stack.nats_auth("agent"))
+        client = await TalariaClient.from_deployment(stack.deployment(), silence_s=60.0)
         try:
             t0 = time.monotonic()
             runs = await play_trace(client, trace, seed=seed)
