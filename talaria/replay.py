@@ -226,20 +226,36 @@ async def replay_external(sessions: list[TraceSession], target: Deployment) -> R
                                     f"(it serves {', '.join(info.models)})")
         print(f"[{info.policy}] replaying against {where} at {info.time_scale:g}x "
               f"({len(info.servers)} servers)", file=sys.stderr, flush=True)
+        # a running deployment's counters add up over its life: this replay's share is after - before
+        before = await _deployment_stats(target, info.servers, info.policy)
         clock = ScaledClock(info.time_scale, info.clock_epoch)
         out = await drive(client, clock, sessions, info.policy, run_tag=f"r{uuid.uuid4().hex[:6]}-")
     finally:
         await client.close()
     out.time_scale = info.time_scale
-    if target.redis_url:
-        try:  # operators' extras: the replay stands without them
-            name, lag = await worst_lag(target.redis_url, target.key_prefix)
-            out.worst_lag_service, out.worst_lag_model_s = name, lag * info.time_scale
-            out.server_stats = await server_stats(target.redis_url, target.key_prefix, info.servers)
-        except Exception as exc:
-            print(f"[{info.policy}] could not read the deployment's Redis at {target.redis_url}: {exc}",
-                  file=sys.stderr, flush=True)
+    after = await _deployment_stats(target, info.servers, info.policy) if before is not None else None
+    if before is not None and after is not None:
+        out.server_stats = {k: v - before.get(k, 0.0) for k, v in after.items()}
+        lag = await _from_deployment_redis(target, info.policy, worst_lag(target.redis_url or "", target.key_prefix))
+        if lag is not None:  # the worst over the deployment's life: not reset per replay
+            out.worst_lag_service, out.worst_lag_model_s = lag[0], lag[1] * info.time_scale
     return out
+
+
+async def _deployment_stats(target: Deployment, server_ids: list[str], policy: str) -> dict[str, float] | None:
+    """The deployment's scheduler counters from its Redis; None without one or
+    when it cannot be read (operators' extras: the replay stands without them)."""
+    if not target.redis_url:
+        return None
+    return await _from_deployment_redis(target, policy, server_stats(target.redis_url, target.key_prefix, server_ids))
+
+
+async def _from_deployment_redis(target: Deployment, policy: str, read: Awaitable[T]) -> T | None:
+    try:
+        return await read
+    except Exception as exc:
+        print(f"[{policy}] could not read the deployment's Redis at {target.redis_url}: {exc}", file=sys.stderr, flush=True)
+        return None
 
 
 def write_json(path: str | Path, payload: dict) -> None:
