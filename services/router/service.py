@@ -195,7 +195,7 @@ class Router(ServiceProcess):
                                                        expect_seq=seq if attempt < PLACEMENT_ATTEMPTS else None):
                 break
             pipe = self.redis.pipeline(transaction=False)
-            n = self._queue_server_reads(pipe)
+            self._queue_server_reads(pipe)  # the only reads in this pipeline: no count needed
             read = self.in_flight.begin_read()
             seq, views = self._server_views(await pipe.execute(), read, kv, reserved_on)
         self.log.info("router.placed", model=req.model, at=round(now, 3), attempts=attempt,
