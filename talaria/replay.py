@@ -27,11 +27,11 @@ from shared.clock import ScaledClock
 from shared.keys import Keys
 from shared.policy import PolicyConfig
 from shared.schema import CallReply
-from shared.trace import TraceSession
-from talaria.agent import DEFAULT_MAX_TOKENS, call_id_for, plan_session
+from talaria.workload.trace import TraceSession
+from talaria.workload.agent import DEFAULT_MAX_TOKENS, call_id_for, plan_session
 from talaria.client import Deployment, LoginRefused, TalariaClient, TalariaError
-from talaria.records import CallRecord
-from talaria.stack import EmbeddedStack, StackSpec
+from talaria.results.records import CallRecord
+from talaria.ops.stack import EmbeddedStack, StackSpec
 
 T = TypeVar("T")
 

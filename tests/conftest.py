@@ -1,6 +1,6 @@
 """Shared pytest fixtures: an embedded NATS (JetStream) and Redis on free loopback ports.
 
-Never the system NATS/Redis on 4222/6379: every server here is started by talaria.infra.
+Never the system NATS/Redis on 4222/6379: every server here is started by talaria.ops.processes.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 import redis.asyncio as aioredis
 from nats.aio.client import Client as NATS
 
-from talaria.infra import NatsServer, RedisServer
+from talaria.ops.processes import NatsServer, RedisServer
 
 
 @pytest.fixture(scope="session")

@@ -11,11 +11,11 @@ import pytest
 
 from shared.clock import ScaledClock
 from shared.policy import resolve_policy
-from shared.trace import load_trace
-from talaria.chaos import FAULT_KINDS, run_chaos
+from talaria.workload.trace import load_trace
+from talaria.lab.chaos import FAULT_KINDS, run_chaos
 from talaria.client import TalariaClient
 from talaria.replay import drive
-from talaria.stack import EmbeddedStack, StackSpec
+from talaria.ops.stack import EmbeddedStack, StackSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "traces" / "smoke-4.jsonl"

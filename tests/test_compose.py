@@ -37,9 +37,9 @@ import pytest
 yaml = pytest.importorskip("yaml")
 jsonschema = pytest.importorskip("jsonschema")
 
-from talaria import healthcheck  # noqa: E402
-from talaria.infra import NatsServer, ProcessGroup, RedisServer, find_nats_server, find_redis_server, free_port  # noqa: E402
-from talaria.stack import DEFAULT_MODELS  # noqa: E402
+from talaria.ops import healthcheck  # noqa: E402
+from talaria.ops.processes import NatsServer, ProcessGroup, RedisServer, find_nats_server, find_redis_server, free_port  # noqa: E402
+from talaria.ops.stack import DEFAULT_MODELS  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE = ROOT / "compose.yaml"
@@ -202,7 +202,7 @@ def test_health_checks_restarts_and_start_order() -> None:
         assert svc.get("healthcheck", {}).get("test"), f"{name}: no healthcheck"
     for name, svc in ours(compose).items():
         test = svc["healthcheck"]["test"]
-        assert test[:4] == ["CMD", "python", "-m", "talaria.healthcheck"], name
+        assert test[:4] == ["CMD", "python", "-m", "talaria.ops.healthcheck"], name
         deps = svc["depends_on"]
         for infra in ("nats", "redis"):
             assert deps[infra]["condition"] == "service_healthy", f"{name} -> {infra}"
@@ -310,7 +310,7 @@ def test_nats_conf_loads_with_jetstream(tmp_path: Path) -> None:
 
 
 def test_nats_auth_conf_is_generated_from_shared_auth() -> None:
-    from talaria.deploy_auth import auth_conf
+    from talaria.ops.deploy_auth import auth_conf
 
     assert (ROOT / "deploy/nats/auth.conf").read_text() == auth_conf(parse_env_file(ENV_EXAMPLE)["TALARIA_SUBJECT_PREFIX"])
 

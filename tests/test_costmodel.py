@@ -1,10 +1,10 @@
-"""Cost model (services/engine/costmodel.py) against the figures of CALIBRATION.md."""
+"""Cost model (shared/costmodel.py) against the figures of CALIBRATION.md."""
 
 from __future__ import annotations
 
 import pytest
 
-from services.engine.costmodel import CostModel
+from shared.costmodel import CostModel
 from shared.catalog import GB, load_catalog
 
 CAT = load_catalog()

@@ -20,9 +20,9 @@ import pytest
 from shared.catalog import load_catalog
 from shared.logs import read_log_events
 from shared.policy import resolve_policy
-from shared.trace import TraceCall, TraceSession, dump_trace, load_trace
-from talaria.generate import generate, load_settings
-from talaria.simulator import simulate
+from talaria.workload.trace import TraceCall, TraceSession, dump_trace, load_trace
+from talaria.workload.generate import generate, load_settings
+from talaria.sim.simulator import simulate
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 

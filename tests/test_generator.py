@@ -1,4 +1,4 @@
-"""The seeded session generator (talaria/generate.py) and the shipped traces."""
+"""The seeded session generator (talaria/workload/generate.py) and the shipped traces."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import msgspec
 import pytest
 
 from shared.catalog import load_catalog
-from shared.trace import encode_trace, load_trace, session_prompts
-from talaria.generate import (
+from talaria.workload.trace import encode_trace, load_trace, session_prompts
+from talaria.workload.generate import (
     GeneratorSettings,
     configure_parser,
     generate,

@@ -1,4 +1,4 @@
-"""talaria.infra: embedded NATS/Redis lifecycle, NATS clustering and the process supervisor."""
+"""talaria.ops.processes: embedded NATS/Redis lifecycle, NATS clustering and the process supervisor."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from redis.backoff import NoBackoff
 from nats.aio.client import Client as NATS
 
 from polling import until
-from talaria.infra import (
+from talaria.ops.processes import (
     InfraError,
     NatsServer,
     ProcessGroup,
@@ -169,7 +169,7 @@ def test_a_port_taken_before_bind_is_picked_again(tmp_path: Path, monkeypatch: p
     """Between picking a free port and the server binding it, another process can
     take it: a server whose port we picked tries fresh ones (CI saw a NATS cluster
     node fail so); one whose port the caller chose fails clearly (test above)."""
-    import talaria.infra as infra
+    import talaria.ops.processes as infra
 
     squatter = NatsServer(jetstream=False, log_file=tmp_path / "squatter.log")
     squatter.start(timeout=DEADLINE_S)
@@ -436,7 +436,7 @@ async def test_stop_all_kills_whole_process_group(tmp_path: Path) -> None:
 
 EXIT_SCRIPT = textwrap.dedent("""
     import os, signal, sys, time
-    from talaria.infra import NatsServer, ProcessGroup, RedisServer
+    from talaria.ops.processes import NatsServer, ProcessGroup, RedisServer
     n = NatsServer(jetstream=False); n.start(timeout=30)
     r = RedisServer(); r.start(timeout=30)
     g = ProcessGroup()

@@ -16,11 +16,11 @@ from shared.catalog import DEFAULT_CATALOG_PATH, load_catalog
 from shared.clock import ScaledClock
 from shared.logs import read_log_events
 from shared.policy import resolve_policy
-from shared.trace import TraceCall, TraceSession
+from talaria.workload.trace import TraceCall, TraceSession
 from talaria.client import TalariaClient
 from talaria.replay import drive
-from talaria.simulator import simulate
-from talaria.stack import EmbeddedStack, StackSpec
+from talaria.sim.simulator import simulate
+from talaria.ops.stack import EmbeddedStack, StackSpec
 
 AIR = "glm-4.5-air-fp8"
 KV_TOKENS = 27_000  # room for one call's reservation (prompt + 4,096) and little else

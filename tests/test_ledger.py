@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from services.engine.costmodel import CostModel
+from shared.costmodel import CostModel
 from services.substrate.ledger import SubstrateLedger, kv_capacity_tokens, region_plan
 from shared.catalog import GB, load_catalog
 import msgspec

@@ -20,14 +20,14 @@ from services.admission.scheduler import (
     SlotClosed,
     SwitchDone,
 )
-from services.engine.costmodel import CostModel
+from shared.costmodel import CostModel
 from services.engine.sim_engine import SimEngine
 from services.router.placement import ServerView, affinity_server, rank
 from shared.catalog import load_catalog
 from shared.policy import BASELINE, PEERS, PRESETS, TALARIA, PolicyError, resolve_policy
-from talaria.generate import GeneratorSettings, generate
-from talaria.scenarios import ScenarioError, load_scenario
-from talaria.simulator import simulate
+from talaria.workload.generate import GeneratorSettings, generate
+from talaria.workload.scenarios import ScenarioError, load_scenario
+from talaria.sim.simulator import simulate
 
 ROOT = Path(__file__).resolve().parent.parent
 CAT = load_catalog()
@@ -251,7 +251,7 @@ def test_checked_in_scenarios_load(name: str) -> None:
 
 
 def test_default_scenario_is_the_default_trace() -> None:
-    from shared.trace import encode_trace
+    from talaria.workload.trace import encode_trace
 
     sc = load_scenario(ROOT / "scenarios" / "1x30x3.toml")
     assert encode_trace(generate(sc.trace, seed=0)) == (ROOT / "traces" / "swebench-30.jsonl").read_bytes()
@@ -305,7 +305,7 @@ class CountingEngine(SimEngine):
 def test_every_call_completes_once_on_several_servers(monkeypatch: pytest.MonkeyPatch, name: str, seed: int) -> None:
     sessions = generate(SMALL, seed=seed)
     CountingEngine.finishes = Counter()
-    monkeypatch.setattr("talaria.simulator.SimEngine", CountingEngine)
+    monkeypatch.setattr("talaria.sim.simulator.SimEngine", CountingEngine)
     res = simulate(sessions, CAT, resolve_policy(name), servers=3, check_invariants=True)  # raises on time travel
     expected = {f"{s.session_id}#{i:03d}" for s in sessions for i in range(len(s.calls))}
     assert {r.call_id for r in res.records} == expected

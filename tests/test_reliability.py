@@ -15,7 +15,7 @@ import redis.asyncio as aioredis
 from shared.keys import Keys
 from shared.schema import CallAccepted, CallQueued, CallReply, CallRunning
 from talaria.client import NoCapacity, TalariaClient
-from talaria.infra import NatsServer, RedisServer
+from talaria.ops.processes import NatsServer, RedisServer
 from polling import until
 from test_services import MODEL_A, MODEL_B, SERVER, Services, svc_redis_hash
 

@@ -24,7 +24,7 @@ from services.admission.scheduler import (
     SwitchDone,
     Tick,
 )
-from services.engine.costmodel import CostModel
+from shared.costmodel import CostModel
 from shared.catalog import load_catalog
 from shared.policy import PRESETS, PolicyConfig
 

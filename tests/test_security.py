@@ -12,7 +12,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import AuthenticationError, ResponseError
 
 from shared.auth import ROLES, generate_credentials, nats_permissions
-from talaria.infra import NatsServer, RedisServer
+from talaria.ops.processes import NatsServer, RedisServer
 
 PREFIX = "sec"
 

@@ -1,6 +1,6 @@
 """Each service as a real subprocess over a real NATS and Redis (the session fixtures).
 
-Services are started with `talaria.infra.ProcessGroup` (`python -m services.<name>`,
+Services are started with `talaria.ops.processes.ProcessGroup` (`python -m services.<name>`,
 configured only through TALARIA_* environment variables) and are healthy once
 `<prefix>.health.<instance>` answers. Time runs 100x faster than the wall clock.
 """
@@ -36,8 +36,8 @@ from shared.subjects import Subjects
 from talaria.client import (
     ContextLimit, Malformed, TalariaClient, UnknownModel, UnknownSession,
 )
-from talaria.infra import NatsServer, ProcessGroup, RedisServer
-from talaria.sessionlog import session_lines, summarize_calls
+from talaria.ops.processes import NatsServer, ProcessGroup, RedisServer
+from talaria.ops.sessionlog import session_lines, summarize_calls
 
 ROOT = Path(__file__).resolve().parents[1]
 SERVER = "s0"

@@ -1,4 +1,4 @@
-"""`talaria logs SESSION` (talaria/sessionlog.py): one session's lines from
+"""`talaria logs SESSION` (talaria/ops/sessionlog.py): one session's lines from
 every service's log, merged in wall-clock order, per run folder."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from talaria.cli import main
-from talaria.sessionlog import details, session_lines, summarize_calls
+from talaria.ops.sessionlog import details, session_lines, summarize_calls
 
 
 def _write(path: Path, *records: dict | str) -> None:

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from services.engine.costmodel import CostModel
+from shared.costmodel import CostModel
 from services.engine.sim_engine import CallResult, EngineCall, EngineError, SimEngine
 from shared.catalog import load_catalog
 

@@ -1,4 +1,4 @@
-"""The simulator (talaria/simulator.py): conservation, causality, determinism, speed,
+"""The simulator (talaria/sim/simulator.py): conservation, causality, determinism, speed,
 and that no decision reads the future (a call's true output length or the next tool gap)."""
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ from services.router.placement import ServerView
 from shared.catalog import load_catalog
 from shared.policy import PRESETS, PolicyConfig
 from shared.schema import AdmissionCallMsg
-from shared.trace import TraceSession, load_trace
-from talaria.agent import DEFAULT_MAX_TOKENS
-from talaria.generate import generate, load_settings
-from talaria.simulator import SimResult, Simulator, simulate
+from talaria.workload.trace import TraceSession, load_trace
+from talaria.workload.agent import DEFAULT_MAX_TOKENS
+from talaria.workload.generate import generate, load_settings
+from talaria.sim.simulator import SimResult, Simulator, simulate
 
 ROOT = Path(__file__).resolve().parent.parent
 CAT = load_catalog()
@@ -54,7 +54,7 @@ class CountingEngine(SimEngine):
 def test_every_call_completes_once_in_order(monkeypatch: pytest.MonkeyPatch, policy_name: str, trace_name: str) -> None:
     sessions = trace_for(trace_name)
     CountingEngine.finishes = Counter()
-    monkeypatch.setattr("talaria.simulator.SimEngine", CountingEngine)
+    monkeypatch.setattr("talaria.sim.simulator.SimEngine", CountingEngine)
     res = simulate(sessions, CAT, PRESETS[policy_name], check_invariants=True)
 
     expected_ids = {f"{s.session_id}#{i:03d}" for s in sessions for i in range(len(s.calls))}

@@ -15,12 +15,12 @@ import pytest
 from shared.catalog import load_catalog
 from shared.clock import ScaledClock
 from shared.policy import resolve_policy
-from shared.trace import TraceCall, TraceSession
+from talaria.workload.trace import TraceCall, TraceSession
 from talaria.client import TalariaClient
-from talaria.records import CallRecord
+from talaria.results.records import CallRecord
 from talaria.replay import drive
-from talaria.simulator import simulate
-from talaria.stack import EmbeddedStack, StackSpec
+from talaria.sim.simulator import simulate
+from talaria.ops.stack import EmbeddedStack, StackSpec
 
 AIR, GLM = "glm-4.5-air-fp8", "glm-4.5-fp8"
 

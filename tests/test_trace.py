@@ -1,4 +1,4 @@
-"""The trace reader/writer (shared/trace.py) against TRACE-FORMAT.md."""
+"""The trace reader/writer (talaria/workload/trace.py) against TRACE-FORMAT.md."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from shared.catalog import load_catalog
-from shared.trace import (
+from talaria.workload.trace import (
     TraceCall,
     TraceError,
     TraceSession,

@@ -11,8 +11,8 @@ import msgspec
 import pytest
 
 from shared.policy import PolicyConfig, resolve_policy, tuned_overrides
-from talaria import experiments as ex
-from talaria.scenarios import load_scenario
+from talaria.lab import experiments as ex
+from talaria.workload.scenarios import load_scenario
 
 ROOT = Path(__file__).resolve().parent.parent
 

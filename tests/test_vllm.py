@@ -21,7 +21,7 @@ from shared.schema import (
     control_reply_decoder, encode, engine_state_decoder, kv_event_decoder,
 )
 from shared.subjects import Subjects
-from talaria import vllm_bench as vb
+from talaria.lab import vllm_bench as vb
 
 WHY_NOT = vb.vllm_available()
 needs_vllm = pytest.mark.skipif(WHY_NOT is not None, reason=WHY_NOT or "")
@@ -76,7 +76,7 @@ async def test_kv_events_on_the_cpu_offload_tier_say_host(redis_client: aioredis
 def test_demo_trace_fits_the_tiny_model() -> None:
     """`talaria demo --engine vllm-cpu` replays a generated trace: a few sessions,
     small token counts within the tiny model's context, short tool gaps."""
-    from shared.trace import encode_trace, parse_trace, session_prompts
+    from talaria.workload.trace import encode_trace, parse_trace, session_prompts
 
     trace = vb.demo_trace(3, 4, seed=7)
     assert len(trace) == 3 and sum(len(t.calls) for t in trace) == 12
@@ -99,7 +99,7 @@ async def test_two_vllm_cpu_engine_workers_prefix_hits_and_kv_events(tmp_path: P
     KV-event path: the engine's BlockStored put a session in Redis's locality
     view, and clearing the engine's cache (AllBlocksCleared) takes it out."""
     from talaria.client import TalariaClient, TokenSession
-    from talaria.stack import EmbeddedStack
+    from talaria.ops.stack import EmbeddedStack
 
     figures = {}
     for policy in ("talaria", "least-loaded"):

@@ -40,7 +40,7 @@ import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
-from services.engine.costmodel import CostModel
+from shared.costmodel import CostModel
 from shared.catalog import ModelSpec
 from shared.policy import PolicyConfig
 

@@ -16,7 +16,7 @@ import structlog
 from nats.aio.msg import Msg
 
 from services.admission import scheduler as sch
-from services.engine.costmodel import CostModel
+from shared.costmodel import CostModel
 from shared.bus import ServiceProcess, run_service, trace_headers
 from shared.clock import at_source, done_within, drive_timer
 from shared.schema import (

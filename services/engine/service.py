@@ -14,7 +14,7 @@ import contextlib
 import structlog
 from nats.aio.msg import Msg
 
-from services.engine.costmodel import CostModel
+from shared.costmodel import CostModel
 from services.engine.sim_engine import CallResult, EngineCall, SimEngine
 from shared.bus import ServiceProcess, run_service, trace_headers
 from shared.clock import at_source, drive_timer

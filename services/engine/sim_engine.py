@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
-from services.engine.costmodel import CostModel
+from shared.costmodel import CostModel
 from shared.catalog import ModelSpec
 
 EPS = 1e-9

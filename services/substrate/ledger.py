@@ -32,7 +32,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from services.engine.costmodel import CostModel
+from shared.costmodel import CostModel
 from shared.catalog import ModelSpec, ServerProfile
 from shared.policy import PolicyConfig
 

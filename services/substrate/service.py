@@ -13,7 +13,7 @@ import asyncio
 
 from nats.aio.msg import Msg
 
-from services.engine.costmodel import CostModel
+from shared.costmodel import CostModel
 from services.substrate.ledger import SubstrateLedger
 from shared.bus import ServiceProcess, run_service
 from shared.clock import at_source

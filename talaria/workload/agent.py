@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shared.trace import TraceSession, session_prompts
+from talaria.workload.trace import TraceSession, session_prompts
 
 DEFAULT_MAX_TOKENS = 4096  # what a coding agent typically asks for per call
 

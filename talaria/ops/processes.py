@@ -53,7 +53,7 @@ __all__ = [
     "stop_everything",
 ]
 
-log = logging.getLogger("talaria.infra")
+log = logging.getLogger("talaria.ops.processes")
 
 LOOPBACK = "127.0.0.1"
 _POLL_S = 0.05

@@ -2,7 +2,7 @@
 
 A scenario file (TOML, `scenarios/*.toml`) makes a comparison reproducible from
 one file: the trace generator's settings (`[trace]`, every knob of
-`talaria.generate.GeneratorSettings`), the catalog and server profile, the
+`talaria.workload.generate.GeneratorSettings`), the catalog and server profile, the
 number of servers, the policies and the seeds. `talaria compare SCENARIO` runs
 every policy over every seed on the simulator (the services' own policy code on
 a virtual clock) and prints one table: p50 and p95 SCT (median [min, max] over
@@ -31,18 +31,18 @@ import msgspec
 
 from shared.catalog import Catalog, CatalogError, load_catalog
 from shared.policy import PolicyConfig, PolicyError, resolve_policy
-from shared.trace import TraceSession
-from shared.tomlfile import load_toml_struct
-from talaria.agent import DEFAULT_MAX_TOKENS
+from talaria.workload.trace import TraceSession
+from talaria.workload.tomlfile import load_toml_struct
+from talaria.workload.agent import DEFAULT_MAX_TOKENS
 from talaria.argtypes import positive_float, positive_int
-from talaria.generate import GeneratorSettings, SettingsError, _check, generate
-from talaria.report import oracle_sct, summarize
+from talaria.workload.generate import GeneratorSettings, SettingsError, _check, generate
+from talaria.results.report import oracle_sct, summarize
 
 if TYPE_CHECKING:
-    from talaria.simulator import SimResult
+    from talaria.sim.simulator import SimResult
 
 ROOT = Path(__file__).resolve().parent.parent
-TUNE_SEEDS = (1001, 1002, 1003)  # the seeds `talaria study tune` tunes on (talaria/experiments.py): never scored
+TUNE_SEEDS = (1001, 1002, 1003)  # the seeds `talaria study tune` tunes on (talaria/lab/experiments.py): never scored
 BENCH_SCENARIO = ROOT / "scenarios" / "bench-16x3000x5.toml"
 DEFAULT_TRACE = ROOT / "traces" / "swebench-30.jsonl"
 
@@ -117,7 +117,7 @@ def simulate_run(sessions: list[TraceSession], catalog: Catalog, policy: PolicyC
                  server_profile: str = "h100x8", **kw: Any) -> dict:
     """Simulate one policy on a trace and summarise it as a run of the results
     JSON (the replay's shape, plus the simulator's own figures)."""
-    from talaria.simulator import simulate
+    from talaria.sim.simulator import simulate
 
     r = simulate(sessions, catalog, policy, server_profile=server_profile, **kw)
     return sim_summary(policy.name, sessions, r, oracle_sct(sessions, catalog, server_profile))
@@ -270,7 +270,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
     except ScenarioError as exc:
         print(f"talaria bench-sim: error: {exc}", file=sys.stderr)
         return 2
-    from talaria.simulator import simulate
+    from talaria.sim.simulator import simulate
 
     t0 = time.perf_counter()
     sessions = trace_of(sc, sc.seeds[0])

@@ -3,7 +3,7 @@ two placements, and a short trace replayed through it (`talaria bench-vllm`,
 `talaria demo --engine vllm-cpu`).
 
 Two servers (s0, s1), one engine-worker each with TALARIA_ENGINE=vllm serving
-the tiny random Llama (talaria/tinymodel.py). Sessions keep their context as
+the tiny random Llama (talaria/ops/tinymodel.py). Sessions keep their context as
 token ids (talaria.client.TokenSession). A continuation call's **reusable
 prefix** is the previous call's prompt plus the tokens it returned, less the
 last one (never fed back, so it has no KV), rounded down to whole KV blocks;
@@ -24,11 +24,11 @@ import redis.asyncio as aioredis
 
 from shared.keys import Keys
 from shared.policy import resolve_policy
-from shared.trace import TraceSession, dump_trace, load_trace, session_prompts
+from talaria.workload.trace import TraceSession, dump_trace, load_trace, session_prompts
 from talaria.argtypes import positive_int
 from talaria.client import TalariaClient, TokenSession
-from talaria.generate import GeneratorSettings, generate
-from talaria.stack import EmbeddedStack, StackSpec
+from talaria.workload.generate import GeneratorSettings, generate
+from talaria.ops.stack import EmbeddedStack, StackSpec
 
 MODEL = "glm-4.5-air-fp8"  # the catalog name the two engine-workers answer for (they serve the tiny model)
 BLOCK = 32

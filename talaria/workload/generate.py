@@ -26,8 +26,8 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from shared.catalog import CatalogError, load_catalog
-from shared.trace import TraceCall, TraceSession, encode_trace, session_prompts
-from shared.tomlfile import load_toml_struct
+from talaria.workload.trace import TraceCall, TraceSession, encode_trace, session_prompts
+from talaria.workload.tomlfile import load_toml_struct
 
 __all__ = [
     "GeneratorSettings",
@@ -317,7 +317,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Stand-alone entry (`python -m talaria.generate`) until the lead wires the subcommand into the CLI."""
+    """Stand-alone entry (`python -m talaria.workload.generate`) until the lead wires the subcommand into the CLI."""
     return run(configure_parser(argparse.ArgumentParser(prog="talaria generate")).parse_args(argv))
 
 

@@ -10,7 +10,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from talaria.records import CallRecord  # noqa: E402
+from talaria.results.records import CallRecord  # noqa: E402
 
 
 def sct_cdf(runs: list[dict], path: Path) -> Path:

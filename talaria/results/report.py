@@ -13,10 +13,10 @@ import statistics
 from collections import defaultdict
 from collections.abc import Iterable
 
-from services.engine.costmodel import CostModel
+from shared.costmodel import CostModel
 from shared.catalog import Catalog
-from shared.trace import TraceSession, session_prompts
-from talaria.records import CallRecord
+from talaria.workload.trace import TraceSession, session_prompts
+from talaria.results.records import CallRecord
 
 
 def percentile(values: Iterable[float], q: float) -> float:

@@ -14,15 +14,15 @@ import time
 from dataclasses import dataclass, field
 
 from services.admission import scheduler as sch
-from services.engine.costmodel import CostModel
+from shared.costmodel import CostModel
 from services.engine.sim_engine import EngineCall, SimEngine
 from services.router.placement import ServerView, rank
 from services.substrate.ledger import SubstrateLedger
 from shared.catalog import Catalog
 from shared.policy import PolicyConfig
-from shared.trace import TraceSession
-from talaria.agent import DEFAULT_MAX_TOKENS, PlannedCall, call_id_for, plan_session
-from talaria.records import CallRecord
+from talaria.workload.trace import TraceSession
+from talaria.workload.agent import DEFAULT_MAX_TOKENS, PlannedCall, call_id_for, plan_session
+from talaria.results.records import CallRecord
 
 
 @dataclass

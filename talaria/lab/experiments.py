@@ -28,11 +28,11 @@ import msgspec
 
 from shared.catalog import load_catalog
 from shared.policy import PRESETS, TUNED_PATH, PolicyConfig, resolve_policy
-from shared.trace import TraceSession, load_trace
+from talaria.workload.trace import TraceSession, load_trace
 from talaria.argtypes import int_list, positive_float, positive_int
-from talaria.generate import generate, load_settings
-from talaria.report import summarize
-from talaria.scenarios import (  # scenarios define the tuning seeds: they refuse to score them
+from talaria.workload.generate import generate, load_settings
+from talaria.results.report import summarize
+from talaria.workload.scenarios import (  # scenarios define the tuning seeds: they refuse to score them
     DEFAULT_TRACE, ROOT, TUNE_SEEDS, load_scenario, run_policy, simulate_run, trace_of,
 )
 
@@ -201,8 +201,8 @@ def sharing_study() -> tuple[dict[str, Any], list[str]]:
     (a layout whose weights would not fit in HBM). Nobody waits for a round
     there: the time goes to sharing instead. A what-if on the cost model's
     figures, not a mechanism."""
-    from talaria.report import percentile
-    from talaria.simulator import simulate
+    from talaria.results.report import percentile
+    from talaria.sim.simulator import simulate
 
     sessions = load_trace(DEFAULT_TRACE)
     catalog = load_catalog()
@@ -338,8 +338,8 @@ def cmd_fidelity(a: argparse.Namespace) -> int:
     import asyncio
 
     from talaria.replay import replay_embedded
-    from talaria.simulator import simulate
-    from talaria.stack import StackSpec
+    from talaria.sim.simulator import simulate
+    from talaria.ops.stack import StackSpec
 
     seeds = a.seeds
     rows = ["| seed | policy | sim p50 s | live p50 s | sim p95 s | live p95 s | sim mean s | live mean s | diff p50 | diff p95 | diff mean |",

@@ -1,8 +1,8 @@
 """Container health check for a Talaria service: exit 0 when it answers, 1 when not.
 
-    python -m talaria.healthcheck --service engine        # instance name from the env
-    python -m talaria.healthcheck --instance admission-s0
-    python -m talaria.healthcheck --srv-ping talaria-router  # any instance answers $SRV.PING
+    python -m talaria.ops.healthcheck --service engine        # instance name from the env
+    python -m talaria.ops.healthcheck --instance admission-s0
+    python -m talaria.ops.healthcheck --srv-ping talaria-router  # any instance answers $SRV.PING
 
 Every service answers a request on `<TALARIA_SUBJECT_PREFIX>.health.<instance>`
 (a NATS micro endpoint, `shared/bus.py`). With `--service` the instance name is
@@ -85,7 +85,7 @@ async def check(nats_urls: list[str], subject: str, timeout_s: float,
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m talaria.healthcheck", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m talaria.ops.healthcheck", description=__doc__.split("\n\n")[0])
     who = p.add_mutually_exclusive_group(required=True)
     who.add_argument("--service", choices=SERVICES, help="service kind; instance name derived from the env")
     who.add_argument("--instance", help="instance name, e.g. admission-s0 or engine-s0-glm-4.5-fp8")

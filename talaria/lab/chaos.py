@@ -35,11 +35,11 @@ import nats
 from shared.clock import ScaledClock
 from shared.logs import read_log_events
 from shared.policy import resolve_policy
-from shared.trace import TraceSession, load_trace
+from talaria.workload.trace import TraceSession, load_trace
 from talaria.argtypes import positive_float, positive_int
 from talaria.client import TalariaClient
 from talaria.replay import ReplayOutcome, drive, write_json
-from talaria.stack import EmbeddedStack, StackSpec, default_log_dir
+from talaria.ops.stack import EmbeddedStack, StackSpec, default_log_dir
 
 FAULT_KINDS = ("router", "admission", "substrate", "engine", "nats", "redis")
 NATS_DOWN_S = 1.0    # wall seconds a killed NATS node stays down before it is started again
