@@ -13,7 +13,8 @@ import pytest
 import redis.asyncio as aioredis
 from nats.aio.client import Client as NATS
 
-from talaria.ops.processes import NatsServer, RedisServer
+from talaria.ops.nats_server import NatsServer
+from talaria.ops.redis_server import RedisServer
 
 
 @pytest.fixture(scope="session")

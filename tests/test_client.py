@@ -21,7 +21,7 @@ import pytest
 from shared.schema import CallReply, CallRequest, CallTokens, CancelCall, encode
 from shared.subjects import Subjects
 from talaria.client import AgentLogin, Deployment, TalariaClient
-from talaria.ops.processes import NatsServer
+from talaria.ops.nats_server import NatsServer
 
 BURST_TOKENS = 40  # streamed events per call, all published back to back
 

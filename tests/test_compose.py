@@ -38,7 +38,11 @@ yaml = pytest.importorskip("yaml")
 jsonschema = pytest.importorskip("jsonschema")
 
 from talaria.ops import healthcheck  # noqa: E402
-from talaria.ops.processes import NatsServer, ProcessGroup, RedisServer, find_nats_server, find_redis_server, free_port  # noqa: E402
+from shared.net import free_port
+from talaria.ops.binaries import find_nats_server, find_redis_server
+from talaria.ops.nats_server import NatsServer
+from talaria.ops.processes import ProcessGroup
+from talaria.ops.redis_server import RedisServer# noqa: E402
 from talaria.ops.stack import DEFAULT_MODELS  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

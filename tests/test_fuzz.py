@@ -54,7 +54,8 @@ from shared.schema import (
 )
 from shared.subjects import Subjects
 from talaria.client import TalariaClient
-from talaria.ops.processes import NatsServer, RedisServer
+from talaria.ops.nats_server import NatsServer
+from talaria.ops.redis_server import RedisServer
 
 try:  # pytest's default (prepend) import mode puts tests/ on sys.path
     from test_services import MODEL_A, MODEL_B, SERVER, Services, health

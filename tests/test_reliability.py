@@ -15,7 +15,8 @@ import redis.asyncio as aioredis
 from shared.keys import Keys
 from shared.schema import CallAccepted, CallQueued, CallReply, CallRunning
 from talaria.client import NoCapacity, TalariaClient
-from talaria.ops.processes import NatsServer, RedisServer
+from talaria.ops.nats_server import NatsServer
+from talaria.ops.redis_server import RedisServer
 from polling import until
 from test_services import MODEL_A, MODEL_B, SERVER, Services, svc_redis_hash
 

@@ -12,7 +12,8 @@ import redis.asyncio as aioredis
 from redis.exceptions import AuthenticationError, ResponseError
 
 from shared.auth import ROLES, generate_credentials, nats_permissions
-from talaria.ops.processes import NatsServer, RedisServer
+from talaria.ops.nats_server import NatsServer
+from talaria.ops.redis_server import RedisServer
 
 PREFIX = "sec"
 

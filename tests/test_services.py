@@ -36,7 +36,9 @@ from shared.subjects import Subjects
 from talaria.client import (
     ContextLimit, Malformed, TalariaClient, UnknownModel, UnknownSession,
 )
-from talaria.ops.processes import NatsServer, ProcessGroup, RedisServer
+from talaria.ops.nats_server import NatsServer
+from talaria.ops.processes import ProcessGroup
+from talaria.ops.redis_server import RedisServer
 from talaria.ops.sessionlog import session_lines, summarize_calls
 
 ROOT = Path(__file__).resolve().parents[1]

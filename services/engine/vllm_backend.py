@@ -151,7 +151,7 @@ class VllmEngineWorker(EngineWorkerBase):
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        from talaria.ops.processes import free_port
+        from shared.net import free_port
 
         s = self.settings
         t0 = time.monotonic()

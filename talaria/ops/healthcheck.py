@@ -56,7 +56,6 @@ def instance_name(service: str, env: dict[str, str] | os._Environ[str] = os.envi
 async def check(nats_urls: list[str], subject: str, timeout_s: float,
                 user: str | None = None, password: str | None = None) -> tuple[bool, str]:
     import nats
-
     from nats.errors import NoRespondersError, NoServersError
     from nats.errors import TimeoutError as NatsTimeout
 

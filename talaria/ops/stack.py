@@ -22,7 +22,9 @@ import nats
 from shared.auth import Credentials, generate_credentials, nats_permissions
 from shared.policy import PolicyConfig, encode_policy
 from talaria.client import AgentLogin, Deployment
-from talaria.ops.processes import NatsServer, ProcessGroup, RedisServer, start_cluster
+from talaria.ops.nats_server import NatsServer, start_cluster
+from talaria.ops.processes import ProcessGroup
+from talaria.ops.redis_server import RedisServer
 
 DEFAULT_MODELS = ["glm-4.5-fp8", "qwen3-235b-a22b-fp8", "glm-4.5-air-fp8"]
 
