@@ -1,0 +1,227 @@
+"""The `sim` backend (TALARIA_ENGINE=sim): the SimEngine state machine on the scaled clock.
+
+A timer task sleeps until the engine's next event, advances it and finishes
+what ended (through the worker, which owns the call protocol). A call that
+asked to stream gets its tokens at the cost model's decode pace, so streaming
+and cancel behave as on a real engine; the token ids are placeholders (the
+sim has no vocabulary) and the reply has no text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import structlog
+
+from services.engine.sim_engine import CallResult, EngineCall, SimEngine
+from services.engine.worker import EngineBackend, EngineWorker
+from shared import state
+from shared.clock import at_source, drive_timer
+from shared.costmodel import CostModel
+from shared.schema import CallReply, CallRunning, KvSpilled, RunCall, Wake, encode
+
+STREAM_WALL_S = 0.05  # wall seconds between two token batches of a streamed call
+
+
+def stop_tokens(rc: RunCall) -> int:
+    """Where the sim engine stops: the hint's true output length, else the call's bound."""
+    return rc.engine.sim_output_tokens or rc.call.max_tokens
+
+
+def placeholder_tokens(start: int, stop: int) -> list[int]:
+    """Token ids for a sim call's output positions [start, stop): the same at the same position."""
+    return [3 + i % 997 for i in range(start, stop)]
+
+
+class SimBackend(EngineBackend):
+    name = "sim"
+
+    def __init__(self, worker: EngineWorker) -> None:
+        super().__init__(worker)
+        s = worker.settings
+        cat = worker.catalog
+        cost = CostModel(cat, cat.server(s.server_profile), s.switch_cost_scale, s.prefill_speed_scale)
+        self.engine = SimEngine(cat.model(s.model), cost, spill_to_host=s.policy.host_kv)
+        self.calls: dict[str, RunCall] = {}
+        self.streamed: dict[str, int] = {}  # streamed call -> tokens sent so far
+        self.busy = state.CounterMirror()
+        self.wakeup = asyncio.Event()
+        self.stream_due = asyncio.Event()
+
+    async def start(self) -> None:
+        self.worker.spawn(self.timer(), "engine-timer")
+        self.worker.spawn(self.streamer(), "engine-streamer")
+
+    @property
+    def can_run(self) -> bool:
+        return self.engine.active
+
+    @property
+    def awake(self) -> bool:
+        return self.engine.active
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.engine.kv_capacity_tokens
+
+    def running(self) -> list[RunCall]:
+        return [rc for cid, rc in self.calls.items() if cid in self.engine.running]
+
+    async def run(self, rc: RunCall) -> None:
+        w, c = self.worker, rc.call
+        with structlog.contextvars.bound_contextvars(session_id=c.session_id, call_id=c.call_id):
+            # start at the dispatch's own model time (not when the message landed), never
+            # before the engine's clock: message latency stays out of the model's answer
+            now = at_source(rc.dispatched_at, w.clock.now(), self.engine.t)
+            self.engine.submit(
+                EngineCall(c.call_id, c.session_id, c.model, c.prompt_tokens, c.prefix_tokens,
+                           c.max_tokens, stop_tokens(rc), rc.reserved_tokens),
+                now,
+            )
+            self.calls[c.call_id] = rc
+            if rc.engine.stream:
+                self.streamed[c.call_id] = 0
+                self.stream_due.set()
+            w.log.info("engine.started", at=round(now, 3), prompt_tokens=c.prompt_tokens, prefix_tokens=c.prefix_tokens)
+            await self._report_spills()
+            await w.nc.publish(rc.reply_to, encode(CallRunning(call_id=c.call_id, server_id=w.settings.server_id)))
+            self.wakeup.set()
+
+    async def sleep(self) -> dict[str, int]:
+        now = self.worker.clock.now()
+        await self._finish(self.engine.advance(now))
+        kv = self.engine.sleep(now)
+        self.worker.log.info("engine.sleep", kv_sessions=len(kv), at=round(now, 3))
+        return kv
+
+    async def wake(self, cmd: Wake) -> None:
+        now = self.worker.clock.now()
+        if self.engine.active:  # a repeated wake only refreshes the budget
+            self.engine.kv_capacity_tokens = cmd.kv_capacity_tokens
+        else:
+            # awake from the switch's end in model time, not from when the message landed
+            self.engine.wake(at_source(cmd.at, now, self.engine.t), cmd.kv_capacity_tokens, cmd.host_kv)
+        self.worker.log.info("engine.wake", kv_capacity_tokens=cmd.kv_capacity_tokens, host_kv_sessions=len(cmd.host_kv),
+                             at=round(now, 3))
+
+    async def abort(self, call_id: str, at: float | None) -> None:
+        # preempted at admission's decision time, not when the message landed
+        self.engine.abort(call_id, at_source(at, self.worker.clock.now(), self.engine.t))
+        self.calls.pop(call_id, None)
+        self.streamed.pop(call_id, None)
+
+    async def cancel(self, call_id: str) -> None:
+        rc = self.calls.get(call_id)
+        if rc is None:
+            return
+        now = self.worker.clock.now()
+        await self._finish(self.engine.advance(now))
+        if call_id not in self.engine.running:  # it ended before the cancel landed: answered already
+            return
+        produced = self.engine.produced_tokens(call_id)
+        self.engine.abort(call_id, now)
+        self.engine.preempted_tokens.pop(call_id, None)  # it will not resume
+        self.calls.pop(call_id, None)
+        self.streamed.pop(call_id, None)
+        c = rc.call
+        s = self.worker.settings
+        await self.worker.finish(rc, CallReply(
+            call_id=c.call_id, session_id=c.session_id, server_id=s.server_id, model=c.model,
+            prompt_tokens=c.prompt_tokens, cached_tokens=0, restored_tokens=0, reprefill_tokens=0,
+            output_tokens=produced, arrived_at=c.arrived_at, finished_at=self.engine.t, waited_s=rc.waited_s,
+            switch_wait_s=rc.switch_wait_s, round_wait=rc.round_wait, restore_s=0.0, prefill_s=0.0, decode_s=0.0,
+            aborted=True), c.prompt_tokens + produced)
+        self.wakeup.set()
+
+    async def protect(self, session_id: str, on: bool) -> None:
+        (self.engine.protected.add if on else self.engine.protected.discard)(session_id)
+
+    async def release_session(self, session_id: str) -> None:
+        self.engine.protected.discard(session_id)
+        dropped = self.engine.hbm_kv.pop(session_id, 0) + self.engine.host_kv.pop(session_id, 0)
+        self.worker.log.info("engine.session_released", session_id=session_id, kv_tokens=dropped)
+
+    async def forget_host_kv(self, session_ids: list[str]) -> None:
+        self.engine.forget_host(session_ids)
+        self.worker.log.info("engine.host_kv_forgotten", sessions=len(session_ids))
+
+    async def before_report(self) -> None:
+        await self._finish(self.engine.advance(self.worker.clock.now()))
+
+    async def after_control(self) -> None:
+        await self._report_spills()
+        self.wakeup.set()
+
+    # -- the clock -----------------------------------------------------------------------
+    async def timer(self) -> None:
+        # advance to now, not just to the due time: it computes every finish up to now in one go
+        w = self.worker
+        await drive_timer(w.clock, self.engine.next_event_at, self.wakeup,
+                          lambda _due: self._finish(self.engine.advance(w.clock.now())))
+
+    async def streamer(self) -> None:
+        """Send each streamed call the tokens it produced since the last batch."""
+        while True:
+            if not self.streamed:
+                await self.stream_due.wait()
+                self.stream_due.clear()
+            await asyncio.sleep(STREAM_WALL_S)
+            await self._finish(self.engine.advance(self.worker.clock.now()))
+            for cid, sent in list(self.streamed.items()):
+                rc = self.calls.get(cid)
+                if rc is None or cid not in self.engine.running:
+                    continue
+                now_at = self.engine.produced_tokens(cid)
+                if now_at > sent:
+                    self.streamed[cid] = now_at
+                    await self.worker.stream_tokens(rc, sent, placeholder_tokens(sent, now_at))
+
+    async def _report_spills(self) -> None:
+        """KV pushed out of HBM to host for room: the locality view says `host`
+        and the substrate books it (it owns host memory and may refuse some)."""
+        spilled = self.engine.take_spilled()
+        if not spilled:
+            return
+        w = self.worker
+        s = w.settings
+        pipe = w.redis.pipeline(transaction=False)
+        for sid in spilled:
+            pipe.hset(w.keys.kv_locality(sid), s.server_id, "host")
+        await pipe.execute()
+        await w.nc.publish(w.subjects.kv_spilled(s.server_id),
+                           encode(KvSpilled(server_id=s.server_id, model=s.model, sessions=spilled, at=self.engine.t)))
+        w.log.info("engine.kv_spilled", sessions=len(spilled), tokens=sum(spilled.values()), at=round(self.engine.t, 3))
+
+    async def _finish(self, done: list[CallResult]) -> None:
+        w = self.worker
+        s = w.settings
+        await self._report_spills()
+        for r in done:
+            rc = self.calls.pop(r.call_id, None)
+            if rc is None:
+                continue
+            sent = self.streamed.pop(r.call_id, None)
+            if sent is not None and r.output_tokens > sent:
+                await w.stream_tokens(rc, sent, placeholder_tokens(sent, r.output_tokens))
+            c = rc.call
+            reply = CallReply(
+                call_id=r.call_id, session_id=r.session_id, server_id=s.server_id, model=r.model,
+                prompt_tokens=r.prompt_tokens, cached_tokens=r.cached_tokens, restored_tokens=r.restored_tokens,
+                reprefill_tokens=r.reprefill_tokens, output_tokens=r.output_tokens, arrived_at=c.arrived_at,
+                finished_at=r.finished_at, waited_s=rc.waited_s, switch_wait_s=rc.switch_wait_s,
+                round_wait=rc.round_wait, restore_s=r.restore_s, prefill_s=r.prefill_s, decode_s=r.decode_s,
+            )
+            busy = self.busy.pending({state.BUSY_PREFIX + s.model: round(self.engine.busy_s, 3)})
+
+            def writes(pipe: Any, session_id: str = r.session_id, busy: dict[str, float] = busy) -> None:
+                pipe.hset(w.keys.kv_locality(session_id), s.server_id, "hbm")
+                # model seconds with a call running, for the replay's utilisation (a counter per engine)
+                state.add_counters(pipe, w.keys, s.server_id, busy)
+
+            await w.finish(rc, reply, r.prompt_tokens + r.output_tokens, writes)
+            self.busy.written(busy)
+            w.log.info("engine.finished", session_id=r.session_id, call_id=r.call_id, at=round(r.finished_at, 3),
+                       cached_tokens=r.cached_tokens, restored_tokens=r.restored_tokens,
+                       reprefill_tokens=r.reprefill_tokens, output_tokens=r.output_tokens,
+                       prefill_s=round(r.prefill_s, 3), decode_s=round(r.decode_s, 3))
