@@ -13,6 +13,8 @@ from __future__ import annotations
 import secrets
 from dataclasses import dataclass
 
+from shared.subjects import Subjects
+
 ROLES = ("router", "admission", "substrate", "engine", "agent", "operator")
 AGENT_REPLY_NAMESPACE = "agent"
 
@@ -23,22 +25,23 @@ _SERVICE_PUB = ["_INBOX.>"]  # (health checks inside a service's container ping 
 
 def nats_permissions(prefix: str) -> dict[str, dict[str, list[str]]]:
     p = prefix
-    service_pub = [*_SERVICE_PUB, f"{p}.health.>"]
+    health = Subjects(prefix).health_all
+    service_pub = [*_SERVICE_PUB, health]
     return {
         "router": {
-            "subscribe": [f"{p}.api.>", f"{p}.health.>", *_SERVICE_SUB],
+            "subscribe": [f"{p}.api.>", health, *_SERVICE_SUB],
             "publish": [f"{p}.admission.*.submit", f"{p}.reply.>", f"{p}.events.session_ended", *service_pub],
         },
         "admission": {
-            "subscribe": [f"{p}.admission.*.submit", f"{p}.events.>", f"{p}.health.>", *_SERVICE_SUB],
+            "subscribe": [f"{p}.admission.*.submit", f"{p}.events.>", health, *_SERVICE_SUB],
             "publish": [f"{p}.engine.>", f"{p}.substrate.>", f"{p}.reply.>", *service_pub],
         },
         "substrate": {
-            "subscribe": [f"{p}.substrate.>", f"{p}.events.>", f"{p}.health.>", *_SERVICE_SUB],
+            "subscribe": [f"{p}.substrate.>", f"{p}.events.>", health, *_SERVICE_SUB],
             "publish": [f"{p}.engine.>", f"{p}.events.*.substrate", *service_pub],
         },
         "engine": {
-            "subscribe": [f"{p}.engine.>", f"{p}.api.cancel", f"{p}.health.>", *_SERVICE_SUB],
+            "subscribe": [f"{p}.engine.>", f"{p}.api.cancel", health, *_SERVICE_SUB],
             "publish": [f"{p}.reply.>", f"{p}.events.>", *service_pub],
         },
         "agent": {
@@ -48,7 +51,7 @@ def nats_permissions(prefix: str) -> dict[str, dict[str, list[str]]]:
         # health checks and the replay's own bookkeeping
         "operator": {
             "subscribe": ["_INBOX.>"],
-            "publish": [f"{p}.health.>", "$SRV.>", f"{p}.api.info"],
+            "publish": [health, "$SRV.>", f"{p}.api.info"],
         },
     }
 

@@ -172,7 +172,7 @@ class ServiceProcess:
         async def health(req) -> None:  # type: ignore[no-untyped-def]
             await req.respond(b'{"status":"ok"}')
 
-        await svc.add_endpoint(EndpointConfig(name="health", handler=health, subject=f"{self.settings.subject_prefix}.health.{self.instance}"))
+        await svc.add_endpoint(EndpointConfig(name="health", handler=health, subject=self.subjects.health(self.instance)))
         self.spawn(self.lag.run(), "lag-monitor")
         self.spawn(self._lag_reporter(), "lag-reporter")
         await self.setup()
@@ -193,8 +193,11 @@ class ServiceProcess:
             await self.redis.aclose()
 
 
-def run_service(cls: type[ServiceProcess], argv: list[str] | None = None) -> None:
-    settings = Settings.from_env(argv if argv is not None else sys.argv[1:])
+def run_service(make: Callable[[Settings], ServiceProcess], argv: list[str] | None = None,
+                settings: Settings | None = None) -> None:
+    """A service's entry point: its settings (flags over TALARIA_* variables), then its loop."""
+    if settings is None:
+        settings = Settings.from_env(argv if argv is not None else sys.argv[1:])
     try:
         import uvloop
 
@@ -202,4 +205,4 @@ def run_service(cls: type[ServiceProcess], argv: list[str] | None = None) -> Non
     except ImportError:  # pragma: no cover - uvloop is optional off Linux
         factory = None
     with asyncio.Runner(loop_factory=factory) as runner:
-        runner.run(cls(settings).run())
+        runner.run(make(settings).run())

@@ -1,13 +1,22 @@
 """Every Redis key Talaria uses, in one place (cf. arq's constants module).
 
 All keys sit under a deployment prefix (TALARIA_KEY_PREFIX) so an embedded
-stack or a test has its own key space. Everything here is soft state with a
-TTL, rebuilt from the services' announcements after a loss.
+stack or a test has its own key space. Each key is tagged in `DURABILITY`:
+
+- *soft*: a cache of what the services hold, rebuilt after a loss (the next
+  mirror write, the workers' announcements and KV events, a session's next call);
+- *must survive*: losing it loses work or breaks a promise to an agent (a call
+  accepted but forgotten, a call answered twice, a session that vanishes).
+  Run Redis with a replica (or persistence) where those matter.
+
+The typed encode/decode of the shared hashes and who writes which field:
+`shared/state.py`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 CALL_TTL_S = 6 * 3600       # dedupe and cached replies outlive any replay
 SESSION_TTL_S = 6 * 3600
@@ -97,3 +106,25 @@ class Keys:
     def lag(self, service: str) -> str:
         """String: worst event-loop lag (wall seconds) a service has seen."""
         return f"{self.prefix}lag:{service}"
+
+
+Durability = Literal["soft", "must-survive"]
+
+DURABILITY: dict[str, Durability] = {
+    "call": "must-survive",            # at most once per call id
+    "reply": "must-survive",           # a retried call gets the same answer, never a second generation
+    "session": "must-survive",         # an open session (its model) and its call count
+    "admission_calls": "must-survive", # calls accepted and not finished: a restarted admission reloads them
+    "kv_locality": "soft",             # rebuilt from finishes and KV events
+    "kv_blocks": "soft",               # rebuilt from the real engines' KV events
+    "kv_session_blocks": "soft",
+    "engine": "soft",                  # a real engine rewrites it at start-up
+    "server": "soft",                  # admission's and the substrate's mirrors rewrite it (counters restart from the survivors' totals)
+    "placements": "soft",
+    "in_flight": "soft",               # entries age out; a lost one only misses a moment's count
+    "reservation": "soft",             # a soft claim that expires anyway
+    "session_gaps": "soft",            # decision history: a lost history only weakens a prediction
+    "session_outputs": "soft",
+    "servers": "soft",                 # re-added by each admission at start-up
+    "lag": "soft",
+}

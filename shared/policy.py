@@ -14,6 +14,7 @@ from typing import Literal
 import msgspec
 
 TUNED_PATH = Path(__file__).parent / "data" / "tuned.toml"
+DECISION_HISTORY = 16  # a session's last tool gaps and outputs that decisions may look back on
 
 Closing = Literal["drain", "preempt"]
 NextModel = Literal["round-robin", "oldest-first", "most-waiting"]

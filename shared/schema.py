@@ -56,6 +56,15 @@ class InfoRequest(Base, tag="info"):
     pass
 
 
+class EngineHint(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, forbid_unknown_fields=False):
+    """What a client may tell the engine and nothing else. `sim_output_tokens`:
+    where the sim engine stops (a replayed trace's true output length; a real
+    model decides by itself). It travels nested in the engine payload, so no
+    decision (placement, admission) can read it."""
+
+    sim_output_tokens: Tokens | None = None
+
+
 class CallRequest(Base, tag="call"):
     call_id: Id
     session_id: Id
@@ -64,10 +73,10 @@ class CallRequest(Base, tag="call"):
     prefix_tokens: TokensOrZero = 0   # leading tokens shared with the session's previous context
     max_tokens: Tokens = 4096
     reply_to: Subject = ""            # subject the call's events and reply go to
-    # the sim engine's stopping point (a real model decides by itself); never read by a decision
-    sim_output_tokens: Tokens | None = None
     prompt_text: str | None = None
     prompt_token_ids: list[int] | None = None
+    engine_hint: EngineHint | None = None
+    stream: bool = False              # send CallTokens as tokens are generated (the vllm backend always does)
 
 
 ApiRequest = OpenSession | EndSession | InfoRequest | CallRequest
@@ -156,8 +165,13 @@ class CancelCall(Base, tag="cancel"):
     call_id: Id
 
 
-# -- router -> admission ---------------------------------------------------------------
-class AdmissionCallMsg(msgspec.Struct, frozen=True, kw_only=True):
+# -- router -> admission -> engine -------------------------------------------------------
+class AdmissionCall(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
+    """A call as every decision sees it, from the router's placement through
+    admission's round scheduler: its prompt, its bound and the session's
+    history. No output length, no next tool gap and no engine payload, by
+    construction. One struct from the router to the engine."""
+
     call_id: str
     session_id: str
     model: str
@@ -171,13 +185,24 @@ class AdmissionCallMsg(msgspec.Struct, frozen=True, kw_only=True):
     session_started_at: float | None = None  # the session's first call (program-level FCFS, docs/peers.md)
 
 
-class SubmitCall(Base, tag="submit"):
-    call: AdmissionCallMsg
-    reply_to: Subject
-    # engine-only payload, kept beside the call and never handed to the scheduler
-    sim_output_tokens: Tokens | None = None
+class EnginePayload(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, forbid_unknown_fields=False):
+    """What only the engine reads, carried beside the call and never handed to
+    a decision: the real prompt, the engine hint, whether to stream tokens."""
+
     prompt_text: str | None = None
     prompt_token_ids: list[int] | None = None
+    hint: EngineHint | None = None
+    stream: bool = False
+
+    @property
+    def sim_output_tokens(self) -> int | None:
+        return self.hint.sim_output_tokens if self.hint is not None else None
+
+
+class SubmitCall(Base, tag="submit"):
+    call: AdmissionCall
+    reply_to: Subject
+    engine: EnginePayload = EnginePayload()
 
 
 class Submitted(Base, tag="submitted"):
@@ -190,22 +215,32 @@ AdmissionRequest = SubmitCall
 
 # -- admission -> engine ---------------------------------------------------------------
 class RunCall(Base, tag="run"):
-    call_id: str
-    session_id: str
-    model: str
-    prompt_tokens: Tokens
-    prefix_tokens: TokensOrZero
-    max_tokens: Tokens
-    stop_tokens: Tokens
-    reserved_tokens: TokensOrZero
+    """Admission's dispatch: the call, its engine payload and how admission admitted it."""
+
+    call: AdmissionCall
+    engine: EnginePayload
     reply_to: Subject
-    arrived_at: float
+    reserved_tokens: TokensOrZero
     waited_s: float
     switch_wait_s: float
     round_wait: bool
-    prompt_text: str | None = None          # the real prompt (vllm backend); the sim reads only the counts
-    prompt_token_ids: list[int] | None = None
     dispatched_at: float | None = None      # admission's model time of the dispatch
+
+    @property
+    def call_id(self) -> str:
+        return self.call.call_id
+
+    @property
+    def session_id(self) -> str:
+        return self.call.session_id
+
+    @property
+    def model(self) -> str:
+        return self.call.model
+
+    def submitted(self) -> SubmitCall:
+        """The submission this dispatch came from (a restarted admission adopts it)."""
+        return SubmitCall(call=self.call, reply_to=self.reply_to, engine=self.engine)
 
 
 class Sleep(Base, tag="sleep"):
@@ -362,7 +397,6 @@ control_reply_decoder = msgspec.json.Decoder(ControlOk | ApiError)
 finished_decoder = msgspec.json.Decoder(CallFinished)
 session_ended_decoder = msgspec.json.Decoder(SessionEndedEvent)
 engine_announce_decoder = msgspec.json.Decoder(EngineAnnounce)
-substrate_announce_decoder = msgspec.json.Decoder(SubstrateAnnounce)
 engine_state_decoder = msgspec.json.Decoder(EngineState | ApiError)
 stored_submit_decoder = msgspec.json.Decoder(SubmitCall)
 substrate_decoder = msgspec.json.Decoder(SubstrateRequest)
@@ -376,7 +410,3 @@ cancel_decoder = msgspec.json.Decoder(CancelCall)
 
 def encode(msg: msgspec.Struct) -> bytes:
     return encoder.encode(msg)
-
-
-def describe_decode_error(exc: Exception) -> str:
-    return f"malformed message: {exc}"

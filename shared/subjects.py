@@ -52,6 +52,19 @@ class Subjects:
     def engine_control(self, server: str, model: str) -> str:
         return f"{self.prefix}.engine.{server}.{_token(model)}.control"
 
+    def engine_reset_kv(self, server: str, model: str) -> str:
+        """An operator's (and the tests') hook: clear a real engine's prefix cache."""
+        return f"{self.prefix}.engine.{server}.{_token(model)}.control.reset_kv"
+
+    # health: every service process answers on its own instance's subject
+    def health(self, instance: str) -> str:
+        return f"{self.prefix}.health.{instance}"
+
+    @property
+    def health_all(self) -> str:
+        """Every instance's health subject (for a permission or a monitor)."""
+        return f"{self.prefix}.health.>"
+
     # events
     def call_finished(self, server: str) -> str:
         return f"{self.prefix}.events.{server}.finished"

@@ -32,7 +32,7 @@ from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 
 from shared.schema import (
-    ApiError, CallAccepted, CallEvent, CallQueued, CallReply, CallRequest, CallRunning, CallTokens, CancelCall,
+    ApiError, CallAccepted, CallEvent, CallQueued, CallReply, CallRequest, CallRunning, CallTokens, CancelCall, EngineHint,
     EndSession, Info,
     InfoRequest, OpenSession, SessionOpened, api_reply_decoder, call_event_decoder, encode,
 )
@@ -222,16 +222,20 @@ class TalariaClient:
         on_event: Callable[[CallEvent], None] | None = None,
         prompt_token_ids: list[int] | None = None,
         prompt_text: str | None = None,
+        stream: bool = False,
     ) -> CallReply:
         """`prompt_token_ids` / `prompt_text`: the real prompt, for a real engine
-        (`vllm` backend; the sim reads only the counts). Streamed `CallTokens`
-        are collected; a reply without `token_ids` gets them filled in."""
+        (`vllm` backend; the sim reads only the counts). `sim_output_tokens`: the
+        sim engine's stopping point (an engine hint no decision sees). `stream`:
+        ask for `CallTokens` as they are generated (`on_event` sees them; the vllm
+        backend always streams). Streamed tokens are collected; a reply without
+        `token_ids` gets them filled in."""
         cid = call_id or uuid.uuid4().hex
         inbox = self.subjects.reply_inbox(self.client_id, cid)
+        hint = EngineHint(sim_output_tokens=sim_output_tokens) if sim_output_tokens is not None else None
         req = CallRequest(call_id=cid, session_id=session_id, model=model, prompt_tokens=prompt_tokens,
                           prefix_tokens=prefix_tokens, max_tokens=max_tokens, reply_to=inbox,
-                          sim_output_tokens=sim_output_tokens, prompt_text=prompt_text,
-                          prompt_token_ids=prompt_token_ids)
+                          prompt_text=prompt_text, prompt_token_ids=prompt_token_ids, engine_hint=hint, stream=stream)
         data = encode(req)
         # Our own queue read under `asyncio.timeout`, not `sub.next_msg`: nats-py's next_msg wraps
         # `asyncio.wait_for`, which on Python 3.11 can swallow a cancellation that races a message,

@@ -204,7 +204,7 @@ def _api_templates(draw: Any) -> dict[str, Any]:
                          "prefix_tokens": draw(st.integers(min_value=0, max_value=prompt - 1))}
     if draw(st.booleans()):
         c["max_tokens"] = draw(st_small_tokens)
-    c["sim_output_tokens"] = draw(st_small_tokens)
+    c["engine_hint"] = {"sim_output_tokens": draw(st_small_tokens)}
     r = draw(st.sampled_from(["none", "none", "inbox", "sink", "hostile"]))
     if r == "inbox":
         c["reply_to"] = P_INBOX
@@ -236,7 +236,7 @@ def _template(draw: Any, family: str) -> dict[str, Any]:
     if family == "submit":
         t = {"type": "submit", "call": _admission_call(draw), "reply_to": draw(st_reply_to)}
         if draw(st.booleans()):
-            t["sim_output_tokens"] = draw(st_small_tokens)
+            t["engine"] = {"hint": {"sim_output_tokens": draw(st_small_tokens)}}
         return t
     if family == "finished":
         return {"type": "finished", "call_id": draw(st_call_id), "session_id": draw(st_session),
@@ -253,12 +253,9 @@ def _template(draw: Any, family: str) -> dict[str, Any]:
             return {"type": "stage", "model": draw(st_model)}
         return {"type": "switch", "from_model": draw(st.none() | st_model), "to_model": draw(st_model)}
     if family == "run":
-        prompt = draw(st.integers(min_value=2, max_value=3000))
-        return {"type": "run", "call_id": draw(st_call_id), "session_id": draw(st_session), "model": draw(st_model),
-                "prompt_tokens": prompt, "prefix_tokens": draw(st.integers(min_value=0, max_value=prompt - 1)),
-                "max_tokens": draw(st_small_tokens), "stop_tokens": draw(st_small_tokens),
+        return {"type": "run", "call": _admission_call(draw),
+                "engine": {"hint": {"sim_output_tokens": draw(st_small_tokens)}},
                 "reserved_tokens": draw(st.integers(min_value=0, max_value=10_000)), "reply_to": draw(st_reply_to),
-                "arrived_at": draw(st.floats(min_value=0, max_value=1e4)),
                 "waited_s": draw(st.floats(min_value=0, max_value=100)),
                 "switch_wait_s": draw(st.floats(min_value=0, max_value=100)), "round_wait": draw(st.booleans())}
     if family == "control":
@@ -448,7 +445,7 @@ def _messages(draw: Any, key: str | None = None, kind: str | None = None, how: s
         # the seeded call's id again: as it was, on another session, for another model, or one field off
         t = {"type": "call", "call_id": SEED_CALL, "session_id": draw(st.sampled_from([SEED_SESSION, SEED_SESSION,
              *GHOST_SESSIONS])), "model": draw(st.sampled_from([MODEL_A, MODEL_A, MODEL_B, NOT_SERVED])),
-             "prompt_tokens": 1200, "max_tokens": 64, "sim_output_tokens": 5}
+             "prompt_tokens": 1200, "max_tokens": 64, "engine_hint": {"sim_output_tokens": 5}}
         if draw(st.booleans()):
             t["call_id"] = draw(st.sampled_from(FORGED_CALLS))
         if draw(st.booleans()):

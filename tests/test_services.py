@@ -29,6 +29,7 @@ from services.router.service import PLACE_SCRIPT
 from shared.keys import Keys
 from shared.logs import read_log_events
 from shared.schema import (
+    EngineHint,
     MAX_MESSAGE_BYTES, ApiError, CallAccepted, CallQueued, CallReply, CallRunning, api_reply_decoder,
     call_event_decoder, encode, CallRequest,
 )
@@ -253,10 +254,9 @@ def _admission_call(**over: Any) -> dict[str, Any]:
     return c
 
 
-def _run(**over: Any) -> dict[str, Any]:
-    r = {"type": "run", "call_id": "bad-1", "session_id": "bad-s", "model": MODEL_A, "prompt_tokens": 100,
-         "prefix_tokens": 0, "max_tokens": 10, "stop_tokens": 5, "reserved_tokens": 110, "reply_to": "x.y",
-         "arrived_at": 0.0, "waited_s": 0.0, "switch_wait_s": 0.0, "round_wait": False}
+def _run(call: dict[str, Any] | None = None, sim_output_tokens: Any = 5, **over: Any) -> dict[str, Any]:
+    r = {"type": "run", "call": _admission_call(**(call or {})), "engine": {"hint": {"sim_output_tokens": sim_output_tokens}},
+         "reserved_tokens": 110, "reply_to": "x.y", "waited_s": 0.0, "switch_wait_s": 0.0, "round_wait": False}
     r.update(over)
     return r
 
@@ -275,7 +275,7 @@ def bad_inputs(s: Subjects, model: str) -> dict[str, list[bytes]]:
         _j(_api_call(prefix_tokens=-1, prompt_tokens=10)),
         _j(_api_call(max_tokens=-100)),
         _j(_api_call(prompt_tokens=0)),
-        _j(_api_call(sim_output_tokens=-3)),
+        _j(_api_call(engine_hint={"sim_output_tokens": -3})),
         _j(_api_call(call_id="")),
         _j({"type": "call"}),                                  # missing fields
         _j({"type": "open_session", "session_id": ["x"], "model": 1}),
@@ -289,7 +289,7 @@ def bad_inputs(s: Subjects, model: str) -> dict[str, list[bytes]]:
         _j({"type": "submit", "call": _admission_call(prompt_tokens=-5), "reply_to": "a.b"}),
         _j({"type": "submit", "call": _admission_call(max_tokens=-1), "reply_to": "a.b"}),
         _j({"type": "submit", "call": _admission_call(prefix_tokens=-10), "reply_to": "a.b"}),
-        _j({"type": "submit", "call": _admission_call(), "reply_to": "a.b", "sim_output_tokens": -4}),
+        _j({"type": "submit", "call": _admission_call(), "reply_to": "a.b", "engine": {"hint": {"sim_output_tokens": -4}}}),
         _j({"type": "submit", "call": _admission_call(model="no-such-model"), "reply_to": "a.b"}),  # unknown_model
         _j({"type": "submit"}),
     ]
@@ -301,11 +301,11 @@ def bad_inputs(s: Subjects, model: str) -> dict[str, list[bytes]]:
         _j({"type": "stage"}),
     ]
     run = COMMON_BAD + [
-        _j(_run(prompt_tokens="x")),
-        _j(_run(prompt_tokens=-5)),
-        _j(_run(stop_tokens=-1)),
+        _j(_run(call={"prompt_tokens": "x"})),
+        _j(_run(call={"prompt_tokens": -5})),
+        _j(_run(sim_output_tokens=-1)),
         _j(_run(reserved_tokens=-1000)),
-        _j(_run(max_tokens=0)),
+        _j(_run(call={"max_tokens": 0})),
         _j(_run(round_wait="maybe")),
         _j({"type": "run"}),
         _j({"type": "sleep"}),                                 # a control message on the run subject
@@ -595,7 +595,7 @@ async def test_restart_one_process_between_calls(which: str, nats_server: NatsSe
             prefix = 3000 + r1.output_tokens
             r2 = await call_until(c.nc, svc.subjects, CallRequest(
                 call_id=f"{sess.session_id}-2", session_id=sess.session_id, model=MODEL_A, prompt_tokens=prefix + 300,
-                prefix_tokens=prefix, max_tokens=512, sim_output_tokens=25), timeout_s=6.0)
+                prefix_tokens=prefix, max_tokens=512, engine_hint=EngineHint(sim_output_tokens=25)), timeout_s=6.0)
             assert r2.output_tokens == 25 and r2.session_id == sess.session_id, f"after restarting {name}: {r2}"
             await sess.end()
     finally:
@@ -615,7 +615,7 @@ async def test_engine_killed_mid_generation_still_answers_once(nats_server: Nats
             # ~8,000 tokens of decode: tens of model seconds, about a wall second at 100x
             call = asyncio.ensure_future(call_until(c.nc, svc.subjects, CallRequest(
                 call_id=f"{sess.session_id}-long", session_id=sess.session_id, model=MODEL_A, prompt_tokens=3000,
-                max_tokens=8192, sim_output_tokens=8000), timeout_s=30.0, events=events))
+                max_tokens=8192, engine_hint=EngineHint(sim_output_tokens=8000)), timeout_s=30.0, events=events))
             deadline = time.monotonic() + 10
             while not any(isinstance(e, CallRunning) for e in events):
                 assert time.monotonic() < deadline, events

@@ -18,7 +18,7 @@ from services.engine.sim_engine import SimEngine
 from services.router.placement import ServerView
 from shared.catalog import load_catalog
 from shared.policy import PRESETS, PolicyConfig
-from shared.schema import AdmissionCallMsg
+from shared.schema import RunCall, SubmitCall
 from talaria.workload.trace import TraceSession, load_trace
 from talaria.workload.agent import DEFAULT_MAX_TOKENS
 from talaria.workload.generate import generate, load_settings
@@ -135,9 +135,11 @@ ALLOWED = {"gap_history", "output_history"}  # past values
 @pytest.mark.parametrize(
     ("name", "fields"),
     [
-        ("AdmissionCall", [f.name for f in dataclasses.fields(AdmissionCall)]),
+        ("AdmissionCall", list(AdmissionCall.__struct_fields__)),
         ("ServerView", [f.name for f in dataclasses.fields(ServerView)]),
-        ("AdmissionCallMsg", list(AdmissionCallMsg.__struct_fields__)),
+        # what a submission carries outside its engine payload (the one place a hint may travel)
+        ("SubmitCall", [f for f in SubmitCall.__struct_fields__ if f != "engine"]),
+        ("RunCall", [f for f in RunCall.__struct_fields__ if f != "engine"]),
         ("Arrive", [f.name for f in dataclasses.fields(sch.Arrive)]),
     ],
 )
@@ -217,7 +219,7 @@ class LeakySimulator(Simulator):
         if isinstance(event, sch.Arrive):
             c = event.call
             true_out = self.sessions[c.session_id].plan[int(c.call_id.rsplit("#", 1)[1])].sim_stop_tokens
-            event = sch.Arrive(dataclasses.replace(c, output_history=(true_out,)))
+            event = sch.Arrive(msgspec.structs.replace(c, output_history=(true_out,)))
         return super()._admission_step(srv, event)
 
 

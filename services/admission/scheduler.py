@@ -43,29 +43,12 @@ from dataclasses import dataclass, field
 from shared.costmodel import CostModel
 from shared.catalog import ModelSpec
 from shared.policy import PolicyConfig
+from shared.schema import AdmissionCall  # the one struct a call has from the router on
 
 DEFAULT_OUTPUT_PRIOR = 200  # tokens: published median output per call (CALIBRATION.md), used before any history
 
 
 # -- inputs --------------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
-class AdmissionCall:
-    """What admission may know about a call: its prompt, its bound and the
-    session's history. No output length and no next tool gap, by construction."""
-
-    call_id: str
-    session_id: str
-    model: str
-    prompt_tokens: int
-    prefix_tokens: int
-    max_tokens: int
-    arrived_at: float
-    continuation: bool
-    gap_history: tuple[float, ...] = ()
-    output_history: tuple[int, ...] = ()
-    session_started_at: float | None = None  # when the session's first call arrived (program-level FCFS)
-
-
 @dataclass(frozen=True, slots=True)
 class Arrive:
     call: AdmissionCall

@@ -19,8 +19,9 @@ from services.admission import scheduler as sch
 from shared.costmodel import CostModel
 from shared.bus import ServiceProcess, run_service, trace_headers
 from shared.clock import at_source, done_within, drive_timer
+from shared.state import CounterMirror, ServerLoad, add_counters, write_server_load
 from shared.schema import (
-    Abort, AdmissionCallMsg, ApiError, CallQueued, CallRunning, ListCalls, ProtectKv, ReleaseSession, RunCall,
+    Abort, ApiError, CallQueued, CallRunning, ListCalls, ProtectKv, ReleaseSession, RunCall,
     StageRequest, Submitted, SubmitCall, SwitchRequest, admission_decoder, encode, engine_announce_decoder,
     engine_state_decoder, finished_decoder, session_ended_decoder, stored_submit_decoder, switch_reply_decoder,
 )
@@ -114,13 +115,10 @@ class AdmissionService(ServiceProcess):
         for rc in running:
             if awake is None or rc.model != awake[0]:
                 continue
-            sub = stored.pop(rc.call_id, None) or SubmitCall(call=AdmissionCallMsg(
-                call_id=rc.call_id, session_id=rc.session_id, model=rc.model, prompt_tokens=rc.prompt_tokens,
-                prefix_tokens=rc.prefix_tokens, max_tokens=rc.max_tokens, arrived_at=rc.arrived_at, continuation=True),
-                reply_to=rc.reply_to, sim_output_tokens=rc.stop_tokens)
+            sub = stored.pop(rc.call_id, None) or rc.submitted()
             self.payloads[rc.call_id] = sub
             self.dispatched[rc.call_id] = rc
-            adopted.append((self._admission_call(sub), rc.reserved_tokens))
+            adopted.append((sub.call, rc.reserved_tokens))
         if awake is not None:
             self.scheduler.recover_active(awake[0], awake[1], adopted, now)
         # calls answered while nobody listened need no second run
@@ -135,7 +133,7 @@ class AdmissionService(ServiceProcess):
                 continue
             self.payloads[cid] = sub
             self.last_seen[sub.call.session_id] = now
-            await self.step(sch.Arrive(self._admission_call(sub)))
+            await self.step(sch.Arrive(sub.call))
             requeued += 1
         await self.step(sch.Tick())
         self.persist_dirty.set()
@@ -152,16 +150,6 @@ class AdmissionService(ServiceProcess):
                     self.payloads.pop(cid, None)
                     self.dispatched.pop(cid, None)
                     await self.step(sch.Finished(cid, run.call.session_id, run.call.prompt_tokens))
-
-    @staticmethod
-    def _admission_call(sub: SubmitCall) -> sch.AdmissionCall:
-        c = sub.call
-        return sch.AdmissionCall(
-            call_id=c.call_id, session_id=c.session_id, model=c.model, prompt_tokens=c.prompt_tokens,
-            prefix_tokens=c.prefix_tokens, max_tokens=c.max_tokens, arrived_at=c.arrived_at,
-            continuation=c.continuation, gap_history=tuple(c.gap_history), output_history=tuple(c.output_history),
-            session_started_at=c.session_started_at,
-        )
 
     async def persister(self) -> None:
         """Keep `adm:<server>:calls` equal to the calls we hold: rewritten on a
@@ -231,10 +219,9 @@ class AdmissionService(ServiceProcess):
                     self.persist_dirty.set()
             if msg.reply:
                 await self.nc.publish(msg.reply, encode(Submitted(call_id=c.call_id, server_id=self.settings.server_id)))
-            call = self._admission_call(sub)
             self.log.info("admission.queued", model=c.model, at=round(self.clock.now(), 3))
             self.newly_counted.add(c.call_id)
-            await self.step(sch.Arrive(call), at=call.arrived_at)
+            await self.step(sch.Arrive(c), at=c.arrived_at)
 
     async def on_finished(self, msg: Msg) -> None:
         ev = finished_decoder.decode(msg.data)
@@ -289,13 +276,9 @@ class AdmissionService(ServiceProcess):
                         self.log.error("admission.lost_payload", call_id=c.call_id, session_id=c.session_id)
                         lost.append(c.call_id)
                         continue
-                    stop = sub.sim_output_tokens or c.max_tokens
                     run = RunCall(
-                        call_id=c.call_id, session_id=c.session_id, model=c.model, prompt_tokens=c.prompt_tokens,
-                        prefix_tokens=c.prefix_tokens, max_tokens=c.max_tokens, stop_tokens=stop,
-                        reserved_tokens=a.reserved_tokens, reply_to=sub.reply_to, arrived_at=c.arrived_at,
+                        call=c, engine=sub.engine, reply_to=sub.reply_to, reserved_tokens=a.reserved_tokens,
                         waited_s=a.waited_s, switch_wait_s=a.switch_wait_s, round_wait=a.round_wait,
-                        prompt_text=sub.prompt_text, prompt_token_ids=sub.prompt_token_ids,
                         dispatched_at=self.scheduler.last_step_at,
                     )
                     self.log.info("admission.dispatched", session_id=c.session_id, call_id=c.call_id, model=c.model,
@@ -399,42 +382,37 @@ class AdmissionService(ServiceProcess):
                     await self.nc.publish(sub.reply_to, encode(CallRunning(call_id=cid, server_id=sid)))
 
     async def mirror(self) -> None:
-        """Mirror the scheduler's view into Redis for the router (coalesced)."""
-        key = self.keys.server(self.settings.server_id)
+        """Mirror the scheduler's view into Redis for the router (coalesced): its
+        load as fields, its counters as increments (shared/state.py)."""
+        sid = self.settings.server_id
+        counters = CounterMirror()
         while True:
             await self.dirty.wait()
             self.dirty.clear()
             sc = self.scheduler
             cap = sc.kv_capacity or 1
             counted = list(self.newly_counted)
+            st = sc.stats
+            added = counters.pending({
+                "switches": st.switches, "slots": st.slots, "round_waits": st.round_waits, "sp_admits": st.sp_admits,
+                "preemptions": st.preemptions, "reservations_made": st.reservations_made,
+                "reservations_hit": st.reservations_hit, "reservations_expired": st.reservations_expired,
+                "reserved_idle_s": round(st.reserved_idle_s, 3),
+            })
             try:
                 # one transaction: a router that reads the in-flight hash and then the
                 # mirror sees each of these calls in one of them at least
                 pipe = self.redis.pipeline(transaction=True)
-                pipe.hset(key, mapping={
-                    "active": sc.active or "",
-                    "phase": sc.phase,
-                    "queued": sc.queued(),
-                    "running": len(sc.running),
-                    "kv_occupancy": f"{sc.reserved_kv_tokens() / cap:.4f}",
-                    "load_tokens": sc.load_tokens(),
-                    "reservations": len(sc.reservations),
-                    "live_models": ",".join(sorted(sc.live_models())),
-                    "models": ",".join(sc.models),
-                    # counters for reports (the replay sums them over servers)
-                    "stat_switches": sc.stats.switches,
-                    "stat_slots": sc.stats.slots,
-                    "stat_round_waits": sc.stats.round_waits,
-                    "stat_sp_admits": sc.stats.sp_admits,
-                    "stat_preemptions": sc.stats.preemptions,
-                    "stat_reservations_made": sc.stats.reservations_made,
-                    "stat_reservations_hit": sc.stats.reservations_hit,
-                    "stat_reservations_expired": sc.stats.reservations_expired,
-                    "stat_reserved_idle_s": f"{sc.stats.reserved_idle_s:.3f}",
-                })
+                write_server_load(pipe, self.keys, sid, ServerLoad(
+                    active=sc.active, phase=sc.phase, queued=sc.queued(), running=len(sc.running),
+                    kv_occupancy=sc.reserved_kv_tokens() / cap, load_tokens=sc.load_tokens(),
+                    reservations=len(sc.reservations), live_models=frozenset(sc.live_models()),
+                    models=frozenset(sc.models)))
+                add_counters(pipe, self.keys, sid, added)
                 if counted:
-                    pipe.hdel(self.keys.in_flight(self.settings.server_id), *counted)
+                    pipe.hdel(self.keys.in_flight(sid), *counted)
                 await pipe.execute()
+                counters.written(added)
                 self.newly_counted.difference_update(counted)
             except Exception as exc:
                 self.log.warning("admission.mirror_failed", error=str(exc))

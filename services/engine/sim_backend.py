@@ -120,6 +120,8 @@ class SimBackend(EngineBackend):
         if call_id not in self.engine.running:  # it ended before the cancel landed: answered already
             return
         produced = self.engine.produced_tokens(call_id)
+        self.worker.log.info("engine.cancel", call_id=call_id, session_id=rc.session_id, reason="agent gave up",
+                             generating=True, output_tokens=produced)
         self.engine.abort(call_id, now)
         self.engine.preempted_tokens.pop(call_id, None)  # it will not resume
         self.calls.pop(call_id, None)

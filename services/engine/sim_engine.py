@@ -127,9 +127,6 @@ class SimEngine:
         return out
 
     # -- KV accounting -----------------------------------------------------------
-    def running_kv_tokens(self) -> int:
-        return sum(r.call.prompt_tokens + int(r.produced) for r in self.running.values())
-
     def reserved_kv_tokens(self) -> int:
         return self._reserved_total
 
@@ -261,6 +258,15 @@ class SimEngine:
                     done.append(self._finish(cid))
         if not self.running:
             self.t = max(self.t, now)
+
+    def produced_tokens(self, call_id: str) -> int:
+        """Output tokens a running call has produced as of the engine's clock
+        (a preempted call's earlier tokens included), for streaming."""
+        r = self.running.get(call_id)
+        if r is None:
+            return 0
+        total = max(1, min(r.call.stop_tokens, r.call.max_tokens))
+        return min(total, total - int(r.tokens_left + 0.999999))
 
     def abort(self, call_id: str, now: float) -> None:
         """Preempted: the call's progress is lost; what it had prefilled stays cached."""

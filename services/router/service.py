@@ -12,6 +12,7 @@ and forwards the call to the chosen server's admission.
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -21,18 +22,19 @@ from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 
-from services.router.placement import InFlight, InFlightPlacements, ServerView, rank, with_in_flight
+from services.router.placement import InFlight, InFlightPlacements, ServerView, rank, server_view, with_in_flight
+from shared import state
 from shared.bus import ServiceProcess, run_service, trace_headers
 from shared.keys import CALL_TTL_S, SESSION_TTL_S
+from shared.policy import DECISION_HISTORY
 from shared.schema import (
-    MAX_MESSAGE_BYTES, AdmissionCallMsg, ApiError, CallAccepted, CallRequest, EndSession, Info, InfoRequest, Ok,
-    OpenSession, SessionEndedEvent, SessionOpened, SubmitCall, api_request_decoder, encode, reply_decoder,
+    MAX_MESSAGE_BYTES, AdmissionCall, ApiError, CallAccepted, CallRequest, EndSession, Info, InfoRequest, Ok,
+    EnginePayload, OpenSession, SessionEndedEvent, SessionOpened, SubmitCall, api_request_decoder, encode, reply_decoder,
     submit_reply_decoder,
 )
 
 SUBMIT_TIMEOUT_WALL_S = 5.0
 NO_CAPACITY_RETRY_AFTER_S = 1.0  # wall seconds an agent should wait before asking again
-HISTORY = 16  # gaps and outputs the decisions may look back on
 PLACEMENT_ATTEMPTS = 4  # snapshots a placement may take when other replicas keep placing; the last one lands anyway
 # KEYS: the placement sequence, the chosen server's in-flight hash; ARGV: the sequence
 # the ranking read ('' = unconditionally), call id, InFlight value, TTL. Writes the
@@ -50,9 +52,7 @@ class Router(ServiceProcess):
 
     @property
     def instance(self) -> str:
-        import os
-
-        return f"router-{os.environ.get('TALARIA_INSTANCE_ID') or os.getpid()}"
+        return f"router-{self.settings.instance_id or os.getpid()}"
 
     async def setup(self) -> None:
         self.served = set(self.settings.models)
@@ -91,13 +91,13 @@ class Router(ServiceProcess):
         if (err := self._model_error(model)) is not None:
             await self.reply_error(reply, "unknown_model", err)
             return
-        key = self.keys.session(sid)
-        existing = await self.redis.hget(key, "model")
+        existing = await self.redis.hget(self.keys.session(sid), "model")
         if existing is not None and existing.decode() != model:
             await self.reply_error(reply, "malformed", f"session {sid} is open for {existing.decode()}, not {model}")
             return
-        await self.redis.hset(key, mapping={"model": model})
-        await self.redis.expire(key, SESSION_TTL_S)
+        pipe = self.redis.pipeline(transaction=False)
+        state.open_session(pipe, self.keys, sid, model)
+        await pipe.execute()
         self.log.info("session.opened", session_id=sid, model=model)
         if reply:
             await self.nc.publish(reply, encode(SessionOpened(session_id=sid, model=model,
@@ -127,13 +127,12 @@ class Router(ServiceProcess):
                                        f"prompt of {req.prompt_tokens} tokens exceeds {req.model}'s context limit of {spec.context_limit}",
                                        req.call_id)
                 return
-            skey = self.keys.session(req.session_id)
-            session = await self.redis.hgetall(skey)
-            if not session or b"model" not in session:
+            session = state.decode_session(await self.redis.hgetall(self.keys.session(req.session_id)))
+            if session.model is None:
                 # (a hash with no model: the store restarted empty and an engine wrote to it since)
                 await self.reply_error(reply_to, "unknown_session", f"session {req.session_id} is not open (open it first)", req.call_id)
                 return
-            if session.get(b"model", b"").decode() != req.model:
+            if session.model != req.model:
                 await self.reply_error(reply_to, "malformed", f"session {req.session_id} is open for another model", req.call_id)
                 return
             # at most once per call_id: the first placement wins, a retry gets the reply or a fresh ack
@@ -151,26 +150,25 @@ class Router(ServiceProcess):
                 return
             await self._place_and_submit(req, reply_to, session)
 
-    async def _place_and_submit(self, req: CallRequest, reply_to: str, session: dict[bytes, bytes],
+    async def _place_and_submit(self, req: CallRequest, reply_to: str, session: state.SessionRecord,
                                 retry: bool = False) -> None:
         """Place and submit a call. `retry`: the same call id again, with no reply
         yet (e.g. the admission that held it restarted): submit it again without
         counting it twice in the session's history; admission and the engine
         both deduplicate by call id."""
         now = self.clock.now()
-        skey = self.keys.session(req.session_id)
-        last_finish = session.get(b"last_finish")
-        calls_before = int(session.get(b"calls", b"0")) - (1 if retry else 0)
+        last_finish = session.last_finish
+        calls_before = session.calls - (1 if retry else 0)
         new_session = calls_before <= 0 and not retry
         pipe = self.redis.pipeline(transaction=False)
         if last_finish is not None and calls_before > 0 and not retry:
-            pipe.rpush(self.keys.session_gaps(req.session_id), f"{max(0.0, now - float(last_finish)):.4f}")
+            pipe.rpush(self.keys.session_gaps(req.session_id), f"{max(0.0, now - last_finish):.4f}")
         if not retry:
-            pipe.hincrby(skey, "calls", 1)
+            state.count_call(pipe, self.keys, req.session_id)
         if calls_before == 0 and not retry:
-            pipe.hsetnx(skey, "started_at", repr(now))
-        pipe.lrange(self.keys.session_gaps(req.session_id), -HISTORY, -1)
-        pipe.lrange(self.keys.session_outputs(req.session_id), -HISTORY, -1)
+            state.mark_started(pipe, self.keys, req.session_id, now)
+        pipe.lrange(self.keys.session_gaps(req.session_id), -DECISION_HISTORY, -1)
+        pipe.lrange(self.keys.session_outputs(req.session_id), -DECISION_HISTORY, -1)
         pipe.hgetall(self.keys.kv_locality(req.session_id))
         pipe.get(self.keys.reservation(req.session_id))
         pipe.expire(self.keys.session_gaps(req.session_id), SESSION_TTL_S)
@@ -202,15 +200,15 @@ class Router(ServiceProcess):
                       candidates=[{"server": c.server_id, "score": round(c.score, 3), "residency": c.residency,
                                    "kv": c.kv, "pressure": round(c.pressure, 2), "contention": c.contention}
                                   for c in ranked])
-        call = AdmissionCallMsg(
+        call = AdmissionCall(
             call_id=req.call_id, session_id=req.session_id, model=req.model, prompt_tokens=req.prompt_tokens,
             prefix_tokens=req.prefix_tokens, max_tokens=req.max_tokens, arrived_at=now,
             continuation=calls_before > 0, gap_history=tuple(float(x) for x in gaps_raw),
             output_history=tuple(int(x) for x in outputs_raw),
-            session_started_at=float(session[b"started_at"]) if b"started_at" in session else now,
+            session_started_at=session.started_at if session.started_at is not None else now,
         )
-        sub = SubmitCall(call=call, reply_to=reply_to, sim_output_tokens=req.sim_output_tokens,
-                         prompt_text=req.prompt_text, prompt_token_ids=req.prompt_token_ids)
+        sub = SubmitCall(call=call, reply_to=reply_to, engine=EnginePayload(
+            prompt_text=req.prompt_text, prompt_token_ids=req.prompt_token_ids, hint=req.engine_hint, stream=req.stream))
         for i, cand in enumerate(ranked):
             if i > 0:  # the first choice did not take it: the next one counts it now
                 await self.mark_in_flight(cand.server_id, placement)
@@ -232,8 +230,10 @@ class Router(ServiceProcess):
             await self.nc.publish(reply_to, encode(CallAccepted(call_id=req.call_id, server_id=cand.server_id)))
             return
         await self.redis.delete(self.keys.call(req.call_id))  # nothing took it: a retry may place it again
-        if new_session:
-            await self.redis.hincrby(skey, "calls", -1)  # so the retry is the session's first call again
+        if new_session:  # so the retry is the session's first call again
+            pipe = self.redis.pipeline(transaction=False)
+            state.count_call(pipe, self.keys, req.session_id, -1)
+            await pipe.execute()
         await self.reply_error(reply_to, "no_capacity", f"no server could take a {req.model} call now", req.call_id, retry_after_s=NO_CAPACITY_RETRY_AFTER_S)
 
     def _queue_server_reads(self, pipe: Any) -> int:
@@ -253,23 +253,17 @@ class Router(ServiceProcess):
         views = []
         wall = time.time()
         for i, server_id in enumerate(self.settings.servers):
-            fh, h = raw[1 + 2 * i], raw[2 + 2 * i]
-            g = {k.decode(): v.decode() for k, v in h.items()}
+            fh, mirror = raw[1 + 2 * i], state.decode_server(raw[2 + 2 * i])
+            load = mirror.load
             entries = {k.decode(): v.decode() for k, v in fh.items()}
             shared = {cid: c for cid, v in entries.items() if (c := InFlight.decode(cid, v)) is not None}
             stale = [cid for cid in entries if cid not in shared or wall - shared[cid].placed_at >= IN_FLIGHT_MAX_WALL_S]
             if stale:  # a replica that died between its write and its forward, an admission that restarted
                 self.spawn(self.redis.hdel(self.keys.in_flight(server_id), *stale), "in-flight-prune")
-            models = frozenset(filter(None, g.get("models", ",".join(self.settings.models)).split(",")))
-            views.append(with_in_flight(ServerView(
-                server_id=server_id, models=models, active_model=g.get("active") or None,
-                staged_model=g.get("staged") or None, queued_calls=int(g.get("queued", 0)),
-                running_calls=int(g.get("running", 0)), kv_occupancy=float(g.get("kv_occupancy", 0.0)),
-                reservations_for_others=int(g.get("reservations", 0)) - (reserved_on == server_id),
-                session_kv=kv.get(server_id, "none"), session_reserved=reserved_on == server_id,  # type: ignore[arg-type]
-                load_tokens=int(g.get("load_tokens", 0)),
-                live_models=frozenset(filter(None, g.get("live_models", "").split(","))),
-            ), self.in_flight.pending(server_id, shared, read, wall)))
+            models = load.models if load.models is not None else frozenset(self.settings.models)
+            view = server_view(server_id, models, load, mirror.substrate.staged,
+                               kv.get(server_id, "none"), reserved_on)  # type: ignore[arg-type]
+            views.append(with_in_flight(view, self.in_flight.pending(server_id, shared, read, wall)))
         return seq, views
 
     async def mark_in_flight(self, server_id: str, call: InFlight, expect_seq: str | None = None) -> bool:

@@ -17,6 +17,7 @@ from shared.costmodel import CostModel
 from services.substrate.ledger import SubstrateLedger
 from shared.bus import ServiceProcess, run_service
 from shared.clock import at_source
+from shared.state import SubstrateView, write_substrate_view
 from shared.schema import (
     ApiError, ControlOk, ForgetHostKv, Sleep, StageRequest, SubstrateAnnounce, SwitchRequest, SwitchResult, Wake,
     control_reply_decoder, encode, engine_announce_decoder, kv_spilled_decoder, substrate_decoder,
@@ -159,14 +160,11 @@ class SubstrateManager(ServiceProcess):
 
     async def _mirror(self) -> None:
         led = self.ledger
-        key = self.keys.server(self.settings.server_id)
-        await self.redis.hset(key, mapping={
-            "resident": led.active or "",
-            "staged": led.incoming_model(self.clock.now()) or "",
-            "host_kv_gb": f"{led.host_kv_bytes() / 1e9:.1f}",
-            "region_reservations": led.region_reservations,
-            "switches": led.switches,
-        })
+        pipe = self.redis.pipeline(transaction=False)
+        write_substrate_view(pipe, self.keys, self.settings.server_id, SubstrateView(
+            resident=led.active, staged=led.incoming_model(self.clock.now()), host_kv_gb=led.host_kv_bytes() / 1e9,
+            region_reservations=led.region_reservations, switches=led.switches))
+        await pipe.execute()
 
 
 def main() -> None:

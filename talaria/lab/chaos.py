@@ -35,6 +35,7 @@ import nats
 from shared.clock import ScaledClock
 from shared.logs import read_log_events
 from shared.policy import resolve_policy
+from shared.subjects import Subjects
 from talaria.workload.trace import TraceSession, load_trace
 from talaria.argtypes import positive_float, positive_int
 from talaria.client import TalariaClient
@@ -95,7 +96,7 @@ class Injector:
         assert self.nc is not None
         while True:
             try:
-                await self.nc.request(f"{self.stack.subject_prefix}.health.{name}", b"", timeout=0.5)
+                await self.nc.request(Subjects(self.stack.subject_prefix).health(name), b"", timeout=0.5)
                 return
             except Exception:  # noqa: BLE001 - not back yet
                 await asyncio.sleep(0.05)

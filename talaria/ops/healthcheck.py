@@ -30,6 +30,7 @@ import os
 import sys
 
 from shared.auth import nats_password_from_env
+from shared.subjects import Subjects
 from talaria.argtypes import positive_float
 
 SERVICES = ("router", "admission", "substrate", "engine")
@@ -103,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
             subject = f"$SRV.PING.{a.srv_ping}"
         else:
             inst = a.instance or instance_name(a.service)
-            subject = f"{a.subject_prefix}.health.{inst}"
+            subject = Subjects(a.subject_prefix).health(inst)
     except ValueError as exc:
         print(f"unhealthy: {exc}", file=sys.stderr)
         return 1

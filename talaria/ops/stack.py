@@ -21,6 +21,7 @@ import nats
 
 from shared.auth import Credentials, generate_credentials, nats_permissions
 from shared.policy import PolicyConfig, encode_policy
+from shared.subjects import Subjects
 from talaria.client import AgentLogin, Deployment
 from talaria.ops.nats_server import NatsServer, start_cluster
 from talaria.ops.processes import ProcessGroup
@@ -156,6 +157,11 @@ class EmbeddedStack:
                                      password=secrets.token_urlsafe(18) if c else None)
             await self.redis.astart()
         env = self.base_env()
+        if env.get("TALARIA_ENGINE") == "vllm" and not env.get("TALARIA_VLLM_MODEL"):
+            # the embedded stack's real engines serve the tiny local model (a deployment names its own)
+            from talaria.ops.tinymodel import ensure_tiny_model
+
+            env["TALARIA_VLLM_MODEL"] = str(await asyncio.to_thread(ensure_tiny_model))
         for name, module, extra in self.service_table():
             self.group.add(name, [sys.executable, "-m", module], env={**env, **extra}, log_path=self.log_dir / f"{name}.log")
         self.group.start_all()
@@ -171,7 +177,7 @@ class EmbeddedStack:
             while pending:
                 name = pending[0]
                 try:
-                    await nc.request(f"{self.subject_prefix}.health.{name}", b"", timeout=1.0)
+                    await nc.request(Subjects(self.subject_prefix).health(name), b"", timeout=1.0)
                     pending.pop(0)
                 except Exception:
                     if time.monotonic() > deadline:

@@ -16,10 +16,11 @@ from dataclasses import dataclass, field
 from services.admission import scheduler as sch
 from shared.costmodel import CostModel
 from services.engine.sim_engine import EngineCall, SimEngine
-from services.router.placement import ServerView, rank
+from services.router.placement import ServerView, rank, server_view
 from services.substrate.ledger import SubstrateLedger
 from shared.catalog import Catalog
-from shared.policy import PolicyConfig
+from shared.policy import DECISION_HISTORY, PolicyConfig
+from shared.state import ServerLoad
 from talaria.workload.trace import TraceSession
 from talaria.workload.agent import DEFAULT_MAX_TOKENS, PlannedCall, call_id_for, plan_session
 from talaria.results.records import CallRecord
@@ -206,8 +207,8 @@ class Simulator:
             max_tokens=pc.max_tokens,
             arrived_at=self.now,
             continuation=pc.index > 0,
-            gap_history=tuple(s.gaps[-16:]),
-            output_history=tuple(s.outputs[-16:]),
+            gap_history=tuple(s.gaps[-DECISION_HISTORY:]),
+            output_history=tuple(s.outputs[-DECISION_HISTORY:]),
             session_started_at=s.started_at,
         )
         srv = self._place(s, call)
@@ -235,22 +236,16 @@ class Simulator:
                 kv = "hbm"
             elif (call.model, call.session_id) in srv.ledger.host_kv:
                 kv = "host"
-        res = sc.reservations
-        mine = call.session_id in res
-        return ServerView(
-            server_id=srv.server_id,
-            models=srv.models,
-            active_model=sc.active,
-            staged_model=srv.ledger.incoming_model(self.now),
-            queued_calls=sc.queued(),
-            running_calls=len(sc.running),
+        load = ServerLoad(
+            active=sc.active, queued=sc.queued(), running=len(sc.running),
             kv_occupancy=(eng.reserved_kv_tokens() / eng.kv_capacity_tokens) if eng and eng.kv_capacity_tokens else 0.0,
-            reservations_for_others=len(res) - mine,  # reservations are keyed by session
-            session_kv=kv,  # type: ignore[arg-type]
-            session_reserved=mine,
+            reservations=len(sc.reservations),  # reservations are keyed by session
             load_tokens=sc.load_tokens() if self._need_load_tokens else 0,
             live_models=sc.live_models() if self._need_live_models else frozenset(),
         )
+        reserved_on = srv.server_id if call.session_id in sc.reservations else None
+        return server_view(srv.server_id, srv.models, load, srv.ledger.incoming_model(self.now), kv,  # type: ignore[arg-type]
+                           reserved_on)
 
     # -- admission and substrate ---------------------------------------------------
     def _admission_step(self, srv: _Server, event: sch.Event) -> None:

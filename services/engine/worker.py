@@ -1,0 +1,252 @@
+"""engine-worker: one (server, model) engine behind NATS.
+
+`EngineWorker` owns the call protocol, written once for every backend:
+
+- a run (admission's `RunCall`) whose reply is stored is answered from the
+  reply store again, with its `CallFinished` re-sent (admission may have missed
+  the first one while it restarted); a run already generating is ignored; a run
+  that lands while the engine sleeps or starts waits in `pending` until it wakes;
+- the finish of a call stores its reply create-if-absent (a second generation
+  of one call id never becomes a second answer: the first stored reply is the
+  one published), records the session's finish, answers the agent and tells
+  admission (`CallFinished`);
+- an agent's cancel (`CancelCall`) of a pending call drops it and tells
+  admission; of a running call, the backend stops generating and the call ends
+  as aborted (no reply, a `CallFinished`);
+- streamed tokens go to the agent as `CallTokens` through `stream_tokens`.
+
+A backend (`EngineBackend`: `sim_backend.SimBackend`, `vllm_backend.VllmBackend`)
+only generates. It is chosen at start (`services/engine/__main__.py`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import Any
+
+import structlog
+from nats.aio.msg import Msg
+
+from shared import state
+from shared.bus import ServiceProcess, trace_headers
+from shared.keys import CALL_TTL_S
+from shared.schema import (
+    Abort, CallFinished, CallReply, CallTokens, ControlOk, EngineAnnounce, EngineState, ForgetHostKv, ListCalls,
+    ProtectKv, ReleaseSession, RunCall, Sleep, Wake, cancel_decoder, control_decoder, encode, reply_decoder,
+    run_decoder,
+)
+from shared.settings import Settings
+
+FinishWrites = Callable[[Any], None]  # a backend's own writes in the finish transaction (a Redis pipeline)
+
+
+class EngineBackend(ABC):
+    """One engine's generation. It starts runs, stops them, sleeps and wakes;
+    for each run it started it calls `worker.finish` exactly once."""
+
+    name = "backend"
+
+    def __init__(self, worker: EngineWorker) -> None:
+        self.worker = worker
+
+    async def start(self) -> None:
+        """Bring the engine up (the worker's subscriptions are already in place)."""
+
+    @property
+    @abstractmethod
+    def can_run(self) -> bool:
+        """A run may start now (awake and ready); else it waits in `pending`."""
+
+    @property
+    @abstractmethod
+    def awake(self) -> bool:
+        """What a restarted admission is told (ListCalls)."""
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return 0
+
+    @abstractmethod
+    def running(self) -> list[RunCall]:
+        """The runs generating now."""
+
+    @abstractmethod
+    async def run(self, rc: RunCall) -> None:
+        """Start generating `rc` (returns once it is started)."""
+
+    @abstractmethod
+    async def sleep(self) -> dict[str, int]:
+        """The substrate switches the model out; returns the KV tokens per session it gave up."""
+
+    @abstractmethod
+    async def wake(self, cmd: Wake) -> None:
+        """The substrate switched the model in."""
+
+    @abstractmethod
+    async def abort(self, call_id: str, at: float | None) -> None:
+        """Admission preempted the call: stop it; admission has moved on (no reply, no CallFinished)."""
+
+    @abstractmethod
+    async def cancel(self, call_id: str) -> None:
+        """The agent gave up: stop generating and end the call as aborted (`worker.finish`)."""
+
+    async def protect(self, session_id: str, on: bool) -> None:
+        """A soft reservation holds the session's KV (or lets it go)."""
+
+    async def release_session(self, session_id: str) -> None:
+        """The session was released: drop what the engine keeps for it."""
+
+    async def forget_host_kv(self, session_ids: list[str]) -> None:
+        """The substrate's host tier could not keep these sessions' spilled KV."""
+
+    async def before_report(self) -> None:
+        """Bring the engine's state up to now before it is reported (ListCalls)."""
+
+    async def after_control(self) -> None:
+        """After any control message (e.g. report what moved, wake the timer)."""
+
+    async def reset_prefix_cache(self) -> bool:
+        """Clear the engine's prefix cache (an operator's and the tests' hook)."""
+        return False
+
+
+class EngineWorker(ServiceProcess):
+    name = "engine"
+
+    def __init__(self, settings: Settings, backend: type[EngineBackend]) -> None:
+        super().__init__(settings)
+        self.backend = backend(self)
+        self.pending: dict[str, RunCall] = {}  # runs that arrived while the engine slept or started
+
+    @property
+    def instance(self) -> str:
+        return f"engine-{self.settings.server_id}-{self.settings.model}"
+
+    async def setup(self) -> None:
+        s = self.settings
+        if s.model not in self.catalog.models:
+            raise SystemExit(f"engine-worker: unknown model {s.model!r}")
+        self.log = self.log.bind(model=s.model, engine=self.backend.name)
+        await self.backend.start()
+        await self.nc.subscribe(self.subjects.engine_run(s.server_id, s.model), queue="engine",
+                                cb=self.guarded_handler(self.on_run, "run"))
+        await self.nc.subscribe(self.subjects.engine_control(s.server_id, s.model), queue="engine",
+                                cb=self.guarded_handler(self.on_control, "control"))
+        await self.nc.subscribe(self.subjects.call_cancel, cb=self.guarded_handler(self.on_cancel, "cancel"))
+        await self.nc.subscribe(self.subjects.engine_reset_kv(s.server_id, s.model),
+                                cb=self.guarded_handler(self.on_reset_kv, "reset_kv"))
+        # announce (re)start: a restarted worker comes back asleep and empty
+        await self.nc.publish(self.subjects.engine_announce(s.server_id),
+                              encode(EngineAnnounce(server_id=s.server_id, model=s.model, awake=False)))
+
+    # -- runs --------------------------------------------------------------------------
+    async def on_run(self, msg: Msg) -> None:
+        rc = run_decoder.decode(msg.data)
+        with structlog.contextvars.bound_contextvars(session_id=rc.session_id, call_id=rc.call_id):
+            stored = await self.redis.get(self.keys.reply(rc.call_id))
+            if stored is not None:  # already answered: the same reply again, never a second generation
+                await self.nc.publish(rc.reply_to, stored)
+                self.log.info("engine.duplicate_run", served_from="reply-store")
+                with contextlib.suppress(Exception):
+                    done = reply_decoder.decode(stored)
+                    await self._tell_admission(rc.call_id, rc.session_id, done.prompt_tokens + done.output_tokens)
+                return
+            if rc.call_id in self.pending or any(r.call_id == rc.call_id for r in self.backend.running()):
+                return
+            if not self.backend.can_run:
+                self.pending[rc.call_id] = rc
+                self.log.info("engine.run_deferred", reason="asleep or starting")
+                return
+            await self.backend.run(rc)
+
+    async def start_pending(self) -> None:
+        """The engine can run again: start what waited, in arrival order."""
+        while self.pending and self.backend.can_run:
+            _, rc = next(iter(self.pending.items()))
+            del self.pending[rc.call_id]
+            await self.backend.run(rc)
+
+    async def stream_tokens(self, rc: RunCall, index: int, token_ids: list[int]) -> None:
+        """Tokens of `rc` from position `index` of its output, to the agent."""
+        await self.nc.publish(rc.reply_to, encode(CallTokens(call_id=rc.call_id, index=index, token_ids=token_ids)))
+
+    async def finish(self, rc: RunCall, reply: CallReply, context_tokens: int,
+                     writes: FinishWrites | None = None) -> None:
+        """`rc` ended (`reply.aborted`: stopped before its end; nobody is answered)."""
+        s = self.settings
+        data = encode(reply)
+        pipe = self.redis.pipeline(transaction=True)
+        if not reply.aborted:
+            # create-if-absent, then read back: the first stored reply is the answer
+            pipe.set(self.keys.reply(reply.call_id), data, ex=CALL_TTL_S, nx=True)
+            pipe.get(self.keys.reply(reply.call_id))
+        state.record_finish(pipe, self.keys, reply.session_id, s.server_id, reply.finished_at, max(1, reply.output_tokens))
+        if writes is not None:
+            writes(pipe)
+        results = await pipe.execute()
+        hdrs = trace_headers(reply.session_id, reply.call_id)
+        if not reply.aborted:
+            first = results[1]
+            if first is not None and first != data:
+                self.log.warning("engine.second_generation", call_id=reply.call_id, session_id=reply.session_id,
+                                 answered_with="the first stored reply")
+                data = first
+            await self.nc.publish(rc.reply_to, data, headers=hdrs)
+        # admission's state machine advances on this, whatever the backend
+        await self._tell_admission(reply.call_id, reply.session_id, context_tokens, reply.finished_at, hdrs)
+
+    async def _tell_admission(self, call_id: str, session_id: str, context_tokens: int,
+                              finished_at: float | None = None, headers: dict[str, str] | None = None) -> None:
+        await self.nc.publish(self.subjects.call_finished(self.settings.server_id),
+                              encode(CallFinished(call_id=call_id, session_id=session_id, context_tokens=context_tokens,
+                                                  finished_at=finished_at)),
+                              headers=headers or trace_headers(session_id, call_id))
+
+    # -- the agent gives up --------------------------------------------------------------
+    async def on_cancel(self, msg: Msg) -> None:
+        c = cancel_decoder.decode(msg.data)
+        pending = self.pending.pop(c.call_id, None)
+        if pending is not None:
+            self.log.info("engine.cancelled_before_start", call_id=c.call_id, session_id=pending.session_id)
+            await self._tell_admission(c.call_id, pending.session_id, 0)
+            return
+        if any(r.call_id == c.call_id for r in self.backend.running()):
+            await self.backend.cancel(c.call_id)  # the backend logs `engine.cancel`
+
+    # -- the substrate's and admission's control -----------------------------------------
+    async def on_control(self, msg: Msg) -> None:
+        cmd = control_decoder.decode(msg.data)
+        out = ControlOk()
+        match cmd:
+            case Sleep():
+                out = ControlOk(kv_out=await self.backend.sleep())
+            case Wake():
+                await self.backend.wake(cmd)
+                await self.start_pending()
+            case Abort(call_id=cid, at=at):
+                self.pending.pop(cid, None)
+                await self.backend.abort(cid, at)
+            case ProtectKv(session_id=sid, on=on):
+                await self.backend.protect(sid, on)
+            case ListCalls():
+                await self.backend.before_report()
+                report = EngineState(awake=self.backend.awake, kv_capacity_tokens=self.backend.kv_capacity_tokens,
+                                     running=self.backend.running(), pending=list(self.pending.values()))
+                if msg.reply:
+                    await self.nc.publish(msg.reply, encode(report))
+                return
+            case ReleaseSession(session_id=sid):
+                await self.backend.release_session(sid)
+            case ForgetHostKv(session_ids=sids):
+                await self.backend.forget_host_kv(sids)
+        await self.backend.after_control()
+        if msg.reply:
+            await self.nc.publish(msg.reply, encode(out))
+
+    async def on_reset_kv(self, msg: Msg) -> None:
+        ok = await self.backend.reset_prefix_cache()
+        self.log.info("engine.prefix_cache_reset", ok=ok)
+        if msg.reply:
+            await self.nc.publish(msg.reply, b'{"ok":%s}' % (b"true" if ok else b"false"))
