@@ -85,7 +85,8 @@ class ServiceProcess:
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        self.log = configure_logging(self.name).bind(server_id=settings.server_id) if self.per_server else configure_logging(self.name)
+        log = configure_logging(self.name, settings.log_format, settings.log_level)
+        self.log = log.bind(server_id=settings.server_id) if self.per_server else log
         self.subjects = Subjects(settings.subject_prefix)
         self.keys = Keys(settings.key_prefix)
         self.clock = ScaledClock(settings.time_scale, settings.clock_epoch)
@@ -100,7 +101,7 @@ class ServiceProcess:
 
     @property
     def instance(self) -> str:
-        return self.name
+        return self.settings.instance_name(self.name)
 
     async def setup(self) -> None:  # subscriptions
         raise NotImplementedError

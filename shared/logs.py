@@ -1,6 +1,7 @@
 """structlog set-up: JSON lines by default, console renderer for humans.
 
-TALARIA_LOG_FORMAT=console switches to the console renderer. Handlers bind
+`log_format="console"` (TALARIA_LOG_FORMAT=console, shared/settings.py)
+switches to the console renderer. Handlers bind
 session_id and call_id with `bound_contextvars` so every line of a call's work
 carries them.
 """
@@ -9,7 +10,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -17,9 +17,8 @@ from typing import Any
 import structlog
 
 
-def configure_logging(service: str, level: str | None = None) -> structlog.stdlib.BoundLogger:
-    fmt = os.environ.get("TALARIA_LOG_FORMAT", "json")
-    lvl = getattr(logging, (level or os.environ.get("TALARIA_LOG_LEVEL", "INFO")).upper(), logging.INFO)
+def configure_logging(service: str, fmt: str = "json", level: str = "INFO") -> structlog.stdlib.BoundLogger:
+    lvl = getattr(logging, level.upper(), logging.INFO)
     renderer: structlog.types.Processor = (
         structlog.dev.ConsoleRenderer() if fmt == "console" else structlog.processors.JSONRenderer()
     )

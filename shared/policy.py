@@ -80,7 +80,7 @@ TALARIA = PolicyConfig(
     staging=True,
     stable_addresses=True,
     placement="talaria",
-    next_model="oldest-first",
+    next_model="most-waiting",  # as tuned (shared/data/tuned.toml, applied over every preset)
     # program-level FCFS while KV-bound: chosen on the multi-server scenarios'
     # tuning seeds (never scored), where kv-ttl had beaten Talaria (docs/results.md);
     # a longer KV hold (120 s) was tried there too and lost on mean SCT

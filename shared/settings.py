@@ -24,10 +24,6 @@ class SettingsError(ValueError):
     """A setting is missing or wrong: the message names the variable."""
 
 
-def _env(name: str, default: str) -> str:
-    return os.environ.get(name, default)
-
-
 def _int(env: Mapping[str, str], name: str, default: int) -> int:
     v = env.get(name, "").strip()
     if not v:
@@ -123,9 +119,27 @@ class Settings:
     engine: str = "sim"            # the engine-worker's backend (sim|vllm)
     instance_id: str | None = None  # a replica's name in logs and health subjects (routers: else the pid)
     vllm: VllmSettings | None = None  # the vllm backend's settings (read when engine == "vllm")
+    log_format: str = "json"        # json lines, or console for a person
+    log_level: str = "INFO"
+
+    def instance_name(self, kind: str) -> str:
+        """A service process's instance: its name in logs, in NATS and on its health subject."""
+        if kind == "router":
+            return f"router-{self.instance_id or os.getpid()}"
+        if kind in ("admission", "substrate"):
+            return f"{kind}-{self.server_id}"
+        if kind == "engine":
+            return f"engine-{self.server_id}-{self.model}"
+        return kind
 
     @classmethod
-    def from_env(cls, argv: list[str] | None = None) -> "Settings":
+    def from_env(cls, argv: list[str] | None = None, env: Mapping[str, str] | None = None) -> "Settings":
+        """Flags over TALARIA_* variables (`env`, default the process's environment)."""
+        src: Mapping[str, str] = os.environ if env is None else env
+
+        def _env(name: str, default: str) -> str:
+            return src.get(name, default)
+
         p = argparse.ArgumentParser(description="Talaria service (settings from TALARIA_* environment variables)")
         p.add_argument("--nats", default=_env("TALARIA_NATS_URL", "nats://127.0.0.1:4222"), help="comma-separated NATS URLs")
         p.add_argument("--redis", default=_env("TALARIA_REDIS_URL", "redis://127.0.0.1:6379/0"))
@@ -140,11 +154,11 @@ class Settings:
         p.add_argument("--server-id", default=_env("TALARIA_SERVER_ID", "s0"))
         p.add_argument("--model", default=_env("TALARIA_MODEL", ""))
         p.add_argument("--heartbeat-wall-s", type=float, default=float(_env("TALARIA_HEARTBEAT_WALL_S", "1.0")))
-        p.add_argument("--catalog", default=os.environ.get("TALARIA_CATALOG"))
+        p.add_argument("--catalog", default=src.get("TALARIA_CATALOG"))
         p.add_argument("--switch-cost-scale", type=float, default=float(_env("TALARIA_SWITCH_COST_SCALE", "1")))
         p.add_argument("--prefill-speed-scale", type=float, default=float(_env("TALARIA_PREFILL_SPEED_SCALE", "1")))
-        p.add_argument("--nats-user", default=os.environ.get("TALARIA_NATS_USER"))
-        p.add_argument("--nats-password", default=os.environ.get("TALARIA_NATS_PASSWORD"), help="prefer the environment variable")
+        p.add_argument("--nats-user", default=src.get("TALARIA_NATS_USER"))
+        p.add_argument("--nats-password", default=src.get("TALARIA_NATS_PASSWORD"), help="prefer the environment variable")
         p.add_argument("--max-queued", type=int, default=int(_env("TALARIA_MAX_QUEUED", "512")),
                        help="queued calls per server above which new sessions get no_capacity (0 = unbounded)")
         p.add_argument("--session-idle-s", type=float, default=float(_env("TALARIA_SESSION_IDLE_S", "600")),
@@ -154,13 +168,16 @@ class Settings:
                             ">100B model's weights takes tens of seconds: raise it there)")
         p.add_argument("--engine", default=_env("TALARIA_ENGINE", "sim").strip() or "sim", choices=ENGINE_BACKENDS,
                        help="engine-worker backend: sim (the cost model) or vllm (a real engine; TALARIA_VLLM_* settings)")
-        p.add_argument("--instance-id", default=os.environ.get("TALARIA_INSTANCE_ID") or None,
+        p.add_argument("--instance-id", default=src.get("TALARIA_INSTANCE_ID") or None,
                        help="this replica's name in logs and its health subject (routers; default: the pid)")
+        p.add_argument("--log-format", default=_env("TALARIA_LOG_FORMAT", "json"), choices=("json", "console"))
+        p.add_argument("--log-level", default=_env("TALARIA_LOG_LEVEL", "INFO"),
+                       choices=("DEBUG", "INFO", "WARNING", "ERROR"), type=str.upper)
         a = p.parse_args(argv)
         vllm = None
         if a.engine == "vllm":
             try:
-                vllm = VllmSettings.from_env(os.environ)
+                vllm = VllmSettings.from_env(src)
             except SettingsError as exc:
                 p.error(str(exc))
         pol = a.policy.strip()
@@ -186,13 +203,15 @@ class Settings:
             prefill_speed_scale=a.prefill_speed_scale,
             nats_user=a.nats_user or None,
             # TALARIA_NATS_PASSWORD, else this user's role variable (compose's env file holds one per role)
-            nats_password=a.nats_password or nats_password_from_env(a.nats_user, dict(os.environ)),
-            redis_user=os.environ.get("TALARIA_REDIS_USER") or None,
-            redis_password=os.environ.get("TALARIA_REDIS_PASSWORD") or None,
+            nats_password=a.nats_password or nats_password_from_env(a.nats_user, dict(src)),
+            redis_user=src.get("TALARIA_REDIS_USER") or None,
+            redis_password=src.get("TALARIA_REDIS_PASSWORD") or None,
             max_queued=max(0, a.max_queued),
             session_idle_s=a.session_idle_s,
             control_timeout_s=max(0.1, a.control_timeout_s),
             engine=a.engine,
             instance_id=a.instance_id,
             vllm=vllm,
+            log_format=a.log_format,
+            log_level=a.log_level,
         )

@@ -22,8 +22,9 @@ Rules (docs/scheduler.md states them for users; keep the two in step):
    or expires, at most until the quantum. With the preempt rule it also
    closes at the quantum: running calls go back to the head of the queue.
 4. The next slot goes to the next model with demand in round-robin order, or,
-   with `oldest-first`, to the model whose oldest queued call waited longest.
-   A model with no queued calls gets no slot.
+   with `oldest-first`, to the model whose oldest queued call waited longest,
+   or, with `most-waiting` (Talaria's tuned rule), to the model whose queue
+   holds the most waiting time in all. A model with no queued calls gets no slot.
 5. Soft reservations (when on): when a call finishes, its session's KV is
    protected and a claim is held for `hold = clamp(quantile(gaps) * factor)`
    model seconds, from the session's observed tool gaps only. It yields: it

@@ -33,10 +33,6 @@ MIRROR_COALESCE_S = 0.005  # wall seconds between two writes of the scheduler's 
 class AdmissionService(ServiceProcess):
     name = "admission"
 
-    @property
-    def instance(self) -> str:
-        return f"admission-{self.settings.server_id}"
-
     async def setup(self) -> None:
         s = self.settings
         cost = CostModel(self.catalog, self.catalog.server(s.server_profile), s.switch_cost_scale, s.prefill_speed_scale)

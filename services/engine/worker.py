@@ -120,9 +120,6 @@ class EngineWorker(ServiceProcess):
         self.backend = backend(self)
         self.pending: dict[str, RunCall] = {}  # runs that arrived while the engine slept or started
 
-    @property
-    def instance(self) -> str:
-        return f"engine-{self.settings.server_id}-{self.settings.model}"
 
     async def setup(self) -> None:
         s = self.settings

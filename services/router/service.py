@@ -12,7 +12,6 @@ and forwards the call to the chosen server's admission.
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any
 
@@ -49,10 +48,6 @@ IN_FLIGHT_MAX_WALL_S = 2.0  # forget an in-flight placement the mirror never cou
 class Router(ServiceProcess):
     name = "router"
     per_server = False
-
-    @property
-    def instance(self) -> str:
-        return f"router-{self.settings.instance_id or os.getpid()}"
 
     async def setup(self) -> None:
         self.served = set(self.settings.models)

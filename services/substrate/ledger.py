@@ -211,11 +211,6 @@ class SubstrateLedger:
         """The switched-in model is awake: it is active, no longer moving in."""
         self.switch_in = None
 
-    def activate(self, model: str) -> None:
-        """The first model on an idle server is loaded like any other switch;
-        this marks a model active without a plan (used after recovery)."""
-        self.active = model
-
     def _spill_kv(self, old: ModelSpec | None, kv_out: dict[str, int]) -> tuple[float, int, int]:
         if old is None or not kv_out:
             return 0.0, 0, 0

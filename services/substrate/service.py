@@ -27,10 +27,6 @@ from shared.schema import (
 class SubstrateManager(ServiceProcess):
     name = "substrate"
 
-    @property
-    def instance(self) -> str:
-        return f"substrate-{self.settings.server_id}"
-
     async def setup(self) -> None:
         s = self.settings
         profile = self.catalog.server(s.server_profile)

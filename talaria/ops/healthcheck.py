@@ -26,32 +26,34 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import sys
+from collections.abc import Mapping
 
-from shared.auth import nats_password_from_env
+from shared.settings import Settings
 from shared.subjects import Subjects
 from talaria.argtypes import positive_float
 
 SERVICES = ("router", "admission", "substrate", "engine")
 
 
-def instance_name(service: str, env: dict[str, str] | os._Environ[str] = os.environ) -> str:
-    """The health-endpoint instance of a service kind, from its environment."""
-    server = env.get("TALARIA_SERVER_ID", "s0")
-    if service == "router":
-        iid = env.get("TALARIA_INSTANCE_ID")
-        if not iid:
-            raise ValueError("router: set TALARIA_INSTANCE_ID (the router's instance name otherwise is its pid)")
-        return f"router-{iid}"
-    if service in ("admission", "substrate"):
-        return f"{service}-{server}"
-    if service == "engine":
-        model = env.get("TALARIA_MODEL", "")
-        if not model:
-            raise ValueError("engine: TALARIA_MODEL is not set")
-        return f"engine-{server}-{model}"
-    raise ValueError(f"unknown service kind {service!r} (one of {', '.join(SERVICES)})")
+def instance_name(service: str, env: Mapping[str, str] | None = None) -> str:
+    """The health-endpoint instance of a service kind, from the settings its environment gives it."""
+    if service not in SERVICES:
+        raise ValueError(f"unknown service kind {service!r} (one of {', '.join(SERVICES)})")
+    settings = service_settings(env)
+    if service == "router" and not settings.instance_id:
+        raise ValueError("router: set TALARIA_INSTANCE_ID (the router's instance name otherwise is its pid)")
+    if service == "engine" and not settings.model:
+        raise ValueError("engine: TALARIA_MODEL is not set")
+    return settings.instance_name(service)
+
+
+def service_settings(env: Mapping[str, str] | None = None) -> Settings:
+    """The settings a service would read from this environment (shared/settings.py)."""
+    try:
+        return Settings.from_env([], env)
+    except SystemExit as exc:  # argparse's own exit on a bad setting (it printed why)
+        raise ValueError(f"the service's settings do not parse (exit {exc.code})") from None
 
 
 async def check(nats_urls: list[str], subject: str, timeout_s: float,
@@ -90,12 +92,17 @@ def main(argv: list[str] | None = None) -> int:
     who.add_argument("--service", choices=SERVICES, help="service kind; instance name derived from the env")
     who.add_argument("--instance", help="instance name, e.g. admission-s0 or engine-s0-glm-4.5-fp8")
     who.add_argument("--srv-ping", metavar="NAME", help="send $SRV.PING.<NAME> (NATS micro; any instance of NAME)")
-    p.add_argument("--nats", default=os.environ.get("TALARIA_NATS_URL", "nats://127.0.0.1:4222"),
-                   help="comma-separated NATS URLs")
-    p.add_argument("--subject-prefix", default=os.environ.get("TALARIA_SUBJECT_PREFIX", "talaria"))
-    p.add_argument("--user", default=os.environ.get("TALARIA_NATS_USER"))
-    p.add_argument("--password", default=nats_password_from_env(os.environ.get("TALARIA_NATS_USER"), dict(os.environ)),
-                   help="prefer the environment variable")
+    try:
+        s: Settings | None = service_settings()
+    except ValueError:
+        s = None  # reported below, once the flags are read
+    p.add_argument("--nats", default=",".join(s.nats_urls) if s else "nats://127.0.0.1:4222",
+                   help="comma-separated NATS URLs (default: the service's TALARIA_NATS_URL)")
+    p.add_argument("--subject-prefix", default=s.subject_prefix if s else "talaria",
+                   help="the deployment's subject prefix (default: TALARIA_SUBJECT_PREFIX)")
+    p.add_argument("--user", default=s.nats_user if s else None, help="NATS user (default: TALARIA_NATS_USER)")
+    p.add_argument("--password", default=s.nats_password if s else None,
+                   help="NATS password (prefer the environment variable, as the service reads it)")
     p.add_argument("--timeout", type=positive_float, default=3.0, help="seconds for connect and for the answer")
     p.add_argument("-q", "--quiet", action="store_true")
     a = p.parse_args(argv)

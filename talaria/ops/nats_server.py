@@ -96,10 +96,6 @@ class NatsServer(ServerBase):
         """Client URL without credentials."""
         return f"nats://{LOOPBACK}:{self.port}"
 
-    @property
-    def route_url(self) -> str | None:
-        return f"nats-route://{LOOPBACK}:{self.cluster_port}" if self.cluster_port else None
-
     def render_config(self) -> str:
         lines = [
             f"listen: {_q(f'{LOOPBACK}:{self.port}')}",

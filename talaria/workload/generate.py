@@ -93,7 +93,7 @@ class GeneratorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True,
     servers: Pos = 1  # number of such servers
 
 
-def _check(s: GeneratorSettings) -> GeneratorSettings:
+def check_settings(s: GeneratorSettings) -> GeneratorSettings:
     """Cross-field checks msgspec cannot express; also that names exist in the catalog."""
     problems: list[str] = []
     if not s.models:
@@ -131,7 +131,7 @@ def load_settings(path: str | Path) -> GeneratorSettings:
     p = Path(path)
     settings = load_toml_struct(p, GeneratorSettings, SettingsError, "settings")
     try:
-        return _check(settings)
+        return check_settings(settings)
     except SettingsError as exc:
         raise SettingsError(f"{p}: {exc}") from None
 

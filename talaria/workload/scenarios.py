@@ -35,7 +35,7 @@ from talaria.workload.trace import TraceSession
 from talaria.workload.tomlfile import load_toml_struct
 from talaria.workload.agent import DEFAULT_MAX_TOKENS
 from talaria.argtypes import positive_float, positive_int
-from talaria.workload.generate import GeneratorSettings, SettingsError, _check, generate
+from talaria.workload.generate import GeneratorSettings, SettingsError, check_settings, generate
 from talaria.results.report import oracle_sct, summarize
 
 if TYPE_CHECKING:
@@ -77,7 +77,7 @@ def load_scenario(path: str | Path) -> Scenario:
     sc = load_toml_struct(p, Scenario, ScenarioError, "scenario")
     problems: list[str] = []
     try:
-        _check(sc.trace)
+        check_settings(sc.trace)
     except SettingsError as exc:
         problems.append(f"trace: {exc}")
     try:
