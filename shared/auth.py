@@ -30,18 +30,18 @@ def nats_permissions(prefix: str) -> dict[str, dict[str, list[str]]]:
     return {
         "router": {
             "subscribe": [f"{p}.api.>", health, *_SERVICE_SUB],
-            "publish": [f"{p}.admission.*.submit", f"{p}.reply.>", f"{p}.events.session_ended", *service_pub],
+            "publish": [f"{p}.admission.*.submit", f"{p}.reply.>", Subjects(p).session_released, *service_pub],
         },
         "admission": {
             "subscribe": [f"{p}.admission.*.submit", f"{p}.events.>", health, *_SERVICE_SUB],
-            "publish": [f"{p}.engine.>", f"{p}.substrate.>", f"{p}.reply.>", *service_pub],
+            "publish": [f"{p}.engine.>", f"{p}.substrate.>", f"{p}.reply.>", Subjects(p).session_released, *service_pub],
         },
         "substrate": {
             "subscribe": [f"{p}.substrate.>", f"{p}.events.>", health, *_SERVICE_SUB],
             "publish": [f"{p}.engine.>", f"{p}.events.*.substrate", *service_pub],
         },
         "engine": {
-            "subscribe": [f"{p}.engine.>", f"{p}.api.cancel", health, *_SERVICE_SUB],
+            "subscribe": [f"{p}.engine.>", f"{p}.api.cancel", Subjects(p).session_released, health, *_SERVICE_SUB],
             "publish": [f"{p}.reply.>", f"{p}.events.>", *service_pub],
         },
         "agent": {

@@ -267,12 +267,6 @@ class ListCalls(Base, tag="list_calls"):
     """A restarted admission asks an engine-worker what it runs (docs/reliability.md)."""
 
 
-class ReleaseSession(Base, tag="release_session"):
-    """A session idle past TALARIA_SESSION_IDLE_S: drop its cached KV and protection."""
-
-    session_id: Id
-
-
 class ForgetHostKv(Base, tag="forget_host_kv"):
     """The substrate's host KV tier could not keep these sessions' spilled KV:
     the engine must not count on restoring it."""
@@ -280,7 +274,7 @@ class ForgetHostKv(Base, tag="forget_host_kv"):
     session_ids: list[Id]
 
 
-EngineControl = Sleep | Wake | Abort | ProtectKv | ListCalls | ReleaseSession | ForgetHostKv
+EngineControl = Sleep | Wake | Abort | ProtectKv | ListCalls | ForgetHostKv
 
 
 class ControlOk(Base, tag="control_ok"):
@@ -330,8 +324,18 @@ class KvSpilled(Base, tag="kv_spilled"):
     at: float | None = None  # the engine's model time of the spill
 
 
-class SessionEndedEvent(Base, tag="session_ended"):
-    session_id: str
+class SessionReleased(Base, tag="session_released"):
+    """A session is over here: its agent ended it (`server_id` None: on every
+    server), or it was idle past TALARIA_SESSION_IDLE_S on one server. Admission
+    drops its reservation, the substrate its host KV, the engines its cached KV
+    and protection; the simulator applies the same."""
+
+    session_id: Id
+    reason: Literal["ended", "idle"] = "ended"
+    server_id: str | None = None
+
+    def applies_to(self, server_id: str) -> bool:
+        return self.server_id is None or self.server_id == server_id
 
 
 # -- KV-cache events (engine -> bus), from vLLM's ZMQ publisher -----------------------------
@@ -395,7 +399,7 @@ run_decoder = msgspec.json.Decoder(RunCall)
 control_decoder = msgspec.json.Decoder(EngineControl)
 control_reply_decoder = msgspec.json.Decoder(ControlOk | ApiError)
 finished_decoder = msgspec.json.Decoder(CallFinished)
-session_ended_decoder = msgspec.json.Decoder(SessionEndedEvent)
+session_released_decoder = msgspec.json.Decoder(SessionReleased)
 engine_announce_decoder = msgspec.json.Decoder(EngineAnnounce)
 engine_state_decoder = msgspec.json.Decoder(EngineState | ApiError)
 stored_submit_decoder = msgspec.json.Decoder(SubmitCall)

@@ -89,8 +89,9 @@ class Subjects:
         return f"{self.prefix}.events.{server}.substrate"
 
     @property
-    def session_ended(self) -> str:
-        return f"{self.prefix}.events.session_ended"
+    def session_released(self) -> str:
+        """SessionReleased: an agent ended a session, or admission released an idle one."""
+        return f"{self.prefix}.events.session_released"
 
 
 def _token(name: str) -> str:

@@ -49,7 +49,7 @@ from shared.schema import (
     ApiError, CallAccepted, CallQueued, CallReply, CallRequest, CallRunning, ControlOk, EndSession, Info,
     InfoRequest, Ok, OpenSession, SessionOpened, StageRequest, Submitted, SwitchRequest, SwitchResult,
     admission_decoder, api_reply_decoder, api_request_decoder, call_event_decoder, control_decoder,
-    engine_announce_decoder, finished_decoder, run_decoder, session_ended_decoder,
+    engine_announce_decoder, finished_decoder, run_decoder, session_released_decoder,
     submit_reply_decoder, substrate_decoder, switch_reply_decoder, MAX_MESSAGE_BYTES,
 )
 from shared.subjects import Subjects
@@ -101,7 +101,7 @@ SUBJECTS: dict[str, tuple[str, bool]] = {
     "api.info": ("api", True),
     "admission.submit": ("submit", True),
     "events.finished": ("finished", False),
-    "events.session_ended": ("session_ended", False),
+    "events.session_released": ("session_released", False),
     "events.engine": ("announce", False),
     "substrate.switch": ("substrate", True),
     "substrate.stage": ("substrate", False),
@@ -125,7 +125,7 @@ def subject_of(key: str, prefix: str) -> str:
         "api.info": s.api_info,
         "admission.submit": s.admission_submit(SERVER),
         "events.finished": s.call_finished(SERVER),
-        "events.session_ended": s.session_ended,
+        "events.session_released": s.session_released,
         "events.engine": s.engine_announce(SERVER),
         "events.substrate": getattr(s, "substrate_announce", lambda _: "")(SERVER),
         "substrate.switch": s.substrate_switch(SERVER),
@@ -180,7 +180,7 @@ st_served = st.sampled_from(SERVED)
 st_tokens = st.integers(min_value=1, max_value=4000) | st.integers(min_value=1, max_value=10_000_000)
 st_small_tokens = st.integers(min_value=1, max_value=64)
 st_reply_to = st.sampled_from([P_SINK, P_SINK, f"{P_PREFIX}.api.call", f"{P_PREFIX}.admission.{SERVER}.submit",
-                               f"{P_PREFIX}.events.session_ended"]) | st.sampled_from(HOSTILE_STRINGS)
+                               f"{P_PREFIX}.events.session_released"]) | st.sampled_from(HOSTILE_STRINGS)
 st_time = st.floats(min_value=0, max_value=1e6, allow_nan=False) | st_hostile_float
 
 
@@ -241,8 +241,11 @@ def _template(draw: Any, family: str) -> dict[str, Any]:
     if family == "finished":
         return {"type": "finished", "call_id": draw(st_call_id), "session_id": draw(st_session),
                 "context_tokens": draw(st_tokens)}
-    if family == "session_ended":
-        return {"type": "session_ended", "session_id": draw(st_session)}
+    if family == "session_released":
+        t = {"type": "session_released", "session_id": draw(st_session)}
+        if draw(st.booleans()):
+            t["reason"], t["server_id"] = "idle", draw(st.sampled_from([SERVER, "s9"]))
+        return t
     if family == "announce":
         return {"type": "engine_announce", "server_id": draw(st.sampled_from([SERVER, "s9"]) | st.text(max_size=8)),
                 "model": draw(st_model), "awake": draw(st.booleans())}
@@ -556,7 +559,7 @@ def finalise(corpus: list[Msg], prefix: str) -> None:
                 m.accepted, m.verdict = True, "one"
             else:
                 if family != "substrate_announce":  # admission acts on any message there (no body)
-                    {"finished": finished_decoder, "session_ended": session_ended_decoder,
+                    {"finished": finished_decoder, "session_released": session_released_decoder,
                      "announce": engine_announce_decoder, "run": run_decoder}[family].decode(m.payload)
                 m.accepted, m.verdict = True, "none"
         except (msgspec.MsgspecError, UnicodeDecodeError):

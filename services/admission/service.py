@@ -21,9 +21,9 @@ from shared.bus import ServiceProcess, run_service, trace_headers
 from shared.clock import at_source, done_within, drive_timer
 from shared.state import CounterMirror, ServerLoad, add_counters, write_server_load
 from shared.schema import (
-    Abort, ApiError, CallQueued, CallRunning, ListCalls, ProtectKv, ReleaseSession, RunCall,
+    Abort, ApiError, CallQueued, CallRunning, ListCalls, ProtectKv, RunCall, SessionReleased,
     StageRequest, Submitted, SubmitCall, SwitchRequest, admission_decoder, encode, engine_announce_decoder,
-    engine_state_decoder, finished_decoder, session_ended_decoder, stored_submit_decoder, switch_reply_decoder,
+    engine_state_decoder, finished_decoder, session_released_decoder, stored_submit_decoder, switch_reply_decoder,
 )
 
 LIST_CALLS_TIMEOUT_WALL_S = 2.0
@@ -53,7 +53,8 @@ class AdmissionService(ServiceProcess):
                                 cb=self.guarded_handler(self.on_submit, "submit"))
         await self.nc.subscribe(self.subjects.call_finished(sid), queue="admission",
                                 cb=self.guarded_handler(self.on_finished, "finished"))
-        await self.nc.subscribe(self.subjects.session_ended, cb=self.guarded_handler(self.on_session_ended, "session_ended"))
+        await self.nc.subscribe(self.subjects.session_released,
+                                cb=self.guarded_handler(self.on_session_released, "session_released"))
         await self.nc.subscribe(self.subjects.engine_announce(sid), cb=self.guarded_handler(self.on_engine_announce, "engine_announce"))
         await self.nc.subscribe(self.subjects.substrate_announce(sid), cb=self.guarded_handler(self.on_substrate_announce, "substrate_announce"))
         await self.redis.sadd(self.keys.servers(), sid)
@@ -182,12 +183,9 @@ class AdmissionService(ServiceProcess):
                     continue
                 del self.last_seen[sid]
                 self.log.info("admission.session_idle_released", session_id=sid, idle_s=round(now - seen, 1))
-                await self.step(sch.SessionEnded(sid))
-                for m in self.scheduler.models:
-                    await self.nc.publish(self.subjects.engine_control(self.settings.server_id, m),
-                                          encode(ReleaseSession(session_id=sid)))
-                with contextlib.suppress(Exception):
-                    await self.redis.hdel(self.keys.kv_locality(sid), self.settings.server_id)
+                # the same event as an agent's end, for this server: every service here applies it
+                await self.nc.publish(self.subjects.session_released, encode(
+                    SessionReleased(session_id=sid, reason="idle", server_id=self.settings.server_id)))
 
     # -- handlers ----------------------------------------------------------------
     async def on_submit(self, msg: Msg) -> None:
@@ -244,9 +242,14 @@ class AdmissionService(ServiceProcess):
         for ev in self.switch_attempt.values():
             ev.set()
 
-    async def on_session_ended(self, msg: Msg) -> None:
-        ev = session_ended_decoder.decode(msg.data)
+    async def on_session_released(self, msg: Msg) -> None:
+        ev = session_released_decoder.decode(msg.data)
+        if not ev.applies_to(self.settings.server_id):
+            return
+        self.last_seen.pop(ev.session_id, None)
         await self.step(sch.SessionEnded(ev.session_id))
+        with contextlib.suppress(Exception):  # soft state: nothing of the session is held here now
+            await self.redis.hdel(self.keys.kv_locality(ev.session_id), self.settings.server_id)
 
     # -- the state machine ---------------------------------------------------------
     async def step(self, event: sch.Event, at: float | None = None) -> None:

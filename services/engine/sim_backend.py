@@ -140,8 +140,7 @@ class SimBackend(EngineBackend):
         (self.engine.protected.add if on else self.engine.protected.discard)(session_id)
 
     async def release_session(self, session_id: str) -> None:
-        self.engine.protected.discard(session_id)
-        dropped = self.engine.hbm_kv.pop(session_id, 0) + self.engine.host_kv.pop(session_id, 0)
+        dropped = self.engine.release_session(session_id)
         self.worker.log.info("engine.session_released", session_id=session_id, kv_tokens=dropped)
 
     async def forget_host_kv(self, session_ids: list[str]) -> None:

@@ -162,6 +162,13 @@ class SimEngine:
         out, self.spilled = self.spilled, {}
         return out
 
+    def release_session(self, session_id: str) -> int:
+        """The session is over: its cached KV (HBM and the host view) and its
+        protection go. Returns the KV tokens dropped."""
+        self.protected.discard(session_id)
+        self.spilled.pop(session_id, None)
+        return self.hbm_kv.pop(session_id, 0) + self.host_kv.pop(session_id, 0)
+
     def forget_host(self, session_ids: list[str]) -> None:
         """The substrate could not keep these sessions' KV in host DRAM."""
         for sid in session_ids:

@@ -34,8 +34,8 @@ from shared.bus import ServiceProcess, trace_headers
 from shared.keys import CALL_TTL_S
 from shared.schema import (
     Abort, CallFinished, CallReply, CallTokens, ControlOk, EngineAnnounce, EngineState, ForgetHostKv, ListCalls,
-    ProtectKv, ReleaseSession, RunCall, Sleep, Wake, cancel_decoder, control_decoder, encode, reply_decoder,
-    run_decoder,
+    ProtectKv, RunCall, Sleep, Wake, cancel_decoder, control_decoder, encode, reply_decoder, run_decoder,
+    session_released_decoder,
 )
 from shared.settings import Settings
 
@@ -132,6 +132,8 @@ class EngineWorker(ServiceProcess):
         await self.nc.subscribe(self.subjects.engine_control(s.server_id, s.model), queue="engine",
                                 cb=self.guarded_handler(self.on_control, "control"))
         await self.nc.subscribe(self.subjects.call_cancel, cb=self.guarded_handler(self.on_cancel, "cancel"))
+        await self.nc.subscribe(self.subjects.session_released,
+                                cb=self.guarded_handler(self.on_session_released, "session_released"))
         await self.nc.subscribe(self.subjects.engine_reset_kv(s.server_id, s.model),
                                 cb=self.guarded_handler(self.on_reset_kv, "reset_kv"))
         # announce (re)start: a restarted worker comes back asleep and empty
@@ -234,13 +236,17 @@ class EngineWorker(ServiceProcess):
                 if msg.reply:
                     await self.nc.publish(msg.reply, encode(report))
                 return
-            case ReleaseSession(session_id=sid):
-                await self.backend.release_session(sid)
             case ForgetHostKv(session_ids=sids):
                 await self.backend.forget_host_kv(sids)
         await self.backend.after_control()
         if msg.reply:
             await self.nc.publish(msg.reply, encode(out))
+
+    async def on_session_released(self, msg: Msg) -> None:
+        ev = session_released_decoder.decode(msg.data)
+        if ev.applies_to(self.settings.server_id):
+            await self.backend.release_session(ev.session_id)
+            await self.backend.after_control()
 
     async def on_reset_kv(self, msg: Msg) -> None:
         ok = await self.backend.reset_prefix_cache()

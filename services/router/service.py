@@ -28,7 +28,7 @@ from shared.keys import CALL_TTL_S, SESSION_TTL_S
 from shared.policy import DECISION_HISTORY
 from shared.schema import (
     MAX_MESSAGE_BYTES, AdmissionCall, ApiError, CallAccepted, CallRequest, EndSession, Info, InfoRequest, Ok,
-    EnginePayload, OpenSession, SessionEndedEvent, SessionOpened, SubmitCall, api_request_decoder, encode, reply_decoder,
+    EnginePayload, OpenSession, SessionOpened, SessionReleased, SubmitCall, api_request_decoder, encode, reply_decoder,
     submit_reply_decoder,
 )
 
@@ -99,7 +99,7 @@ class Router(ServiceProcess):
                                                               context_limit=self.catalog.model(model).context_limit)))
 
     async def on_end(self, sid: str, reply: str | None) -> None:
-        await self.nc.publish(self.subjects.session_ended, encode(SessionEndedEvent(session_id=sid)))
+        await self.nc.publish(self.subjects.session_released, encode(SessionReleased(session_id=sid, reason="ended")))
         self.log.info("session.ended", session_id=sid)
         if reply:
             await self.nc.publish(reply, encode(Ok()))

@@ -20,7 +20,8 @@ from shared.clock import at_source
 from shared.state import SubstrateView, write_substrate_view
 from shared.schema import (
     ApiError, ControlOk, ForgetHostKv, Sleep, StageRequest, SubstrateAnnounce, SwitchRequest, SwitchResult, Wake,
-    control_reply_decoder, encode, engine_announce_decoder, kv_spilled_decoder, substrate_decoder,
+    control_reply_decoder, encode, engine_announce_decoder, kv_spilled_decoder, session_released_decoder,
+    substrate_decoder,
 )
 
 
@@ -41,6 +42,8 @@ class SubstrateManager(ServiceProcess):
                                 cb=self.guarded_handler(self.on_engine_announce, "engine_announce"))
         await self.nc.subscribe(self.subjects.kv_spilled(s.server_id), queue="substrate",
                                 cb=self.guarded_handler(self.on_kv_spilled, "kv_spilled"))
+        await self.nc.subscribe(self.subjects.session_released,
+                                cb=self.guarded_handler(self.on_session_released, "session_released"))
         self.switch_lock = asyncio.Lock()  # one switch at a time, even if a restarted admission asks again
         self.last_switch_end = 0.0  # model time
         await self._mirror()
@@ -55,6 +58,15 @@ class SubstrateManager(ServiceProcess):
             view = self.ledger.host_view(ann.model) if self.settings.policy.host_kv else {}
             self.spawn(self._control(ann.model, Wake(kv_capacity_tokens=self.ledger.kv_capacity_tokens(ann.model), host_kv=view)),
                        "rewake")
+
+    async def on_session_released(self, msg: Msg) -> None:
+        """An ended or idle session's host KV is released (the ledger owns host memory)."""
+        ev = session_released_decoder.decode(msg.data)
+        if ev.applies_to(self.settings.server_id):
+            self.ledger.forget_session(ev.session_id)
+            self.log.info("substrate.session_released", session_id=ev.session_id, reason=ev.reason,
+                          host_kv_gb=round(self.ledger.host_kv_bytes() / 1e9, 1))
+            await self._mirror()
 
     async def on_kv_spilled(self, msg: Msg) -> None:
         ev = kv_spilled_decoder.decode(msg.data)

@@ -328,9 +328,11 @@ class Simulator:
         s.next_index += 1
         if s.next_index >= len(s.plan):
             s.finished_at = at
-            for srv in self.servers.values():
+            for srv in self.servers.values():  # SessionReleased(reason="ended"), as the services apply it
                 self._admission_step(srv, sch.SessionEnded(session_id))
                 srv.ledger.forget_session(session_id)
+                for eng in srv.engines.values():
+                    eng.release_session(session_id)
             return
         self._push(at + pc.tool_s + self.call_latency_s, "issue", (session_id,))
 

@@ -1,0 +1,194 @@
+"""The engine-worker's call protocol (services/engine/worker.py), on the sim
+backend over real processes: a run already answered is answered again with
+its CallFinished re-sent, a second generation of one call id is never a second
+answer, a streamed call gets its tokens at decode pace, an agent's cancel ends
+a running call, and a released session is released by every service."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+import redis.asyncio as aioredis
+from nats.aio.client import Client as NATS
+
+from polling import until
+from services.engine.sim_backend import placeholder_tokens
+from shared.keys import Keys
+from shared.schema import (
+    AdmissionCall, CallReply, CallTokens, CancelCall, EnginePayload, EngineHint, RunCall, Wake,
+    call_event_decoder, encode, finished_decoder,
+)
+from talaria.client import CallTimeout, TalariaClient
+from talaria.ops.nats_server import NatsServer
+from talaria.ops.redis_server import RedisServer
+from test_services import MODEL_A, SERVER, Services
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _run(call_id: str, session_id: str, reply_to: str, *, out: int = 20, stream: bool = False) -> RunCall:
+    bound = max(512, out)
+    return RunCall(call=AdmissionCall(call_id, session_id, MODEL_A, 1000, 0, bound, 0.0, False),
+                   engine=EnginePayload(hint=EngineHint(sim_output_tokens=out), stream=stream),
+                   reply_to=reply_to, reserved_tokens=1000 + bound, waited_s=0.0, switch_wait_s=0.0, round_wait=False)
+
+
+async def _collect(nc: NATS, subject: str) -> tuple[list[bytes], Any]:
+    got: list[bytes] = []
+
+    async def cb(msg: Any) -> None:
+        got.append(msg.data)
+
+    sub = await nc.subscribe(subject, cb=cb)
+    return got, sub
+
+
+@pytest.fixture
+async def engine_only(nats_server: NatsServer, redis_server: RedisServer, subject_prefix: str, key_prefix: str,
+                      tmp_path: Path) -> Any:
+    """One sim engine-worker alone, woken by hand: this test plays admission."""
+    svc = Services(nats_server.url, redis_server.url, subject_prefix, key_prefix, tmp_path / "logs",
+                   models=[MODEL_A], which=("engine",))
+    await svc.start()
+    nc = NATS()
+    await nc.connect(nats_server.url)
+    await nc.request(svc.subjects.engine_control(SERVER, MODEL_A), encode(Wake(kv_capacity_tokens=200_000)), timeout=5)
+    try:
+        yield svc, nc
+    finally:
+        await nc.close()
+        await svc.stop()
+
+
+async def test_a_run_already_answered_is_answered_again_with_its_finish(engine_only: Any,
+                                                                          redis_server: RedisServer) -> None:
+    svc, nc = engine_only
+    s = svc.subjects
+    replies, _ = await _collect(nc, s.reply_inbox("t", "r1"))
+    finishes, _ = await _collect(nc, s.call_finished(SERVER))
+    await nc.publish(s.engine_run(SERVER, MODEL_A), encode(_run("c1", "S1", s.reply_inbox("t", "r1"))))
+    answers = lambda: [e for e in replies if isinstance(call_event_decoder.decode(e), CallReply)]  # noqa: E731
+    await until(lambda: len(answers()) == 1 and len(finishes) == 1, 10, "the run never finished")
+    first = msgspec.json.decode(answers()[0], type=CallReply)
+    # admission restarted and dispatched it again: the stored reply, and admission hears the finish again
+    await nc.publish(s.engine_run(SERVER, MODEL_A), encode(_run("c1", "S1", s.reply_inbox("t", "r1"))))
+    await until(lambda: len(answers()) == 2 and len(finishes) == 2, 10, "the duplicate run was not answered")
+    assert msgspec.json.decode(answers()[1], type=CallReply) == first
+    again = finished_decoder.decode(finishes[1])
+    assert again.call_id == "c1" and again.context_tokens == first.prompt_tokens + first.output_tokens
+    started = [d for d in svc.log_lines(svc.engine(MODEL_A)) if d.get("event") == "engine.started"]
+    assert len(started) == 1, "a second generation ran"
+
+
+async def test_a_second_generation_is_never_a_second_answer(engine_only: Any, redis_server: RedisServer,
+                                                            key_prefix: str) -> None:
+    """A reply stored while this generation ran (another engine's, say, after the
+    dispatch was lost and sent twice) wins: the agent hears one answer."""
+    svc, nc = engine_only
+    s = svc.subjects
+    keys = Keys(key_prefix)
+    r = aioredis.Redis.from_url(redis_server.url)
+    try:
+        replies, _ = await _collect(nc, s.reply_inbox("t", "r2"))
+        await nc.publish(s.engine_run(SERVER, MODEL_A), encode(_run("c2", "S2", s.reply_inbox("t", "r2"), out=3000)))
+        await until(lambda: any(d.get("event") == "engine.started"
+                                for d in svc.log_lines(svc.engine(MODEL_A))), 10, "not started")
+        earlier = CallReply(call_id="c2", session_id="S2", server_id="s9", model=MODEL_A, prompt_tokens=1000,
+                            cached_tokens=0, restored_tokens=0, reprefill_tokens=0, output_tokens=7, arrived_at=0.0,
+                            finished_at=1.0, waited_s=0.0, switch_wait_s=0.0, round_wait=False, restore_s=0.0,
+                            prefill_s=0.0, decode_s=0.0)
+        await r.set(keys.reply("c2"), encode(earlier))
+        answers = lambda: [e for e in replies if isinstance(call_event_decoder.decode(e), CallReply)]  # noqa: E731
+        await until(lambda: len(answers()) == 1, 30, "no answer")
+        assert msgspec.json.decode(answers()[0], type=CallReply) == earlier
+        assert any(d.get("event") == "engine.second_generation" for d in svc.log_lines(svc.engine(MODEL_A)))
+    finally:
+        await r.aclose()
+
+
+async def test_a_streamed_sim_call_gets_its_tokens_and_a_cancel_ends_it(engine_only: Any) -> None:
+    svc, nc = engine_only
+    s = svc.subjects
+    events, _ = await _collect(nc, s.reply_inbox("t", "r3"))
+    finishes, _ = await _collect(nc, s.call_finished(SERVER))
+    # a short streamed call: every token arrives, in order, before the reply
+    await nc.publish(s.engine_run(SERVER, MODEL_A), encode(_run("c3", "S3", s.reply_inbox("t", "r3"), out=3000, stream=True)))
+    await until(lambda: any(isinstance(call_event_decoder.decode(e), CallReply) for e in events), 30, "no reply")
+    decoded = [call_event_decoder.decode(e) for e in events]
+    tokens = [t for e in decoded if isinstance(e, CallTokens) for t in e.token_ids]
+    assert tokens == placeholder_tokens(0, 3000)
+    assert sum(isinstance(e, CallTokens) for e in decoded) > 1, "not streamed: one batch"
+    assert isinstance(decoded[-1], CallReply) and decoded[-1].output_tokens == 3000
+    # a long one, cancelled mid-decode: no reply, a CallFinished, an aborted finish in the log
+    events.clear()
+    finishes.clear()
+    await nc.publish(s.engine_run(SERVER, MODEL_A), encode(_run("c4", "S4", s.reply_inbox("t", "r3"), out=100_000, stream=True)))
+    await until(lambda: any(isinstance(call_event_decoder.decode(e), CallTokens) for e in events), 30, "no tokens")
+    await nc.publish(s.call_cancel, encode(CancelCall(call_id="c4")))
+    await until(lambda: any(finished_decoder.decode(f).call_id == "c4" for f in finishes), 10, "no CallFinished")
+    await asyncio.sleep(0.3)
+    assert not any(isinstance(call_event_decoder.decode(e), CallReply) for e in events), "a cancelled call was answered"
+    cancel = [d for d in svc.log_lines(svc.engine(MODEL_A)) if d.get("event") == "engine.cancel"]
+    assert cancel and cancel[-1]["call_id"] == "c4" and 0 < cancel[-1]["output_tokens"] < 100_000
+
+
+async def test_an_agent_giving_up_cancels_its_sim_call(nats_server: NatsServer, redis_server: RedisServer,
+                                                       subject_prefix: str, key_prefix: str, tmp_path: Path) -> None:
+    svc = Services(nats_server.url, redis_server.url, subject_prefix, key_prefix, tmp_path / "logs", models=[MODEL_A])
+    await svc.start()
+    try:
+        async with await TalariaClient.connect(nats_server.url, subject_prefix=subject_prefix) as c:
+            sess = await c.open_session(MODEL_A)
+            call = asyncio.ensure_future(sess.call(prompt_tokens=1000, max_tokens=16384, sim_output_tokens=16000))
+            await until(lambda: any(d.get("event") == "engine.started" for d in svc.log_lines(svc.engine(MODEL_A))),
+                        15, "not started")
+            call.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await call
+            await until(lambda: any(d.get("event") == "engine.cancel" for d in svc.log_lines(svc.engine(MODEL_A))),
+                        10, "the engine never heard the agent give up")
+            # the slot is free again: the next call runs at once
+            nxt = await asyncio.wait_for(sess.call(prompt_tokens=1000, max_tokens=64, sim_output_tokens=5), 20)
+            assert nxt.output_tokens == 5
+    except CallTimeout:
+        raise AssertionError("the cancelled call kept the engine busy")
+    finally:
+        await svc.stop()
+
+
+async def test_an_ended_session_is_released_by_every_service(nats_server: NatsServer, redis_server: RedisServer,
+                                                              subject_prefix: str, key_prefix: str,
+                                                              tmp_path: Path) -> None:
+    svc = Services(nats_server.url, redis_server.url, subject_prefix, key_prefix, tmp_path / "logs",
+                   models=[MODEL_A], policy="talaria")
+    await svc.start()
+    keys = Keys(key_prefix)
+    r = aioredis.Redis.from_url(redis_server.url)
+    try:
+        async with await TalariaClient.connect(nats_server.url, subject_prefix=subject_prefix) as c:
+            sess = await c.open_session(MODEL_A)
+            await sess.call(prompt_tokens=2000, max_tokens=256, sim_output_tokens=10)
+            assert await r.hget(keys.kv_locality(sess.session_id), SERVER) is not None
+            await sess.end()
+
+            def released(name: str, event: str) -> bool:
+                return any(d.get("event") == event and d.get("session_id") == sess.session_id
+                           for d in svc.log_lines(name))
+            await until(lambda: released(svc.engine(MODEL_A), "engine.session_released"), 10, "engine kept the KV")
+            await until(lambda: released(svc.substrate, "substrate.session_released"), 10, "substrate kept host KV")
+            rel = [d for d in svc.log_lines(svc.engine(MODEL_A)) if d.get("event") == "engine.session_released"]
+            assert rel[-1]["kv_tokens"] > 0
+            sub = [d for d in svc.log_lines(svc.substrate) if d.get("event") == "substrate.session_released"]
+            assert sub[-1]["reason"] == "ended"
+            await until(lambda: _none(r, keys.kv_locality(sess.session_id)), 10, "locality kept")
+    finally:
+        await r.aclose()
+        await svc.stop()
+
+
+async def _none(r: aioredis.Redis, key: str) -> bool:
+    return await r.hget(key, SERVER) is None
