@@ -171,11 +171,10 @@ def cmd_replay(a: argparse.Namespace) -> int:
 
         for path in write_plots(runs, {o.policy: o.records for o in outcomes}, a.plots):
             print(f"figure written to {path}")
-    for r in runs:
-        if r["worst_loop_lag_service"]:
-            print(f"  {r['policy']}: worst event-loop lag {r['worst_loop_lag_model_s']:.3f} model s ({r['worst_loop_lag_service']})")
-        else:  # a running deployment's lag and counters live in its Redis
-            print(f"  {r['policy']}: event-loop lag and scheduler counters not read (pass the deployment's --redis)")
+    for r, out in zip(runs, outcomes):
+        print(f"  {r['policy']}: worst event-loop lag {r['worst_loop_lag_model_s']:.3f} model s ({r['worst_loop_lag_service']})")
+        if not out.services_lag_read:  # a running deployment's lag and counters live in its Redis
+            print(f"  {r['policy']}: the services' event-loop lag and scheduler counters not read (pass the deployment's --redis)")
     if a.out:
         write_json(a.out, {"trace": a.trace, "engine": "sim", "servers": a.servers, "server_profile": a.server_profile,
                            "oracle": {"sct_p50_s": runs[0]["oracle_p50_s"], "sct_p95_s": runs[0]["oracle_p95_s"]},
@@ -273,7 +272,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--subject-prefix", default=None, help="a running deployment's subject prefix (default talaria)")
     r.add_argument("--key-prefix", default=None, help="a running deployment's Redis key prefix (default talaria:)")
     r.add_argument("--log-dir", default=str(default_log_dir()))
-    r.add_argument("--max-lag-s", type=positive_float, default=5.0, help="fail when a service's loop lag exceeds this many model seconds")
+    r.add_argument("--max-lag-s", type=positive_float, default=5.0, help="exit 3 when a service's or this replay's own event-loop lag exceeds this many model seconds (lower --time-scale then)")
     r.add_argument("--routers", type=positive_int, default=1, help="router replicas in the embedded stack (default 1)")
     common(r)
     r.set_defaults(fn=cmd_replay)

@@ -215,6 +215,18 @@ def test_two_servers_live_placement_matches_sim(tmp_path: Path, routers: int) ->
 
 
 # -- a bad trace starts nothing ------------------------------------------------------------------------
+def test_lag_guard_fires_for_the_embedded_stack_at_a_huge_time_scale(tmp_path: Path) -> None:
+    # At 5000x a millisecond of loop lag is 5 model s. The whole run takes well
+    # under the services' one-second lag-report interval, so the guard must wait
+    # for reports written after the run (it used to read none and exit 0).
+    p = replay(SMOKE, "talaria", 5000, tmp_path / "r.json", tmp_path / "logs")
+    assert p.returncode == 3, f"rc {p.returncode}\nstdout:\n{p.stdout[-2000:]}\nstderr:\n{p.stderr[-2000:]}"
+    assert "lower --time-scale" in p.stderr
+    assert "not read" not in p.stdout  # the replay started this stack: it reads the lag itself
+    run = json.loads((tmp_path / "r.json").read_text())["runs"][0]
+    assert run["worst_loop_lag_model_s"] > 5.0 and run["worst_loop_lag_service"]
+
+
 def test_bad_trace_exits_2_with_the_line_and_starts_nothing(tmp_path: Path) -> None:
     lines = SMOKE.read_text().splitlines()
     bad = json.loads(lines[1])
