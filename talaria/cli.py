@@ -15,7 +15,7 @@ import msgspec
 from shared.auth import nats_password_from_env
 from shared.catalog import CatalogError, load_catalog
 from shared.policy import PRESETS, PolicyError, resolve_policy
-from talaria.workload.trace import TraceError, TraceSession, load_trace
+from talaria.workload.trace import TraceError, TraceSession, load_runnable_trace
 from talaria.workload import generate as gen
 from talaria.argtypes import positive_float, positive_int, seconds
 from talaria.client import AgentLogin, Deployment
@@ -36,7 +36,7 @@ def _policies(arg: str) -> list:
 
 
 def _load(path: str) -> list[TraceSession]:
-    return load_trace(path, known_models=load_catalog().models)
+    return load_runnable_trace(path, load_catalog())
 
 
 def _models_of(sessions: list[TraceSession]) -> list[str]:

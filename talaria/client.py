@@ -57,6 +57,8 @@ class NoCapacity(TalariaError): ...
 class Malformed(TalariaError): ...
 class ContextLimit(TalariaError): ...
 class CallTimeout(TalariaError): ...
+class SessionEnded(TalariaError):
+    """A call on a session this client already ended (raised here, nothing is sent)."""
 
 
 _ERRORS: dict[str, type[TalariaError]] = {
@@ -293,8 +295,34 @@ class Session:
         self.session_id = session_id
         self.model = model
         self.context_limit = context_limit
+        self.ended = False
 
-    async def call(self, **kw: object) -> CallReply:
+    async def call(
+        self,
+        *,
+        prompt_tokens: int,
+        prefix_tokens: int = 0,
+        max_tokens: int = 4096,
+        call_id: str | None = None,
+        sim_output_tokens: int | None = None,
+        on_event: Callable[[CallEvent], None] | None = None,
+        prompt_token_ids: list[int] | None = None,
+        prompt_text: str | None = None,
+    ) -> CallReply:
+        """One call of this session (see `TalariaClient.call`). Refused here,
+        before anything is sent, when the session has ended or when the prompt
+        plus `max_tokens` would not fit in the model's context."""
+        if self.ended:
+            # the store would answer unknown_session and the retry below would quietly reopen it
+            raise SessionEnded("session_ended", f"session {self.session_id} has ended; open a new one")
+        if prompt_tokens + max_tokens > self.context_limit:
+            raise ContextLimit("context_limit",
+                               f"prompt of {prompt_tokens} tokens + max_tokens {max_tokens} = "
+                               f"{prompt_tokens + max_tokens} passes {self.model}'s context limit of "
+                               f"{self.context_limit}; lower max_tokens or compact the context")
+        kw = dict(prompt_tokens=prompt_tokens, prefix_tokens=prefix_tokens, max_tokens=max_tokens, call_id=call_id,
+                  sim_output_tokens=sim_output_tokens, on_event=on_event, prompt_token_ids=prompt_token_ids,
+                  prompt_text=prompt_text)
         try:
             return await self.client.call(self.session_id, self.model, **kw)  # type: ignore[arg-type]
         except UnknownSession:
@@ -304,6 +332,7 @@ class Session:
             return await self.client.call(self.session_id, self.model, **kw)  # type: ignore[arg-type]
 
     async def end(self) -> None:
+        self.ended = True
         await self.client.end_session(self.session_id)
 
 

@@ -101,7 +101,7 @@ async def drive(
         sid = f"{run_tag}{s.session_id}"
         sess = await _retrying(error_retries, lambda: client.open_session(s.model, session_id=sid))
         started = clock.now()
-        for pc in plan_session(s, max_tokens):
+        for pc in plan_session(s, max_tokens, context_limit=sess.context_limit):
             issued = clock.now()
             reply: CallReply = await _retrying(error_retries, lambda: sess.call(
                 prompt_tokens=pc.prompt_tokens, prefix_tokens=pc.prefix_tokens, max_tokens=pc.max_tokens,

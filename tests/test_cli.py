@@ -67,3 +67,33 @@ def test_an_undecodable_trace_is_a_trace_error(tmp_path: Path, capsys: pytest.Ca
     bad.write_bytes(b"\xff\xfe\x00garbage")
     assert main(["sim", str(bad)]) == 2
     assert "cannot read the trace" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("content", ["", "\n", "\n   \n\t\n"])
+@pytest.mark.parametrize("command", ["sim", "replay"])
+def test_a_trace_without_sessions_is_refused_before_anything_starts(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], command: str, content: str) -> None:
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text(content)
+    assert main([command, str(empty)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"talaria: error: {empty}: trace has no sessions\n"
+
+
+@pytest.mark.parametrize("command", ["sim", "replay"])
+def test_a_context_past_the_models_limit_is_refused_by_sim_as_by_replay(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], command: str) -> None:
+    from talaria.workload.trace import TraceCall, TraceSession, dump_trace
+
+    # glm-4.5-fp8's limit is 131072: the second call's context is 100000 + 1000 + 40000 + 1000
+    over = tmp_path / "over.jsonl"
+    ok = TraceSession(session_id="a", model="glm-4.5-fp8", arrival_s=0.0,
+                      calls=[TraceCall(new_input_tokens=1000, output_tokens=10, tool_s=1.0)])
+    bad = TraceSession(session_id="b", model="glm-4.5-fp8", arrival_s=0.0,
+                       calls=[TraceCall(new_input_tokens=100000, output_tokens=1000, tool_s=1.0),
+                              TraceCall(new_input_tokens=40000, output_tokens=1000, tool_s=1.0)])
+    dump_trace([ok, bad], over)
+    assert main([command, str(over)]) == 2
+    err = capsys.readouterr().err
+    assert f"{over} line 2, field calls[1]: context of 142000 tokens" in err
+    assert "glm-4.5-fp8's context limit of 131072" in err and "Traceback" not in err

@@ -35,7 +35,8 @@ import nats
 from shared.clock import ScaledClock
 from shared.logs import read_log_events
 from shared.policy import resolve_policy
-from talaria.workload.trace import TraceSession, load_trace
+from shared.catalog import load_catalog
+from talaria.workload.trace import TraceSession, load_runnable_trace
 from talaria.argtypes import positive_float, positive_int
 from talaria.client import TalariaClient
 from talaria.replay import ReplayOutcome, drive, write_json
@@ -266,7 +267,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
 
 
 def run(a: argparse.Namespace) -> int:
-    sessions = load_trace(a.trace)
+    sessions = load_runnable_trace(a.trace, load_catalog())
     r = asyncio.run(run_chaos(sessions, seed=a.seed, policy=a.policy, time_scale=a.time_scale,
                               log_dir=Path(a.log_dir), nats_cluster=a.nats_nodes, rounds=a.rounds,
                               silence_s=a.silence_s))
