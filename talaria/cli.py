@@ -113,6 +113,15 @@ def cmd_sim(a: argparse.Namespace) -> int:
 
 
 # -- replay ------------------------------------------------------------------------
+def new_run_dir(root: Path) -> Path:
+    """A fresh folder under `root` for one run: its start time, then a random tag
+    (two runs started in the same second still get their own)."""
+    import time
+    import uuid
+
+    return root / f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}"
+
+
 def _deployment(a: argparse.Namespace) -> Deployment | None:
     """The running deployment `replay` is pointed at (--credentials, --nats), or
     None for an embedded stack. Flags given explicitly win over the file."""
@@ -146,9 +155,12 @@ def cmd_replay(a: argparse.Namespace) -> int:
         except ReplayTargetError as exc:
             return _fail(str(exc))
     else:
+        # one folder per run (a policy's logs under it): two replays never append to the same files
+        run_dir = new_run_dir(Path(a.log_dir))
+        print(f"logs of this run in {run_dir}", file=sys.stderr, flush=True)
         for pol in _policies(a.policy or "baseline"):
             spec = StackSpec(policy=pol, models=_models_of(sessions), servers=a.servers, routers=a.routers,
-                             server_profile=a.server_profile, time_scale=a.time_scale, log_dir=Path(a.log_dir) / pol.name,
+                             server_profile=a.server_profile, time_scale=a.time_scale, log_dir=run_dir / pol.name,
                              switch_cost_scale=a.switch_cost_scale, prefill_speed_scale=a.prefill_speed_scale)
             outcomes.append(asyncio.run(replay_embedded(sessions, pol, spec)))
     runs = []
@@ -158,6 +170,8 @@ def cmd_replay(a: argparse.Namespace) -> int:
             "wall_s": out.wall_s, "time_scale": out.time_scale or a.time_scale, "failures": out.failures,
             "calls_duplicated": out.duplicates, "worst_loop_lag_model_s": out.worst_lag_model_s,
             "worst_loop_lag_service": out.worst_lag_service,
+            **({"log_dir": out.log_dir} if out.log_dir else {}),
+            **({"session_prefix": out.session_prefix} if out.session_prefix else {}),
             "switches": int(out.server_stats.get("switches", 0)), "sp_admits": int(out.server_stats.get("sp_admits", 0)),
             "reservations": {k: out.server_stats.get(k, 0) for k in ("reservations_made", "reservations_hit", "reservations_expired", "reserved_idle_s")},
             **live_utilisation(out, a.servers),
@@ -175,10 +189,16 @@ def cmd_replay(a: argparse.Namespace) -> int:
         print(f"  {r['policy']}: worst event-loop lag {r['worst_loop_lag_model_s']:.3f} model s ({r['worst_loop_lag_service']})")
         if not out.services_lag_read:  # a running deployment's lag and counters live in its Redis
             print(f"  {r['policy']}: the services' event-loop lag and scheduler counters not read (pass the deployment's --redis)")
+        if out.log_dir:
+            print(f"  {r['policy']}: logs in {out.log_dir} (talaria logs SESSION --log-dir {out.log_dir})")
+        if out.session_prefix:
+            print(f"  {r['policy']}: session ids prefixed {out.session_prefix}- "
+                  f"(talaria logs SESSION --run {out.session_prefix} --log-dir <the deployment's log folder>)")
     if a.out:
+        where = {"log_dir": str(run_dir)} if target is None else {"session_prefix": outcomes[0].session_prefix}
         write_json(a.out, {"trace": a.trace, "engine": "sim", "servers": a.servers, "server_profile": a.server_profile,
                            "oracle": {"sct_p50_s": runs[0]["oracle_p50_s"], "sct_p95_s": runs[0]["oracle_p95_s"]},
-                           "runs": runs})
+                           **where, "runs": runs})
         print(f"results written to {a.out}")
     failed = [f for o in outcomes for f in o.failures]
     if failed:

@@ -48,6 +48,8 @@ class ReplayOutcome:
     duplicates: int = 0
     server_stats: dict[str, float] = field(default_factory=dict)
     time_scale: float = 0.0  # model seconds per wall second of the run (0: not recorded)
+    log_dir: str = ""  # where this run's service logs are (an embedded stack's own folder)
+    session_prefix: str = ""  # against a running deployment: what its session ids were prefixed with
     driver_lag_wall_s: float = 0.0  # the replay's own event loop: a late agent distorts SCT as a late service does
     services_lag_read: bool = False  # False: only the driver's lag is known (a deployment without its Redis)
 
@@ -249,6 +251,7 @@ async def replay_embedded(sessions: list[TraceSession], policy: PolicyConfig, sp
         _worst_lag_of(out, lag, spec.time_scale)
         out.server_stats = await server_stats(stack.redis_url, stack.key_prefix, stack.server_ids)
         out.time_scale = spec.time_scale
+        out.log_dir = str(stack.log_dir)
         return out
 
 
@@ -279,7 +282,13 @@ async def replay_external(sessions: list[TraceSession], target: Deployment) -> R
         # a running deployment's counters add up over its life: this replay's share is after - before
         before = await _deployment_stats(target, info.servers, info.policy)
         clock = ScaledClock(info.time_scale, info.clock_epoch)
-        out = await drive(client, clock, sessions, info.policy, run_tag=f"r{uuid.uuid4().hex[:6]}-")
+        # a deployment outlives replays: a per-run prefix keeps this run's sessions apart from earlier ones
+        prefix = f"r{uuid.uuid4().hex[:6]}"
+        print(f"[{info.policy}] session ids prefixed {prefix}- (e.g. {prefix}-{sessions[0].session_id}); "
+              f"its logs: talaria logs SESSION --run {prefix} --log-dir <the deployment's log folder>",
+              file=sys.stderr, flush=True)
+        out = await drive(client, clock, sessions, info.policy, run_tag=f"{prefix}-")
+        out.session_prefix = prefix
     finally:
         await client.close()
     out.time_scale = info.time_scale
