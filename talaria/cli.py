@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from shared.auth import nats_password_from_env
+from shared.auth import nats_password_from_env, role_password_var
 from shared.catalog import CatalogError, load_catalog
 from shared.policy import PRESETS, PolicyError, resolve_policy
 from talaria.workload.trace import TraceError, TraceSession, load_runnable_trace
@@ -131,7 +131,11 @@ def _deployment(a: argparse.Namespace) -> Deployment | None:
     given: dict[str, object] = {"nats_urls": a.nats.split(",") if a.nats else None, "subject_prefix": a.subject_prefix,
                                 "redis_url": a.redis, "key_prefix": a.key_prefix}
     if a.nats_user:
-        given["agent"] = AgentLogin(user=a.nats_user, password=nats_password_from_env(a.nats_user, dict(os.environ)))
+        password = nats_password_from_env(a.nats_user, dict(os.environ))
+        if password is None:  # say which variable, rather than let the server refuse an empty login
+            raise ValueError(f"--nats-user {a.nats_user}: no password: set {role_password_var(a.nats_user)} "
+                             f"(or TALARIA_NATS_PASSWORD) in the environment")
+        given["agent"] = AgentLogin(user=a.nats_user, password=password)
     return msgspec.structs.replace(dep, **{k: v for k, v in given.items() if v is not None})
 
 

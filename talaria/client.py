@@ -133,13 +133,17 @@ class TalariaClient:
         urls = [urls] if isinstance(urls, str) else list(urls)
         errors: list[Exception] = []
         refused = asyncio.Event()
+        connected = False
 
         async def on_error(e: Exception) -> None:
             errors.append(e)
             # during the handshake nats-py raises a plain Error carrying the server's text
             if isinstance(e, nats.errors.AuthorizationError) or "authorization violation" in str(e).lower():
                 refused.set()
-            log.warning("NATS error: %s", e)
+            # before the first connection, the ConnectionError raised below names the last
+            # error (one line, not one per retry); after it, say once what went wrong
+            if connected and (len(errors) < 2 or str(errors[-2]) != str(e)):
+                log.warning("NATS error: %s", e)
 
         nc = nats.NATS()
         connecting = asyncio.ensure_future(nc.connect(
@@ -161,6 +165,7 @@ class TalariaClient:
             why = f"{errors[-1]!s} (after {connect_timeout_s:g} s)" if errors else f"no answer in {connect_timeout_s:g} s"
             raise ConnectionError(f"cannot connect to NATS at {where}: {why}")
         connecting.result()  # a connect that failed outright raises here
+        connected = True
         return cls(nc, **kw)  # type: ignore[arg-type]
 
     @classmethod

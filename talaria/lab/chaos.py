@@ -85,6 +85,7 @@ class Injector:
         self.stack = stack
         self.rng = rng
         self.t0 = t0
+        self.nats_errors = 0  # errors on the injector's own NATS connection (nodes it kills)
         self.completions: list[float] = []  # wall (monotonic) time of every reply
         self.faults: list[Fault] = []
         self.nc: nats.NATS | None = None
@@ -140,8 +141,17 @@ class Injector:
             f.recovered_s = (min(after) if after else healthy_at) - f.at_s
 
     async def run(self, plan: list[tuple[float, str]], done: asyncio.Future) -> None:
+        async def on_error(e: Exception) -> None:
+            # the node this connection uses is killed on purpose: expected, and the
+            # library's default callback would print a traceback each time
+            self.nats_errors += 1
+
+        async def quiet() -> None:
+            pass
+
         self.nc = await nats.connect(servers=self.stack.nats_urls, name="talaria-chaos",
                                      max_reconnect_attempts=-1, reconnect_time_wait=0.2,
+                                     error_cb=on_error, disconnected_cb=quiet, reconnected_cb=quiet,
                                      **self.stack.nats_auth("operator"))
         try:
             for at, kind in plan:

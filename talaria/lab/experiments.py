@@ -333,8 +333,9 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_fidelity(a: argparse.Namespace) -> int:
-    """Live replay against the simulator on generated traces (issue 4): the
-    per-seed differences of p50, p95 and mean SCT, and their medians."""
+    """Live replay against the simulator on generated traces: the per-seed
+    differences of p50, p95 and mean SCT, and their medians. The table's header
+    is printed first and each row as its seed finishes (runs take minutes)."""
     import asyncio
 
     from talaria.replay import replay_embedded
@@ -344,6 +345,7 @@ def cmd_fidelity(a: argparse.Namespace) -> int:
     seeds = a.seeds
     rows = ["| seed | policy | sim p50 s | live p50 s | sim p95 s | live p95 s | sim mean s | live mean s | diff p50 | diff p95 | diff mean |",
             "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    print("\n".join(rows), flush=True)
     diffs: dict[str, dict[str, list[float]]] = {}
     for seed, sessions in zip(seeds, traces_for(seeds)):
         for name in a.policy.split(","):
@@ -364,12 +366,12 @@ def cmd_fidelity(a: argparse.Namespace) -> int:
                         f"{live['sct_p95_s']:.0f} | {s['sct_mean_s']:.0f} | {live['sct_mean_s']:.0f} | "
                         f"{d['sct_p50_s']:+.1%} | {d['sct_p95_s']:+.1%} | {d['sct_mean_s']:+.1%} |")
             print(rows[-1], flush=True)
-    rows.append("")
+    summary = [""]
     for name, d in diffs.items():
-        rows.append(f"- {name}: median difference over seeds {list(seeds)}: p50 {statistics.median(d['sct_p50_s']):+.1%}, "
-                    f"p95 {statistics.median(d['sct_p95_s']):+.1%}, mean {statistics.median(d['sct_mean_s']):+.1%}")
-    text = "\n".join(rows)
-    print(text)
+        summary.append(f"- {name}: median difference over seeds {list(seeds)}: p50 {statistics.median(d['sct_p50_s']):+.1%}, "
+                       f"p95 {statistics.median(d['sct_p95_s']):+.1%}, mean {statistics.median(d['sct_mean_s']):+.1%}")
+    print("\n".join(summary))  # the rows are out already: once each
+    text = "\n".join(rows + summary)
     if a.markdown:
         Path(a.markdown).write_text(text + "\n")
     return 0
