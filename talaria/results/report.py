@@ -1,6 +1,6 @@
 """Summaries, the oracle bound and the comparison table (pure; no I/O but printing).
 
-The results JSON shape is the one issue 2 fixes:
+The results JSON shape every command writes with --out (the tests check these keys):
 {"runs": [{"policy", "calls_total", "calls_completed", "sct_p50_s", "sct_p95_s",
            "sct_mean_s", "sessions": [{"session_id", "sct_s"}]} ...]}
 with more fields beside them. Every figure is in model seconds.

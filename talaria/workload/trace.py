@@ -1,4 +1,4 @@
-"""Reader and writer for agent-session traces (JSON Lines; spec: /work/shared/TRACE-FORMAT.md).
+"""Reader and writer for agent-session traces (JSON Lines; spec: docs/trace-format.md).
 
 One session per line. The replay driver and the simulator both read traces
 through `parse_trace`/`load_trace`, so a malformed file is rejected the same
