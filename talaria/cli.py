@@ -236,10 +236,15 @@ def cmd_up(a: argparse.Namespace) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
+        cred_file = Path(a.log_dir) / "credentials.json"
         try:
+            print(f"starting NATS, Redis and the services: policy {policy.name}, time scale {a.time_scale:g}x, "
+                  f"logs in {spec.log_dir} ...", flush=True)
             await stack.start()
-            cred_file = Path(a.log_dir) / "credentials.json"
-            stack.deployment().write(cred_file)
+            dep = stack.deployment()
+            if stack.creds is not None:  # `talaria status` checks health as the operator role
+                dep = msgspec.structs.replace(dep, operator=AgentLogin(**stack.nats_auth("operator")))
+            dep.write(cred_file)
             if stack.creds is not None:
                 print(f"authentication on: agent credentials (NATS user 'agent') in {cred_file}")
             print(f"replay against it: talaria replay TRACE --credentials {cred_file}")
@@ -249,14 +254,28 @@ def cmd_up(a: argparse.Namespace) -> int:
             await stop.wait()
         finally:
             print("stopping ...", flush=True)
+            # its passwords die with the stack: a stale file would only mislead `replay --credentials`
+            cred_file.unlink(missing_ok=True)
             await stack.stop()
 
     asyncio.run(run())
     return 0
 
 
+def _version() -> str:
+    """From the installed package's metadata (pyproject.toml), not a second copy in code."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("talaria")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="talaria", description="Serve large LLMs to tool-using agents (see README.md)")
+    p.add_argument("--version", action="version", version=f"%(prog)s {_version()}",
+                   help="print the installed version and exit")
     sub = p.add_subparsers(dest="cmd", required=True)
 
     def common(sp: argparse.ArgumentParser) -> None:
@@ -302,18 +321,28 @@ def build_parser() -> argparse.ArgumentParser:
     r.set_defaults(fn=cmd_replay)
 
     u = sub.add_parser("up", help="bring up NATS, Redis and every service; Ctrl-C stops everything")
-    u.add_argument("--policy", default="baseline")
-    u.add_argument("--models", default=",".join(DEFAULT_MODELS))
-    u.add_argument("--time-scale", type=positive_float, default=50.0)
+    u.add_argument("--policy", default="baseline",
+                   help=f"the policy every service runs (default baseline; one of {', '.join(PRESETS)})")
+    u.add_argument("--models", default=",".join(DEFAULT_MODELS),
+                   help="comma-separated catalog models to serve, one engine-worker each per server")
+    u.add_argument("--time-scale", type=positive_float, default=50.0,
+                   help="model seconds per wall second (default 50)")
     u.add_argument("--nats", help="use this NATS (comma-separated URLs) instead of starting one")
     u.add_argument("--redis", help="use this Redis URL instead of starting one")
-    u.add_argument("--subject-prefix", default=None)
-    u.add_argument("--key-prefix", default=None)
-    u.add_argument("--log-dir", default=str(default_log_dir()))
-    u.add_argument("--servers", type=positive_int, default=1)
+    u.add_argument("--subject-prefix", default=None, help="first token of every subject (default: a fresh one)")
+    u.add_argument("--key-prefix", default=None, help="prefix of every Redis key (default: a fresh one)")
+    u.add_argument("--log-dir", default=str(default_log_dir() / "up"),
+                   help=f"the services' logs and credentials.json (default {default_log_dir() / 'up'}, "
+                        "apart from the replays' run folders)")
+    u.add_argument("--servers", type=positive_int, default=1, help="GPU servers to emulate (default 1)")
     u.add_argument("--routers", type=positive_int, default=1, help="router replicas (one queue group)")
-    u.add_argument("--server-profile", default="h100x8")
+    u.add_argument("--server-profile", default="h100x8", help="hardware profile from the catalog (default h100x8)")
     u.set_defaults(fn=cmd_up)
+
+    ss = sub.add_parser("status", help="a running deployment's services, their health and each server's active model")
+    from talaria.ops import status
+
+    status.configure_parser(ss, default_log_dir() / "up" / "credentials.json")
 
     st = sub.add_parser("study", help="tune policies, seed spread, ablations and sensitivity on the simulator")
     from talaria.lab import experiments

@@ -6,7 +6,7 @@
         await session.end()
 
 Against `talaria up` (authentication on, a private subject prefix):
-`TalariaClient.from_deployment(Deployment.load(".talaria/logs/credentials.json"))`.
+`TalariaClient.from_deployment(Deployment.load(".talaria/logs/up/credentials.json"))`.
 
 A call waiting for its model's slot is alive: the services send `queued` and
 `running` heartbeats, and the client only gives up when it has heard nothing
@@ -89,6 +89,8 @@ class Deployment(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     agent: AgentLogin = AgentLogin()
     redis_url: str | None = None  # the stack's Redis (operators: loop-lag reports), not for agents
     key_prefix: str = "talaria:"
+    # the operator role (health endpoints, $SRV pings, api.info), for `talaria status`; not for agents
+    operator: AgentLogin | None = None
 
     @classmethod
     def load(cls, path: str | Path) -> "Deployment":
