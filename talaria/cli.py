@@ -32,7 +32,10 @@ def _fail(msg: str, code: int = 2) -> int:
 
 
 def _policies(arg: str) -> list:
-    return [resolve_policy(p.strip()) for p in arg.split(",") if p.strip()]
+    names = [p.strip() for p in arg.split(",") if p.strip()]
+    if not names:  # `--policy ,` printed an empty table and exited 0
+        raise PolicyError(f"--policy {arg!r} names no policy (one or more of {', '.join(PRESETS)}, comma-separated)")
+    return [resolve_policy(n) for n in names]
 
 
 def _load(path: str) -> list[TraceSession]:
@@ -299,7 +302,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(fn=cmd_sim)
 
     r = sub.add_parser("replay", help="replay a trace's agents through the live services over NATS")
-    r.add_argument("trace")
+    r.add_argument("trace", help="the trace to replay (JSON Lines, docs/trace-format.md)")
     r.add_argument("--policy", default=None, help=f"comma-separated: {', '.join(PRESETS)} (default baseline; "
                                                   "the embedded stack only)")
     r.add_argument("--time-scale", type=positive_float, default=50.0, help="model seconds per wall second (default 50)")
@@ -314,7 +317,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--redis", help="with --nats: the deployment's Redis, to read its loop-lag reports")
     r.add_argument("--subject-prefix", default=None, help="a running deployment's subject prefix (default talaria)")
     r.add_argument("--key-prefix", default=None, help="a running deployment's Redis key prefix (default talaria:)")
-    r.add_argument("--log-dir", default=str(default_log_dir()))
+    r.add_argument("--log-dir", default=str(default_log_dir()),
+                   help=f"where each run gets a folder of its own for the services' logs (default {default_log_dir()})")
     r.add_argument("--max-lag-s", type=positive_float, default=5.0, help="exit 3 when a service's or this replay's own event-loop lag exceeds this many model seconds (lower --time-scale then)")
     r.add_argument("--routers", type=positive_int, default=1, help="router replicas in the embedded stack (default 1)")
     common(r)

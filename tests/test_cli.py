@@ -3,6 +3,7 @@ traceback, and no embedded stack started only to fail its health checks."""
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import pytest
@@ -150,3 +151,38 @@ def test_an_unreachable_nats_is_one_line() -> None:
     # it printed a "NATS error" line per retry before the error itself
     assert p.stderr.splitlines() == [f"talaria: error: cannot connect to NATS at nats://127.0.0.1:{port}: "
                                      f"[Errno 111] Connect call failed ('127.0.0.1', {port}) (after 10 s)"]
+
+
+def _actions_without_help(parser: argparse.ArgumentParser, path: str) -> list[str]:
+    out = []
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                out += _actions_without_help(sub, f"{path} {name}")
+        elif isinstance(action, argparse._HelpAction):
+            continue
+        elif not action.help or action.help == argparse.SUPPRESS:
+            out.append(f"{path} {action.option_strings[0] if action.option_strings else action.dest}")
+    return out
+
+
+def test_every_flag_of_every_command_has_help_text() -> None:
+    missing = _actions_without_help(build_parser(), "talaria")
+    assert not missing, "no help text: " + ", ".join(missing)
+
+
+@pytest.mark.parametrize("command", ["sim", "replay"])
+def test_a_policy_list_naming_no_policy_is_a_usage_error(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([command, TRACE, "--policy", ","]) == 2
+    assert "--policy ',' names no policy" in capsys.readouterr().err
+
+
+def test_no_nan_without_a_baseline_and_every_column_explained(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["sim", str(ROOT / "traces" / "smoke-4.jsonl"), "--policy", "talaria"]) == 0
+    out = capsys.readouterr().out
+    assert "nan" not in out
+    row = next(ln for ln in out.splitlines() if ln.startswith("talaria "))
+    assert row.split()[5:7] == ["-", "-"]  # x p50, x p95
+    for column in ("x p50", "p50/oracle", "reprefill", "switches", "round waits"):
+        assert f"{column}:" in out or f"{column}," in out, column  # the legend says what it is
+    assert "no baseline in this run" in out

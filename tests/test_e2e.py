@@ -353,3 +353,4 @@ def test_replay_against_talaria_up_with_its_credentials(tmp_path: Path, capsys: 
             except subprocess.TimeoutExpired:
                 up.kill()
                 up.wait()
+    assert not creds.exists(), "talaria up leaves its credentials file behind when it stops"

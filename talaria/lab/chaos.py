@@ -264,15 +264,15 @@ def format_report(r: dict) -> str:
 
 
 def configure_parser(p: argparse.ArgumentParser) -> None:
-    p.add_argument("trace")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("trace", help="the trace to replay under faults (JSON Lines)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the fault schedule (what is killed when; default 0)")
     p.add_argument("--out", default=None, help="write the figures as JSON")
-    p.add_argument("--policy", default="talaria")
-    p.add_argument("--time-scale", type=positive_float, default=50.0)
-    p.add_argument("--nats-nodes", type=positive_int, default=3)
+    p.add_argument("--policy", default="talaria", help="the policy the stack runs (default talaria)")
+    p.add_argument("--time-scale", type=positive_float, default=50.0, help="model seconds per wall second (default 50)")
+    p.add_argument("--nats-nodes", type=positive_int, default=3, help="nodes of the embedded NATS cluster, one of which is killed (default 3)")
     p.add_argument("--rounds", type=positive_int, default=1, help="how many times each fault kind is injected")
     p.add_argument("--silence-s", type=positive_float, default=5.0, help="the agents' silence before a retry (wall s)")
-    p.add_argument("--log-dir", default=str(default_log_dir()))
+    p.add_argument("--log-dir", default=str(default_log_dir()), help=f"log folder; each seed's run is cleared first (default {default_log_dir()})")
     p.set_defaults(fn=run)
 
 

@@ -323,7 +323,8 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
                    help="tune: sweep and pick parameters; headline: score the tuned policies; latency: Talaria under "
                         "the control plane's delay, with and without idle holds; sharing: taking turns against "
                         "each model on a share of the server (neither part of all)")
-    p.add_argument("--criterion", default="sct_mean_s", choices=["sct_mean_s", "sct_p50_s", "sct_p95_s"])
+    p.add_argument("--criterion", default="sct_mean_s", choices=["sct_mean_s", "sct_p50_s", "sct_p95_s"],
+                   help="what tuning minimises (default sct_mean_s, the mean session completion time)")
     p.add_argument("--write-tuned", action="store_true", help=f"write the tuned parameters to {TUNED_PATH}")
     p.add_argument("--out", help="JSON with every figure")
     p.add_argument("--markdown", help="write the tables as markdown here")
@@ -380,8 +381,8 @@ def cmd_fidelity(a: argparse.Namespace) -> int:
 def configure_fidelity(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seeds", type=int_list, default=(1, 2, 3, 4, 5),
                    help="generator seeds of the default settings (comma-separated; default 1,2,3,4,5)")
-    p.add_argument("--policy", default="baseline,talaria")
-    p.add_argument("--time-scale", type=positive_float, default=50.0)
-    p.add_argument("--log-dir", default=".talaria/fidelity")
+    p.add_argument("--policy", default="baseline,talaria", help="comma-separated policies (default baseline,talaria)")
+    p.add_argument("--time-scale", type=positive_float, default=50.0, help="model seconds per wall second of the live replays (default 50)")
+    p.add_argument("--log-dir", default=".talaria/fidelity", help="log folder, one sub-folder per seed and policy")
     p.add_argument("--markdown", help="write the table here")
     p.set_defaults(fn=cmd_fidelity)
