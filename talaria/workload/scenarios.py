@@ -41,7 +41,7 @@ from talaria.results.report import oracle_sct, summarize
 if TYPE_CHECKING:
     from talaria.sim.simulator import SimResult
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: traces/, scenarios/
 TUNE_SEEDS = (1001, 1002, 1003)  # the seeds `talaria study tune` tunes on (talaria/lab/experiments.py): never scored
 BENCH_SCENARIO = ROOT / "scenarios" / "bench-16x3000x5.toml"
 DEFAULT_TRACE = ROOT / "traces" / "swebench-30.jsonl"
