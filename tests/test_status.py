@@ -64,3 +64,26 @@ async def _cli(argv: list[str]) -> int:
     import asyncio
 
     return await asyncio.to_thread(main, argv)
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(180)
+async def test_the_agent_example_runs_against_a_stack(tmp_path: Path) -> None:
+    import asyncio
+    import sys
+
+    spec = StackSpec(policy=resolve_policy("talaria"), models=["glm-4.5-air-fp8"], time_scale=50.0,
+                     log_dir=tmp_path / "logs")
+    async with EmbeddedStack(spec) as stack:
+        creds = tmp_path / "credentials.json"
+        stack.deployment().write(creds)
+        for extra in ([], ["--tokens"]):
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, str(ROOT / "examples" / "agent.py"), "--credentials", str(creds), "--calls", "2", *extra,
+                cwd=ROOT, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+            out, err = await asyncio.wait_for(proc.communicate(), 120)
+            assert proc.returncode == 0, err.decode()[-2000:]
+            lines = out.decode().splitlines()
+            assert [ln.split(":")[0] for ln in lines] == ["call 0", "call 1"], lines
+            if not extra:
+                assert "text=None" in lines[0]  # the sim engine says how long, not what
