@@ -204,7 +204,7 @@ def test_two_servers_live_placement_matches_sim(tmp_path: Path, routers: int) ->
     assert p.returncode == 0, f"rc {p.returncode}\nstderr:\n{p.stderr[-3000:]}"
     run = json.loads((tmp_path / "r.json").read_text())["runs"][0]
     check_run(run, sessions)
-    by_router = [[d for d in read_log_events(tmp_path / "logs" / "talaria" / f"router-{i}.log")
+    by_router = [[d for d in read_log_events(Path(run["log_dir"]) / f"router-{i}.log")
                   if d.get("event") == "router.placed"] for i in range(routers)]
     assert all(by_router), [len(x) for x in by_router]  # the queue group spreads the calls over every replica
     placed = [d for x in by_router for d in x]
