@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 MACHINE_PATHS = re.compile("|".join(re.escape(p) for p in (
     "/wo" "rk/", "/ro" "ot/", "/ho" "me/", "/tmp/vl" "lm", "/tmp/vst" "udy", "/op" "t/wheels", "/op" "t/pypi")))
 OUTSIDE_DOCS = re.compile("TRACE" "-FORMAT" r"\.md|CALIBRATION" r"\.md|DESIGN" r"\.md|STYLE" r"\.md|CONVENTIONS" r"\.md")
-# "issue 5", "issues 3 and 4", "(#12)": this project's tracker
+# the word issue followed by a number, or a parenthesised hash and number: this project's tracker
 OUR_ISSUES = re.compile(r"\bissues? \d+|\(#\d+\)|\bsee #\d+", re.I)
 REGISTRY_HOSTS = re.compile("py" r"pi\.org|python" r"hosted\.org|download\.py" r"torch\.org|\bPy" "PI\b")
 
