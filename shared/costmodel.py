@@ -1,6 +1,6 @@
 """Cost model of one TP=8 server (pure arithmetic, no I/O, no state).
 
-Formulas and figures come from CALIBRATION.md via shared/data/catalog.toml:
+Formulas and figures come from docs/calibration.md via shared/data/catalog.toml:
 
 - prefill of n new tokens over p cached ones: n / R + c_attn * n * (p + n/2) / F
 - decode inter-token latency: ITL(batch) interpolated from the measured points,
@@ -23,7 +23,7 @@ from shared.catalog import GB, Catalog, ModelSpec, ServerProfile
 class CostModel:
     catalog: Catalog
     server: ServerProfile
-    # Sensitivity knobs (issue 3's sensitivity table); 1.0 = the catalog's figures.
+    # Sensitivity knobs (the sensitivity table in docs/results.md); 1.0 = the catalog's figures.
     switch_cost_scale: float = 1.0
     prefill_speed_scale: float = 1.0
     decode_speed_scale: float = 1.0  # what-ifs only (talaria study sharing): a share of the server's decode

@@ -88,6 +88,8 @@ class VllmSettings:
         )
         if out.max_model_len < 16 or out.block_size < 1:
             raise SettingsError("TALARIA_VLLM_MAX_MODEL_LEN must be >= 16 and TALARIA_VLLM_BLOCK_SIZE >= 1")
+        if not 0 <= out.kv_port <= 65535:
+            raise SettingsError(f"TALARIA_VLLM_KV_PORT must be a port number (0 = a free one), not {out.kv_port}")
         return out
 
 

@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from shared.auth import nats_password_from_env
+from shared.auth import nats_password_from_env, role_password_var
 from shared.catalog import CatalogError, load_catalog
 from shared.policy import PRESETS, PolicyError, resolve_policy
-from talaria.workload.trace import TraceError, TraceSession, load_trace
+from talaria.workload.trace import TraceError, TraceSession, load_runnable_trace
 from talaria.workload import generate as gen
 from talaria.argtypes import positive_float, positive_int, seconds
 from talaria.client import AgentLogin, Deployment
@@ -32,11 +32,14 @@ def _fail(msg: str, code: int = 2) -> int:
 
 
 def _policies(arg: str) -> list:
-    return [resolve_policy(p.strip()) for p in arg.split(",") if p.strip()]
+    names = [p.strip() for p in arg.split(",") if p.strip()]
+    if not names:  # `--policy ,` printed an empty table and exited 0
+        raise PolicyError(f"--policy {arg!r} names no policy (one or more of {', '.join(PRESETS)}, comma-separated)")
+    return [resolve_policy(n) for n in names]
 
 
 def _load(path: str) -> list[TraceSession]:
-    return load_trace(path, known_models=load_catalog().models)
+    return load_runnable_trace(path, load_catalog())
 
 
 def _models_of(sessions: list[TraceSession]) -> list[str]:
@@ -113,6 +116,15 @@ def cmd_sim(a: argparse.Namespace) -> int:
 
 
 # -- replay ------------------------------------------------------------------------
+def new_run_dir(root: Path) -> Path:
+    """A fresh folder under `root` for one run: its start time, then a random tag
+    (two runs started in the same second still get their own)."""
+    import time
+    import uuid
+
+    return root / f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}"
+
+
 def _deployment(a: argparse.Namespace) -> Deployment | None:
     """The running deployment `replay` is pointed at (--credentials, --nats), or
     None for an embedded stack. Flags given explicitly win over the file."""
@@ -122,7 +134,11 @@ def _deployment(a: argparse.Namespace) -> Deployment | None:
     given: dict[str, object] = {"nats_urls": a.nats.split(",") if a.nats else None, "subject_prefix": a.subject_prefix,
                                 "redis_url": a.redis, "key_prefix": a.key_prefix}
     if a.nats_user:
-        given["agent"] = AgentLogin(user=a.nats_user, password=nats_password_from_env(a.nats_user, dict(os.environ)))
+        password = nats_password_from_env(a.nats_user, dict(os.environ))
+        if password is None:  # say which variable, rather than let the server refuse an empty login
+            raise ValueError(f"--nats-user {a.nats_user}: no password: set {role_password_var(a.nats_user)} "
+                             f"(or TALARIA_NATS_PASSWORD) in the environment")
+        given["agent"] = AgentLogin(user=a.nats_user, password=password)
     return msgspec.structs.replace(dep, **{k: v for k, v in given.items() if v is not None})
 
 
@@ -146,9 +162,12 @@ def cmd_replay(a: argparse.Namespace) -> int:
         except ReplayTargetError as exc:
             return _fail(str(exc))
     else:
+        # one folder per run (a policy's logs under it): two replays never append to the same files
+        run_dir = new_run_dir(Path(a.log_dir))
+        print(f"logs of this run in {run_dir}", file=sys.stderr, flush=True)
         for pol in _policies(a.policy or "baseline"):
             spec = StackSpec(policy=pol, models=_models_of(sessions), servers=a.servers, routers=a.routers,
-                             server_profile=a.server_profile, time_scale=a.time_scale, log_dir=Path(a.log_dir) / pol.name,
+                             server_profile=a.server_profile, time_scale=a.time_scale, log_dir=run_dir / pol.name,
                              switch_cost_scale=a.switch_cost_scale, prefill_speed_scale=a.prefill_speed_scale)
             outcomes.append(asyncio.run(replay_embedded(sessions, pol, spec)))
     runs = []
@@ -158,6 +177,8 @@ def cmd_replay(a: argparse.Namespace) -> int:
             "wall_s": out.wall_s, "time_scale": out.time_scale or a.time_scale, "failures": out.failures,
             "calls_duplicated": out.duplicates, "worst_loop_lag_model_s": out.worst_lag_model_s,
             "worst_loop_lag_service": out.worst_lag_service,
+            **({"log_dir": out.log_dir} if out.log_dir else {}),
+            **({"session_prefix": out.session_prefix} if out.session_prefix else {}),
             "switches": int(out.server_stats.get("switches", 0)), "sp_admits": int(out.server_stats.get("sp_admits", 0)),
             "reservations": {k: out.server_stats.get(k, 0) for k in ("reservations_made", "reservations_hit", "reservations_expired", "reserved_idle_s")},
             **live_utilisation(out, a.servers),
@@ -171,15 +192,20 @@ def cmd_replay(a: argparse.Namespace) -> int:
 
         for path in write_plots(runs, {o.policy: o.records for o in outcomes}, a.plots):
             print(f"figure written to {path}")
-    for r in runs:
-        if r["worst_loop_lag_service"]:
-            print(f"  {r['policy']}: worst event-loop lag {r['worst_loop_lag_model_s']:.3f} model s ({r['worst_loop_lag_service']})")
-        else:  # a running deployment's lag and counters live in its Redis
-            print(f"  {r['policy']}: event-loop lag and scheduler counters not read (pass the deployment's --redis)")
+    for r, out in zip(runs, outcomes):
+        print(f"  {r['policy']}: worst event-loop lag {r['worst_loop_lag_model_s']:.3f} model s ({r['worst_loop_lag_service']})")
+        if not out.services_lag_read:  # a running deployment's lag and counters live in its Redis
+            print(f"  {r['policy']}: the services' event-loop lag and scheduler counters not read (pass the deployment's --redis)")
+        if out.log_dir:
+            print(f"  {r['policy']}: logs in {out.log_dir} (talaria logs SESSION --log-dir {out.log_dir})")
+        if out.session_prefix:
+            print(f"  {r['policy']}: session ids prefixed {out.session_prefix}- "
+                  f"(talaria logs SESSION --run {out.session_prefix} --log-dir <the deployment's log folder>)")
     if a.out:
+        where = {"log_dir": str(run_dir)} if target is None else {"session_prefix": outcomes[0].session_prefix}
         write_json(a.out, {"trace": a.trace, "engine": "sim", "servers": a.servers, "server_profile": a.server_profile,
                            "oracle": {"sct_p50_s": runs[0]["oracle_p50_s"], "sct_p95_s": runs[0]["oracle_p95_s"]},
-                           "runs": runs})
+                           **where, "runs": runs})
         print(f"results written to {a.out}")
     failed = [f for o in outcomes for f in o.failures]
     if failed:
@@ -213,10 +239,15 @@ def cmd_up(a: argparse.Namespace) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
+        cred_file = Path(a.log_dir) / "credentials.json"
         try:
+            print(f"starting NATS, Redis and the services: policy {policy.name}, time scale {a.time_scale:g}x, "
+                  f"logs in {spec.log_dir} ...", flush=True)
             await stack.start()
-            cred_file = Path(a.log_dir) / "credentials.json"
-            stack.deployment().write(cred_file)
+            dep = stack.deployment()
+            if stack.creds is not None:  # `talaria status` checks health as the operator role
+                dep = msgspec.structs.replace(dep, operator=AgentLogin(**stack.nats_auth("operator")))
+            dep.write(cred_file)
             if stack.creds is not None:
                 print(f"authentication on: agent credentials (NATS user 'agent') in {cred_file}")
             print(f"replay against it: talaria replay TRACE --credentials {cred_file}")
@@ -226,14 +257,28 @@ def cmd_up(a: argparse.Namespace) -> int:
             await stop.wait()
         finally:
             print("stopping ...", flush=True)
+            # its passwords die with the stack: a stale file would only mislead `replay --credentials`
+            cred_file.unlink(missing_ok=True)
             await stack.stop()
 
     asyncio.run(run())
     return 0
 
 
+def _version() -> str:
+    """From the installed package's metadata (pyproject.toml), not a second copy in code."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("talaria")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="talaria", description="Serve large LLMs to tool-using agents (see README.md)")
+    p.add_argument("--version", action="version", version=f"%(prog)s {_version()}",
+                   help="print the installed version and exit")
     sub = p.add_subparsers(dest="cmd", required=True)
 
     def common(sp: argparse.ArgumentParser) -> None:
@@ -257,7 +302,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(fn=cmd_sim)
 
     r = sub.add_parser("replay", help="replay a trace's agents through the live services over NATS")
-    r.add_argument("trace")
+    r.add_argument("trace", help="the trace to replay (JSON Lines, docs/trace-format.md)")
     r.add_argument("--policy", default=None, help=f"comma-separated: {', '.join(PRESETS)} (default baseline; "
                                                   "the embedded stack only)")
     r.add_argument("--time-scale", type=positive_float, default=50.0, help="model seconds per wall second (default 50)")
@@ -272,25 +317,36 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--redis", help="with --nats: the deployment's Redis, to read its loop-lag reports")
     r.add_argument("--subject-prefix", default=None, help="a running deployment's subject prefix (default talaria)")
     r.add_argument("--key-prefix", default=None, help="a running deployment's Redis key prefix (default talaria:)")
-    r.add_argument("--log-dir", default=str(default_log_dir()))
-    r.add_argument("--max-lag-s", type=positive_float, default=5.0, help="fail when a service's loop lag exceeds this many model seconds")
+    r.add_argument("--log-dir", default=str(default_log_dir()),
+                   help=f"where each run gets a folder of its own for the services' logs (default {default_log_dir()})")
+    r.add_argument("--max-lag-s", type=positive_float, default=5.0, help="exit 3 when a service's or this replay's own event-loop lag exceeds this many model seconds (lower --time-scale then)")
     r.add_argument("--routers", type=positive_int, default=1, help="router replicas in the embedded stack (default 1)")
     common(r)
     r.set_defaults(fn=cmd_replay)
 
     u = sub.add_parser("up", help="bring up NATS, Redis and every service; Ctrl-C stops everything")
-    u.add_argument("--policy", default="baseline")
-    u.add_argument("--models", default=",".join(DEFAULT_MODELS))
-    u.add_argument("--time-scale", type=positive_float, default=50.0)
+    u.add_argument("--policy", default="baseline",
+                   help=f"the policy every service runs (default baseline; one of {', '.join(PRESETS)})")
+    u.add_argument("--models", default=",".join(DEFAULT_MODELS),
+                   help="comma-separated catalog models to serve, one engine-worker each per server")
+    u.add_argument("--time-scale", type=positive_float, default=50.0,
+                   help="model seconds per wall second (default 50)")
     u.add_argument("--nats", help="use this NATS (comma-separated URLs) instead of starting one")
     u.add_argument("--redis", help="use this Redis URL instead of starting one")
-    u.add_argument("--subject-prefix", default=None)
-    u.add_argument("--key-prefix", default=None)
-    u.add_argument("--log-dir", default=str(default_log_dir()))
-    u.add_argument("--servers", type=positive_int, default=1)
+    u.add_argument("--subject-prefix", default=None, help="first token of every subject (default: a fresh one)")
+    u.add_argument("--key-prefix", default=None, help="prefix of every Redis key (default: a fresh one)")
+    u.add_argument("--log-dir", default=str(default_log_dir() / "up"),
+                   help=f"the services' logs and credentials.json (default {default_log_dir() / 'up'}, "
+                        "apart from the replays' run folders)")
+    u.add_argument("--servers", type=positive_int, default=1, help="GPU servers to emulate (default 1)")
     u.add_argument("--routers", type=positive_int, default=1, help="router replicas (one queue group)")
-    u.add_argument("--server-profile", default="h100x8")
+    u.add_argument("--server-profile", default="h100x8", help="hardware profile from the catalog (default h100x8)")
     u.set_defaults(fn=cmd_up)
+
+    ss = sub.add_parser("status", help="a running deployment's services, their health and each server's active model")
+    from talaria.ops import status
+
+    status.configure_parser(ss, default_log_dir() / "up" / "credentials.json")
 
     st = sub.add_parser("study", help="tune policies, seed spread, ablations and sensitivity on the simulator")
     from talaria.lab import experiments

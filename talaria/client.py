@@ -6,7 +6,7 @@
         await session.end()
 
 Against `talaria up` (authentication on, a private subject prefix):
-`TalariaClient.from_deployment(Deployment.load(".talaria/logs/credentials.json"))`.
+`TalariaClient.from_deployment(Deployment.load(".talaria/logs/up/credentials.json"))`.
 
 A call waiting for its model's slot is alive: the services send `queued` and
 `running` heartbeats, and the client only gives up when it has heard nothing
@@ -57,6 +57,8 @@ class NoCapacity(TalariaError): ...
 class Malformed(TalariaError): ...
 class ContextLimit(TalariaError): ...
 class CallTimeout(TalariaError): ...
+class SessionEnded(TalariaError):
+    """A call on a session this client already ended (raised here, nothing is sent)."""
 
 
 _ERRORS: dict[str, type[TalariaError]] = {
@@ -87,6 +89,8 @@ class Deployment(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     agent: AgentLogin = AgentLogin()
     redis_url: str | None = None  # the stack's Redis (operators: loop-lag reports), not for agents
     key_prefix: str = "talaria:"
+    # the operator role (health endpoints, $SRV pings, api.info), for `talaria status`; not for agents
+    operator: AgentLogin | None = None
 
     @classmethod
     def load(cls, path: str | Path) -> "Deployment":
@@ -131,13 +135,17 @@ class TalariaClient:
         urls = [urls] if isinstance(urls, str) else list(urls)
         errors: list[Exception] = []
         refused = asyncio.Event()
+        connected = False
 
         async def on_error(e: Exception) -> None:
             errors.append(e)
             # during the handshake nats-py raises a plain Error carrying the server's text
             if isinstance(e, nats.errors.AuthorizationError) or "authorization violation" in str(e).lower():
                 refused.set()
-            log.warning("NATS error: %s", e)
+            # before the first connection, the ConnectionError raised below names the last
+            # error (one line, not one per retry); after it, say once what went wrong
+            if connected and (len(errors) < 2 or str(errors[-2]) != str(e)):
+                log.warning("NATS error: %s", e)
 
         nc = nats.NATS()
         connecting = asyncio.ensure_future(nc.connect(
@@ -159,6 +167,7 @@ class TalariaClient:
             why = f"{errors[-1]!s} (after {connect_timeout_s:g} s)" if errors else f"no answer in {connect_timeout_s:g} s"
             raise ConnectionError(f"cannot connect to NATS at {where}: {why}")
         connecting.result()  # a connect that failed outright raises here
+        connected = True
         return cls(nc, **kw)  # type: ignore[arg-type]
 
     @classmethod
@@ -297,8 +306,34 @@ class Session:
         self.session_id = session_id
         self.model = model
         self.context_limit = context_limit
+        self.ended = False
 
-    async def call(self, **kw: object) -> CallReply:
+    async def call(
+        self,
+        *,
+        prompt_tokens: int,
+        prefix_tokens: int = 0,
+        max_tokens: int = 4096,
+        call_id: str | None = None,
+        sim_output_tokens: int | None = None,
+        on_event: Callable[[CallEvent], None] | None = None,
+        prompt_token_ids: list[int] | None = None,
+        prompt_text: str | None = None,
+    ) -> CallReply:
+        """One call of this session (see `TalariaClient.call`). Refused here,
+        before anything is sent, when the session has ended or when the prompt
+        plus `max_tokens` would not fit in the model's context."""
+        if self.ended:
+            # the store would answer unknown_session and the retry below would quietly reopen it
+            raise SessionEnded("session_ended", f"session {self.session_id} has ended; open a new one")
+        if prompt_tokens + max_tokens > self.context_limit:
+            raise ContextLimit("context_limit",
+                               f"prompt of {prompt_tokens} tokens + max_tokens {max_tokens} = "
+                               f"{prompt_tokens + max_tokens} passes {self.model}'s context limit of "
+                               f"{self.context_limit}; lower max_tokens or compact the context")
+        kw = dict(prompt_tokens=prompt_tokens, prefix_tokens=prefix_tokens, max_tokens=max_tokens, call_id=call_id,
+                  sim_output_tokens=sim_output_tokens, on_event=on_event, prompt_token_ids=prompt_token_ids,
+                  prompt_text=prompt_text)
         try:
             return await self.client.call(self.session_id, self.model, **kw)  # type: ignore[arg-type]
         except UnknownSession:
@@ -308,6 +343,7 @@ class Session:
             return await self.client.call(self.session_id, self.model, **kw)  # type: ignore[arg-type]
 
     async def end(self) -> None:
+        self.ended = True
         await self.client.end_session(self.session_id)
 
 

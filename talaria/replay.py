@@ -23,7 +23,7 @@ from typing import TypeVar
 import nats.errors
 import redis.asyncio as aioredis
 
-from shared.clock import ScaledClock
+from shared.clock import LagMonitor, ScaledClock
 from shared.keys import Keys
 from shared.policy import PolicyConfig
 from shared.schema import CallReply
@@ -48,6 +48,10 @@ class ReplayOutcome:
     duplicates: int = 0
     server_stats: dict[str, float] = field(default_factory=dict)
     time_scale: float = 0.0  # model seconds per wall second of the run (0: not recorded)
+    log_dir: str = ""  # where this run's service logs are (an embedded stack's own folder)
+    session_prefix: str = ""  # against a running deployment: what its session ids were prefixed with
+    driver_lag_wall_s: float = 0.0  # the replay's own event loop: a late agent distorts SCT as a late service does
+    services_lag_read: bool = False  # False: only the driver's lag is known (a deployment without its Redis)
 
 
 class Progress:
@@ -99,7 +103,7 @@ async def drive(
         sid = f"{run_tag}{s.session_id}"
         sess = await _retrying(error_retries, lambda: client.open_session(s.model, session_id=sid))
         started = clock.now()
-        for pc in plan_session(s, max_tokens):
+        for pc in plan_session(s, max_tokens, context_limit=sess.context_limit):
             issued = clock.now()
             reply: CallReply = await _retrying(error_retries, lambda: sess.call(
                 prompt_tokens=pc.prompt_tokens, prefix_tokens=pc.prefix_tokens, max_tokens=pc.max_tokens,
@@ -131,16 +135,19 @@ async def drive(
 
     wall0 = time.perf_counter()
     ticker = asyncio.ensure_future(prog.run(clock, t0, progress_every_wall_s))
+    lag = LagMonitor()
+    lag_task = asyncio.ensure_future(lag.run())
     try:
         results = await asyncio.gather(*(run_session(s) for s in sessions), return_exceptions=True)
     finally:
         ticker.cancel()
+        lag_task.cancel()
     for s, r in zip(sessions, results):
         if isinstance(r, BaseException):
             failures.append(f"{s.session_id}: {type(r).__name__}: {r}")
     print(prog.line(clock.now() - t0), file=sys.stderr, flush=True)
     return ReplayOutcome(policy=policy_name, sct=sct, records=records, failures=failures,
-                         wall_s=time.perf_counter() - wall0, duplicates=dup)
+                         wall_s=time.perf_counter() - wall0, duplicates=dup, driver_lag_wall_s=lag.worst_s)
 
 
 async def _retrying(retries: int, make: Callable[[], Awaitable[T]]) -> T:
@@ -165,6 +172,47 @@ async def worst_lag(redis_url: str, key_prefix: str) -> tuple[str, float]:
         return worst
     finally:
         await r.aclose()
+
+
+# Services write their worst loop lag to Redis once a wall second (shared/bus.py), so
+# a run shorter than that (a high time scale) ends before any report of it lands.
+LAG_REPORT_WAIT_S = 5.0
+
+
+async def reported_lag(redis_url: str, key_prefix: str, instances: list[str],
+                       wait_s: float = LAG_REPORT_WAIT_S) -> tuple[tuple[str, float], list[str]]:
+    """The worst lag (wall s) over `instances` from reports written after this call:
+    their keys are cleared first and each is waited for (the value is the worst over
+    the service's life, so clearing loses nothing). Returns the worst and the
+    instances that did not report within `wait_s`. For a stack this replay owns."""
+    keys = Keys(key_prefix)
+    r = aioredis.Redis.from_url(redis_url)
+    try:
+        await r.delete(*(keys.lag(i) for i in instances))
+        deadline = time.monotonic() + wait_s
+        while True:
+            values = await r.mget([keys.lag(i) for i in instances])
+            missing = [i for i, v in zip(instances, values) if v is None]
+            if not missing or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.1)
+        worst = ("", 0.0)
+        for i, v in zip(instances, values):
+            if v is not None and float(v) >= worst[1]:
+                worst = (i, float(v))
+        return worst, missing
+    finally:
+        await r.aclose()
+
+
+def _worst_lag_of(out: ReplayOutcome, services: tuple[str, float] | None, time_scale: float) -> None:
+    """Record the worst of the services' and the driver's lag, in model seconds."""
+    worst = ("replay-driver", out.driver_lag_wall_s)
+    if services is not None:
+        out.services_lag_read = True
+        if services[0] and services[1] > worst[1]:
+            worst = services
+    out.worst_lag_service, out.worst_lag_model_s = worst[0], worst[1] * time_scale
 
 
 async def server_stats(redis_url: str, key_prefix: str, server_ids: list[str]) -> dict[str, float]:
@@ -195,10 +243,15 @@ async def replay_embedded(sessions: list[TraceSession], policy: PolicyConfig, sp
         finally:
             await client.close()
         await asyncio.sleep(0.3)  # let the last mirror land
-        name, lag = await worst_lag(stack.redis_url, stack.key_prefix)
-        out.worst_lag_service, out.worst_lag_model_s = name, lag * spec.time_scale
+        # every service's lag as of after the run, not whatever was reported before it ended
+        lag, silent = await reported_lag(stack.redis_url, stack.key_prefix, [n for n, _, _ in stack.service_table()])
+        if silent:
+            print(f"[{policy.name}] no event-loop lag report from {', '.join(silent)} within "
+                  f"{LAG_REPORT_WAIT_S:g} s; see their logs in {stack.log_dir}", file=sys.stderr, flush=True)
+        _worst_lag_of(out, lag, spec.time_scale)
         out.server_stats = await server_stats(stack.redis_url, stack.key_prefix, stack.server_ids)
         out.time_scale = spec.time_scale
+        out.log_dir = str(stack.log_dir)
         return out
 
 
@@ -229,16 +282,25 @@ async def replay_external(sessions: list[TraceSession], target: Deployment) -> R
         # a running deployment's counters add up over its life: this replay's share is after - before
         before = await _deployment_stats(target, info.servers, info.policy)
         clock = ScaledClock(info.time_scale, info.clock_epoch)
-        out = await drive(client, clock, sessions, info.policy, run_tag=f"r{uuid.uuid4().hex[:6]}-")
+        # a deployment outlives replays: a per-run prefix keeps this run's sessions apart from earlier ones
+        prefix = f"r{uuid.uuid4().hex[:6]}"
+        print(f"[{info.policy}] session ids prefixed {prefix}- (e.g. {prefix}-{sessions[0].session_id}); "
+              f"its logs: talaria logs SESSION --run {prefix} --log-dir <the deployment's log folder>",
+              file=sys.stderr, flush=True)
+        out = await drive(client, clock, sessions, info.policy, run_tag=f"{prefix}-")
+        out.session_prefix = prefix
     finally:
         await client.close()
     out.time_scale = info.time_scale
     after = await _deployment_stats(target, info.servers, info.policy) if before is not None else None
+    lag: tuple[str, float] | None = None
     if before is not None and after is not None:
         out.server_stats = {k: v - before.get(k, 0.0) for k, v in after.items()}
+        # a deployment's lag keys are its own: not cleared, but read after one report
+        # interval so this run's lag is in (the worst over the deployment's life)
+        await asyncio.sleep(1.2)
         lag = await _from_deployment_redis(target, info.policy, worst_lag(target.redis_url or "", target.key_prefix))
-        if lag is not None:  # the worst over the deployment's life: not reset per replay
-            out.worst_lag_service, out.worst_lag_model_s = lag[0], lag[1] * info.time_scale
+    _worst_lag_of(out, lag, info.time_scale)
     return out
 
 

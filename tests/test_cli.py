@@ -3,6 +3,7 @@ traceback, and no embedded stack started only to fail its health checks."""
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import pytest
@@ -67,3 +68,121 @@ def test_an_undecodable_trace_is_a_trace_error(tmp_path: Path, capsys: pytest.Ca
     bad.write_bytes(b"\xff\xfe\x00garbage")
     assert main(["sim", str(bad)]) == 2
     assert "cannot read the trace" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("content", ["", "\n", "\n   \n\t\n"])
+@pytest.mark.parametrize("command", ["sim", "replay"])
+def test_a_trace_without_sessions_is_refused_before_anything_starts(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], command: str, content: str) -> None:
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text(content)
+    assert main([command, str(empty)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"talaria: error: {empty}: trace has no sessions\n"
+
+
+@pytest.mark.parametrize("command", ["sim", "replay"])
+def test_a_context_past_the_models_limit_is_refused_by_sim_as_by_replay(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], command: str) -> None:
+    from talaria.workload.trace import TraceCall, TraceSession, dump_trace
+
+    # glm-4.5-fp8's limit is 131072: the second call's context is 100000 + 1000 + 40000 + 1000
+    over = tmp_path / "over.jsonl"
+    ok = TraceSession(session_id="a", model="glm-4.5-fp8", arrival_s=0.0,
+                      calls=[TraceCall(new_input_tokens=1000, output_tokens=10, tool_s=1.0)])
+    bad = TraceSession(session_id="b", model="glm-4.5-fp8", arrival_s=0.0,
+                       calls=[TraceCall(new_input_tokens=100000, output_tokens=1000, tool_s=1.0),
+                              TraceCall(new_input_tokens=40000, output_tokens=1000, tool_s=1.0)])
+    dump_trace([ok, bad], over)
+    assert main([command, str(over)]) == 2
+    err = capsys.readouterr().err
+    assert f"{over} line 2, field calls[1]: context of 142000 tokens" in err
+    assert "glm-4.5-fp8's context limit of 131072" in err and "Traceback" not in err
+
+
+def test_fidelity_prints_its_header_before_any_row(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    # the live replays are stood in for by the simulator: this checks the output's order only
+    import talaria.replay
+    from shared.catalog import load_catalog as catalog
+    from talaria.lab import experiments
+    from talaria.replay import ReplayOutcome
+    from talaria.sim.simulator import simulate
+    from talaria.workload.trace import load_trace
+
+    smoke = load_trace(ROOT / "traces" / "smoke-4.jsonl")
+    monkeypatch.setattr(experiments, "traces_for", lambda seeds: [smoke for _ in seeds])
+
+    async def fake_replay(sessions, pol, spec):  # type: ignore[no-untyped-def]
+        r = simulate(sessions, catalog(), pol)
+        return ReplayOutcome(policy=pol.name, sct=r.sct, records=r.records)
+
+    monkeypatch.setattr(talaria.replay, "replay_embedded", fake_replay)
+    assert main(["fidelity", "--seeds", "1,2", "--policy", "baseline", "--log-dir", str(tmp_path),
+                 "--markdown", str(tmp_path / "f.md")]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("| seed | policy |") and out[1].startswith("| ---: |")
+    assert [ln.split("|")[1].strip() for ln in out[2:4]] == ["1", "2"]
+    assert sum(ln.startswith("| 1 |") for ln in out) == 1  # each row once
+    assert out[-1].startswith("- baseline: median difference")
+    assert (tmp_path / "f.md").read_text().splitlines()[0].startswith("| seed |")
+
+
+def test_nats_user_without_a_password_names_the_variable(monkeypatch: pytest.MonkeyPatch,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.delenv("TALARIA_NATS_PASSWORD", raising=False)
+    monkeypatch.delenv("TALARIA_NATS_PASSWORD_AGENT", raising=False)
+    assert main(["replay", TRACE, "--nats", "nats://127.0.0.1:4999", "--nats-user", "agent"]) == 2
+    err = capsys.readouterr().err
+    assert "TALARIA_NATS_PASSWORD_AGENT" in err and err.count("\n") == 1
+
+
+def test_an_unreachable_nats_is_one_line() -> None:
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as sock:  # a port nobody listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    p = subprocess.run([sys.executable, "-m", "talaria.cli", "replay", TRACE, "--nats", f"nats://127.0.0.1:{port}"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2
+    # it printed a "NATS error" line per retry before the error itself
+    assert p.stderr.splitlines() == [f"talaria: error: cannot connect to NATS at nats://127.0.0.1:{port}: "
+                                     f"[Errno 111] Connect call failed ('127.0.0.1', {port}) (after 10 s)"]
+
+
+def _actions_without_help(parser: argparse.ArgumentParser, path: str) -> list[str]:
+    out = []
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                out += _actions_without_help(sub, f"{path} {name}")
+        elif isinstance(action, argparse._HelpAction):
+            continue
+        elif not action.help or action.help == argparse.SUPPRESS:
+            out.append(f"{path} {action.option_strings[0] if action.option_strings else action.dest}")
+    return out
+
+
+def test_every_flag_of_every_command_has_help_text() -> None:
+    missing = _actions_without_help(build_parser(), "talaria")
+    assert not missing, "no help text: " + ", ".join(missing)
+
+
+@pytest.mark.parametrize("command", ["sim", "replay"])
+def test_a_policy_list_naming_no_policy_is_a_usage_error(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([command, TRACE, "--policy", ","]) == 2
+    assert "--policy ',' names no policy" in capsys.readouterr().err
+
+
+def test_no_nan_without_a_baseline_and_every_column_explained(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["sim", str(ROOT / "traces" / "smoke-4.jsonl"), "--policy", "talaria"]) == 0
+    out = capsys.readouterr().out
+    assert "nan" not in out
+    row = next(ln for ln in out.splitlines() if ln.startswith("talaria "))
+    assert row.split()[5:7] == ["-", "-"]  # x p50, x p95
+    for column in ("x p50", "p50/oracle", "reprefill", "switches", "round waits"):
+        assert f"{column}:" in out or f"{column}," in out, column  # the legend says what it is
+    assert "no baseline in this run" in out

@@ -107,3 +107,39 @@ def test_deployment_file_round_trip_and_errors(tmp_path: Path) -> None:
             Deployment.load(f)
     with pytest.raises(ValueError, match="cannot read the credentials file"):
         Deployment.load(tmp_path / "missing.json")
+
+
+async def test_a_session_refuses_what_cannot_fit_and_calls_after_its_end(nats_server: NatsServer) -> None:
+    # both refused in the client, before anything is sent: the first would be
+    # refused by the engine after queueing, the second silently reopened the session
+    from shared.schema import Ok
+    from talaria.client import ContextLimit, Session, SessionEnded
+
+    prefix = f"t{uuid.uuid4().hex[:8]}"
+    subjects = Subjects(prefix)
+    sent: list[CallRequest] = []
+    request_decoder = msgspec.json.Decoder(CallRequest)
+    async with await TalariaClient.connect(nats_server.url, subject_prefix=prefix, silence_s=5.0) as client:
+        nc = client.nc
+
+        async def responder(msg) -> None:  # type: ignore[no-untyped-def]
+            req = request_decoder.decode(msg.data)
+            sent.append(req)
+            await nc.publish(req.reply_to, encode(_reply(req)))
+
+        async def end(msg) -> None:  # type: ignore[no-untyped-def]
+            await msg.respond(encode(Ok()))
+
+        await nc.subscribe(subjects.api_call, cb=responder)
+        await nc.subscribe(subjects.api_session_end, cb=end)
+        await nc.flush()
+        session = Session(client, "sess", "m", context_limit=1000)
+        with pytest.raises(ContextLimit, match="900 tokens \\+ max_tokens 200 = 1100 passes m's context limit of 1000"):
+            await session.call(prompt_tokens=900, max_tokens=200)
+        reply = await session.call(prompt_tokens=900, max_tokens=100, call_id="fits")  # exactly at the limit
+        assert reply.call_id == "fits"
+        await session.end()
+        with pytest.raises(SessionEnded, match="sess has ended"):
+            await session.call(prompt_tokens=10, max_tokens=10)
+        await nc.flush()
+    assert [r.call_id for r in sent] == ["fits"]

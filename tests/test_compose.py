@@ -153,9 +153,13 @@ def test_the_schema_does_reject_a_broken_file() -> None:
     assert len(messages) >= 2
 
 
-@pytest.mark.skipif(not Path("/work/shared/schemas/compose-spec.json").exists(), reason="no shared copy here")
+# the design notes' copy, where a checkout sits beside them (a sibling `shared/` folder)
+SHARED_SCHEMA = ROOT.parent / "shared" / "schemas" / "compose-spec.json"
+
+
+@pytest.mark.skipif(not SHARED_SCHEMA.exists(), reason="no shared copy here")
 def test_repo_schema_is_the_verbatim_copy() -> None:
-    assert SCHEMA.read_bytes() == Path("/work/shared/schemas/compose-spec.json").read_bytes()
+    assert SCHEMA.read_bytes() == SHARED_SCHEMA.read_bytes()
 
 
 # --------------------------------------------------------------------------- our rules
@@ -193,6 +197,68 @@ def test_one_gpu_engine_worker_per_default_model() -> None:
         assert any(m.split(":")[0] == "model-weights" for m in mounts), name
         assert svc["build"]["dockerfile"] == "deploy/Dockerfile.vllm"
     assert "model-weights" in compose["volumes"]
+
+
+def test_each_gpu_engine_worker_resolves_to_its_own_model_and_context_length() -> None:
+    # Without TALARIA_VLLM_MODEL a worker would serve some default model under its
+    # model's name; each must name its own folder on the weights volume and the
+    # catalog's context length for that model.
+    from shared.catalog import load_catalog
+    from shared.settings import VllmSettings
+
+    catalog = load_catalog()
+    compose = load_compose()
+    vllm_workers = {n: s for n, s in ours(compose).items()
+                    if s["command"][2] == "services.engine" and service_env(s).get("TALARIA_ENGINE") == "vllm"}
+    assert vllm_workers
+    targets = set()
+    for name, svc in vllm_workers.items():
+        env = service_env(svc)
+        model = env["TALARIA_MODEL"]
+        vs = VllmSettings.from_env(env, check_model_dir=False)
+        assert Path(vs.model_dir).name == model, (name, vs.model_dir)
+        assert vs.max_model_len == catalog.models[model].context_limit, name
+        mounts = [v if isinstance(v, str) else f"{v['source']}:{v['target']}" for v in svc["volumes"]]
+        weights = next(m.split(":")[1] for m in mounts if m.split(":")[0] == "model-weights")
+        assert Path(vs.model_dir).parent == Path(weights), (name, vs.model_dir, weights)
+        targets.add(vs.model_dir)
+    assert len(targets) == len(vllm_workers)  # no two workers share a folder
+
+
+def test_vllm_settings_refuse_a_missing_or_unreadable_model_folder(tmp_path: Path) -> None:
+    from shared.settings import SettingsError, VllmSettings
+
+    with pytest.raises(SettingsError, match="TALARIA_VLLM_MODEL"):
+        VllmSettings.from_env({})
+    with pytest.raises(SettingsError, match="TALARIA_VLLM_MODEL"):
+        VllmSettings.from_env({"TALARIA_VLLM_MODEL": "  "}, check_model_dir=False)
+    with pytest.raises(SettingsError, match="TALARIA_VLLM_MODEL"):
+        VllmSettings.from_env({"TALARIA_VLLM_MODEL": str(tmp_path / "absent")})
+    (tmp_path / "file").write_text("")
+    with pytest.raises(SettingsError, match="TALARIA_VLLM_MODEL"):
+        VllmSettings.from_env({"TALARIA_VLLM_MODEL": str(tmp_path / "file")})
+    with pytest.raises(SettingsError, match="config.json"):  # a folder, but not a model's
+        VllmSettings.from_env({"TALARIA_VLLM_MODEL": str(tmp_path)})
+    (tmp_path / "config.json").write_text("{}")
+    vs = VllmSettings.from_env({"TALARIA_VLLM_MODEL": str(tmp_path), "TALARIA_VLLM_SLEEP_LEVEL": "1",
+                                "TALARIA_VLLM_HOST_KV": "1", "TALARIA_VLLM_ENGINE_ARGS": '{"tensor_parallel_size": 8}'})
+    assert vs.model_dir == str(tmp_path) and vs.max_model_len == 2048 and vs.block_size == 32
+    assert vs.eager and vs.kv_port == 0 and vs.sleep_level == 1 and vs.host_kv
+    assert vs.engine_args == {"tensor_parallel_size": 8}
+    assert VllmSettings.from_env({"TALARIA_VLLM_MODEL": str(tmp_path)}).sleep_level is None
+    for bad in ({"TALARIA_VLLM_SLEEP_LEVEL": "2"}, {"TALARIA_VLLM_ENGINE_ARGS": "[1]"},
+                {"TALARIA_VLLM_ENGINE_ARGS": "{"}, {"TALARIA_VLLM_MAX_MODEL_LEN": "lots"}):
+        with pytest.raises(SettingsError, match=next(iter(bad))):
+            VllmSettings.from_env({"TALARIA_VLLM_MODEL": str(tmp_path), **bad})
+
+
+def test_deploy_doc_lists_every_vllm_setting() -> None:
+    code = (ROOT / "services/engine/vllm_backend.py").read_text() + (ROOT / "shared/settings.py").read_text()
+    used = set(re.findall(r"TALARIA_VLLM_[A-Z0-9_]+", code))
+    assert {"TALARIA_VLLM_MODEL", "TALARIA_VLLM_MAX_MODEL_LEN"} <= used
+    table = {m for line in (ROOT / "docs/deploy.md").read_text().splitlines() if line.startswith("| `TALARIA_VLLM_")
+             for m in re.findall(r"`(TALARIA_VLLM_[A-Z0-9_]+)`", line.split("|")[1])}
+    assert used <= table, f"docs/deploy.md's settings table lacks {sorted(used - table)}"
 
 
 def test_health_checks_restarts_and_start_order() -> None:

@@ -1,4 +1,4 @@
-"""Cost model (shared/costmodel.py) against the figures of CALIBRATION.md."""
+"""Cost model (shared/costmodel.py) against the figures of docs/calibration.md."""
 
 from __future__ import annotations
 

@@ -104,7 +104,12 @@ def test_live_mean_sct_matches_sim(smoke_replay: dict[str, Any], policy: str) ->
 
 def test_logs_trace_a_session_router_admission_engine(smoke_replay: dict[str, Any]) -> None:
     sessions = {s.session_id: s for s in load_trace(SMOKE)}
-    log_dir = smoke_replay["log_dir"] / "baseline"
+    # each run has a folder of its own under --log-dir, recorded in --out
+    run_dir = Path(smoke_replay["data"]["log_dir"])
+    assert run_dir.parent == smoke_replay["log_dir"]
+    log_dir = run_dir / "baseline"
+    assert smoke_replay["data"]["runs"][0]["log_dir"] == str(log_dir)
+    assert f"logs in {log_dir}" in smoke_replay["stdout"]
     files = {p.stem: p for p in log_dir.glob("*.log")}
     assert {"router-0", "admission-s0", "substrate-s0"} <= set(files), sorted(files)
     sid = "swe-001"
@@ -199,7 +204,7 @@ def test_two_servers_live_placement_matches_sim(tmp_path: Path, routers: int) ->
     assert p.returncode == 0, f"rc {p.returncode}\nstderr:\n{p.stderr[-3000:]}"
     run = json.loads((tmp_path / "r.json").read_text())["runs"][0]
     check_run(run, sessions)
-    by_router = [[d for d in read_log_events(tmp_path / "logs" / "talaria" / f"router-{i}.log")
+    by_router = [[d for d in read_log_events(Path(run["log_dir"]) / f"router-{i}.log")
                   if d.get("event") == "router.placed"] for i in range(routers)]
     assert all(by_router), [len(x) for x in by_router]  # the queue group spreads the calls over every replica
     placed = [d for x in by_router for d in x]
@@ -215,6 +220,36 @@ def test_two_servers_live_placement_matches_sim(tmp_path: Path, routers: int) ->
 
 
 # -- a bad trace starts nothing ------------------------------------------------------------------------
+def test_lag_guard_fires_for_the_embedded_stack_at_a_huge_time_scale(tmp_path: Path) -> None:
+    # At 5000x a millisecond of loop lag is 5 model s. The whole run takes well
+    # under the services' one-second lag-report interval, so the guard must wait
+    # for reports written after the run (it used to read none and exit 0).
+    p = replay(SMOKE, "talaria", 5000, tmp_path / "r.json", tmp_path / "logs")
+    assert p.returncode == 3, f"rc {p.returncode}\nstdout:\n{p.stdout[-2000:]}\nstderr:\n{p.stderr[-2000:]}"
+    assert "lower --time-scale" in p.stderr
+    assert "not read" not in p.stdout  # the replay started this stack: it reads the lag itself
+    run = json.loads((tmp_path / "r.json").read_text())["runs"][0]
+    assert run["worst_loop_lag_model_s"] > 5.0 and run["worst_loop_lag_service"]
+
+
+def test_two_replays_into_one_log_folder_keep_their_logs_apart(tmp_path: Path) -> None:
+    # they used to append to the same files: `talaria logs` showed every event twice
+    logs = tmp_path / "logs"
+    dirs = []
+    for i in range(2):
+        argv = [sys.executable, "-m", "talaria.cli", "replay", str(SMOKE), "--policy", "talaria", "--time-scale", "200",
+                "--max-lag-s", "1000", "--out", str(tmp_path / f"r{i}.json"), "--log-dir", str(logs)]
+        p = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=180)
+        assert p.returncode == 0, p.stderr[-3000:]
+        dirs.append(Path(json.loads((tmp_path / f"r{i}.json").read_text())["log_dir"]))
+        assert f"logs of this run in {dirs[-1]}" in p.stderr
+    assert dirs[0] != dirs[1] and all(d.parent == logs for d in dirs)
+    for d in dirs:
+        placed = [e for e in read_log_events(d / "talaria" / "router-0.log")
+                  if e.get("event") == "router.placed" and e.get("call_id") == "swe-001#000"]
+        assert len(placed) == 1, (d, placed)
+
+
 def test_bad_trace_exits_2_with_the_line_and_starts_nothing(tmp_path: Path) -> None:
     lines = SMOKE.read_text().splitlines()
     bad = json.loads(lines[1])
@@ -277,13 +312,32 @@ def test_replay_against_talaria_up_with_its_credentials(tmp_path: Path, capsys: 
         assert Deployment.load(creds).agent.user == "agent"
         out = tmp_path / "r.json"
         calls = sum(len(s.calls) for s in load_trace(SMOKE))
+        prefixes = []
         for _ in range(2):  # the second replay's counters are its own, not the deployment's running totals
+            capsys.readouterr()
             assert main(["replay", str(SMOKE), "--credentials", str(creds), "--out", str(out)]) == 0
-            run = json.loads(out.read_text())["runs"][0]
+            printed = capsys.readouterr()
+            data = json.loads(out.read_text())
+            run = data["runs"][0]
+            # the deployment's sessions are renamed per replay: the prefix is printed and recorded
+            prefixes.append(data["session_prefix"])
+            assert run["session_prefix"] == prefixes[-1] and f"session ids prefixed {prefixes[-1]}-" in printed.out
+            assert f"{prefixes[-1]}-swe-000" in printed.err
             assert run["policy"] == "talaria" and run["time_scale"] == 50.0
             assert run["calls_completed"] == run["calls_total"] == calls
             assert 0 < run["reservations"]["reservations_made"] <= calls
             assert 0 < run["utilisation"] <= 1.0
+
+        assert prefixes[0] != prefixes[1]
+        # the trace's own session id with the run finds that replay's lines in the deployment's logs
+        time.sleep(1.0)  # the services' log lines of the last calls
+        capsys.readouterr()
+        assert main(["logs", "swe-000", "--run", prefixes[1], "--log-dir", str(logs), "--json"]) == 0
+        lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+        assert lines and {ln["session_id"] for ln in lines} == {f"{prefixes[1]}-swe-000"}
+        assert main(["logs", "swe-000", "--log-dir", str(logs)]) == 1
+        err = capsys.readouterr().err
+        assert "pass --run r" in err and all(f"{p}-swe-000" in err for p in prefixes)
 
         other = tmp_path / "other.jsonl"
         dump_trace([TraceSession(session_id="x", model="gpt-oss-120b", arrival_s=0.0,
@@ -299,3 +353,4 @@ def test_replay_against_talaria_up_with_its_credentials(tmp_path: Path, capsys: 
             except subprocess.TimeoutExpired:
                 up.kill()
                 up.wait()
+    assert not creds.exists(), "talaria up leaves its credentials file behind when it stops"

@@ -110,3 +110,36 @@ def test_a_merged_log_names_each_line_by_its_service(tmp_path: Path) -> None:
            _line("38.3", "admission.queued", service="admission"))
     (lines,) = session_lines(tmp_path, "swe-007").values()
     assert [ln.source for ln in lines] == ["all:router", "all:admission"]
+
+
+def test_run_picks_a_run_folder_or_a_deployment_prefix(logs: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # a replay against `talaria up` renamed the trace's swe-007 as r5c397f-swe-007
+    _write(logs / "up" / "router-0.log", _line("50.000000", "router.placed", session="r5c397f-swe-007",
+                                               call="r5c397f-swe-007#000"))
+    assert main(["logs", "swe-007", "--run", "r5c397f", "--log-dir", str(logs), "--json"]) == 0
+    recs = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert [r["session_id"] for r in recs] == ["r5c397f-swe-007"]
+    assert main(["logs", "swe-007", "--run", "baseline", "--log-dir", str(logs), "--json"]) == 0
+    recs = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert [r["timestamp"] for r in recs] == ["2026-11-30T03:21:10.000000Z"]  # that run folder's line only
+    # without --run, the renamed session is found and the prefix named
+    _write(logs / "up2" / "router-0.log", _line("50.000000", "router.placed", session="r5c397f-swe-009"))
+    assert main(["logs", "swe-009", "--log-dir", str(logs)]) == 1
+    assert "renamed it r5c397f-swe-009: pass --run r5c397f" in capsys.readouterr().err
+
+
+def test_json_into_a_closed_pipe_ends_quietly(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    # more lines than a pipe buffers, so the writer meets the closed pipe (`| head -1`)
+    _write(tmp_path / "run" / "router-0.log",
+           *(_line(f"{i // 1000 + 10}.{i % 1000:06d}", "router.placed", pad="x" * 200) for i in range(3000)))
+    proc = subprocess.Popen([sys.executable, "-m", "talaria.cli", "logs", "swe-007", "--log-dir", str(tmp_path), "--json"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=Path(__file__).resolve().parents[1])
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.readline()
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    proc.wait(timeout=30)
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err

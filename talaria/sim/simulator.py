@@ -100,7 +100,7 @@ class Simulator:
                 ledger=SubstrateLedger(profile, specs, self.cost, policy),
                 engines={m: SimEngine(spec, self.cost, spill_to_host=policy.host_kv) for m, spec in specs.items()},
             )
-        self.sessions = {s.session_id: _Session(s, plan_session(s, max_tokens)) for s in sessions}
+        self.sessions = {s.session_id: _Session(s, plan_session(s, max_tokens, context_limit=catalog.model(s.model).context_limit)) for s in sessions}
         self.records: dict[str, CallRecord] = {}
         self._heap: list[tuple[float, int, str, tuple]] = []
         self._seq = itertools.count()

@@ -26,7 +26,11 @@ class PlannedCall:
     tool_s: float         # agent-only: how long the tool runs after the reply
 
 
-def plan_session(session: TraceSession, max_tokens: int = DEFAULT_MAX_TOKENS) -> list[PlannedCall]:
+def plan_session(session: TraceSession, max_tokens: int = DEFAULT_MAX_TOKENS,
+                 context_limit: int | None = None) -> list[PlannedCall]:
+    """With `context_limit`, each call asks for at most what fits beside its prompt,
+    as an agent must (the client refuses prompt + max_tokens over the limit). Only
+    calls within `max_tokens` of the limit change."""
     out: list[PlannedCall] = []
     for i, (call, (prompt, prefix)) in enumerate(zip(session.calls, session_prompts(session))):
         out.append(
@@ -35,7 +39,7 @@ def plan_session(session: TraceSession, max_tokens: int = DEFAULT_MAX_TOKENS) ->
                 prompt_tokens=prompt,
                 prefix_tokens=prefix,
                 new_input_tokens=call.new_input_tokens,
-                max_tokens=max(max_tokens, 1),
+                max_tokens=max(min(max_tokens, context_limit - prompt) if context_limit else max_tokens, 1),
                 sim_stop_tokens=call.output_tokens,
                 compact=call.compact,
                 tool_s=call.tool_s if i < len(session.calls) - 1 else 0.0,

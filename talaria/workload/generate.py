@@ -1,4 +1,4 @@
-"""Seeded generator of SWE-bench-like agent sessions (figures: /work/shared/CALIBRATION.md).
+"""Seeded generator of SWE-bench-like agent sessions (figures: docs/calibration.md).
 
 Every distribution is a knob of `GeneratorSettings` (read from a TOML file), so
 the headline trace is reproducible from `traces/swebench-30.toml` alone:
@@ -51,7 +51,7 @@ class SettingsError(ValueError):
 
 
 class GeneratorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """Knobs of the generator; defaults are the CALIBRATION.md figures. Unknown keys are errors (typos)."""
+    """Knobs of the generator; defaults are the figures of docs/calibration.md. Unknown keys are errors (typos)."""
 
     seed: int = 0  # base seed; `generate(seed=...)` and `--seed` override it
     sessions: Pos = 30  # sessions in the trace (Talaria's replay: 30)
@@ -247,7 +247,7 @@ def _mean(xs: Sequence[float]) -> float:
 
 
 def trace_stats(sessions: Sequence[TraceSession]) -> dict[str, Any]:
-    """Summary figures to compare with CALIBRATION.md (appended = non-first, non-compact calls)."""
+    """Summary figures to compare with docs/calibration.md (appended = non-first, non-compact calls)."""
     n_calls = [len(s.calls) for s in sessions]
     appended = [c.new_input_tokens for s in sessions for c in s.calls[1:] if not c.compact]
     prompts = [p for s in sessions for p in session_prompts(s)]

@@ -296,6 +296,6 @@ def configure_bench(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", default="talaria", help="policy for the default-trace run (default talaria)")
     p.add_argument("--scenario", default=str(BENCH_SCENARIO), help="the ~100,000-call scenario")
     p.add_argument("--big-policy", default="talaria", help="comma-separated policies for the big run (default talaria)")
-    p.add_argument("--default-limit-s", type=positive_float, default=5.0)
-    p.add_argument("--big-limit-s", type=positive_float, default=120.0)
+    p.add_argument("--default-limit-s", type=positive_float, default=5.0, help="fail when the default trace takes longer (wall s, default 5)")
+    p.add_argument("--big-limit-s", type=positive_float, default=120.0, help="fail when the ~100,000-call run takes longer (wall s, default 120)")
     p.set_defaults(fn=cmd_bench)

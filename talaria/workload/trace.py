@@ -1,4 +1,4 @@
-"""Reader and writer for agent-session traces (JSON Lines; spec: /work/shared/TRACE-FORMAT.md).
+"""Reader and writer for agent-session traces (JSON Lines; spec: docs/trace-format.md).
 
 One session per line. The replay driver and the simulator both read traces
 through `parse_trace`/`load_trace`, so a malformed file is rejected the same
@@ -11,11 +11,14 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import msgspec
+
+if TYPE_CHECKING:
+    from shared.catalog import Catalog
 
 __all__ = [
     "TraceCall",
@@ -135,12 +138,16 @@ def _check_finite(s: TraceSession, source: str, line: int) -> None:
 
 
 def parse_trace(
-    text: str, *, source: str = "<trace>", known_models: Iterable[str] | None = None
+    text: str, *, source: str = "<trace>", known_models: Iterable[str] | None = None,
+    context_limits: Mapping[str, int] | None = None,
 ) -> list[TraceSession]:
     """Parse a whole JSONL trace; raise TraceError at the first bad line (nothing partial is returned).
 
     Blank lines are skipped. With `known_models`, a session naming another model
-    is an error here, i.e. before any replay starts.
+    is an error here, i.e. before any replay starts. With `context_limits` (model
+    -> tokens), so is a session whose context (a call's prompt plus its output)
+    passes its model's limit: the router would refuse that call mid-replay, and
+    the simulator has no router to refuse it.
     """
     known = None if known_models is None else frozenset(known_models)
     sessions: list[TraceSession] = []
@@ -169,19 +176,42 @@ def parse_trace(
             raise TraceError(
                 source, lineno, "model", f"unknown model {session.model!r}; the catalog has {sorted(known)}"
             )
+        if context_limits is not None and session.model in context_limits:
+            _check_context(session, context_limits[session.model], source, lineno)
         first_line[session.session_id] = lineno
         sessions.append(session)
     return sessions
 
 
-def load_trace(path: str | Path, known_models: Iterable[str] | None = None) -> list[TraceSession]:
+def _check_context(s: TraceSession, limit: int, source: str, line: int) -> None:
+    for i, ((prompt, _), call) in enumerate(zip(session_prompts(s), s.calls)):
+        if prompt + call.output_tokens > limit:
+            raise TraceError(source, line, f"calls[{i}]",
+                             f"context of {prompt + call.output_tokens} tokens (prompt {prompt} + output "
+                             f"{call.output_tokens}) passes {s.model}'s context limit of {limit} "
+                             f"(mark an earlier call compact)")
+
+
+def load_trace(path: str | Path, known_models: Iterable[str] | None = None,
+               context_limits: Mapping[str, int] | None = None) -> list[TraceSession]:
     p = Path(path)
     try:
         text = p.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
         raise TraceError(str(p), 0, "", f"cannot read the trace: {reason}") from None
-    return parse_trace(text, source=str(p), known_models=known_models)
+    return parse_trace(text, source=str(p), known_models=known_models, context_limits=context_limits)
+
+
+def load_runnable_trace(path: str | Path, catalog: "Catalog") -> list[TraceSession]:
+    """A trace to run (sim, replay, chaos): every model in the catalog, every
+    context within its model's limit, and at least one session; checked before
+    anything starts."""
+    sessions = load_trace(path, known_models=catalog.models,
+                          context_limits={name: m.context_limit for name, m in catalog.models.items()})
+    if not sessions:
+        raise TraceError(str(path), 0, "", "trace has no sessions")
+    return sessions
 
 
 _encoder = msgspec.json.Encoder()

@@ -1,0 +1,157 @@
+"""`talaria status`: what a running deployment is doing, from its credentials file.
+
+Every service's health (its `<prefix>.health.<instance>` endpoint, as the
+compose health checks ask it; routers are found by a NATS micro ping, as
+their ids are free), what the router reports (policy, time scale, servers,
+models), and each server's active model from the admission's mirror in Redis.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import nats
+import nats.errors
+import redis.asyncio as aioredis
+
+from shared.keys import Keys
+from talaria.client import Deployment, TalariaClient, TalariaError
+
+ROUTER_SERVICE = "talaria-router"  # the NATS micro service name of every router replica (shared/bus.py)
+
+
+@dataclass
+class Status:
+    where: str
+    policy: str = ""
+    time_scale: float = 0.0
+    servers: list[str] = field(default_factory=list)
+    models: list[str] = field(default_factory=list)
+    health: dict[str, str] = field(default_factory=dict)  # instance -> "ok" or what went wrong
+    active: dict[str, str] = field(default_factory=dict)  # server -> its active model ("" = none yet)
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def healthy(self) -> bool:
+        return not self.problems and bool(self.health) and all(v == "ok" for v in self.health.values())
+
+
+async def _routers(nc: nats.NATS, wait_s: float) -> list[str]:
+    """Router instances: each answers $SRV.PING.<name> with its metadata."""
+    inbox = nc.new_inbox()
+    found: list[str] = []
+
+    async def answer(msg) -> None:  # type: ignore[no-untyped-def]
+        try:
+            found.append(str(json.loads(msg.data)["metadata"]["instance"]))
+        except (ValueError, KeyError, TypeError):
+            pass
+
+    sub = await nc.subscribe(inbox, cb=answer)
+    await nc.publish(f"$SRV.PING.{ROUTER_SERVICE}", b"", reply=inbox)
+    await asyncio.sleep(wait_s)
+    await sub.unsubscribe()
+    return sorted(set(found))
+
+
+async def gather(dep: Deployment, timeout_s: float = 3.0) -> Status:
+    st = Status(where=",".join(dep.nats_urls))
+    try:
+        client = await TalariaClient.from_deployment(dep, connect_timeout_s=timeout_s, retries=0)
+    except OSError as exc:  # ConnectionError and LoginRefused
+        st.problems.append(str(exc))
+        return st
+    try:
+        info = await client.info()
+        st.policy, st.time_scale, st.servers, st.models = info.policy, info.time_scale, list(info.servers), list(info.models)
+    except TalariaError as exc:
+        st.problems.append(f"no router answers under subject prefix {dep.subject_prefix!r}: {exc}")
+    finally:
+        await client.close()
+
+    login = dep.operator
+    if login is None:
+        st.problems.append("health not checked: the credentials file has no operator login")
+    else:
+        async def quiet(_exc: Exception) -> None:
+            pass
+
+        nc = await nats.connect(servers=dep.nats_urls, user=login.user or None, password=login.password or None,
+                                connect_timeout=timeout_s, allow_reconnect=False, error_cb=quiet,
+                                name="talaria-status")
+        try:
+            routers = await _routers(nc, min(1.0, timeout_s))
+            if not routers:
+                st.health["router-*"] = "no router answers its ping"
+            others = [f"{kind}-{sid}" for sid in st.servers for kind in ("admission", "substrate")]
+            others += [f"engine-{sid}-{m}" for sid in st.servers for m in st.models]
+
+            async def health(instance: str) -> None:
+                try:
+                    await nc.request(f"{dep.subject_prefix}.health.{instance}", b"", timeout=timeout_s)
+                    st.health[instance] = "ok"
+                except nats.errors.NoRespondersError:
+                    st.health[instance] = "down (no responder)"
+                except nats.errors.TimeoutError:
+                    st.health[instance] = f"no answer within {timeout_s:g} s"
+
+            await asyncio.gather(*(health(i) for i in routers + others))
+        finally:
+            await nc.close()
+
+    if dep.redis_url and st.servers:
+        r = aioredis.Redis.from_url(dep.redis_url, socket_connect_timeout=timeout_s)
+        try:
+            keys = Keys(dep.key_prefix)
+            for sid in st.servers:
+                v = await r.hget(keys.server(sid), "active")
+                st.active[sid] = (v or b"").decode()
+        except Exception as exc:  # an operator's extra: the health table stands without it
+            st.problems.append(f"could not read the deployment's Redis: {exc}")
+        finally:
+            await r.aclose()
+    elif st.servers:
+        st.problems.append("active models not read: the credentials file names no Redis")
+    return st
+
+
+def render(st: Status) -> str:
+    out = [f"deployment at {st.where}"]
+    if st.policy:
+        out.append(f"  policy {st.policy}, time scale {st.time_scale:g}x, servers {', '.join(st.servers)}, "
+                   f"models {', '.join(st.models)}")
+    if st.health:
+        width = max(len(k) for k in st.health)
+        out.append("")
+        out.append(f"{'service':<{width}}  health")
+        out.extend(f"{k:<{width}}  {v}" for k, v in sorted(st.health.items()))
+    if st.active:
+        out.append("")
+        out.append("server  active model")
+        out.extend(f"{sid:<6}  {m or '(none yet)'}" for sid, m in st.active.items())
+    for p in st.problems:
+        out.append(f"  ! {p}")
+    return "\n".join(out)
+
+
+def cmd_status(a: argparse.Namespace) -> int:
+    try:
+        dep = Deployment.load(a.credentials)
+    except ValueError as exc:
+        print(f"talaria: error: {exc} (`talaria up` writes it; see --credentials)", file=sys.stderr)
+        return 2
+    st = asyncio.run(gather(dep, a.timeout))
+    print(render(st))
+    return 0 if st.healthy else 1
+
+
+def configure_parser(p: argparse.ArgumentParser, default_credentials: Path) -> None:
+    p.add_argument("--credentials", metavar="FILE", default=str(default_credentials),
+                   help=f"the credentials file `talaria up` writes (default {default_credentials})")
+    p.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for each answer (default 3)")
+    p.set_defaults(fn=cmd_status)

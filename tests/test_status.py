@@ -1,0 +1,89 @@
+"""`talaria --version` and `talaria status` (against an embedded stack)."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from shared.policy import resolve_policy
+from talaria.cli import main
+from talaria.client import AgentLogin, TalariaClient
+from talaria.ops import status
+from talaria.ops.stack import EmbeddedStack, StackSpec
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_version_comes_from_the_package_metadata(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    assert capsys.readouterr().out == f"talaria {version}\n"
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(180)
+async def test_status_names_every_service_and_each_servers_active_model(tmp_path: Path) -> None:
+    models = ["glm-4.5-fp8", "glm-4.5-air-fp8"]
+    spec = StackSpec(policy=resolve_policy("talaria"), models=models, time_scale=50.0, log_dir=tmp_path / "logs")
+    async with EmbeddedStack(spec) as stack:
+        dep = msgspec.structs.replace(stack.deployment(), operator=AgentLogin(**stack.nats_auth("operator")))
+        creds = tmp_path / "credentials.json"
+        dep.write(creds)
+        before = await status.gather(dep)
+        assert before.healthy, status.render(before)
+        assert set(before.health) == {"router-0", "admission-s0", "substrate-s0",
+                                      "engine-s0-glm-4.5-fp8", "engine-s0-glm-4.5-air-fp8"}
+        assert before.policy == "talaria" and before.time_scale == 50.0 and before.active == {"s0": ""}
+
+        # one call makes a model active on s0
+        client = await TalariaClient.from_deployment(stack.deployment())
+        try:
+            session = await client.open_session("glm-4.5-air-fp8")
+            await session.call(prompt_tokens=500, max_tokens=16, sim_output_tokens=4)
+            await session.end()
+        finally:
+            await client.close()
+        after = await status.gather(dep)
+        assert after.active == {"s0": "glm-4.5-air-fp8"}, status.render(after)
+        text = status.render(after)
+        assert "engine-s0-glm-4.5-fp8" in text and "glm-4.5-air-fp8" in text
+
+        # the command itself: exit 0 when everything answers
+        assert await _cli(["status", "--credentials", str(creds)]) == 0
+    # the stack is gone: the status is a clean failure, not a traceback
+    down = await status.gather(dep, timeout_s=1.0)
+    assert not down.healthy and down.problems
+
+
+async def _cli(argv: list[str]) -> int:
+    import asyncio
+
+    return await asyncio.to_thread(main, argv)
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(180)
+async def test_the_agent_example_runs_against_a_stack(tmp_path: Path) -> None:
+    import asyncio
+    import sys
+
+    spec = StackSpec(policy=resolve_policy("talaria"), models=["glm-4.5-air-fp8"], time_scale=50.0,
+                     log_dir=tmp_path / "logs")
+    async with EmbeddedStack(spec) as stack:
+        creds = tmp_path / "credentials.json"
+        stack.deployment().write(creds)
+        for extra in ([], ["--tokens"]):
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, str(ROOT / "examples" / "agent.py"), "--credentials", str(creds), "--calls", "2", *extra,
+                cwd=ROOT, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+            out, err = await asyncio.wait_for(proc.communicate(), 120)
+            assert proc.returncode == 0, err.decode()[-2000:]
+            lines = out.decode().splitlines()
+            assert [ln.split(":")[0] for ln in lines] == ["call 0", "call 1"], lines
+            if not extra:
+                assert "text=None" in lines[0]  # the sim engine says how long, not what
