@@ -333,9 +333,11 @@ class SessionReleased(Base, tag="session_released"):
     session_id: Id
     reason: Literal["ended", "idle"] = "ended"
     server_id: str | None = None
+    model: str | None = None  # the session's model, where known (only its engines hold anything of it)
 
-    def applies_to(self, server_id: str) -> bool:
-        return self.server_id is None or self.server_id == server_id
+    def applies_to(self, server_id: str, model: str | None = None) -> bool:
+        return ((self.server_id is None or self.server_id == server_id)
+                and (model is None or self.model is None or self.model == model))
 
 
 # -- KV-cache events (engine -> bus), from vLLM's ZMQ publisher -----------------------------

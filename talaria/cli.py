@@ -1,4 +1,4 @@
-"""The `talaria` command: up, replay, sim, generate."""
+"""The `talaria` command: sim, replay, up, status, study, fidelity, chaos, compare, bench-sim, demo, bench-vllm, logs, generate."""
 
 from __future__ import annotations
 

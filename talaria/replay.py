@@ -25,6 +25,7 @@ import redis.asyncio as aioredis
 
 from shared.clock import LagMonitor, ScaledClock
 from shared.keys import Keys
+from shared.state import decode_server
 from shared.policy import PolicyConfig
 from shared.schema import CallReply
 from talaria.workload.trace import TraceSession
@@ -221,11 +222,9 @@ async def server_stats(redis_url: str, key_prefix: str, server_ids: list[str]) -
     out: dict[str, float] = {}
     try:
         for sid in server_ids:
-            h = await r.hgetall(Keys(key_prefix).server(sid))
-            for k, v in h.items():
-                name = k.decode()
-                if name.startswith("stat_"):
-                    out[name[5:]] = out.get(name[5:], 0.0) + float(v)
+            mirror = decode_server(await r.hgetall(Keys(key_prefix).server(sid)))
+            for name, v in mirror.counters.items():
+                out[name] = out.get(name, 0.0) + v
     finally:
         await r.aclose()
     return out

@@ -44,6 +44,7 @@ class AdmissionService(ServiceProcess):
         self.dirty = asyncio.Event()
         self.persist_dirty = asyncio.Event()
         self.last_seen: dict[str, float] = {}   # session -> model time of its last arrival or finish here
+        self.session_model: dict[str, str] = {}  # session -> its model, for the release event
         self.switch_attempt: dict[str, asyncio.Event] = {}  # pending switch -> "ask again" (substrate restarted)
         sid = s.server_id
         self.dispatched: dict[str, RunCall] = {}
@@ -130,6 +131,7 @@ class AdmissionService(ServiceProcess):
                 continue
             self.payloads[cid] = sub
             self.last_seen[sub.call.session_id] = now
+            self.session_model[sub.call.session_id] = sub.call.model
             await self.step(sch.Arrive(sub.call))
             requeued += 1
         await self.step(sch.Tick())
@@ -185,7 +187,8 @@ class AdmissionService(ServiceProcess):
                 self.log.info("admission.session_idle_released", session_id=sid, idle_s=round(now - seen, 1))
                 # the same event as an agent's end, for this server: every service here applies it
                 await self.nc.publish(self.subjects.session_released, encode(
-                    SessionReleased(session_id=sid, reason="idle", server_id=self.settings.server_id)))
+                    SessionReleased(session_id=sid, reason="idle", server_id=self.settings.server_id,
+                                    model=self.session_model.get(sid))))
 
     # -- handlers ----------------------------------------------------------------
     async def on_submit(self, msg: Msg) -> None:
@@ -204,6 +207,7 @@ class AdmissionService(ServiceProcess):
                 return
             self.payloads.setdefault(c.call_id, sub)
             self.last_seen[c.session_id] = self.clock.now()
+            self.session_model[c.session_id] = c.model
             if not known:
                 # durable before the ack: a restarted admission finds it (docs/reliability.md)
                 try:
@@ -247,6 +251,7 @@ class AdmissionService(ServiceProcess):
         if not ev.applies_to(self.settings.server_id):
             return
         self.last_seen.pop(ev.session_id, None)
+        self.session_model.pop(ev.session_id, None)
         await self.step(sch.SessionEnded(ev.session_id))
         with contextlib.suppress(Exception):  # soft state: nothing of the session is held here now
             await self.redis.hdel(self.keys.kv_locality(ev.session_id), self.settings.server_id)

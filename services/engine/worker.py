@@ -244,7 +244,7 @@ class EngineWorker(ServiceProcess):
 
     async def on_session_released(self, msg: Msg) -> None:
         ev = session_released_decoder.decode(msg.data)
-        if ev.applies_to(self.settings.server_id):
+        if ev.applies_to(self.settings.server_id, self.settings.model):
             await self.backend.release_session(ev.session_id)
             await self.backend.after_control()
 

@@ -99,7 +99,9 @@ class Router(ServiceProcess):
                                                               context_limit=self.catalog.model(model).context_limit)))
 
     async def on_end(self, sid: str, reply: str | None) -> None:
-        await self.nc.publish(self.subjects.session_released, encode(SessionReleased(session_id=sid, reason="ended")))
+        model = await self.redis.hget(self.keys.session(sid), "model")
+        await self.nc.publish(self.subjects.session_released, encode(SessionReleased(
+            session_id=sid, reason="ended", model=model.decode() if model is not None else None)))
         self.log.info("session.ended", session_id=sid)
         if reply:
             await self.nc.publish(reply, encode(Ok()))

@@ -20,6 +20,7 @@ import nats.errors
 import redis.asyncio as aioredis
 
 from shared.keys import Keys
+from shared.state import decode_server
 from talaria.client import Deployment, TalariaClient, TalariaError
 
 ROUTER_SERVICE = "talaria-router"  # the NATS micro service name of every router replica (shared/bus.py)
@@ -109,8 +110,7 @@ async def gather(dep: Deployment, timeout_s: float = 3.0) -> Status:
         try:
             keys = Keys(dep.key_prefix)
             for sid in st.servers:
-                v = await r.hget(keys.server(sid), "active")
-                st.active[sid] = (v or b"").decode()
+                st.active[sid] = decode_server(await r.hgetall(keys.server(sid))).load.active or ""
         except Exception as exc:  # an operator's extra: the health table stands without it
             st.problems.append(f"could not read the deployment's Redis: {exc}")
         finally:
