@@ -237,7 +237,7 @@ def cmd_up(a: argparse.Namespace) -> int:
         stack = EmbeddedStack(spec)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             loop.add_signal_handler(sig, stop.set)
         cred_file = Path(a.log_dir) / "credentials.json"
         try:
@@ -382,8 +382,16 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _exit_on_signal(signum: int, _frame: object) -> None:
+    # SIGTERM and SIGHUP would end the process without unwinding it: raise instead, so the
+    # stacks' context managers and the process registry's atexit hook stop what we started
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _exit_on_signal)
     try:
         return int(args.fn(args) or 0)
     except (TraceError, CatalogError, PolicyError) as exc:

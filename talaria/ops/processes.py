@@ -75,8 +75,8 @@ def stop_everything() -> None:
     for obj in objs:
         try:
             obj._atexit_stop()
-        except KeyboardInterrupt:
-            # A second Ctrl-C during cleanup: stop being polite but still clean up.
+        except (KeyboardInterrupt, SystemExit):
+            # A second Ctrl-C (or SIGTERM, SIGHUP) during cleanup: stop being polite but still clean up.
             _hard_kill_all()
             break
         except Exception:  # noqa: BLE001 - cleanup must go on for the others
