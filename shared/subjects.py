@@ -34,6 +34,10 @@ class Subjects:
     def reply_inbox(self, client_id: str, call_id: str) -> str:
         return f"{self.prefix}.reply.{client_id}.{_token(call_id)}"
 
+    def is_reply_inbox(self, subject: str) -> bool:
+        """A subject in the agents' reply namespace (where a service may answer a request it could not read)."""
+        return subject.startswith(f"{self.prefix}.reply.") and not any(c in subject for c in " \t\r\n*>")
+
     # admission, one per server
     def admission_submit(self, server: str) -> str:
         return f"{self.prefix}.admission.{server}.submit"

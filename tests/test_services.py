@@ -736,3 +736,17 @@ async def test_redis_loss_mid_session_is_survived(nats_server: NatsServer, redis
             await r.aclose()
     finally:
         await svc.stop()
+
+
+async def test_a_malformed_call_is_refused_at_once(stack: Services, client: TalariaClient) -> None:
+    """The agent hears a call that does not validate as `Malformed` in moments,
+    on the reply subject the call names, not a timeout after every retry."""
+    sess = await client.open_session(MODEL_A)
+    bad: list[dict[str, Any]] = [{"prompt_tokens": -5}, {"prompt_tokens": 0}, {"prompt_tokens": 100, "max_tokens": 0},
+                                 {"prompt_tokens": 100, "prefix_tokens": -50}, {"prompt_tokens": "lots"}]
+    for fields in bad:
+        t0 = time.monotonic()
+        with pytest.raises(Malformed):
+            await asyncio.wait_for(client.call(sess.session_id, MODEL_A, **fields), 5.0)  # type: ignore[arg-type]
+        assert time.monotonic() - t0 < 3.0, fields
+    assert (await sess.call(prompt_tokens=100, max_tokens=8, sim_output_tokens=4)).output_tokens == 4

@@ -61,7 +61,11 @@ class Router(ServiceProcess):
         if len(msg.data) > MAX_MESSAGE_BYTES:
             await self.reply_error(msg.reply, "too_large", f"message of {len(msg.data)} bytes exceeds {MAX_MESSAGE_BYTES}")
             return
-        req = api_request_decoder.decode(msg.data)
+        try:
+            req = api_request_decoder.decode(msg.data)
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            await self._answer_malformed(msg, exc)
+            return
         match req:
             case CallRequest():
                 await self.on_call(req, msg)
@@ -74,6 +78,24 @@ class Router(ServiceProcess):
                     s = self.settings
                     await self.nc.publish(msg.reply, encode(Info(time_scale=s.time_scale, clock_epoch=s.clock_epoch,
                                                                  policy=s.policy.name, servers=s.servers, models=s.models)))
+
+    async def _answer_malformed(self, msg: Msg, exc: Exception) -> None:
+        """A request that does not validate: answer on its request-reply subject, or,
+        for a call, on the reply subject it names, so the agent hears it at once."""
+        reply = msg.reply
+        call_id: str | None = None
+        if not reply:
+            try:  # read leniently: the fields that failed may be any others
+                raw = msgspec.json.decode(msg.data)
+            except msgspec.DecodeError:
+                raw = None
+            to = raw.get("reply_to") if isinstance(raw, dict) else None
+            if isinstance(to, str) and len(to) <= 1024 and self.subjects.is_reply_inbox(to):
+                reply = to
+                cid = raw.get("call_id")  # type: ignore[union-attr]
+                call_id = cid if isinstance(cid, str) else None
+        what = "api" if isinstance(exc, msgspec.ValidationError) else "api: not a valid message"
+        await self.reply_error(reply, "malformed", f"{what}: {exc}", call_id)
 
     def _model_error(self, model: str) -> str | None:
         if model not in self.catalog.models:
