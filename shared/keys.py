@@ -30,13 +30,15 @@ PLACEMENT_SLOT = "{placement}:"
 class Keys:
     prefix: str = "talaria:"
 
-    def call(self, call_id: str) -> str:
-        """String: the server a call was placed on (SET NX = first placement wins)."""
-        return f"{self.prefix}call:{call_id}"
+    def call(self, session_id: str, call_id: str) -> str:
+        """String: the server a call was placed on (SET NX = first placement wins).
+        Keyed by the session too: a call id another session reuses is a new call."""
+        return f"{self.prefix}call:{session_id}:{call_id}"
 
-    def reply(self, call_id: str) -> str:
-        """Bytes: the encoded final reply, so a retried call gets it again."""
-        return f"{self.prefix}reply:{call_id}"
+    def reply(self, session_id: str, call_id: str) -> str:
+        """Bytes: the encoded final reply, so a retried call gets it again (and only
+        from its own session)."""
+        return f"{self.prefix}reply:{session_id}:{call_id}"
 
     def session(self, session_id: str) -> str:
         """Hash: model, last_server, last_finish, gaps (JSON), outputs (JSON)."""

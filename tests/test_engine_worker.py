@@ -101,7 +101,7 @@ async def test_a_second_generation_is_never_a_second_answer(engine_only: Any, re
                             cached_tokens=0, restored_tokens=0, reprefill_tokens=0, output_tokens=7, arrived_at=0.0,
                             finished_at=1.0, waited_s=0.0, switch_wait_s=0.0, round_wait=False, restore_s=0.0,
                             prefill_s=0.0, decode_s=0.0)
-        await r.set(keys.reply("c2"), encode(earlier))
+        await r.set(keys.reply("S2", "c2"), encode(earlier))
         answers = lambda: [e for e in replies if isinstance(call_event_decoder.decode(e), CallReply)]  # noqa: E731
         await until(lambda: len(answers()) == 1, 30, "no answer")
         assert msgspec.json.decode(answers()[0], type=CallReply) == earlier

@@ -45,6 +45,7 @@ from hypothesis import strategies as st
 
 import shared.schema as _schema
 from shared.catalog import load_catalog
+from shared.keys import Keys
 from shared.schema import (
     ApiError, CallAccepted, CallQueued, CallReply, CallRequest, CallRunning, ControlOk, EndSession, Info,
     InfoRequest, Ok, OpenSession, SessionOpened, StageRequest, Submitted, SwitchRequest, SwitchResult,
@@ -634,6 +635,8 @@ def key_id(rest: str) -> list[str]:
                     out.append(ident[: -len(suffix)])
             if kind == "kv:" and ":blocks:" in ident:
                 out.append(ident.rsplit(":blocks:", 1)[0])
+            if kind in ("call:", "reply:"):  # "<session>:<call>": either may hold a ':' of its own
+                out += [part for i, ch in enumerate(ident) if ch == ":" for part in (ident[:i], ident[i + 1:])]
             return out
     return []
 
@@ -664,7 +667,8 @@ async def test_fuzz_every_subject(nats_server: NatsServer, redis_server: RedisSe
                                                         call_id=SEED_CALL), timeout=30)
                 assert seed.output_tokens == 5
             before = await _keys(r, key_prefix)
-            seed_reply = await r.get(f"{key_prefix}reply:{SEED_CALL}")
+            seed_reply = await r.get(Keys(key_prefix).reply(SEED_SESSION, SEED_CALL))
+            assert seed_reply is not None
 
             # -- send ------------------------------------------------------------------------
             replies: dict[int, list[bytes]] = defaultdict(list)
@@ -735,7 +739,7 @@ async def test_fuzz_every_subject(nats_server: NatsServer, redis_server: RedisSe
                     origin = "rejected" if any(i in rejected_ids for i in ids) else "unknown"
                     bad_keys.append(f"{k} ({origin})")
             assert not bad_keys, f"keys written for rejected requests: {bad_keys[:20]}"
-            assert await r.get(f"{key_prefix}reply:{SEED_CALL}") == seed_reply  # the cached reply is untouched
+            assert await r.get(Keys(key_prefix).reply(SEED_SESSION, SEED_CALL)) == seed_reply  # the cached reply is untouched
 
             # -- (4) clean logs -------------------------------------------------------------------------
             for name in svc.names:

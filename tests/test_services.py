@@ -431,8 +431,10 @@ async def test_router_rejections(stack: Services, nc: NATS, redis_client: aiored
     ev = await call_raw(nc, s, CallRequest(call_id=cid, session_id=sess.session_id, model=MODEL_B, prompt_tokens=100))
     assert isinstance(ev, ApiError) and ev.code == "malformed", ev
     # none of the rejected calls was placed or answered
-    assert await redis_client.get(f"{stack.key_prefix}call:{cid}") is None
-    assert await redis_client.get(f"{stack.key_prefix}reply:{cid}") is None
+    keys = Keys(stack.key_prefix)
+    assert await redis_client.get(keys.call(sess.session_id, cid)) is None
+    assert await redis_client.get(keys.reply(sess.session_id, cid)) is None
+    assert [k async for k in redis_client.scan_iter(match=f"{stack.key_prefix}*{cid}*")] == []
     await health(nc, stack.subject_prefix, stack.router, 5.0, stack)
 
 
@@ -750,3 +752,17 @@ async def test_a_malformed_call_is_refused_at_once(stack: Services, client: Tala
             await asyncio.wait_for(client.call(sess.session_id, MODEL_A, **fields), 5.0)  # type: ignore[arg-type]
         assert time.monotonic() - t0 < 3.0, fields
     assert (await sess.call(prompt_tokens=100, max_tokens=8, sim_output_tokens=4)).output_tokens == 4
+
+
+async def test_a_call_id_reused_by_another_session_is_a_new_call(stack: Services, client: TalariaClient) -> None:
+    """Call ids are the agent's own: the at-most-once record is keyed by the
+    session too, so another session's call with the same id runs and is answered
+    to that session, never with the first session's reply."""
+    first = await client.open_session(MODEL_A)
+    r1 = await first.call(prompt_tokens=500, max_tokens=16, sim_output_tokens=7, call_id="swe-007#000")
+    second = await client.open_session(MODEL_A)
+    r2 = await second.call(prompt_tokens=600, max_tokens=16, sim_output_tokens=9, call_id="swe-007#000")
+    assert not r2.duplicate and r2.session_id == second.session_id and r2.output_tokens == 9
+    assert r1.session_id == first.session_id and r1.output_tokens == 7
+    again = await first.call(prompt_tokens=500, max_tokens=16, sim_output_tokens=7, call_id="swe-007#000")
+    assert again.duplicate and again.session_id == first.session_id and again.output_tokens == 7

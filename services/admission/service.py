@@ -121,9 +121,9 @@ class AdmissionService(ServiceProcess):
             self.scheduler.recover_active(awake[0], awake[1], adopted, now)
         # calls answered while nobody listened need no second run
         answered = set()
-        for cid in list(stored):
+        for cid, sub in list(stored.items()):
             with contextlib.suppress(Exception):
-                if await self.redis.exists(self.keys.reply(cid)):
+                if await self.redis.exists(self.keys.reply(sub.call.session_id, cid)):
                     answered.add(cid)
         requeued = 0
         for cid, sub in sorted(stored.items(), key=lambda kv: kv[1].call.arrived_at):
@@ -144,8 +144,8 @@ class AdmissionService(ServiceProcess):
         an adopted call whose reply is cached finished in between."""
         for cid in list(self.scheduler.running):
             with contextlib.suppress(Exception):
-                if await self.redis.exists(self.keys.reply(cid)):
-                    run = self.scheduler.running[cid]
+                run = self.scheduler.running[cid]
+                if await self.redis.exists(self.keys.reply(run.call.session_id, cid)):
                     self.payloads.pop(cid, None)
                     self.dispatched.pop(cid, None)
                     await self.step(sch.Finished(cid, run.call.session_id, run.call.prompt_tokens))
@@ -198,7 +198,14 @@ class AdmissionService(ServiceProcess):
             if c.model not in self.scheduler.models:
                 await self.reply_error(msg.reply, "unknown_model", f"{c.model} is not served on {self.settings.server_id}", c.call_id)
                 return
-            known = c.call_id in self.payloads
+            held = self.payloads.get(c.call_id)
+            if held is not None and held.call.session_id != c.session_id:
+                # one call id in flight for two sessions at once: refuse, never merge them
+                await self.reply_error(msg.reply, "malformed",
+                                       f"call id {c.call_id} is in flight for another session; use unique call ids",
+                                       c.call_id)
+                return
+            known = held is not None
             bound = self.settings.max_queued
             if not known and not c.continuation and bound and self.scheduler.queued() >= bound:
                 await self.reply_error(msg.reply, "no_capacity",

@@ -144,7 +144,7 @@ class EngineWorker(ServiceProcess):
     async def on_run(self, msg: Msg) -> None:
         rc = run_decoder.decode(msg.data)
         with structlog.contextvars.bound_contextvars(session_id=rc.session_id, call_id=rc.call_id):
-            stored = await self.redis.get(self.keys.reply(rc.call_id))
+            stored = await self.redis.get(self.keys.reply(rc.session_id, rc.call_id))
             if stored is not None:  # already answered: the same reply again, never a second generation
                 await self.nc.publish(rc.reply_to, stored)
                 self.log.info("engine.duplicate_run", served_from="reply-store")
@@ -179,8 +179,8 @@ class EngineWorker(ServiceProcess):
         pipe = self.redis.pipeline(transaction=True)
         if not reply.aborted:
             # create-if-absent, then read back: the first stored reply is the answer
-            pipe.set(self.keys.reply(reply.call_id), data, ex=CALL_TTL_S, nx=True)
-            pipe.get(self.keys.reply(reply.call_id))
+            pipe.set(self.keys.reply(reply.session_id, reply.call_id), data, ex=CALL_TTL_S, nx=True)
+            pipe.get(self.keys.reply(reply.session_id, reply.call_id))
         state.record_finish(pipe, self.keys, reply.session_id, s.server_id, reply.finished_at, max(1, reply.output_tokens))
         if writes is not None:
             writes(pipe)

@@ -155,9 +155,9 @@ class Router(ServiceProcess):
                 await self.reply_error(reply_to, "malformed", f"session {req.session_id} is open for another model", req.call_id)
                 return
             # at most once per call_id: the first placement wins, a retry gets the reply or a fresh ack
-            ckey = self.keys.call(req.call_id)
+            ckey = self.keys.call(req.session_id, req.call_id)
             if not await self.redis.set(ckey, "placing", nx=True, ex=CALL_TTL_S):
-                cached = await self.redis.get(self.keys.reply(req.call_id))
+                cached = await self.redis.get(self.keys.reply(req.session_id, req.call_id))
                 if cached is not None:
                     dup = msgspec.structs.replace(reply_decoder.decode(cached), duplicate=True)
                     await self.nc.publish(reply_to, encode(dup))
@@ -245,10 +245,10 @@ class Router(ServiceProcess):
                 # new session's first call; admission decides on its own exact count, not a mirrored one
                 self.log.warning("router.admission_refused", server_id=cand.server_id, reason=out.message, code=out.code)
                 continue
-            await self.redis.set(self.keys.call(req.call_id), cand.server_id, ex=CALL_TTL_S)
+            await self.redis.set(self.keys.call(req.session_id, req.call_id), cand.server_id, ex=CALL_TTL_S)
             await self.nc.publish(reply_to, encode(CallAccepted(call_id=req.call_id, server_id=cand.server_id)))
             return
-        await self.redis.delete(self.keys.call(req.call_id))  # nothing took it: a retry may place it again
+        await self.redis.delete(self.keys.call(req.session_id, req.call_id))  # nothing took it: a retry may place it again
         if new_session:  # so the retry is the session's first call again
             pipe = self.redis.pipeline(transaction=False)
             state.count_call(pipe, self.keys, req.session_id, -1)
