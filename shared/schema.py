@@ -243,6 +243,13 @@ class RunCall(Base, tag="run"):
         return SubmitCall(call=self.call, reply_to=self.reply_to, engine=self.engine)
 
 
+class RunAccepted(Base, tag="run_accepted"):
+    """An engine-worker holds this run (started, waiting for its wake-up, or already
+    answered): admission stops sending it and heartbeats it as running."""
+
+    call_id: str
+
+
 class Sleep(Base, tag="sleep"):
     pass
 
@@ -398,6 +405,7 @@ call_event_decoder = msgspec.json.Decoder(CallEvent)
 admission_decoder = msgspec.json.Decoder(AdmissionRequest)
 submit_reply_decoder = msgspec.json.Decoder(Submitted | ApiError)
 run_decoder = msgspec.json.Decoder(RunCall)
+dispatch_ack_decoder = msgspec.json.Decoder(RunAccepted | ApiError)
 control_decoder = msgspec.json.Decoder(EngineControl)
 control_reply_decoder = msgspec.json.Decoder(ControlOk | ApiError)
 finished_decoder = msgspec.json.Decoder(CallFinished)

@@ -142,14 +142,20 @@ class CounterMirror:
             self._written[k] = self._written.get(k, 0.0) + v
 
 
+def is_seconds(name: str) -> bool:
+    """A counter of seconds (a float in Redis) rather than of events (an integer)."""
+    return name.endswith("_s") or name.startswith(BUSY_PREFIX)
+
+
 def add_counters(pipe: Any, keys: Keys, server_id: str, added: Mapping[str, float]) -> None:
     key = keys.server(server_id)
     for name, delta in added.items():
         field = COUNTER_PREFIX + name
-        if float(delta).is_integer():
-            pipe.hincrby(key, field, int(delta))
+        # by the counter's kind, never by this delta's value: HINCRBY fails on a field HINCRBYFLOAT wrote
+        if is_seconds(name):
+            pipe.hincrbyfloat(key, field, float(delta))
         else:
-            pipe.hincrbyfloat(key, field, delta)
+            pipe.hincrby(key, field, int(delta))
 
 
 # -- the session hash ------------------------------------------------------------------------

@@ -178,3 +178,39 @@ async def test_idle_session_releases_reservation_and_kv(nats_server: NatsServer,
     finally:
         await r.aclose()
         await svc.stop()
+
+
+async def test_a_dispatch_lost_on_the_bus_is_sent_again(nats_server: NatsServer, redis_server: RedisServer,
+                                                        subject_prefix: str, key_prefix: str, tmp_path: Path) -> None:
+    """A black hole joins the engine's queue group on its run subject, so NATS hands it
+    about half of admission's dispatches, which it drops. Each call still finishes in
+    moments: admission sends a dispatch until the engine acknowledges it (and heartbeats
+    only acknowledged runs as running), instead of waiting forever on a run nobody has."""
+    from nats.aio.client import Client as NATS
+
+    svc = Services(nats_server.url, redis_server.url, subject_prefix, key_prefix, tmp_path / "logs", models=[MODEL_A])
+    await svc.start()
+    hole = NATS()
+    await hole.connect(nats_server.url)
+    dropped: list[bytes] = []
+
+    async def drop(msg: Any) -> None:
+        dropped.append(msg.data)  # neither run nor acknowledged: lost
+
+    await hole.subscribe(svc.subjects.engine_run(SERVER, MODEL_A), queue="engine", cb=drop)
+    await hole.flush()
+    try:
+        async with await TalariaClient.connect(nats_server.url, subject_prefix=subject_prefix, silence_s=60.0) as c:
+            sess = await c.open_session(MODEL_A)
+            n = 0
+            while len(dropped) < 2 and n < 30:
+                n += 1
+                r = await asyncio.wait_for(sess.call(prompt_tokens=500 + n, max_tokens=16, sim_output_tokens=3), 10.0)
+                assert r.output_tokens == 3
+        assert len(dropped) >= 2, "the black hole never got a dispatch: the test proved nothing"
+        redispatched = [d for d in svc.log_lines(svc.admission) if d.get("event") == "admission.redispatch"]
+        assert redispatched and all(d["reason"] == "no acknowledgement" for d in redispatched)
+        assert max(engine_counts(svc, "engine.started").values()) == 1  # each call ran once
+    finally:
+        await hole.close()
+        await svc.stop()

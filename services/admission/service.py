@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 
 import structlog
 from nats.aio.msg import Msg
@@ -23,10 +24,12 @@ from shared.state import CounterMirror, ServerLoad, add_counters, write_server_l
 from shared.schema import (
     Abort, ApiError, CallQueued, CallRunning, ListCalls, ProtectKv, RunCall, SessionReleased,
     StageRequest, Submitted, SubmitCall, SwitchRequest, admission_decoder, encode, engine_announce_decoder,
-    engine_state_decoder, finished_decoder, session_released_decoder, stored_submit_decoder, switch_reply_decoder,
+    dispatch_ack_decoder, engine_state_decoder, finished_decoder, session_released_decoder, stored_submit_decoder, switch_reply_decoder,
 )
 
 LIST_CALLS_TIMEOUT_WALL_S = 2.0
+DISPATCH_ACK_WALL_S = 1.0  # wall seconds a dispatch may go unacknowledged before it is sent again
+DISPATCH_RETRY_MAX_WALL_S = 10.0  # the longest wait between two sends of a dispatch an engine refused
 MIRROR_COALESCE_S = 0.005  # wall seconds between two writes of the scheduler's mirror
 
 
@@ -48,6 +51,13 @@ class AdmissionService(ServiceProcess):
         self.switch_attempt: dict[str, asyncio.Event] = {}  # pending switch -> "ask again" (substrate restarted)
         sid = s.server_id
         self.dispatched: dict[str, RunCall] = {}
+        # a dispatch is sent until its engine acknowledges it: only an acknowledged run
+        # is heartbeated as running, so a dispatch lost on the bus is sent again instead
+        # of keeping its agent waiting on heartbeats for a call nobody runs
+        self.confirmed: set[str] = set()
+        self.resend_at: dict[str, tuple[float, float]] = {}  # unacknowledged -> (next send, backoff), wall clock
+        self.ack_inbox = self.nc.new_inbox()
+        await self.nc.subscribe(self.ack_inbox, cb=self.guarded_handler(self.on_dispatch_ack, "dispatch_ack"))
         # rebuild queued and running calls a predecessor held (docs/reliability.md)
         await self.recover()
         await self.nc.subscribe(self.subjects.admission_submit(sid), queue="admission",
@@ -68,6 +78,7 @@ class AdmissionService(ServiceProcess):
         self.spawn(self.mirror(), "mirror")
         self.spawn(self.persister(), "persister")
         self.spawn(self.idle_sessions(), "idle-sessions")
+        self.spawn(self.redispatcher(), "redispatcher")
         await self._settle_recovered()
 
     # -- recovery ----------------------------------------------------------------------
@@ -116,6 +127,7 @@ class AdmissionService(ServiceProcess):
             sub = stored.pop(rc.call_id, None) or rc.submitted()
             self.payloads[rc.call_id] = sub
             self.dispatched[rc.call_id] = rc
+            self.confirmed.add(rc.call_id)  # its engine said it runs it
             adopted.append((sub.call, rc.reserved_tokens))
         if awake is not None:
             self.scheduler.recover_active(awake[0], awake[1], adopted, now)
@@ -147,7 +159,7 @@ class AdmissionService(ServiceProcess):
                 run = self.scheduler.running[cid]
                 if await self.redis.exists(self.keys.reply(run.call.session_id, cid)):
                     self.payloads.pop(cid, None)
-                    self.dispatched.pop(cid, None)
+                    self._forget_dispatch(cid)
                     await self.step(sch.Finished(cid, run.call.session_id, run.call.prompt_tokens))
 
     async def persister(self) -> None:
@@ -234,7 +246,7 @@ class AdmissionService(ServiceProcess):
             self.persist_dirty.set()
             with contextlib.suppress(Exception):
                 await self.redis.hdel(self.keys.admission_calls(self.settings.server_id), ev.call_id)
-        self.dispatched.pop(ev.call_id, None)
+        self._forget_dispatch(ev.call_id)
         self.last_seen[ev.session_id] = self.clock.now()
         await self.step(sch.Finished(ev.call_id, ev.session_id, ev.context_tokens), at=ev.finished_at)
 
@@ -244,9 +256,50 @@ class AdmissionService(ServiceProcess):
         ann = engine_announce_decoder.decode(msg.data)
         for cid, run in list(self.dispatched.items()):
             if run.model == ann.model and cid in self.scheduler.running:
-                self.log.warning("admission.redispatch", call_id=cid, session_id=run.session_id, model=run.model)
-                await self.nc.publish(self.subjects.engine_run(self.settings.server_id, run.model), encode(run),
-                                      headers=trace_headers(run.session_id, cid))
+                self.log.warning("admission.redispatch", call_id=cid, session_id=run.session_id, model=run.model,
+                                 reason="engine restarted")
+                self.confirmed.discard(cid)
+                await self._send_run(run)
+
+    # -- dispatches: sent until acknowledged ---------------------------------------------
+    async def _send_run(self, run: RunCall, backoff: float = DISPATCH_ACK_WALL_S) -> None:
+        self.resend_at[run.call_id] = (time.monotonic() + backoff, backoff)
+        await self.nc.publish(self.subjects.engine_run(self.settings.server_id, run.model), encode(run),
+                              reply=self.ack_inbox, headers=trace_headers(run.session_id, run.call_id))
+
+    def _forget_dispatch(self, call_id: str) -> None:
+        self.dispatched.pop(call_id, None)
+        self.confirmed.discard(call_id)
+        self.resend_at.pop(call_id, None)
+
+    async def on_dispatch_ack(self, msg: Msg) -> None:
+        ack = dispatch_ack_decoder.decode(msg.data)
+        if isinstance(ack, ApiError):  # the engine could not take it: try again, slower
+            cid = ack.call_id or ""
+            if cid in self.resend_at:
+                _, backoff = self.resend_at[cid]
+                self.resend_at[cid] = (time.monotonic() + backoff, min(DISPATCH_RETRY_MAX_WALL_S, backoff * 2))
+            self.log.warning("admission.dispatch_refused", call_id=ack.call_id, reason=ack.message)
+            return
+        if ack.call_id in self.dispatched:
+            self.confirmed.add(ack.call_id)
+            self.resend_at.pop(ack.call_id, None)
+
+    async def redispatcher(self) -> None:
+        """Send again what no engine acknowledged in time (lost on the bus, or its
+        engine away): the engine runs a call id at most once, so a resend is safe."""
+        while True:
+            await asyncio.sleep(DISPATCH_ACK_WALL_S / 4)
+            now = time.monotonic()
+            for cid, (due, backoff) in list(self.resend_at.items()):
+                run = self.dispatched.get(cid)
+                if run is None or cid not in self.scheduler.running:
+                    self.resend_at.pop(cid, None)
+                    continue
+                if now >= due:
+                    self.log.warning("admission.redispatch", call_id=cid, session_id=run.session_id, model=run.model,
+                                     reason="no acknowledgement")
+                    await self._send_run(run, backoff)
 
     async def on_substrate_announce(self, msg: Msg) -> None:
         """The substrate-manager restarted: a switch we wait for is lost; ask again now."""
@@ -295,8 +348,8 @@ class AdmissionService(ServiceProcess):
                     self.log.info("admission.dispatched", session_id=c.session_id, call_id=c.call_id, model=c.model,
                                   slot_id=a.slot_id, waited_s=round(a.waited_s, 3), round_wait=a.round_wait)
                     self.dispatched[c.call_id] = run
-                    await self.nc.publish(self.subjects.engine_run(s.server_id, c.model), encode(run),
-                                          headers=trace_headers(c.session_id, c.call_id))
+                    self.confirmed.discard(c.call_id)
+                    await self._send_run(run)
                 case sch.StartSwitch(from_model=old, to_model=new):
                     self.log.info("admission.switch", from_model=old, to_model=new)
                     self.spawn(self._switch(old, new), "switch")
@@ -389,7 +442,8 @@ class AdmissionService(ServiceProcess):
                     await self.nc.publish(sub.reply_to, encode(CallQueued(call_id=call.call_id, server_id=sid, waited_s=now - call.arrived_at)))
             for cid in list(self.scheduler.running):
                 sub = self.payloads.get(cid)
-                if sub:
+                # only a run its engine acknowledged: silence lets the agent notice a lost one
+                if sub and cid in self.confirmed:
                     await self.nc.publish(sub.reply_to, encode(CallRunning(call_id=cid, server_id=sid)))
 
     async def mirror(self) -> None:

@@ -48,6 +48,7 @@ class SimBackend(EngineBackend):
         self.busy = state.CounterMirror()
         self.wakeup = asyncio.Event()
         self.stream_due = asyncio.Event()
+        self.undelivered: list[CallResult] = []  # finished in the engine, not yet told (a write failed): sent first next time
 
     async def start(self) -> None:
         self.worker.spawn(self.timer(), "engine-timer")
@@ -67,6 +68,9 @@ class SimBackend(EngineBackend):
 
     def running(self) -> list[RunCall]:
         return [rc for cid, rc in self.calls.items() if cid in self.engine.running]
+
+    def holds(self, call_id: str) -> bool:
+        return call_id in self.calls  # running, or finished and not yet delivered
 
     async def run(self, rc: RunCall) -> None:
         w, c = self.worker, rc.call
@@ -158,8 +162,19 @@ class SimBackend(EngineBackend):
     async def timer(self) -> None:
         # advance to now, not just to the due time: it computes every finish up to now in one go
         w = self.worker
-        await drive_timer(w.clock, self.engine.next_event_at, self.wakeup,
-                          lambda _due: self._finish(self.engine.advance(w.clock.now())))
+
+        def next_due() -> float | None:
+            # finishes a failed write left undelivered are due at once
+            return w.clock.now() if self.undelivered else self.engine.next_event_at()
+
+        async def on_due(_due: float) -> None:
+            try:
+                await self._finish(self.engine.advance(w.clock.now()))
+            except Exception:  # e.g. Redis away longer than its retries: keep the clock running, try again
+                w.log.exception("engine.finish_failed", undelivered=len(self.undelivered))
+                await asyncio.sleep(0.2)
+
+        await drive_timer(w.clock, next_due, self.wakeup, on_due)
 
     async def streamer(self) -> None:
         """Send each streamed call the tokens it produced since the last batch."""
@@ -195,34 +210,46 @@ class SimBackend(EngineBackend):
         w.log.info("engine.kv_spilled", sessions=len(spilled), tokens=sum(spilled.values()), at=round(self.engine.t, 3))
 
     async def _finish(self, done: list[CallResult]) -> None:
+        """Tell the worker every call that finished. A result whose delivery fails
+        stays (with those after it) for the next tick: none is ever dropped."""
+        queue, self.undelivered = self.undelivered + done, []
+        for i, r in enumerate(queue):
+            try:
+                await self._deliver(r)
+            except BaseException:
+                self.undelivered = queue[i:]
+                raise
+        await self._report_spills()
+
+    async def _deliver(self, r: CallResult) -> None:
         w = self.worker
         s = w.settings
         await self._report_spills()
-        for r in done:
-            rc = self.calls.pop(r.call_id, None)
-            if rc is None:
-                continue
-            sent = self.streamed.pop(r.call_id, None)
-            if sent is not None and r.output_tokens > sent:
-                await w.stream_tokens(rc, sent, placeholder_tokens(sent, r.output_tokens))
-            c = rc.call
-            reply = CallReply(
-                call_id=r.call_id, session_id=r.session_id, server_id=s.server_id, model=r.model,
-                prompt_tokens=r.prompt_tokens, cached_tokens=r.cached_tokens, restored_tokens=r.restored_tokens,
-                reprefill_tokens=r.reprefill_tokens, output_tokens=r.output_tokens, arrived_at=c.arrived_at,
-                finished_at=r.finished_at, waited_s=rc.waited_s, switch_wait_s=rc.switch_wait_s,
-                round_wait=rc.round_wait, restore_s=r.restore_s, prefill_s=r.prefill_s, decode_s=r.decode_s,
-            )
-            busy = self.busy.pending({state.BUSY_PREFIX + s.model: round(self.engine.busy_s, 3)})
+        rc = self.calls.get(r.call_id)
+        if rc is None:
+            return
+        sent = self.streamed.pop(r.call_id, None)
+        if sent is not None and r.output_tokens > sent:
+            await w.stream_tokens(rc, sent, placeholder_tokens(sent, r.output_tokens))
+        c = rc.call
+        reply = CallReply(
+            call_id=r.call_id, session_id=r.session_id, server_id=s.server_id, model=r.model,
+            prompt_tokens=r.prompt_tokens, cached_tokens=r.cached_tokens, restored_tokens=r.restored_tokens,
+            reprefill_tokens=r.reprefill_tokens, output_tokens=r.output_tokens, arrived_at=c.arrived_at,
+            finished_at=r.finished_at, waited_s=rc.waited_s, switch_wait_s=rc.switch_wait_s,
+            round_wait=rc.round_wait, restore_s=r.restore_s, prefill_s=r.prefill_s, decode_s=r.decode_s,
+        )
+        busy = self.busy.pending({state.BUSY_PREFIX + s.model: round(self.engine.busy_s, 3)})
 
-            def writes(pipe: Any, session_id: str = r.session_id, busy: dict[str, float] = busy) -> None:
-                pipe.hset(w.keys.kv_locality(session_id), s.server_id, "hbm")
-                # model seconds with a call running, for the replay's utilisation (a counter per engine)
-                state.add_counters(pipe, w.keys, s.server_id, busy)
+        def writes(pipe: Any, session_id: str = r.session_id, busy: dict[str, float] = busy) -> None:
+            pipe.hset(w.keys.kv_locality(session_id), s.server_id, "hbm")
+            # model seconds with a call running, for the replay's utilisation (a counter per engine)
+            state.add_counters(pipe, w.keys, s.server_id, busy)
 
-            await w.finish(rc, reply, r.prompt_tokens + r.output_tokens, writes)
-            self.busy.written(busy)
-            w.log.info("engine.finished", session_id=r.session_id, call_id=r.call_id, at=round(r.finished_at, 3),
-                       cached_tokens=r.cached_tokens, restored_tokens=r.restored_tokens,
-                       reprefill_tokens=r.reprefill_tokens, output_tokens=r.output_tokens,
-                       prefill_s=round(r.prefill_s, 3), decode_s=round(r.decode_s, 3))
+        await w.finish(rc, reply, r.prompt_tokens + r.output_tokens, writes)
+        self.calls.pop(r.call_id, None)
+        self.busy.written(busy)
+        w.log.info("engine.finished", session_id=r.session_id, call_id=r.call_id, at=round(r.finished_at, 3),
+                   cached_tokens=r.cached_tokens, restored_tokens=r.restored_tokens,
+                   reprefill_tokens=r.reprefill_tokens, output_tokens=r.output_tokens,
+                   prefill_s=round(r.prefill_s, 3), decode_s=round(r.decode_s, 3))

@@ -34,7 +34,7 @@ from shared.bus import ServiceProcess, trace_headers
 from shared.keys import CALL_TTL_S
 from shared.schema import (
     Abort, CallFinished, CallReply, CallTokens, ControlOk, EngineAnnounce, EngineState, ForgetHostKv, ListCalls,
-    ProtectKv, RunCall, Sleep, Wake, cancel_decoder, control_decoder, encode, reply_decoder, run_decoder,
+    ProtectKv, RunAccepted, RunCall, Sleep, Wake, cancel_decoder, control_decoder, encode, reply_decoder, run_decoder,
     session_released_decoder,
 )
 from shared.settings import Settings
@@ -71,6 +71,10 @@ class EngineBackend(ABC):
     @abstractmethod
     def running(self) -> list[RunCall]:
         """The runs generating now."""
+
+    def holds(self, call_id: str) -> bool:
+        """The call is generating here or finishing (a second run of it must not start)."""
+        return any(r.call_id == call_id for r in self.running())
 
     @abstractmethod
     async def run(self, rc: RunCall) -> None:
@@ -143,6 +147,16 @@ class EngineWorker(ServiceProcess):
     # -- runs --------------------------------------------------------------------------
     async def on_run(self, msg: Msg) -> None:
         rc = run_decoder.decode(msg.data)
+        try:
+            await self._take_run(rc)
+        except Exception as exc:  # say which call could not be taken: admission backs off and sends it again
+            self.log.exception("handler.failed", handler="run", call_id=rc.call_id, session_id=rc.session_id)
+            await self.reply_error(msg.reply, "internal", f"run: {type(exc).__name__}: {exc}", rc.call_id)
+            return
+        if msg.reply:  # admission sends a dispatch until it hears this
+            await self.nc.publish(msg.reply, encode(RunAccepted(call_id=rc.call_id)))
+
+    async def _take_run(self, rc: RunCall) -> None:
         with structlog.contextvars.bound_contextvars(session_id=rc.session_id, call_id=rc.call_id):
             stored = await self.redis.get(self.keys.reply(rc.session_id, rc.call_id))
             if stored is not None:  # already answered: the same reply again, never a second generation
@@ -152,7 +166,7 @@ class EngineWorker(ServiceProcess):
                     done = reply_decoder.decode(stored)
                     await self._tell_admission(rc.call_id, rc.session_id, done.prompt_tokens + done.output_tokens)
                 return
-            if rc.call_id in self.pending or any(r.call_id == rc.call_id for r in self.backend.running()):
+            if rc.call_id in self.pending or self.backend.holds(rc.call_id):
                 return
             if not self.backend.can_run:
                 self.pending[rc.call_id] = rc
@@ -211,7 +225,7 @@ class EngineWorker(ServiceProcess):
             self.log.info("engine.cancelled_before_start", call_id=c.call_id, session_id=pending.session_id)
             await self._tell_admission(c.call_id, pending.session_id, 0)
             return
-        if any(r.call_id == c.call_id for r in self.backend.running()):
+        if self.backend.holds(c.call_id):
             await self.backend.cancel(c.call_id)  # the backend logs `engine.cancel`
 
     # -- the substrate's and admission's control -----------------------------------------
