@@ -214,3 +214,49 @@ async def test_a_dispatch_lost_on_the_bus_is_sent_again(nats_server: NatsServer,
     finally:
         await hole.close()
         await svc.stop()
+
+
+async def test_a_retried_call_stays_on_the_server_that_holds_it(nats_server: NatsServer, redis_server: RedisServer,
+                                                                 subject_prefix: str, key_prefix: str,
+                                                                 tmp_path: Path) -> None:
+    """A retry of a call that has no reply yet goes back to the server that took it,
+    never to another one whose engine would run it a second time; if that server
+    cannot take it now, the agent hears no_capacity and retries later."""
+    from nats.aio.client import Client as NATS
+
+    from shared.schema import (
+        ApiError, CallRequest, OpenSession, Submitted, admission_decoder, api_reply_decoder, encode,
+    )
+    from test_services import call_raw
+
+    svc = Services(nats_server.url, redis_server.url, subject_prefix, key_prefix, tmp_path / "logs",
+                   models=[MODEL_A], which=("router",), extra_env={"TALARIA_SERVERS": "s0,s1"})
+    await svc.start()
+    nc = NATS()
+    await nc.connect(nats_server.url)
+    got: dict[str, list[str]] = {"s0": [], "s1": []}
+    subs = {}
+    for server in got:
+        async def take(msg: Any, server: str = server) -> None:  # a fake admission: takes every call
+            sub = admission_decoder.decode(msg.data)
+            got[server].append(sub.call.call_id)
+            await nc.publish(msg.reply, encode(Submitted(call_id=sub.call.call_id, server_id=server)))
+        subs[server] = await nc.subscribe(svc.subjects.admission_submit(server), cb=take)
+    try:
+        resp = await nc.request(svc.subjects.api_session_open, encode(OpenSession(session_id="pin", model=MODEL_A)), 5)
+        assert not isinstance(api_reply_decoder.decode(resp.data), ApiError)
+        call = CallRequest(call_id="pin#0", session_id="pin", model=MODEL_A, prompt_tokens=1000)
+        first = await call_raw(nc, svc.subjects, call)
+        holder = first.server_id
+        other = "s1" if holder == "s0" else "s0"
+        for _ in range(3):  # the agent heard nothing more and retries
+            again = await call_raw(nc, svc.subjects, call)
+            assert again.server_id == holder, again
+        await subs[holder].unsubscribe()  # the holder's admission is away (restarting, say)
+        refused = await call_raw(nc, svc.subjects, call, timeout=15.0)
+        assert isinstance(refused, ApiError) and refused.code == "no_capacity", refused
+        assert got[other] == [], f"the retry was placed on {other}, which would run the call again"
+        assert got[holder] == ["pin#0"] * 4
+    finally:
+        await nc.close()
+        await svc.stop()

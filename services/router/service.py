@@ -33,6 +33,7 @@ from shared.schema import (
 )
 
 SUBMIT_TIMEOUT_WALL_S = 5.0
+PLACING = "placing"  # a call key's value while its first placement is under way (then: the server's id)
 NO_CAPACITY_RETRY_AFTER_S = 1.0  # wall seconds an agent should wait before asking again
 PLACEMENT_ATTEMPTS = 4  # snapshots a placement may take when other replicas keep placing; the last one lands anyway
 # KEYS: the placement sequence, the chosen server's in-flight hash; ARGV: the sequence
@@ -156,25 +157,29 @@ class Router(ServiceProcess):
                 return
             # at most once per call_id: the first placement wins, a retry gets the reply or a fresh ack
             ckey = self.keys.call(req.session_id, req.call_id)
-            if not await self.redis.set(ckey, "placing", nx=True, ex=CALL_TTL_S):
+            if not await self.redis.set(ckey, PLACING, nx=True, ex=CALL_TTL_S):
                 cached = await self.redis.get(self.keys.reply(req.session_id, req.call_id))
                 if cached is not None:
                     dup = msgspec.structs.replace(reply_decoder.decode(cached), duplicate=True)
                     await self.nc.publish(reply_to, encode(dup))
                     self.log.info("call.duplicate", served_from="reply-cache")
                 else:
-                    # in flight, or lost with a process that held it: submit again under the same id
-                    self.log.info("call.duplicate", served_from="resubmitted")
-                    await self._place_and_submit(req, reply_to, session, retry=True)
+                    # in flight, or lost with a process that held it: submit again under the same id,
+                    # to the server that took it (another server's engine would run it a second time)
+                    holder = await self.redis.get(ckey)
+                    pinned = holder.decode() if holder is not None and holder != PLACING.encode() else None
+                    self.log.info("call.duplicate", served_from="resubmitted", pinned_to=pinned)
+                    await self._place_and_submit(req, reply_to, session, retry=True, pinned=pinned)
                 return
             await self._place_and_submit(req, reply_to, session)
 
     async def _place_and_submit(self, req: CallRequest, reply_to: str, session: state.SessionRecord,
-                                retry: bool = False) -> None:
+                                retry: bool = False, pinned: str | None = None) -> None:
         """Place and submit a call. `retry`: the same call id again, with no reply
         yet (e.g. the admission that held it restarted): submit it again without
         counting it twice in the session's history; admission and the engine
-        both deduplicate by call id."""
+        both deduplicate by call id. `pinned`: the server that took it, the only
+        one it may go to (if that one cannot take it now, the agent retries later)."""
         now = self.clock.now()
         last_finish = session.last_finish
         calls_before = session.calls - (1 if retry else 0)
@@ -205,7 +210,15 @@ class Router(ServiceProcess):
         # optimistic concurrency between router replicas: the placement lands only if
         # no replica placed a call since this snapshot; else read again and rank again
         placement = InFlight(req.call_id, req.model, req.prompt_tokens, time.time())
+        attempt = 0
         for attempt in range(1, PLACEMENT_ATTEMPTS + 1):
+            if pinned is not None:
+                ranked = [c for c in rank(req.model, views, self.settings.policy, session_id=req.session_id,
+                                          call_id=req.call_id, prompt_tokens=req.prompt_tokens,
+                                          prefix_tokens=req.prefix_tokens) if c.server_id == pinned]
+                if ranked:
+                    await self.mark_in_flight(pinned, placement)
+                break
             ranked = rank(req.model, views, self.settings.policy, session_id=req.session_id, call_id=req.call_id,
                           prompt_tokens=req.prompt_tokens, prefix_tokens=req.prefix_tokens)
             if not ranked or await self.mark_in_flight(ranked[0].server_id, placement,
@@ -247,6 +260,10 @@ class Router(ServiceProcess):
                 continue
             await self.redis.set(self.keys.call(req.session_id, req.call_id), cand.server_id, ex=CALL_TTL_S)
             await self.nc.publish(reply_to, encode(CallAccepted(call_id=req.call_id, server_id=cand.server_id)))
+            return
+        if pinned is not None:  # still held there: the agent retries, to that server again
+            await self.reply_error(reply_to, "no_capacity", f"{pinned}, which holds call {req.call_id}, cannot take it now",
+                                   req.call_id, retry_after_s=NO_CAPACITY_RETRY_AFTER_S)
             return
         await self.redis.delete(self.keys.call(req.session_id, req.call_id))  # nothing took it: a retry may place it again
         if new_session:  # so the retry is the session's first call again
