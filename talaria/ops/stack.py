@@ -20,9 +20,11 @@ from pathlib import Path
 import nats
 
 from shared.auth import Credentials, generate_credentials, nats_permissions
+from shared.clock import done_within
 from shared.policy import PolicyConfig, encode_policy
 from shared.subjects import Subjects
 from talaria.client import AgentLogin, Deployment
+from talaria.ops.liveness import LIVENESS_INTERVAL_S, LIVENESS_TIMEOUT_S, STARTUP_GRACE_S, LivenessWatch
 from talaria.ops.nats_server import NatsServer, start_cluster
 from talaria.ops.processes import ProcessGroup
 from talaria.ops.redis_server import RedisServer
@@ -49,6 +51,7 @@ class StackSpec:
     extra_env: dict[str, str] = field(default_factory=dict)
     auth: bool = True  # embedded NATS/Redis: per-role NATS users and a Redis ACL user, fresh passwords
     nats_cluster: int = 1  # embedded NATS nodes; 3 = a routed cluster on loopback, clients given every URL
+    liveness_grace_s: float = STARTUP_GRACE_S  # a service is judged hung only this long after its (re)start
 
 
 class EmbeddedStack:
@@ -65,6 +68,7 @@ class EmbeddedStack:
         self.clock_epoch = time.time()
         self.log_dir = Path(spec.log_dir)
         self._supervisor: asyncio.Task | None = None
+        self._liveness: asyncio.Task | None = None
         # credentials only when we start the servers ourselves
         self.creds: Credentials | None = (
             generate_credentials() if spec.auth and not spec.nats_urls and not spec.redis_url else None
@@ -167,6 +171,49 @@ class EmbeddedStack:
         self.group.start_all()
         self._supervisor = asyncio.ensure_future(self.group.supervise(self._stop_supervising))
         await self.wait_healthy(timeout_s)
+        self._liveness = asyncio.ensure_future(self.watch_liveness())
+
+    async def watch_liveness(self) -> None:
+        """Kill a service that stopped answering its health endpoint while its process
+        runs (hung, not crashed): the supervisor then restarts it (talaria/ops/liveness.py)."""
+        async def quiet(e: Exception) -> None:
+            pass
+
+        watch = LivenessWatch(grace_s=self.spec.liveness_grace_s)
+        subjects = Subjects(self.subject_prefix)
+        names = [name for name, _, _ in self.service_table()]
+        pids: dict[str, int | None] = {}
+        try:
+            nc = await nats.connect(servers=self.nats_urls, name="talaria-liveness", error_cb=quiet,
+                                    max_reconnect_attempts=-1, **self.nats_auth("operator"))
+        except Exception:  # no NATS: nothing to judge by (the supervisor still restarts crashes)
+            return
+        try:
+            while not self._stop_supervising.is_set():
+                await done_within(self._stop_supervising.wait(), LIVENESS_INTERVAL_S)
+                if nc.is_reconnecting or not nc.is_connected:
+                    continue  # the bus is away, not the services: judge nobody
+                now_pids = self.group.pids()
+                for name in names:
+                    if now_pids.get(name) != pids.get(name):
+                        watch.started(name, time.monotonic())
+                pids = now_pids
+                alive = [n for n in names if now_pids.get(n) is not None]
+
+                async def ping(name: str) -> bool:
+                    try:
+                        await nc.request(subjects.health(name), b"", timeout=LIVENESS_TIMEOUT_S)
+                        return True
+                    except Exception:
+                        return False
+
+                answers = dict(zip(alive, await asyncio.gather(*(ping(n) for n in alive))))
+                for name in watch.round(answers, time.monotonic()):
+                    print(f"[talaria] {name} stopped answering its health checks: killing it for a restart",
+                          file=sys.stderr, flush=True)
+                    self.group.kill(name)
+        finally:
+            await nc.close()
 
     async def wait_healthy(self, timeout_s: float) -> None:
         """Every service answers its health endpoint (NATS micro) before we go on."""
@@ -191,8 +238,9 @@ class EmbeddedStack:
 
     async def stop(self) -> None:
         self._stop_supervising.set()
-        if self._supervisor is not None:
-            await asyncio.wait([self._supervisor], timeout=5)
+        waits = [t for t in (self._supervisor, self._liveness) if t is not None]
+        if waits:
+            await asyncio.wait(waits, timeout=5)
         await self.group.astop_all(timeout=10)
         if self.redis is not None:
             await self.redis.astop()

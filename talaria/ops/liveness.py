@@ -1,0 +1,50 @@
+"""Hung processes are faults too: a service that stops answering its health
+endpoint (stopped by SIGSTOP, a stuck driver, a full disk) while its process
+still runs is killed, so the supervisor restarts it like a crashed one.
+
+`LivenessWatch` is the decision (pure; stepped by each round of health pings
+and the wall clock): a child is judged only once it has answered since its
+start and its start-up grace has passed (a real engine loading its weights
+blocks its loop for seconds), and only after `misses` rounds in a row without
+an answer. The embedded stack drives it (`talaria/ops/stack.py`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+LIVENESS_INTERVAL_S = 0.5   # wall seconds between two rounds of health pings
+LIVENESS_TIMEOUT_S = 0.5    # wall seconds a ping may take
+LIVENESS_MISSES = 4         # rounds in a row without an answer before a kill (about 2-4 s)
+STARTUP_GRACE_S = 60.0      # wall seconds after a (re)start in which a child is never judged
+
+
+@dataclass
+class LivenessWatch:
+    misses: int = LIVENESS_MISSES
+    grace_s: float = STARTUP_GRACE_S
+    started_at: dict[str, float] = field(default_factory=dict)
+    answered: set[str] = field(default_factory=set)   # answered since its (re)start
+    missed: dict[str, int] = field(default_factory=dict)
+
+    def started(self, name: str, at: float) -> None:
+        """The child (re)started at wall time `at`: not judged until it answers and its grace is over."""
+        self.started_at[name] = at
+        self.answered.discard(name)
+        self.missed.pop(name, None)
+
+    def round(self, answers: dict[str, bool], now: float) -> list[str]:
+        """One round of pings (name -> answered) at wall time `now`; returns the children to kill."""
+        kill = []
+        for name, ok in answers.items():
+            if ok:
+                self.answered.add(name)
+                self.missed.pop(name, None)
+                continue
+            if name not in self.answered or now - self.started_at.get(name, now) < self.grace_s:
+                continue
+            self.missed[name] = self.missed.get(name, 0) + 1
+            if self.missed[name] >= self.misses:
+                kill.append(name)
+                self.started(name, now)  # judged again once the restarted one answers
+        return kill

@@ -1,0 +1,74 @@
+"""Hung processes (talaria/ops/liveness.py): the decision, and a SIGSTOPped
+service of a live embedded stack killed and restarted by its supervisor."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from shared.policy import resolve_policy
+from talaria.client import TalariaClient
+from talaria.ops.liveness import LivenessWatch
+from talaria.ops.stack import EmbeddedStack, StackSpec
+
+AIR = "glm-4.5-air-fp8"
+
+
+def test_a_child_is_judged_only_after_it_answered_and_its_grace() -> None:
+    w = LivenessWatch(misses=3, grace_s=10.0)
+    w.started("a", 0.0)
+    assert w.round({"a": False}, 20.0) == []            # never answered: still starting, not hung
+    w.round({"a": True}, 1.0)
+    assert [w.round({"a": False}, 2.0 + i) for i in range(5)] == [[]] * 5  # within its grace
+    assert w.round({"a": False}, 11.0) == [] and w.round({"a": False}, 11.5) == []
+    assert w.round({"a": False}, 12.0) == ["a"]         # three misses in a row after the grace
+    assert w.round({"a": False}, 30.0) == []            # re-armed: the restarted one must answer first
+
+
+def test_an_answer_resets_the_count() -> None:
+    w = LivenessWatch(misses=2, grace_s=0.0)
+    w.started("a", 0.0)
+    w.round({"a": True}, 1.0)
+    assert w.round({"a": False}, 2.0) == []
+    assert w.round({"a": True}, 3.0) == []
+    assert w.round({"a": False}, 4.0) == []
+    assert w.round({"a": False}, 5.0) == ["a"]
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(120)
+async def test_a_stopped_service_is_killed_and_restarted(tmp_path: Path) -> None:
+    spec = StackSpec(policy=resolve_policy("talaria"), models=[AIR], time_scale=20.0, log_dir=tmp_path / "logs",
+                     liveness_grace_s=1.0)
+    async with EmbeddedStack(spec) as stack:
+        client = await TalariaClient.connect(stack.nats_urls, subject_prefix=stack.subject_prefix, silence_s=20.0,
+                                             **stack.nats_auth("agent"))
+        try:
+            sess = await client.open_session(AIR)
+            assert (await sess.call(prompt_tokens=800, max_tokens=16, sim_output_tokens=4)).output_tokens == 4
+            await asyncio.sleep(1.5)  # past the grace
+            name = "admission-s0"
+            pid = stack.group.pids()[name]
+            assert pid is not None
+            os.kill(pid, signal.SIGSTOP)  # hung, not crashed: its process runs on
+            t0 = time.monotonic()
+            while stack.group.pids()[name] in (pid, None):
+                assert time.monotonic() - t0 < 30, "the hung admission was never replaced"
+                await asyncio.sleep(0.1)
+            detected = time.monotonic() - t0
+            await stack.wait_healthy(30)
+            r = await asyncio.wait_for(sess.call(prompt_tokens=900, prefix_tokens=820, max_tokens=16,
+                                                 sim_output_tokens=5), 30)
+            assert r.output_tokens == 5
+            assert detected < 10, f"detected after {detected:.1f} s"
+        finally:
+            await client.close()
+            try:
+                os.kill(pid, signal.SIGCONT)  # in case it was not killed
+            except OSError:
+                pass
