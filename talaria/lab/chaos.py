@@ -20,6 +20,9 @@ reference. docs/reliability.md has the figures.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
+import signal
 import asyncio
 import random
 import shutil
@@ -43,9 +46,12 @@ from talaria.client import TalariaClient
 from talaria.replay import ReplayOutcome, drive, write_json
 from talaria.ops.stack import EmbeddedStack, StackSpec, default_log_dir
 
-FAULT_KINDS = ("router", "admission", "substrate", "engine", "nats", "redis")
+FAULT_KINDS = ("router", "admission", "substrate", "engine", "nats", "redis", "hang", "redis-stall")
 NATS_DOWN_S = 1.0    # wall seconds a killed NATS node stays down before it is started again
 REDIS_DOWN_S = 0.5
+HANG_S = 8.0         # wall seconds a hung service stays stopped unless the stack's liveness watch replaces it first
+REDIS_STALL_S = 2.0  # wall seconds redis-server is stopped (SIGSTOP; DEBUG SLEEP is off in Redis 7)
+LIVENESS_GRACE_S = 3.0  # chaos runs are short: a service is judged hung this soon after its (re)start
 
 
 @dataclass
@@ -126,11 +132,33 @@ class Injector:
             await asyncio.to_thread(st.redis.kill)
             await asyncio.sleep(REDIS_DOWN_S)
             await asyncio.to_thread(st.redis.start, 30.0)  # no persistence: it comes back empty
+        elif kind == "hang":
+            # stopped, not crashed: only the liveness watch can tell (talaria/ops/liveness.py)
+            names = [n for n, _, _ in st.service_table()]
+            target = self.rng.choice(names)
+            fault = Fault(kind, f"{target} (stopped)", at)
+            pid = st.group.pids().get(target)
+            if pid is not None:
+                os.kill(pid, signal.SIGSTOP)
+                deadline = time.monotonic() + HANG_S
+                while time.monotonic() < deadline and st.group.pids().get(target) == pid:
+                    await asyncio.sleep(0.05)
+                with contextlib.suppress(OSError):  # not replaced in time: it resumes where it stopped
+                    os.kill(pid, signal.SIGCONT)
+            await self._service_healthy(target)
+        elif kind == "redis-stall":
+            assert st.redis is not None and st.redis.pid is not None
+            fault = Fault(kind, "redis (stopped)", at)
+            pid = st.redis.pid
+            os.kill(pid, signal.SIGSTOP)
+            await asyncio.sleep(REDIS_STALL_S)
+            os.kill(pid, signal.SIGCONT)
         else:
             raise ValueError(f"unknown fault kind {kind!r}")
         fault.healthy_s = self.now() - at
         self.faults.append(fault)
-        print(f"[chaos] t={at:6.1f} s  killed {fault.target:<28} healthy after {fault.healthy_s:5.2f} s",
+        verb = "stopped" if "(stopped)" in fault.target else "killed"
+        print(f"[chaos] t={at:6.1f} s  {verb:<7} {fault.target:<28} healthy after {fault.healthy_s:5.2f} s",
               file=sys.stderr, flush=True)
         return fault
 
@@ -204,7 +232,7 @@ async def run_chaos(sessions: list[TraceSession], *, seed: int = 0, policy: str 
 
     def spec(sub: str) -> StackSpec:
         return StackSpec(policy=pol, models=models, servers=servers, time_scale=time_scale,
-                         log_dir=base / sub, nats_cluster=nats_cluster)
+                         log_dir=base / sub, nats_cluster=nats_cluster, liveness_grace_s=LIVENESS_GRACE_S)
 
     print(f"[chaos] fault-free reference run ({len(sessions)} sessions) ...", file=sys.stderr, flush=True)
     ref, _, _, ref_wall = await _run_once(sessions, spec("reference"), plan=None, seed=seed, silence_s=silence_s)
