@@ -22,7 +22,7 @@ from shared.agent_client import TalariaClient
 from shared.logs import read_log_events
 from shared.policy import resolve_policy
 from shared.schema import (
-    ApiError, Info, SessionOpened, api_request_decoder, CallRequest, InfoRequest, OpenSession, EndSession, Ok, encode,
+    ApiError, CallQueued, Info, SessionOpened, api_request_decoder, CallRequest, InfoRequest, OpenSession, EndSession, Ok, encode,
 )
 from shared.settings import Settings
 from talaria.ops.nats_server import NatsServer
@@ -239,6 +239,9 @@ async def refusing_gateway(nats_server: NatsServer) -> AsyncIterator[tuple[str, 
     ctl: dict[str, Any] = {"calls": 0}
 
     async def on_api(msg: Any) -> None:
+        if msg.subject.endswith(".api.cancel"):
+            ctl.setdefault("cancelled", []).append(json.loads(msg.data)["call_id"])
+            return
         req = api_request_decoder.decode(msg.data)
         match req:
             case InfoRequest():
@@ -249,6 +252,9 @@ async def refusing_gateway(nats_server: NatsServer) -> AsyncIterator[tuple[str, 
                                                                      context_limit=100_000)))
             case EndSession():
                 await router.publish(msg.reply, encode(Ok()))
+            case CallRequest() if "slow" in (req.prompt_text or ""):
+                ctl["calls"] += 1  # queued for a round that never comes: heartbeats only
+                await router.publish(req.reply_to, encode(CallQueued(call_id=req.call_id, server_id="s0", waited_s=0)))
             case CallRequest():
                 ctl["calls"] += 1
                 await router.publish(req.reply_to, encode(ApiError(code="no_capacity", message="every slot is taken",
@@ -287,3 +293,36 @@ async def test_no_capacity_is_429_with_retry_after_and_529_for_anthropic(refusin
         await openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="bad", max_retries=0).chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "x"}])
     assert ctl["calls"] == calls  # a refused key reaches nothing
+
+
+@pytest.mark.timeout(60)
+async def test_a_waiting_stream_gets_keep_alives_and_a_disconnect_cancels_the_queued_call(
+        refusing_gateway: tuple[str, dict[str, Any]]) -> None:
+    url, ctl = refusing_gateway
+    body = {"model": MODEL, "stream": True, "max_tokens": 4, "messages": [{"role": "user", "content": "slow please"}]}
+    async with aiohttp.ClientSession() as http:
+        resp = await http.post(f"{url}/v1/chat/completions", json=body, headers={"Authorization": "Bearer k"})
+        assert resp.status == 200 and resp.headers["Content-Type"].startswith("text/event-stream")
+        seen = b""
+        while seen.count(b": keep-alive") < 2:
+            seen += await resp.content.readany()
+        resp.close()
+    deadline = time.monotonic() + 5
+    while not ctl.get("cancelled"):
+        assert time.monotonic() < deadline, "no CancelCall for the abandoned call"
+        await asyncio.sleep(0.05)
+
+
+@pytest.mark.timeout(120)
+async def test_session_final_header_ends_the_session(stack: EmbeddedStack) -> None:
+    client = oai(stack)
+    sid = tr.talaria_session_id("default", "fin-1", "", MODEL)
+    await client.chat.completions.create(model=MODEL, max_tokens=4, messages=[{"role": "user", "content": "one"}],
+                                         extra_headers={"X-Dynamo-Session-ID": "fin-1"})
+    assert not [e for e in events(stack, "router-0", "session.ended") if e.get("session_id") == sid]
+    await client.chat.completions.create(model=MODEL, max_tokens=4, messages=[{"role": "user", "content": "two"}],
+                                         extra_headers={"X-Dynamo-Session-ID": "fin-1", "X-Dynamo-Session-Final": "true"})
+    deadline = time.monotonic() + 5
+    while not [e for e in events(stack, "router-0", "session.ended") if e.get("session_id") == sid]:
+        assert time.monotonic() < deadline, "the final call did not end its session"
+        await asyncio.sleep(0.1)
