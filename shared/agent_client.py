@@ -37,7 +37,7 @@ from nats.errors import TimeoutError as NatsTimeout
 from shared.schema import (
     ApiError, CallAccepted, CallEvent, CallQueued, CallReply, CallRequest, CallRunning, CallTokens, CancelCall, EngineHint,
     EndSession, Info,
-    InfoRequest, OpenSession, SessionOpened, api_reply_decoder, call_event_decoder, encode,
+    InfoRequest, OpenSession, Sampling, SessionOpened, api_reply_decoder, call_event_decoder, encode,
 )
 from shared.subjects import Subjects
 
@@ -238,6 +238,7 @@ class TalariaClient:
         prompt_token_ids: list[int] | None = None,
         prompt_text: str | None = None,
         stream: bool = False,
+        sampling: Sampling | None = None,
     ) -> CallReply:
         """`prompt_token_ids` / `prompt_text`: the real prompt, for a real engine
         (`vllm` backend; the sim reads only the counts). `sim_output_tokens`: the
@@ -250,7 +251,8 @@ class TalariaClient:
         hint = EngineHint(sim_output_tokens=sim_output_tokens) if sim_output_tokens is not None else None
         req = CallRequest(call_id=cid, session_id=session_id, model=model, prompt_tokens=prompt_tokens,
                           prefix_tokens=prefix_tokens, max_tokens=max_tokens, reply_to=inbox,
-                          prompt_text=prompt_text, prompt_token_ids=prompt_token_ids, engine_hint=hint, stream=stream)
+                          prompt_text=prompt_text, prompt_token_ids=prompt_token_ids, engine_hint=hint, stream=stream,
+                          sampling=sampling)
         data = encode(req)
         # Our own queue read under `asyncio.timeout`, not `sub.next_msg`: nats-py's next_msg wraps
         # `asyncio.wait_for`, which on Python 3.11 can swallow a cancellation that races a message,
@@ -326,6 +328,7 @@ class Session:
         prompt_token_ids: list[int] | None = None,
         prompt_text: str | None = None,
         stream: bool = False,
+        sampling: Sampling | None = None,
     ) -> CallReply:
         """One call of this session (see `TalariaClient.call`). Refused here,
         before anything is sent, when the session has ended or when the prompt
@@ -340,7 +343,7 @@ class Session:
                                f"{self.context_limit}; lower max_tokens or compact the context")
         kw = dict(prompt_tokens=prompt_tokens, prefix_tokens=prefix_tokens, max_tokens=max_tokens, call_id=call_id,
                   sim_output_tokens=sim_output_tokens, on_event=on_event, prompt_token_ids=prompt_token_ids,
-                  prompt_text=prompt_text, stream=stream)
+                  prompt_text=prompt_text, stream=stream, sampling=sampling)
         try:
             return await self.client.call(self.session_id, self.model, **kw)  # type: ignore[arg-type]
         except UnknownSession:

@@ -71,6 +71,27 @@ def test_keys_and_token_estimate() -> None:
         tr.chat_prompt([{"role": "wizard", "content": "x"}])
 
 
+def test_sampling_fields_are_carried_or_refused_by_name() -> None:
+    sp = tr.sampling_of({"temperature": 0.3, "top_p": 0.9, "stop": "END", "seed": 7}, "openai")
+    assert (sp.temperature, sp.top_p, sp.stop, sp.seed) == (0.3, 0.9, ["END"], 7)
+    assert tr.sampling_of({"stop_sequences": ["a", "b"], "top_k": 5}, "anthropic").stop == ["a", "b"]
+    for body, api, field in (({"temperature": 5}, "openai", "temperature"), ({"logprobs": True}, "openai", "logprobs"),
+                             ({"stop": ["a"] * 5}, "openai", "stop"), ({"temperature": 1.5}, "anthropic", "temperature"),
+                             ({"top_p": "x"}, "openai", "top_p"), ({"stop_sequences": [""]}, "anthropic", "stop_sequences")):
+        with pytest.raises(tr.BadRequest) as e:
+            tr.sampling_of(body, api)
+        assert e.value.param == field, (body, e.value)
+
+
+def test_vllm_sampling_params() -> None:
+    from services.engine.vllm_backend import sampling_kwargs
+    from shared.schema import Sampling
+
+    assert sampling_kwargs(None, 9) == {"max_tokens": 9, "ignore_eos": True, "temperature": 0.0}  # a trace's call
+    assert sampling_kwargs(Sampling(temperature=0.5, stop=["x"], seed=3), 9) == {
+        "max_tokens": 9, "temperature": 0.5, "stop": ["x"], "seed": 3}
+
+
 def test_error_shapes() -> None:
     assert tr.openai_error("context_limit", "m")[1]["error"]["code"] == "context_length_exceeded"
     assert tr.openai_error("no_capacity", "m")[0] == 429
@@ -257,6 +278,7 @@ async def refusing_gateway(nats_server: NatsServer) -> AsyncIterator[tuple[str, 
                 await router.publish(req.reply_to, encode(CallQueued(call_id=req.call_id, server_id="s0", waited_s=0)))
             case CallRequest():
                 ctl["calls"] += 1
+                ctl["last"] = req
                 await router.publish(req.reply_to, encode(ApiError(code="no_capacity", message="every slot is taken",
                                                                    call_id=req.call_id, retry_after_s=3.0)))
 
@@ -326,3 +348,23 @@ async def test_session_final_header_ends_the_session(stack: EmbeddedStack) -> No
     while not [e for e in events(stack, "router-0", "session.ended") if e.get("session_id") == sid]:
         assert time.monotonic() < deadline, "the final call did not end its session"
         await asyncio.sleep(0.1)
+
+
+@pytest.mark.timeout(60)
+async def test_sampling_reaches_the_call_and_a_bad_field_is_a_400_naming_it(
+        refusing_gateway: tuple[str, dict[str, Any]]) -> None:
+    url, ctl = refusing_gateway
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="k", max_retries=0)
+    with pytest.raises(openai.RateLimitError):
+        await client.chat.completions.create(model=MODEL, temperature=0.3, top_p=0.5, stop="END", seed=7,
+                                             messages=[{"role": "user", "content": "x"}])
+    sp = ctl["last"].sampling
+    assert (sp.temperature, sp.top_p, sp.stop, sp.seed) == (0.3, 0.5, ["END"], 7)
+    calls = ctl["calls"]
+    with pytest.raises(openai.BadRequestError) as e:
+        await client.chat.completions.create(model=MODEL, temperature=9, messages=[{"role": "user", "content": "x"}])
+    assert e.value.body["param"] == "temperature"
+    with pytest.raises(openai.BadRequestError) as e:
+        await client.chat.completions.create(model=MODEL, logprobs=True, messages=[{"role": "user", "content": "x"}])
+    assert e.value.body["param"] == "logprobs"
+    assert ctl["calls"] == calls  # refused before anything was sent

@@ -43,7 +43,7 @@ from services.gateway.translate import BadRequest, Prompt
 from shared.agent_client import Session, TalariaClient, TalariaError
 from shared.catalog import Catalog, load_catalog
 from shared.logs import configure_logging
-from shared.schema import MAX_MESSAGE_BYTES, ApiError, CallReply, CallRunning, CallTokens
+from shared.schema import MAX_MESSAGE_BYTES, CallReply, CallRunning, CallTokens, Sampling
 from shared.settings import Settings
 
 DEFAULT_MAX_TOKENS = 4096      # a request naming no bound gets this much, capped by the context left
@@ -191,6 +191,13 @@ class Gateway:
             raise HttpError("malformed", "only n=1 is served", "n")
         return stream
 
+    @staticmethod
+    def _sampling(body: dict[str, Any], api: str) -> Sampling:
+        try:
+            return tr.sampling_of(body, api)
+        except BadRequest as exc:
+            raise HttpError("malformed", str(exc), exc.param) from None
+
     async def _session(self, sid: str, model: str) -> Session:
         s = self.sessions.get(sid)
         if s is None:
@@ -221,7 +228,7 @@ class Gateway:
 
     # -- one call, whole or streamed ----------------------------------------------------------------
     async def _call(self, request: web.Request, api: str, tenant: str, raw: bytes, body: dict[str, Any],
-                    model: str, prompt: Prompt, max_tokens: int, stream: bool,
+                    model: str, prompt: Prompt, max_tokens: int, stream: bool, sampling: Sampling,
                     streamer: "Callable[[web.Request, asyncio.Task[CallReply], asyncio.Queue[Any]], Awaitable[web.StreamResponse]] | None" = None,
                     whole: "Callable[[CallReply], dict[str, Any]] | None" = None) -> web.StreamResponse:
         if len(msgspec.json.encode(prompt.text)) > PROMPT_BYTES_MAX:
@@ -236,7 +243,8 @@ class Gateway:
                 events: asyncio.Queue[Any] = asyncio.Queue()
                 task = asyncio.ensure_future(session.call(
                     prompt_tokens=prompt.tokens, prefix_tokens=prompt.prefix_tokens, max_tokens=max_tokens,
-                    call_id=cid, prompt_text=prompt.text, stream=stream, on_event=events.put_nowait))
+                    call_id=cid, prompt_text=prompt.text, stream=stream, on_event=events.put_nowait,
+                    sampling=sampling))
                 try:
                     if stream and streamer is not None:
                         return await streamer(request, task, events)
@@ -367,7 +375,7 @@ class Gateway:
 
         cid_box.append(self._ids(request, tenant, raw, body, model)[1])
         return await self._call(request, OPENAI, tenant, raw, body, model, prompt, max_tokens, stream,
-                                streamer=streamer, whole=whole)
+                                self._sampling(body, OPENAI), streamer=streamer, whole=whole)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         tenant = self._tenant(request)
@@ -400,7 +408,7 @@ class Gateway:
                                              on_reply=on_reply, on_error=on_error)
 
         return await self._call(request, OPENAI, tenant, raw, body, model, prompt, max_tokens, stream,
-                                streamer=streamer, whole=whole)
+                                self._sampling(body, OPENAI), streamer=streamer, whole=whole)
 
     async def models(self, request: web.Request) -> web.Response:
         self._tenant(request)
@@ -456,7 +464,7 @@ class Gateway:
                                              on_reply=on_reply, on_error=on_error)
 
         return await self._call(request, ANTHROPIC, tenant, raw, body, model, prompt, max_tokens, stream,
-                                streamer=streamer, whole=whole)
+                                self._sampling(body, ANTHROPIC), streamer=streamer, whole=whole)
 
 
 async def start_gateway(settings: Settings, client: TalariaClient) -> tuple[web.AppRunner, int]:

@@ -23,6 +23,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
+from shared.schema import Sampling
+
 # The agents' own session headers, first match wins (docs/front-door.md lists who sends which).
 SESSION_HEADERS = (
     "x-session-id",              # generic, OpenCode
@@ -221,6 +225,41 @@ def text_prompt(prompt: Any) -> Prompt:
     if not isinstance(prompt, str) or not prompt:
         raise BadRequest("prompt must be a non-empty string (one prompt per request)", "prompt")
     return Prompt(prompt, estimate_tokens(prompt), 0)
+
+
+# -- sampling ----------------------------------------------------------------------------------
+# what the engine honours (shared/schema.py Sampling), by the API's own field names
+_OPENAI_SAMPLING = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "stop": "stop", "seed": "seed",
+                    "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty"}
+_ANTHROPIC_SAMPLING = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "stop_sequences": "stop"}
+# asked for and not served: refused with a 400 that names the field, never silently dropped
+_OPENAI_REFUSED = ("logprobs", "top_logprobs", "logit_bias")
+
+
+def sampling_of(body: Mapping[str, Any], api: str) -> Sampling:
+    """The request's sampling fields as the engine takes them; a BadRequest names a bad or unserved field."""
+    names = _ANTHROPIC_SAMPLING if api == "anthropic" else _OPENAI_SAMPLING
+    if api != "anthropic":
+        for f in _OPENAI_REFUSED:
+            if body.get(f) not in (None, False, {}, 0):
+                raise BadRequest(f"{f} is not served", f)
+    fields: dict[str, Any] = {}
+    for theirs, ours in names.items():
+        v = body.get(theirs)
+        if v is None:
+            continue
+        if ours == "stop" and isinstance(v, str):
+            v = [v]
+        fields[ours] = v
+    if api == "anthropic" and isinstance(fields.get("temperature"), (int, float)) and fields["temperature"] > 1:
+        raise BadRequest("temperature must be between 0 and 1", "temperature")
+    try:
+        return msgspec.convert(fields, Sampling)
+    except msgspec.ValidationError as exc:
+        path = str(exc).rsplit("at `$.", 1)
+        ours = path[1].split("`", 1)[0].split("[", 1)[0] if len(path) == 2 else None
+        theirs = next((t for t, o in names.items() if o == ours), ours)
+        raise BadRequest(f"{theirs}: {str(exc).split(' - at', 1)[0]}", theirs) from None
 
 
 # -- replies -----------------------------------------------------------------------------------------
