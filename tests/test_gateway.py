@@ -368,3 +368,26 @@ async def test_sampling_reaches_the_call_and_a_bad_field_is_a_400_naming_it(
         await client.chat.completions.create(model=MODEL, logprobs=True, messages=[{"role": "user", "content": "x"}])
     assert e.value.body["param"] == "logprobs"
     assert ctl["calls"] == calls  # refused before anything was sent
+
+
+@pytest.mark.timeout(120)
+async def test_a_100k_token_conversation_is_served(stack: EmbeddedStack) -> None:
+    turns = []
+    for i in range(50):  # 50 turns of ~2,000 tokens each (8,000 bytes)
+        turns.append({"role": "user" if i % 2 == 0 else "assistant", "content": f"{i:04d} " + "x" * 7995})
+    r = await oai(stack).chat.completions.create(model=MODEL, max_tokens=8, messages=turns,
+                                                 extra_headers={"x-session-id": "big-1"})
+    assert r.usage.prompt_tokens >= 100_000 and r.usage.completion_tokens == 8
+
+
+@pytest.mark.timeout(120)
+async def test_a_retry_without_a_session_header_is_the_same_one_call_session(stack: EmbeddedStack) -> None:
+    client = oai(stack)
+    msgs = [{"role": "user", "content": "no header here " * 10}]
+    first = await client.chat.completions.create(model=MODEL, max_tokens=6, messages=msgs)
+    again = await client.chat.completions.create(model=MODEL, max_tokens=6, messages=msgs,
+                                                 extra_headers={"x-stainless-retry-count": "1"})
+    assert again.id == first.id
+    fresh = await client.chat.completions.create(model=MODEL, max_tokens=6, messages=msgs,
+                                                 extra_headers={"Idempotency-Key": "another-attempt"})
+    assert fresh.id != first.id
