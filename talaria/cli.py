@@ -1,4 +1,4 @@
-"""The `talaria` command: sim, replay, up, status, study, fidelity, chaos, compare, bench-sim, demo, bench-vllm, logs, generate."""
+"""The `talaria` command: sim, replay, up, status, study, fidelity, chaos, compare, bench-sim, bench-gateway, demo, bench-vllm, logs, generate."""
 
 from __future__ import annotations
 
@@ -371,6 +371,10 @@ def build_parser() -> argparse.ArgumentParser:
     scenarios.configure_compare(cp)
     bp = sub.add_parser("bench-sim", help="time the simulator: the default trace (< 5 s) and ~100,000 calls (< 2 min)")
     scenarios.configure_bench(bp)
+    from talaria.lab import gateway_bench
+
+    bg = sub.add_parser("bench-gateway", help="the HTTP gateway's overhead over a direct NATS client (wall ms, p50/p99)")
+    gateway_bench.configure_parser(bg, default_log_dir() / "bench-gateway")
 
     from talaria.lab import vllm_bench  # imports vLLM only when its commands run
 
