@@ -391,3 +391,52 @@ async def test_a_retry_without_a_session_header_is_the_same_one_call_session(sta
     fresh = await client.chat.completions.create(model=MODEL, max_tokens=6, messages=msgs,
                                                  extra_headers={"Idempotency-Key": "another-attempt"})
     assert fresh.id != first.id
+
+
+@pytest.mark.timeout(120)
+async def test_hostile_requests_get_typed_errors_and_reach_nothing(refusing_gateway: tuple[str, dict[str, Any]]) -> None:
+    """A few hundred malformed or hostile requests (the seeded short form of the fuzz):
+    each gets a 4xx in the API's shape, none reaches the router, the gateway stays healthy."""
+    import random
+
+    url, ctl = refusing_gateway
+    rng = random.Random(7)
+    auth = {"Authorization": "Bearer k"}
+    good = {"model": MODEL, "messages": [{"role": "user", "content": "x"}]}
+    bodies: list[bytes] = [b"", b"{", b"[]", b"null", b'"s"', b"\xff\xfe", b'{"model": 1}', b"{}" * 1000]
+    mutations = [("model", None), ("model", 7), ("model", "x" * 5000), ("messages", []), ("messages", "hi"),
+                 ("messages", [{"role": "wizard", "content": "x"}]), ("messages", [{"role": "user", "content": 5}]),
+                 ("messages", [7]), ("stream", "yes"), ("max_tokens", -1), ("max_tokens", "9"), ("max_tokens", 10**12),
+                 ("n", 3), ("temperature", "hot"), ("temperature", 1e9), ("stop", [1, 2]), ("logprobs", True),
+                 ("messages", [{"role": "user", "content": [{"type": "text"}, 3]}])]
+    for field, value in mutations:
+        bodies.append(json.dumps({**good, field: value}).encode())
+    for _ in range(200):
+        b = bytearray(json.dumps(good).encode())
+        for _ in range(rng.randint(1, 4)):
+            b[rng.randrange(len(b))] = rng.randrange(256)
+        bodies.append(bytes(b))
+    async with aiohttp.ClientSession() as http:
+        for i, body in enumerate(bodies):
+            path = "/v1/messages" if i % 3 == 0 else "/v1/chat/completions"
+            async with http.post(url + path, data=body, headers=auth) as r:
+                if r.status == 429 or (r.status == 529 and path == "/v1/messages"):
+                    continue  # a mutation that left a valid request: the stand-in refuses it
+                assert 400 <= r.status < 500, (body[:200], r.status)
+                out = await r.json()
+                assert ("error" in out and "message" in out["error"]) if path != "/v1/messages" else out["type"] == "error"
+        async with http.post(url + "/v1/chat/completions", data=b"x" * (5 * 1024 * 1024), headers=auth) as r:
+            assert r.status == 413 and (await r.json())["error"]["code"] == "request_too_large"
+        for hdr in ({"Authorization": "Bearer \u00ff\u00fe"}, {"x-session-id": "a" * 8000}, {"Authorization": "Basic k"}):
+            async with http.post(url + "/v1/chat/completions", json=good, headers=hdr) as r:
+                assert r.status in (400, 401, 429, 431), r.status
+        # a client that sends half a body and vanishes
+        reader, writer = await asyncio.open_connection("127.0.0.1", int(url.rsplit(":", 1)[1]))
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer k\r\n"
+                     b"Content-Length: 1000\r\n\r\n{\"model\"")
+        await writer.drain()
+        writer.close()
+        async with http.get(url + "/health") as r:
+            assert r.status == 200
+    valid_ones = ctl["calls"]
+    assert valid_ones <= len(bodies) // 20  # only mutations that left a valid request got through
