@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from shared.subjects import Subjects
 
-ROLES = ("router", "admission", "substrate", "engine", "agent", "operator")
+ROLES = ("router", "admission", "substrate", "engine", "agent", "gateway", "operator")
 AGENT_REPLY_NAMESPACE = "agent"
 
 # what every service needs to be a NATS micro service and to make requests
@@ -45,6 +45,11 @@ def nats_permissions(prefix: str) -> dict[str, dict[str, list[str]]]:
             "publish": [f"{p}.reply.>", f"{p}.events.>", *service_pub],
         },
         "agent": {
+            "subscribe": [f"{p}.reply.{AGENT_REPLY_NAMESPACE}.>", "_INBOX.>"],
+            "publish": [f"{p}.api.>"],
+        },
+        # the HTTP gateway is an agent of Talaria: exactly the agent's permissions, its own password
+        "gateway": {
             "subscribe": [f"{p}.reply.{AGENT_REPLY_NAMESPACE}.>", "_INBOX.>"],
             "publish": [f"{p}.api.>"],
         },

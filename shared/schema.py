@@ -65,6 +65,21 @@ class EngineHint(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, 
     sim_output_tokens: Tokens | None = None
 
 
+class Sampling(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, forbid_unknown_fields=False):
+    """How a real engine samples a call's output (the HTTP front door's fields). None
+    of a field = the engine's default. The sim engine has no tokens to sample and
+    reads none of it. A call with no `Sampling` at all is a replayed trace's:
+    greedy to its bound (the vllm backend ignores end of sequence there)."""
+
+    temperature: Annotated[float, Meta(ge=0, le=2)] | None = None
+    top_p: Annotated[float, Meta(gt=0, le=1)] | None = None
+    top_k: Annotated[int, Meta(ge=-1)] | None = None
+    stop: Annotated[list[Annotated[str, Meta(min_length=1, max_length=200)]], Meta(max_length=4)] = []
+    seed: int | None = None
+    presence_penalty: Annotated[float, Meta(ge=-2, le=2)] | None = None
+    frequency_penalty: Annotated[float, Meta(ge=-2, le=2)] | None = None
+
+
 class CallRequest(Base, tag="call"):
     call_id: Id
     session_id: Id
@@ -77,6 +92,7 @@ class CallRequest(Base, tag="call"):
     prompt_token_ids: list[int] | None = None
     engine_hint: EngineHint | None = None
     stream: bool = False              # send CallTokens as tokens are generated (the vllm backend always does)
+    sampling: Sampling | None = None  # how a real engine samples (the engine payload carries it; no decision reads it)
 
 
 ApiRequest = OpenSession | EndSession | InfoRequest | CallRequest
@@ -193,6 +209,7 @@ class EnginePayload(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tru
     prompt_token_ids: list[int] | None = None
     hint: EngineHint | None = None
     stream: bool = False
+    sampling: Sampling | None = None
 
     @property
     def sim_output_tokens(self) -> int | None:

@@ -123,6 +123,11 @@ class Settings:
     vllm: VllmSettings | None = None  # the vllm backend's settings (read when engine == "vllm")
     log_format: str = "json"        # json lines, or console for a person
     log_level: str = "INFO"
+    gateway_host: str = "0.0.0.0"   # the HTTP gateway's listen address
+    gateway_port: int = 8080        # the HTTP gateway's port
+    api_keys: str = ""              # the gateway's API keys, `tenant:key,...` (a bare key: its own tenant)
+    gateway_keepalive_s: float = 10.0  # wall seconds between SSE keep-alive comments while a call waits
+    gateway_max_body: int = 4 * 1024 * 1024  # bytes of an HTTP request body above which the gateway answers 413
 
     def instance_name(self, kind: str) -> str:
         """A service process's instance: its name in logs, in NATS and on its health subject."""
@@ -132,6 +137,8 @@ class Settings:
             return f"{kind}-{self.server_id}"
         if kind == "engine":
             return f"engine-{self.server_id}-{self.model}"
+        if kind == "gateway":
+            return f"gateway-{self.instance_id or os.getpid()}"
         return kind
 
     @classmethod
@@ -175,6 +182,14 @@ class Settings:
         p.add_argument("--log-format", default=_env("TALARIA_LOG_FORMAT", "json"), choices=("json", "console"))
         p.add_argument("--log-level", default=_env("TALARIA_LOG_LEVEL", "INFO"),
                        choices=("DEBUG", "INFO", "WARNING", "ERROR"), type=str.upper)
+        p.add_argument("--gateway-host", default=_env("TALARIA_GATEWAY_HOST", "0.0.0.0"),
+                       help="the HTTP gateway's listen address")
+        p.add_argument("--gateway-port", type=int, default=_int(src, "TALARIA_GATEWAY_PORT", 8080),
+                       help="the HTTP gateway's port (0 = a free one)")
+        p.add_argument("--gateway-keepalive-s", type=float, default=float(_env("TALARIA_GATEWAY_KEEPALIVE_S", "10")),
+                       help="wall seconds between SSE keep-alive comments while a streamed call waits")
+        p.add_argument("--gateway-max-body", type=int, default=_int(src, "TALARIA_GATEWAY_MAX_BODY", 4 * 1024 * 1024),
+                       help="largest HTTP request body in bytes (larger: 413)")
         a = p.parse_args(argv)
         vllm = None
         if a.engine == "vllm":
@@ -216,4 +231,10 @@ class Settings:
             vllm=vllm,
             log_format=a.log_format,
             log_level=a.log_level,
+            gateway_host=a.gateway_host,
+            gateway_port=a.gateway_port,
+            # keys only from the environment (a flag would show them in `ps`)
+            api_keys=src.get("TALARIA_API_KEYS", ""),
+            gateway_keepalive_s=max(0.05, a.gateway_keepalive_s),
+            gateway_max_body=max(1024, a.gateway_max_body),
         )

@@ -1,4 +1,4 @@
-"""The `talaria` command: sim, replay, up, status, study, fidelity, chaos, compare, bench-sim, demo, bench-vllm, logs, generate."""
+"""The `talaria` command: sim, replay, up, status, study, fidelity, chaos, compare, bench-sim, bench-gateway, demo, bench-vllm, logs, generate."""
 
 from __future__ import annotations
 
@@ -233,7 +233,7 @@ def cmd_up(a: argparse.Namespace) -> int:
         spec = StackSpec(policy=policy, models=models, servers=a.servers,
                          routers=a.routers, server_profile=a.server_profile, time_scale=a.time_scale, log_dir=Path(a.log_dir),
                          nats_urls=a.nats.split(",") if a.nats else None, redis_url=a.redis,
-                         subject_prefix=a.subject_prefix, key_prefix=a.key_prefix)
+                         subject_prefix=a.subject_prefix, key_prefix=a.key_prefix, gateway=not a.no_gateway)
         stack = EmbeddedStack(spec)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -251,6 +251,10 @@ def cmd_up(a: argparse.Namespace) -> int:
             if stack.creds is not None:
                 print(f"authentication on: agent credentials (NATS user 'agent') in {cred_file}")
             print(f"replay against it: talaria replay TRACE --credentials {cred_file}")
+            if stack.openai_base_url:
+                # the key is in the credentials file (mode 600), not on the terminal
+                print(f"HTTP front door: OPENAI_BASE_URL={stack.openai_base_url}  ANTHROPIC_BASE_URL={stack.gateway_url}\n"
+                      f"  its API key is `api_key` in {cred_file} (docs/front-door.md)")
             print(f"talaria is up: NATS {','.join(stack.nats_urls)}\n"
                   f"  subject prefix {stack.subject_prefix}  key prefix {stack.key_prefix}  policy {spec.policy.name}  "
                   f"time scale {spec.time_scale:g}x\n  logs in {stack.log_dir}; Ctrl-C stops everything", flush=True)
@@ -329,8 +333,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"the policy every service runs (default baseline; one of {', '.join(PRESETS)})")
     u.add_argument("--models", default=",".join(DEFAULT_MODELS),
                    help="comma-separated catalog models to serve, one engine-worker each per server")
-    u.add_argument("--time-scale", type=positive_float, default=50.0,
-                   help="model seconds per wall second (default 50)")
+    u.add_argument("--time-scale", type=positive_float, default=1.0,
+                   help="model seconds per wall second (default 1: agents at the HTTP front door live in wall time)")
+    u.add_argument("--no-gateway", action="store_true", help="do not start the HTTP gateway (the front door)")
     u.add_argument("--nats", help="use this NATS (comma-separated URLs) instead of starting one")
     u.add_argument("--redis", help="use this Redis URL instead of starting one")
     u.add_argument("--subject-prefix", default=None, help="first token of every subject (default: a fresh one)")
@@ -366,6 +371,10 @@ def build_parser() -> argparse.ArgumentParser:
     scenarios.configure_compare(cp)
     bp = sub.add_parser("bench-sim", help="time the simulator: the default trace (< 5 s) and ~100,000 calls (< 2 min)")
     scenarios.configure_bench(bp)
+    from talaria.lab import gateway_bench
+
+    bg = sub.add_parser("bench-gateway", help="the HTTP gateway's overhead over a direct NATS client (wall ms, p50/p99)")
+    gateway_bench.configure_parser(bg, default_log_dir() / "bench-gateway")
 
     from talaria.lab import vllm_bench  # imports vLLM only when its commands run
 

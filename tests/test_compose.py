@@ -49,7 +49,7 @@ ROOT = Path(__file__).resolve().parents[1]
 COMPOSE = ROOT / "compose.yaml"
 SCHEMA = ROOT / "deploy" / "compose-spec.json"
 ENV_EXAMPLE = ROOT / ".env.example"
-SERVICE_KINDS = {"services.router": "router", "services.admission": "admission",
+SERVICE_KINDS = {"services.router": "router", "services.gateway": "gateway", "services.admission": "admission",
                  "services.substrate": "substrate", "services.engine": "engine"}
 SETTING_RE = re.compile(r"^\s*#?\s*(TALARIA_[A-Z0-9_]+)=")
 
@@ -500,6 +500,8 @@ async def test_compose_services_start_outside_docker_and_serve_a_call(tmp_path: 
             env["TALARIA_REDIS_URL"] = f"redis://127.0.0.1:{redis.port}/0"  # user and password from the env file
             if env.get("TALARIA_ENGINE") == "vllm":
                 env["TALARIA_ENGINE"] = "sim"  # no GPU here: the sim backend in the GPU worker's place
+            if svc["command"][2] == "services.gateway":
+                env["TALARIA_GATEWAY_PORT"] = str(free_port())  # the host's 8080 may be taken; the health check reads the same
             full = {**host, **env}
             plan.append((name, host_argv(svc["command"]), host_argv(svc["healthcheck"]["test"]), full))
             group.add(name, host_argv(svc["command"]), env=full, log_path=tmp_path / f"{name}.log", inherit_env=False)
@@ -532,6 +534,15 @@ async def test_compose_services_start_outside_docker_and_serve_a_call(tmp_path: 
             await client.close()
         assert reply.output_tokens == 8 and reply.prompt_tokens == 512
         assert reply.server_id == "s0" and reply.model == "glm-4.5-air-fp8"
+        # and over HTTP through the gateway, with the env file's API key
+        import openai
+
+        gw_port = next(env for name, _, _, env in plan if name == "gateway")["TALARIA_GATEWAY_PORT"]
+        key = defaults["TALARIA_API_KEYS"].split(",")[0].split(":", 1)[1]
+        http = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{gw_port}/v1", api_key=key, max_retries=0)
+        done = await asyncio.wait_for(http.chat.completions.create(
+            model="glm-4.5-air-fp8", max_tokens=8, messages=[{"role": "user", "content": "hello"}]), timeout=150)
+        assert done.usage.completion_tokens == 8
         for name in group.children:
             assert group.running(name) and not group[name].exit_codes, name
     finally:

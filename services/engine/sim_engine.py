@@ -18,6 +18,8 @@ fit `kv_capacity_tokens` (the admission scheduler checks before dispatch, and
 
 from __future__ import annotations
 
+import math
+
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
@@ -25,6 +27,14 @@ from shared.costmodel import CostModel
 from shared.catalog import ModelSpec
 
 EPS = 1e-9
+
+
+def _after(t: float, dt: float) -> float:
+    """t + dt, but never t itself: at a model time near Unix time (clock epoch 0, as compose
+    runs) a last sliver of work can be below one float step of t, and an event at t would
+    advance nothing and wake the timer again forever."""
+    out = t + dt
+    return out if out > t else math.nextafter(t, math.inf)
 
 
 class EngineError(RuntimeError):
@@ -219,9 +229,9 @@ class SimEngine:
         if not self.running:
             return None
         if self.prefill_queue:
-            return self.t + self.running[self.prefill_queue[0]].prefill_left
+            return _after(self.t, self.running[self.prefill_queue[0]].prefill_left)
         step = self._itl()
-        return self.t + min(r.tokens_left for r in self.running.values()) * step
+        return _after(self.t, min(r.tokens_left for r in self.running.values()) * step)
 
     def _itl(self) -> float:
         if self._batch_itl is None:

@@ -41,6 +41,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import Any
 
 import structlog
 
@@ -49,7 +50,7 @@ from services.engine.worker import EngineBackend, EngineWorker
 from shared.clock import done_within
 from shared.net import free_port
 from shared.schema import (
-    CallReply, CallRunning, KvAllCleared, KvBlocksRemoved, KvBlocksStored, KvEvent, RunCall, Wake, encode,
+    CallReply, CallRunning, KvAllCleared, KvBlocksRemoved, KvBlocksStored, KvEvent, RunCall, Sampling, Wake, encode,
 )
 from shared.settings import VllmSettings
 
@@ -92,6 +93,23 @@ def sleep_level_for_platform(configured: int | None) -> int:
     from vllm.platforms import current_platform
 
     return 1 if current_platform.is_sleep_mode_available() else 0
+
+
+def sampling_kwargs(sampling: Sampling | None, max_tokens: int) -> dict[str, Any]:
+    """vLLM SamplingParams for a call. No `Sampling`: a replayed trace's call, greedy to
+    its bound (end of sequence ignored, so its output length is the trace's). With one
+    (an agent at the front door): the agent's fields, vLLM's defaults for the rest, and
+    the model may stop by itself."""
+    if sampling is None:
+        return {"max_tokens": max_tokens, "ignore_eos": True, "temperature": 0.0}
+    out: dict[str, Any] = {"max_tokens": max_tokens}
+    for name in ("temperature", "top_p", "top_k", "seed", "presence_penalty", "frequency_penalty"):
+        v = getattr(sampling, name)
+        if v is not None:
+            out[name] = v
+    if sampling.stop:
+        out["stop"] = list(sampling.stop)
+    return out
 
 
 class VllmBackend(EngineBackend):
@@ -308,7 +326,7 @@ class VllmBackend(EngineBackend):
         with structlog.contextvars.bound_contextvars(session_id=rc.session_id, call_id=rc.call_id):
             max_tokens = max(1, min(rc.call.max_tokens, self.max_model_len // 4))
             ids, source = self._prompt_ids(rc, self.max_model_len - max_tokens)
-            sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
+            sp = SamplingParams(**sampling_kwargs(rc.engine.sampling, max_tokens))
             self.matcher.track(live.request_id, rc.session_id, ids)
             await w.nc.publish(rc.reply_to, encode(CallRunning(call_id=rc.call_id, server_id=s.server_id)))
             self.log.info("engine.started", prompt_tokens=len(ids), prompt_source=source, max_tokens=max_tokens)

@@ -240,7 +240,8 @@ class Router(ServiceProcess):
             session_started_at=session.started_at if session.started_at is not None else now,
         )
         sub = SubmitCall(call=call, reply_to=reply_to, engine=EnginePayload(
-            prompt_text=req.prompt_text, prompt_token_ids=req.prompt_token_ids, hint=req.engine_hint, stream=req.stream))
+            prompt_text=req.prompt_text, prompt_token_ids=req.prompt_token_ids, hint=req.engine_hint, stream=req.stream,
+            sampling=req.sampling))
         for i, cand in enumerate(ranked):
             if i > 0:  # the first choice did not take it: the next one counts it now
                 await self.mark_in_flight(cand.server_id, placement)

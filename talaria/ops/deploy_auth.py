@@ -30,6 +30,7 @@ def auth_conf(prefix: str = DEFAULT_PREFIX) -> str:
 def fresh_passwords() -> str:
     lines = [f"{role_password_var(r)}={secrets.token_urlsafe(18)}" for r in ROLES]
     lines.append(f"TALARIA_REDIS_PASSWORD={secrets.token_urlsafe(18)}")
+    lines.append(f"TALARIA_API_KEYS=default:sk-talaria-{secrets.token_urlsafe(24)}")  # the HTTP gateway's key
     return "\n".join(lines) + "\n"
 
 

@@ -13,6 +13,8 @@ healthcheck needs no per-service arguments beyond the kind:
     admission  admission-<TALARIA_SERVER_ID>
     substrate  substrate-<TALARIA_SERVER_ID>
     engine     engine-<TALARIA_SERVER_ID>-<TALARIA_MODEL>
+    gateway    (HTTP) GET http://127.0.0.1:<TALARIA_GATEWAY_PORT>/health: the
+               gateway is an agent of Talaria, with no health subject of its own
 
 NATS URLs, the subject prefix and NATS credentials come from TALARIA_NATS_URL,
 TALARIA_SUBJECT_PREFIX, TALARIA_NATS_USER and TALARIA_NATS_PASSWORD (or
@@ -33,7 +35,7 @@ from shared.settings import Settings
 from shared.subjects import Subjects
 from talaria.argtypes import positive_float
 
-SERVICES = ("router", "admission", "substrate", "engine")
+SERVICES = ("router", "admission", "substrate", "engine", "gateway")
 
 
 def instance_name(service: str, env: Mapping[str, str] | None = None) -> str:
@@ -86,6 +88,19 @@ async def check(nats_urls: list[str], subject: str, timeout_s: float,
         await nc.close()
 
 
+def http_check(url: str, timeout_s: float) -> tuple[bool, str]:
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as r:  # noqa: S310 (a loopback URL of our own)
+            return r.status == 200, r.read(200).decode(errors="replace") or "ok"
+    except urllib.error.HTTPError as exc:
+        return False, f"{url}: HTTP {exc.code}"
+    except (OSError, ValueError) as exc:
+        return False, f"{url}: {type(exc).__name__}: {exc}"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m talaria.ops.healthcheck", description=__doc__.split("\n\n")[0])
     who = p.add_mutually_exclusive_group(required=True)
@@ -106,6 +121,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=positive_float, default=3.0, help="seconds for connect and for the answer")
     p.add_argument("-q", "--quiet", action="store_true")
     a = p.parse_args(argv)
+    if a.service == "gateway":
+        port = s.gateway_port if s else 8080
+        url = f"http://127.0.0.1:{port}/health"
+        ok, detail = http_check(url, a.timeout)
+        if not a.quiet:
+            print(f"{'healthy' if ok else 'unhealthy'}: {url}: {detail}", file=sys.stdout if ok else sys.stderr)
+        return 0 if ok else 1
     try:
         if a.srv_ping:
             subject = f"$SRV.PING.{a.srv_ping}"

@@ -21,6 +21,7 @@ import nats
 
 from shared.auth import Credentials, generate_credentials, nats_permissions
 from shared.clock import done_within
+from shared.net import LOOPBACK, free_port
 from shared.policy import PolicyConfig, encode_policy
 from shared.subjects import Subjects
 from talaria.client import AgentLogin, Deployment
@@ -52,6 +53,8 @@ class StackSpec:
     auth: bool = True  # embedded NATS/Redis: per-role NATS users and a Redis ACL user, fresh passwords
     nats_cluster: int = 1  # embedded NATS nodes; 3 = a routed cluster on loopback, clients given every URL
     liveness_grace_s: float = STARTUP_GRACE_S  # a service is judged hung only this long after its (re)start
+    gateway: bool = False  # the HTTP gateway (services/gateway) on a free loopback port (`talaria up` starts it)
+    api_keys: dict[str, str] = field(default_factory=dict)  # tenant -> key beside the generated `default` one
 
 
 class EmbeddedStack:
@@ -74,6 +77,9 @@ class EmbeddedStack:
             generate_credentials() if spec.auth and not spec.nats_urls and not spec.redis_url else None
         )
         self._stop_supervising = asyncio.Event()
+        self.gateway_port: int | None = None
+        # the gateway's key for the `default` tenant, fresh at every start like the passwords
+        self.api_key = f"sk-talaria-{secrets.token_urlsafe(24)}"
 
     @property
     def nats_urls(self) -> list[str]:
@@ -92,7 +98,23 @@ class EmbeddedStack:
         """How an agent reaches this stack (what `talaria up` writes to credentials.json)."""
         return Deployment(nats_urls=self.nats_urls, subject_prefix=self.subject_prefix,
                           agent=AgentLogin(**self.nats_auth("agent")), redis_url=self.redis_url,
-                          key_prefix=self.key_prefix)
+                          key_prefix=self.key_prefix, openai_base_url=self.openai_base_url,
+                          api_key=self.api_key if self.gateway_port else None)
+
+    @property
+    def gateway_url(self) -> str | None:
+        """The gateway's root URL (its `/health`), when it runs."""
+        return f"http://{LOOPBACK}:{self.gateway_port}" if self.gateway_port else None
+
+    @property
+    def openai_base_url(self) -> str | None:
+        return f"{self.gateway_url}/v1" if self.gateway_url else None
+
+    def gateway_env(self) -> dict[str, str]:
+        keys = {"default": self.api_key, **self.spec.api_keys}
+        assert self.gateway_port is not None
+        return {"TALARIA_GATEWAY_HOST": LOOPBACK, "TALARIA_GATEWAY_PORT": str(self.gateway_port),
+                "TALARIA_API_KEYS": ",".join(f"{t}:{k}" for t, k in keys.items()), **self._role("gateway")}
 
     @property
     def redis_url(self) -> str:
@@ -168,9 +190,15 @@ class EmbeddedStack:
             env["TALARIA_VLLM_MODEL"] = str(await asyncio.to_thread(ensure_tiny_model))
         for name, module, extra in self.service_table():
             self.group.add(name, [sys.executable, "-m", module], env={**env, **extra}, log_path=self.log_dir / f"{name}.log")
+        if self.spec.gateway:
+            self.gateway_port = free_port()
+            self.group.add("gateway", [sys.executable, "-m", "services.gateway"], env={**env, **self.gateway_env()},
+                           log_path=self.log_dir / "gateway.log")
         self.group.start_all()
         self._supervisor = asyncio.ensure_future(self.group.supervise(self._stop_supervising))
         await self.wait_healthy(timeout_s)
+        if self.spec.gateway:
+            await self.wait_gateway(timeout_s)
         self._liveness = asyncio.ensure_future(self.watch_liveness())
 
     async def watch_liveness(self) -> None:
@@ -214,6 +242,24 @@ class EmbeddedStack:
                     self.group.kill(name)
         finally:
             await nc.close()
+
+    async def wait_gateway(self, timeout_s: float) -> None:
+        """The gateway answers GET /health (HTTP: it has no NATS health endpoint, being an agent)."""
+        import aiohttp
+
+        deadline = time.monotonic() + timeout_s
+        async with aiohttp.ClientSession() as http:
+            while True:
+                try:
+                    async with http.get(f"{self.gateway_url}/health", timeout=aiohttp.ClientTimeout(total=1)) as r:
+                        if r.status == 200:
+                            return
+                except (aiohttp.ClientError, asyncio.TimeoutError):
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the gateway did not become healthy in {timeout_s:.0f} s; "
+                                       f"see {self.log_dir}/gateway.log")
+                await asyncio.sleep(0.2)
 
     async def wait_healthy(self, timeout_s: float) -> None:
         """Every service answers its health endpoint (NATS micro) before we go on."""

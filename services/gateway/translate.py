@@ -1,0 +1,374 @@
+"""The gateway's pure part: HTTP requests into Talaria calls and replies into
+each API's own shapes (no I/O; the service around it does the HTTP and NATS).
+
+- keys: `parse_keys` reads `TALARIA_API_KEYS`; `tenant_for` finds a request's tenant.
+- sessions: `session_name` takes the agent's own session header, in the
+  documented order (`SESSION_HEADERS`); `talaria_session_id` namespaces it by
+  tenant, agent id and model, so two tenants' `x-session-id: 1` never meet.
+- calls: `call_id_for` gives an HTTP retry the first attempt's call id, so the
+  router's reply cache answers it instead of running a second call.
+- tokens: `estimate_tokens` stands in for a tokenizer (part 1 has none): about
+  four UTF-8 bytes a token plus four per message for the role framing; the
+  same text always gives the same count.
+- errors: `openai_error` / `anthropic_error` turn a Talaria error code into the
+  API's status and body.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from shared.schema import Sampling
+
+# The agents' own session headers, first match wins (docs/front-door.md lists who sends which).
+SESSION_HEADERS = (
+    "x-session-id",              # generic, OpenCode
+    "x-dynamo-session-id",       # NVIDIA Dynamo clients
+    "x-claude-code-session-id",  # Claude Code (with its agent id below)
+    "session_id",                # Codex
+    "session-id",                # Codex
+    "x-session-affinity",        # OpenCode
+    "x-litellm-session-id",      # LiteLLM
+)
+AGENT_ID_HEADER = "x-claude-code-agent-id"
+SESSION_FINAL_HEADER = "x-dynamo-session-final"
+IDEMPOTENCY_HEADER = "idempotency-key"
+RETRY_COUNT_HEADER = "x-stainless-retry-count"  # the official SDKs' attempt number (0 = first)
+
+MESSAGE_FRAME_TOKENS = 4  # a message's role and separators, as chat templates add them
+BYTES_PER_TOKEN = 4
+
+
+# -- keys and tenants ---------------------------------------------------------------------
+def parse_keys(spec: str) -> dict[str, str]:
+    """`tenant:key,tenant2:key2` (a bare `key` is its own tenant, named by its hash) -> key -> tenant."""
+    out: dict[str, str] = {}
+    for item in spec.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        tenant, sep, key = item.partition(":")
+        if not sep:
+            tenant, key = "k" + hashlib.sha256(item.encode()).hexdigest()[:12], item
+        if not key or not tenant:
+            raise ValueError("TALARIA_API_KEYS: an entry is empty (format tenant:key,tenant2:key2)")
+        out[key] = tenant
+    return out
+
+
+def presented_key(headers: Mapping[str, str]) -> str | None:
+    """The key a request carries: `Authorization: Bearer K` (OpenAI) or `x-api-key: K` (Anthropic)."""
+    auth = headers.get("authorization", "")
+    if auth[:7].lower() == "bearer ":
+        return auth[7:].strip() or None
+    return headers.get("x-api-key", "").strip() or None
+
+
+def tenant_for(headers: Mapping[str, str], keys: Mapping[str, str]) -> str | None:
+    key = presented_key(headers)
+    if key is None:
+        return None
+    # constant-time over the known keys: the answer's timing says nothing about a guess
+    found = None
+    for known, tenant in keys.items():
+        if _eq(known, key):
+            found = tenant
+    return found
+
+
+def _eq(a: str, b: str) -> bool:
+    import hmac
+
+    return hmac.compare_digest(a.encode(), b.encode())
+
+
+# -- sessions ---------------------------------------------------------------------------------
+def session_name(headers: Mapping[str, str], body: Mapping[str, Any]) -> tuple[str, str] | None:
+    """(where it came from, the agent's session name), or None: a one-call session."""
+    for h in SESSION_HEADERS:
+        v = headers.get(h, "").strip()
+        if v:
+            return h, v
+    user = body.get("user")
+    if isinstance(user, str) and user.strip():
+        return "user", user.strip()
+    meta = body.get("metadata")
+    if isinstance(meta, Mapping):
+        for k in ("session_id", "user_id"):
+            v = meta.get(k)
+            if isinstance(v, str) and v.strip():
+                return f"metadata.{k}", v.strip()
+    return None
+
+
+def _digest(*parts: str) -> str:
+    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:32]
+
+
+def talaria_session_id(tenant: str, name: str, agent_id: str, model: str) -> str:
+    """A Talaria session is one (tenant, session name, agent id, model): Claude Code
+    sends its main and its small model under one session id, and a session has one model."""
+    return "gw-" + _digest("session", tenant, name, agent_id, model)
+
+
+def one_call_session_id(tenant: str, request_hash: str) -> str:
+    """A request with no session name: a session of its own, named by the request so an
+    HTTP retry of it lands on the same session (and call)."""
+    return "gw1-" + _digest("one-call", tenant, request_hash)
+
+
+def request_hash(path: str, body: bytes) -> str:
+    return _digest("request", path, hashlib.sha256(body).hexdigest())
+
+
+def call_id_for(tenant: str, session_id: str, req_hash: str, idempotency_key: str | None) -> str:
+    """`Idempotency-Key` when sent (per tenant), else the session and the request's hash.
+    The SDK's retry count is left out on purpose: attempt 1 must be attempt 0's call."""
+    if idempotency_key:
+        return "gwc-" + _digest("idempotency", tenant, idempotency_key)
+    return "gwc-" + _digest("call", session_id, req_hash)
+
+
+def is_final(headers: Mapping[str, str]) -> bool:
+    return headers.get(SESSION_FINAL_HEADER, "").strip().lower() in ("1", "true", "yes")
+
+
+def retry_count(headers: Mapping[str, str]) -> int:
+    try:
+        return max(0, int(headers.get(RETRY_COUNT_HEADER, "0")))
+    except ValueError:
+        return 0
+
+
+# -- prompts ------------------------------------------------------------------------------------
+def estimate_tokens(text: str) -> int:
+    """The stand-in tokenizer: ceil(UTF-8 bytes / 4), at least 1."""
+    return max(1, -(-len(text.encode("utf-8", "surrogatepass")) // BYTES_PER_TOKEN))
+
+
+def content_text(content: Any, where: str) -> str:
+    """A message's content: a string, or a list of parts whose text parts are kept
+    (OpenAI `{"type":"text","text":...}`, Anthropic the same). Other parts count by their JSON."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        out = []
+        for part in content:
+            if isinstance(part, Mapping) and isinstance(part.get("text"), str):
+                out.append(part["text"])
+            elif isinstance(part, Mapping):
+                out.append(json.dumps(part, sort_keys=True))  # tool use / results: counted, not read
+            else:
+                raise BadRequest(f"{where}: a content part must be an object", where)
+        return "\n".join(out)
+    raise BadRequest(f"{where}: content must be a string or a list of parts", where)
+
+
+class BadRequest(ValueError):
+    """A request the gateway refuses before anything is sent (400), naming the field."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class Prompt:
+    text: str
+    tokens: int
+    prefix_tokens: int  # tokens up to the last assistant turn: what the session held after its last call
+
+
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+
+
+def chat_prompt(messages: Any, system: Any = None, *, roles: tuple[str, ...] = CHAT_ROLES) -> Prompt:
+    """The conversation as one text, its token estimate and the prefix the session
+    already holds (everything up to and including the last assistant message)."""
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("messages must be a non-empty list", "messages")
+    parts: list[str] = []
+    tokens = 0
+    prefix = 0
+    if system is not None:
+        text = content_text(system, "system")
+        parts.append(f"<|system|>\n{text}\n")
+        tokens += MESSAGE_FRAME_TOKENS + estimate_tokens(text)
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping):
+            raise BadRequest(f"messages[{i}] must be an object", f"messages[{i}]")
+        role = m.get("role")
+        if role not in roles:
+            raise BadRequest(f"messages[{i}].role must be one of {', '.join(roles)}", f"messages[{i}].role")
+        text = content_text(m.get("content"), f"messages[{i}].content")
+        if m.get("tool_calls") is not None:
+            text += json.dumps(m["tool_calls"], sort_keys=True)
+        parts.append(f"<|{role}|>\n{text}\n")
+        tokens += MESSAGE_FRAME_TOKENS + estimate_tokens(text)
+        if role == "assistant":
+            prefix = tokens
+    return Prompt("".join(parts), tokens, min(prefix, tokens - 1))
+
+
+def text_prompt(prompt: Any) -> Prompt:
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if not isinstance(prompt, str) or not prompt:
+        raise BadRequest("prompt must be a non-empty string (one prompt per request)", "prompt")
+    return Prompt(prompt, estimate_tokens(prompt), 0)
+
+
+# -- sampling ----------------------------------------------------------------------------------
+# what the engine honours (shared/schema.py Sampling), by the API's own field names
+_OPENAI_SAMPLING = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "stop": "stop", "seed": "seed",
+                    "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty"}
+_ANTHROPIC_SAMPLING = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "stop_sequences": "stop"}
+# asked for and not served: refused with a 400 that names the field, never silently dropped
+_OPENAI_REFUSED = ("logprobs", "top_logprobs", "logit_bias")
+
+
+def sampling_of(body: Mapping[str, Any], api: str) -> Sampling:
+    """The request's sampling fields as the engine takes them; a BadRequest names a bad or unserved field."""
+    names = _ANTHROPIC_SAMPLING if api == "anthropic" else _OPENAI_SAMPLING
+    if api != "anthropic":
+        for f in _OPENAI_REFUSED:
+            if body.get(f) not in (None, False, {}, 0):
+                raise BadRequest(f"{f} is not served", f)
+    fields: dict[str, Any] = {}
+    for theirs, ours in names.items():
+        v = body.get(theirs)
+        if v is None:
+            continue
+        if ours == "stop" and isinstance(v, str):
+            v = [v]
+        fields[ours] = v
+    if api == "anthropic" and isinstance(fields.get("temperature"), (int, float)) and fields["temperature"] > 1:
+        raise BadRequest("temperature must be between 0 and 1", "temperature")
+    try:
+        return msgspec.convert(fields, Sampling)
+    except msgspec.ValidationError as exc:
+        path = str(exc).rsplit("at `$.", 1)
+        ours = path[1].split("`", 1)[0].split("[", 1)[0] if len(path) == 2 else None
+        theirs = next((t for t, o in names.items() if o == ours), ours)
+        raise BadRequest(f"{theirs}: {str(exc).split(' - at', 1)[0]}", theirs) from None
+
+
+# -- replies -----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Usage:
+    prompt: int
+    cached: int
+    completion: int
+
+    def openai(self) -> dict[str, Any]:
+        return {"prompt_tokens": self.prompt, "completion_tokens": self.completion,
+                "total_tokens": self.prompt + self.completion,
+                "prompt_tokens_details": {"cached_tokens": self.cached}}
+
+    def anthropic(self) -> dict[str, Any]:
+        return {"input_tokens": self.prompt - self.cached, "output_tokens": self.completion,
+                "cache_read_input_tokens": self.cached, "cache_creation_input_tokens": 0}
+
+
+def usage_of(reply: Any) -> Usage:
+    """A reply's usage; KV restored from host memory is not recomputed either, so it counts as cached."""
+    cached = min(reply.prompt_tokens, reply.cached_tokens + reply.restored_tokens)
+    return Usage(reply.prompt_tokens, cached, reply.output_tokens)
+
+
+def finish_reason(reply: Any, max_tokens: int) -> str:
+    return "length" if reply.output_tokens >= max_tokens else "stop"
+
+
+def chat_completion(call_id: str, model: str, reply: Any, max_tokens: int) -> dict[str, Any]:
+    return {"id": f"chatcmpl-{call_id}", "object": "chat.completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": reply.text or ""},
+                         "logprobs": None, "finish_reason": finish_reason(reply, max_tokens)}],
+            "usage": usage_of(reply).openai(), "system_fingerprint": f"talaria-{reply.server_id}"}
+
+
+def chat_chunk(call_id: str, model: str, created: int, delta: dict[str, Any], finish: str | None = None,
+               usage: dict[str, Any] | None = None, include_usage: bool = False) -> dict[str, Any]:
+    out: dict[str, Any] = {"id": f"chatcmpl-{call_id}", "object": "chat.completion.chunk", "created": created,
+                           "model": model, "choices": [{"index": 0, "delta": delta, "logprobs": None,
+                                                        "finish_reason": finish}]}
+    if include_usage:
+        out["usage"] = usage  # null on every chunk but the last, as OpenAI sends it
+    return out
+
+
+def usage_chunk(call_id: str, model: str, created: int, usage: dict[str, Any]) -> dict[str, Any]:
+    return {"id": f"chatcmpl-{call_id}", "object": "chat.completion.chunk", "created": created, "model": model,
+            "choices": [], "usage": usage}
+
+
+def text_completion(call_id: str, model: str, reply: Any, max_tokens: int) -> dict[str, Any]:
+    return {"id": f"cmpl-{call_id}", "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "text": reply.text or "", "logprobs": None,
+                         "finish_reason": finish_reason(reply, max_tokens)}],
+            "usage": usage_of(reply).openai()}
+
+
+def text_chunk(call_id: str, model: str, created: int, text: str, finish: str | None = None) -> dict[str, Any]:
+    return {"id": f"cmpl-{call_id}", "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}
+
+
+def anthropic_stop_reason(reply: Any, max_tokens: int) -> str:
+    return "max_tokens" if reply.output_tokens >= max_tokens else "end_turn"
+
+
+def anthropic_message(call_id: str, model: str, reply: Any, max_tokens: int) -> dict[str, Any]:
+    return {"id": f"msg_{call_id}", "type": "message", "role": "assistant", "model": model,
+            "content": [{"type": "text", "text": reply.text or ""}],
+            "stop_reason": anthropic_stop_reason(reply, max_tokens), "stop_sequence": None,
+            "usage": usage_of(reply).anthropic()}
+
+
+def models_list(models: list[tuple[str, int]]) -> dict[str, Any]:
+    return {"object": "list", "data": [{"id": m, "object": "model", "created": 0, "owned_by": "talaria",
+                                        "context_length": limit, "max_model_len": limit}
+                                       for m, limit in models]}
+
+
+# -- errors -------------------------------------------------------------------------------------------
+# Talaria's error code -> (HTTP status, OpenAI type, OpenAI code, Anthropic type)
+_ERROR_MAP: dict[str, tuple[int, str, str | None, str]] = {
+    "malformed": (400, "invalid_request_error", None, "invalid_request_error"),
+    "unauthorized": (401, "invalid_request_error", "invalid_api_key", "authentication_error"),
+    "unknown_model": (404, "invalid_request_error", "model_not_found", "not_found_error"),
+    "not_found": (404, "invalid_request_error", None, "not_found_error"),
+    "too_large": (413, "invalid_request_error", "request_too_large", "request_too_large"),
+    "context_limit": (400, "invalid_request_error", "context_length_exceeded", "invalid_request_error"),
+    "no_capacity": (429, "rate_limit_error", "no_capacity", "overloaded_error"),
+    "timeout": (504, "timeout", "timeout", "timeout_error"),
+    "internal": (500, "server_error", None, "api_error"),
+    "unknown_session": (500, "server_error", None, "api_error"),
+}
+ANTHROPIC_OVERLOADED_STATUS = 529  # Anthropic's own status for no capacity
+
+
+def error_status(code: str, api: str) -> int:
+    status = _ERROR_MAP.get(code, _ERROR_MAP["internal"])[0]
+    if api == "anthropic" and code == "no_capacity":
+        return ANTHROPIC_OVERLOADED_STATUS
+    return status
+
+
+def openai_error(code: str, message: str, param: str | None = None) -> tuple[int, dict[str, Any]]:
+    status, typ, ocode, _ = _ERROR_MAP.get(code, _ERROR_MAP["internal"])
+    return status, {"error": {"message": message, "type": typ, "param": param, "code": ocode}}
+
+
+def anthropic_error(code: str, message: str) -> tuple[int, dict[str, Any]]:
+    typ = _ERROR_MAP.get(code, _ERROR_MAP["internal"])[3]
+    return error_status(code, "anthropic"), {"type": "error", "error": {"type": typ, "message": message}}

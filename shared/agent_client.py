@@ -1,0 +1,379 @@
+"""The agent client's core: open a session, make calls, end it, over NATS.
+
+It lives in `shared/` so a service that speaks to Talaria as an agent (the
+HTTP gateway) can use it; agents import it as `talaria.client`.
+
+    async with await TalariaClient.connect(["nats://127.0.0.1:4222"]) as client:
+        session = await client.open_session("glm-4.5-fp8")
+        reply = await session.call(prompt_tokens=8000, max_tokens=1024)
+        await session.end()
+
+Against `talaria up` (authentication on, a private subject prefix):
+`TalariaClient.from_deployment(Deployment.load(".talaria/logs/up/credentials.json"))`.
+
+A call waiting for its model's slot is alive: the services send `queued` and
+`running` heartbeats, and the client only gives up when it has heard nothing
+for `silence_s` (wall seconds). Then it retries the same call id (served at
+most once) up to `retries` times before raising `CallTimeout`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Self
+
+import msgspec
+import nats
+import nats.errors
+from nats.aio.msg import Msg
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeout
+
+from shared.schema import (
+    ApiError, CallAccepted, CallEvent, CallQueued, CallReply, CallRequest, CallRunning, CallTokens, CancelCall, EngineHint,
+    EndSession, Info,
+    InfoRequest, OpenSession, Sampling, SessionOpened, api_reply_decoder, call_event_decoder, encode,
+)
+from shared.subjects import Subjects
+
+log = logging.getLogger("talaria.client")
+
+
+class TalariaError(Exception):
+    """A typed error from the service (code as in `shared.schema.ErrorCode`)."""
+
+    def __init__(self, code: str, message: str, retry_after_s: float | None = None) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+        self.retry_after_s = retry_after_s
+
+
+class UnknownModel(TalariaError): ...
+class UnknownSession(TalariaError): ...
+class NoCapacity(TalariaError): ...
+class Malformed(TalariaError): ...
+class ContextLimit(TalariaError): ...
+class CallTimeout(TalariaError): ...
+class SessionEnded(TalariaError):
+    """A call on a session this client already ended (raised here, nothing is sent)."""
+
+
+_ERRORS: dict[str, type[TalariaError]] = {
+    "unknown_model": UnknownModel, "unknown_session": UnknownSession, "no_capacity": NoCapacity,
+    "malformed": Malformed, "too_large": Malformed, "context_limit": ContextLimit, "timeout": CallTimeout,
+}
+
+
+def raise_for(err: ApiError) -> None:
+    raise _ERRORS.get(err.code, TalariaError)(err.code, err.message, err.retry_after_s)
+
+
+class LoginRefused(ConnectionError):
+    """NATS refused the first connection's login (wrong user or password)."""
+
+
+class AgentLogin(msgspec.Struct, frozen=True):
+    user: str | None = None
+    password: str | None = None
+
+
+class Deployment(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
+    """Where a running Talaria listens and how an agent logs in: the file
+    `talaria up` writes to `<log dir>/credentials.json` (mode 600)."""
+
+    nats_urls: list[str]
+    subject_prefix: str = "talaria"
+    agent: AgentLogin = AgentLogin()
+    redis_url: str | None = None  # the stack's Redis (operators: loop-lag reports), not for agents
+    key_prefix: str = "talaria:"
+    # the operator role (health endpoints, $SRV pings, api.info), for `talaria status`; not for agents
+    operator: AgentLogin | None = None
+    # the HTTP front door (services/gateway): OpenAI-style base URL (ends in /v1) and a bearer key
+    openai_base_url: str | None = None
+    api_key: str | None = None
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Deployment":
+        """Read a credentials file; a `ValueError` that names the file and the problem."""
+        try:
+            dep = msgspec.json.decode(Path(path).read_bytes(), type=cls)
+        except OSError as exc:
+            raise ValueError(f"{path}: cannot read the credentials file: {exc.strerror or exc}") from None
+        except msgspec.ValidationError as exc:
+            raise ValueError(f"{path}: not a Talaria credentials file: {exc}") from None
+        except msgspec.DecodeError as exc:
+            raise ValueError(f"{path}: not JSON: {exc}") from None
+        if not dep.nats_urls:
+            raise ValueError(f"{path}: not a Talaria credentials file: `nats_urls` is empty")
+        return dep
+
+    def write(self, path: str | Path) -> None:
+        p = Path(path)
+        p.write_bytes(msgspec.json.format(msgspec.json.encode(self), indent=1))
+        p.chmod(0o600)
+
+
+class TalariaClient:
+    def __init__(self, nc: nats.NATS, subject_prefix: str = "talaria", silence_s: float = 15.0,
+                 retries: int = 3, request_timeout_s: float = 5.0, reply_namespace: str = "agent") -> None:
+        self.nc = nc
+        self.subjects = Subjects(subject_prefix)
+        self.silence_s = silence_s
+        self.retries = retries
+        self.request_timeout_s = request_timeout_s
+        # replies come under <prefix>.reply.<namespace>.<client>.<call>; an agent's NATS
+        # user may subscribe only to its own namespace
+        self.client_id = f"{reply_namespace}.{uuid.uuid4().hex[:12]}"
+
+    @classmethod
+    async def connect(cls, urls: list[str] | str, *, user: str | None = None, password: str | None = None,
+                      connect_timeout_s: float = 10.0, **kw: object) -> Self:
+        """Connect to NATS. Once connected the client reconnects forever; the
+        first connection fails fast instead (nats-py would retry it forever):
+        a refused login at once (`LoginRefused`), an unreachable server after
+        `connect_timeout_s` (`ConnectionError`), naming the servers and the last error."""
+        urls = [urls] if isinstance(urls, str) else list(urls)
+        errors: list[Exception] = []
+        refused = asyncio.Event()
+        connected = False
+
+        async def on_error(e: Exception) -> None:
+            errors.append(e)
+            # during the handshake nats-py raises a plain Error carrying the server's text
+            if isinstance(e, nats.errors.AuthorizationError) or "authorization violation" in str(e).lower():
+                refused.set()
+            # before the first connection, the ConnectionError raised below names the last
+            # error (one line, not one per retry); after it, say once what went wrong
+            if connected and (len(errors) < 2 or str(errors[-2]) != str(e)):
+                log.warning("NATS error: %s", e)
+
+        nc = nats.NATS()
+        connecting = asyncio.ensure_future(nc.connect(
+            servers=urls, max_reconnect_attempts=-1, reconnect_time_wait=0.5, name="talaria-agent",
+            user=user, password=password, error_cb=on_error))
+        refusal = asyncio.ensure_future(refused.wait())
+        done, _ = await asyncio.wait({connecting, refusal}, timeout=connect_timeout_s,
+                                     return_when=asyncio.FIRST_COMPLETED)
+        refusal.cancel()
+        if connecting not in done or refused.is_set():
+            connecting.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await connecting
+            with contextlib.suppress(Exception):
+                await nc.close()
+            where = ", ".join(urls)
+            if refused.is_set():
+                raise LoginRefused(f"cannot connect to NATS at {where}: login refused (Authorization Violation)")
+            why = f"{errors[-1]!s} (after {connect_timeout_s:g} s)" if errors else f"no answer in {connect_timeout_s:g} s"
+            raise ConnectionError(f"cannot connect to NATS at {where}: {why}")
+        connecting.result()  # a connect that failed outright raises here
+        connected = True
+        return cls(nc, **kw)  # type: ignore[arg-type]
+
+    @classmethod
+    async def from_deployment(cls, deployment: Deployment, **kw: object) -> Self:
+        """Connect as the deployment's agent user (`Deployment.load(credentials file)`)."""
+        kw.setdefault("subject_prefix", deployment.subject_prefix)
+        return await cls.connect(deployment.nats_urls, user=deployment.agent.user, password=deployment.agent.password, **kw)
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if not self.nc.is_closed:
+            await self.nc.drain()
+
+    async def _request(self, subject: str, msg: msgspec.Struct) -> object:
+        last: Exception | None = None
+        for _ in range(self.retries + 1):
+            try:
+                resp = await self.nc.request(subject, encode(msg), timeout=self.request_timeout_s)
+            except NoRespondersError as exc:
+                last = exc
+                await asyncio.sleep(0.5)
+                continue
+            except NatsTimeout as exc:
+                last = exc
+                continue
+            out = api_reply_decoder.decode(resp.data)
+            if isinstance(out, ApiError):
+                raise_for(out)
+            return out
+        raise CallTimeout("timeout", f"no router answered on {subject} ({type(last).__name__})")
+
+    async def info(self) -> Info:
+        out = await self._request(self.subjects.api_info, InfoRequest())
+        assert isinstance(out, Info)
+        return out
+
+    async def open_session(self, model: str, session_id: str | None = None) -> "Session":
+        sid = session_id or f"sess-{uuid.uuid4().hex[:12]}"
+        out = await self._request(self.subjects.api_session_open, OpenSession(session_id=sid, model=model))
+        assert isinstance(out, SessionOpened)
+        return Session(self, sid, model, out.context_limit)
+
+    async def end_session(self, session_id: str) -> None:
+        await self._request(self.subjects.api_session_end, EndSession(session_id=session_id))
+
+    async def call(
+        self,
+        session_id: str,
+        model: str,
+        *,
+        prompt_tokens: int,
+        prefix_tokens: int = 0,
+        max_tokens: int = 4096,
+        call_id: str | None = None,
+        sim_output_tokens: int | None = None,
+        on_event: Callable[[CallEvent], None] | None = None,
+        prompt_token_ids: list[int] | None = None,
+        prompt_text: str | None = None,
+        stream: bool = False,
+        sampling: Sampling | None = None,
+    ) -> CallReply:
+        """`prompt_token_ids` / `prompt_text`: the real prompt, for a real engine
+        (`vllm` backend; the sim reads only the counts). `sim_output_tokens`: the
+        sim engine's stopping point (an engine hint no decision sees). `stream`:
+        ask for `CallTokens` as they are generated (`on_event` sees them; the vllm
+        backend always streams). Streamed tokens are collected; a reply without
+        `token_ids` gets them filled in."""
+        cid = call_id or uuid.uuid4().hex
+        inbox = self.subjects.reply_inbox(self.client_id, cid)
+        hint = EngineHint(sim_output_tokens=sim_output_tokens) if sim_output_tokens is not None else None
+        req = CallRequest(call_id=cid, session_id=session_id, model=model, prompt_tokens=prompt_tokens,
+                          prefix_tokens=prefix_tokens, max_tokens=max_tokens, reply_to=inbox,
+                          prompt_text=prompt_text, prompt_token_ids=prompt_token_ids, engine_hint=hint, stream=stream,
+                          sampling=sampling)
+        data = encode(req)
+        # Our own queue read under `asyncio.timeout`, not `sub.next_msg`: nats-py's next_msg wraps
+        # `asyncio.wait_for`, which on Python 3.11 can swallow a cancellation that races a message,
+        # so an agent giving up on a streaming call would silently keep waiting for the reply.
+        inbox_msgs: asyncio.Queue[Msg] = asyncio.Queue()
+
+        async def deliver(msg: Msg) -> None:
+            inbox_msgs.put_nowait(msg)
+
+        sub = await self.nc.subscribe(inbox, cb=deliver)
+        streamed: list[int] = []
+        done = False
+        try:
+            attempts = 0
+            while attempts <= self.retries:
+                attempts += 1
+                await self.nc.publish(self.subjects.api_call, data)
+                while True:
+                    try:
+                        async with asyncio.timeout(self.silence_s):
+                            msg = await inbox_msgs.get()
+                    except TimeoutError:
+                        break  # silence: retry under the same call id
+                    try:
+                        ev = call_event_decoder.decode(msg.data)
+                    except msgspec.ValidationError:
+                        continue
+                    if on_event is not None:
+                        on_event(ev)
+                    match ev:
+                        case CallReply():
+                            done = True
+                            if ev.token_ids is None and streamed:
+                                ev = msgspec.structs.replace(ev, token_ids=streamed)
+                            return ev
+                        case ApiError():
+                            done = True
+                            raise_for(ev)
+                        case CallTokens(index=i, token_ids=t):
+                            del streamed[i:]
+                            streamed.extend(t)
+                            continue
+                        case CallAccepted() | CallQueued() | CallRunning():
+                            continue
+            raise CallTimeout("timeout", f"call {cid}: no answer for {self.silence_s:.0f} s, {attempts} attempts")
+        finally:
+            if not done and not self.nc.is_closed:
+                # we give up (timeout or the caller cancelled us): a real engine running it aborts it
+                try:
+                    await self.nc.publish(self.subjects.call_cancel, encode(CancelCall(call_id=cid)))
+                except Exception:
+                    pass
+            await sub.unsubscribe()
+
+
+class Session:
+    def __init__(self, client: TalariaClient, session_id: str, model: str, context_limit: int) -> None:
+        self.client = client
+        self.session_id = session_id
+        self.model = model
+        self.context_limit = context_limit
+        self.ended = False
+
+    async def call(
+        self,
+        *,
+        prompt_tokens: int,
+        prefix_tokens: int = 0,
+        max_tokens: int = 4096,
+        call_id: str | None = None,
+        sim_output_tokens: int | None = None,
+        on_event: Callable[[CallEvent], None] | None = None,
+        prompt_token_ids: list[int] | None = None,
+        prompt_text: str | None = None,
+        stream: bool = False,
+        sampling: Sampling | None = None,
+    ) -> CallReply:
+        """One call of this session (see `TalariaClient.call`). Refused here,
+        before anything is sent, when the session has ended or when the prompt
+        plus `max_tokens` would not fit in the model's context."""
+        if self.ended:
+            # the store would answer unknown_session and the retry below would quietly reopen it
+            raise SessionEnded("session_ended", f"session {self.session_id} has ended; open a new one")
+        if prompt_tokens + max_tokens > self.context_limit:
+            raise ContextLimit("context_limit",
+                               f"prompt of {prompt_tokens} tokens + max_tokens {max_tokens} = "
+                               f"{prompt_tokens + max_tokens} passes {self.model}'s context limit of "
+                               f"{self.context_limit}; lower max_tokens or compact the context")
+        kw = dict(prompt_tokens=prompt_tokens, prefix_tokens=prefix_tokens, max_tokens=max_tokens, call_id=call_id,
+                  sim_output_tokens=sim_output_tokens, on_event=on_event, prompt_token_ids=prompt_token_ids,
+                  prompt_text=prompt_text, stream=stream, sampling=sampling)
+        try:
+            return await self.client.call(self.session_id, self.model, **kw)  # type: ignore[arg-type]
+        except UnknownSession:
+            # the store lost its soft state (Redis restarted or flushed): the
+            # session is ours, so open it again under its id and retry once
+            await self.client.open_session(self.model, session_id=self.session_id)
+            return await self.client.call(self.session_id, self.model, **kw)  # type: ignore[arg-type]
+
+    async def end(self) -> None:
+        self.ended = True
+        await self.client.end_session(self.session_id)
+
+
+class TokenSession:
+    """A session on a real engine whose context is kept as token ids: each next
+    prompt is the previous prompt's ids + the ids the model returned + the new
+    input's ids, never re-tokenized text, so the engine sees the same prefix."""
+
+    def __init__(self, session: Session) -> None:
+        self.session = session
+        self.context: list[int] = []
+        self.calls = 0
+
+    async def call(self, new_input_ids: list[int], *, max_tokens: int, call_id: str | None = None,
+                   **kw: object) -> CallReply:
+        prompt = self.context + list(new_input_ids)
+        prefix = len(self.context) if self.calls else 0
+        reply = await self.session.call(prompt_tokens=len(prompt), prefix_tokens=min(prefix, len(prompt) - 1),
+                                        max_tokens=max_tokens, prompt_token_ids=prompt,
+                                        call_id=call_id or f"{self.session.session_id}#{self.calls:03d}", **kw)
+        self.context = prompt + list(reply.token_ids or [])
+        self.calls += 1
+        return reply

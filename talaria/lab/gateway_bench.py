@@ -1,0 +1,108 @@
+"""`talaria bench-gateway`: what the HTTP front door adds over a direct NATS agent client.
+
+Brings up the embedded stack with the gateway on the sim engine (one model,
+a high time scale, one output token, so the engine's own time is small and
+the same on both paths), then for each conversation size makes the same
+calls at a fixed rate twice: through the agent client on NATS, and through
+the gateway over loopback HTTP. Prints both latency distributions (wall
+milliseconds) and the overhead at p50 and p99. Not a timed test: a busy
+machine moves the figures; run it on a quiet one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import time
+import uuid
+from pathlib import Path
+
+from talaria.argtypes import positive_float, positive_int
+
+MODEL = "glm-4.5-air-fp8"
+
+
+def _pct(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+async def _paced(n: int, rate: float, one: "callable[[int], object]") -> list[float]:  # type: ignore[valid-type]
+    """Start call i at i/rate seconds; each call's wall milliseconds."""
+    out: list[float] = []
+    t0 = time.monotonic()
+
+    async def timed(i: int) -> None:
+        await asyncio.sleep(max(0.0, t0 + i / rate - time.monotonic()))
+        start = time.perf_counter()
+        await one(i)  # type: ignore[misc]
+        out.append((time.perf_counter() - start) * 1000)
+
+    await asyncio.gather(*(timed(i) for i in range(n)))
+    return out
+
+
+async def bench(sizes: list[int], calls: int, rate: float, log_dir: Path) -> list[dict[str, float]]:
+    import aiohttp
+
+    from shared.agent_client import TalariaClient
+    from shared.policy import resolve_policy
+    from talaria.ops.stack import EmbeddedStack, StackSpec
+
+    spec = StackSpec(policy=resolve_policy("baseline"), models=[MODEL], time_scale=1000.0, log_dir=log_dir,
+                     gateway=True)
+    rows: list[dict[str, float]] = []
+    async with EmbeddedStack(spec) as stack:
+        client = await TalariaClient.connect(stack.nats_urls, subject_prefix=stack.subject_prefix,
+                                             **stack.nats_auth("agent"))
+        headers = {"Authorization": f"Bearer {stack.api_key}"}
+        try:
+            async with aiohttp.ClientSession() as http:
+                for size in sizes:
+                    text = "x" * (size * 4 - 16)  # the gateway's estimate: ~4 bytes a token
+                    tag = uuid.uuid4().hex[:6]
+                    session = await client.open_session(MODEL, session_id=f"bench-{tag}-{size}")
+
+                    async def direct(i: int) -> None:
+                        await session.call(prompt_tokens=size, max_tokens=1, call_id=f"bench-{tag}-{size}-{i}",
+                                           prompt_text=text)
+
+                    async def via_http(i: int) -> None:
+                        body = {"model": MODEL, "max_tokens": 1,
+                                "messages": [{"role": "user", "content": f"{tag}-{i} {text}"}]}
+                        async with http.post(f"{stack.openai_base_url}/chat/completions", json=body,
+                                             headers={**headers, "x-session-id": f"bench-{tag}-{size}"}) as r:
+                            assert r.status == 200, await r.text()
+                            await r.read()
+
+                    await _paced(min(10, calls), rate, direct)  # warm both paths
+                    await _paced(min(10, calls), rate, via_http)
+                    d = await _paced(calls, rate, direct)
+                    h = await _paced(calls, rate, via_http)
+                    rows.append({"tokens": size, "direct_p50": statistics.median(d), "direct_p99": _pct(d, 0.99),
+                                 "http_p50": statistics.median(h), "http_p99": _pct(h, 0.99),
+                                 "overhead_p50": statistics.median(h) - statistics.median(d),
+                                 "overhead_p99": _pct(h, 0.99) - _pct(d, 0.99)})
+        finally:
+            await client.close()
+    return rows
+
+
+def run(a: argparse.Namespace) -> int:
+    sizes = [int(x) for x in a.sizes.split(",") if x.strip()]
+    rows = asyncio.run(bench(sizes, a.calls, a.rate, Path(a.log_dir)))
+    print(f"{'tokens':>8} {'direct p50':>11} {'direct p99':>11} {'http p50':>9} {'http p99':>9} "
+          f"{'overhead p50':>13} {'overhead p99':>13}   (wall ms per call, {a.calls} calls at {a.rate:g}/s)")
+    for r in rows:
+        print(f"{r['tokens']:>8} {r['direct_p50']:>11.2f} {r['direct_p99']:>11.2f} {r['http_p50']:>9.2f} "
+              f"{r['http_p99']:>9.2f} {r['overhead_p50']:>13.2f} {r['overhead_p99']:>13.2f}")
+    return 0
+
+
+def configure_parser(p: argparse.ArgumentParser, default_log_dir: Path) -> None:
+    p.add_argument("--sizes", default="1000,32000,100000", help="conversation sizes in tokens (comma-separated)")
+    p.add_argument("--calls", type=positive_int, default=200, help="calls per size and path")
+    p.add_argument("--rate", type=positive_float, default=100.0, help="calls started per second")
+    p.add_argument("--log-dir", default=str(default_log_dir), help="the embedded stack's logs")
+    p.set_defaults(fn=run)

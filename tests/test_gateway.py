@@ -1,0 +1,442 @@
+"""The HTTP gateway (services/gateway): the pure translation rules, then the
+official `openai` and `anthropic` SDKs against the embedded stack on the sim
+engine, and the error shapes against a stand-in router that refuses calls."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import anthropic
+import openai
+import pytest
+
+from services.gateway import translate as tr
+from services.gateway.service import start_gateway
+from shared.agent_client import TalariaClient
+from shared.logs import read_log_events
+from shared.policy import resolve_policy
+from shared.schema import (
+    ApiError, CallQueued, Info, SessionOpened, api_request_decoder, CallRequest, InfoRequest, OpenSession, EndSession, Ok, encode,
+)
+from shared.settings import Settings
+from talaria.ops.nats_server import NatsServer
+from talaria.ops.stack import EmbeddedStack, StackSpec
+
+MODEL = "glm-4.5-air-fp8"
+OTHER_KEY = "sk-tenant-b-secret"
+
+
+# --------------------------------------------------------------------------- pure rules
+def test_session_headers_in_the_documented_order() -> None:
+    h = {"x-litellm-session-id": "lite", "session_id": "codex", "x-claude-code-session-id": "cc"}
+    assert tr.session_name(h, {}) == ("x-claude-code-session-id", "cc")
+    assert tr.session_name({"x-session-affinity": "oc", "x-litellm-session-id": "l"}, {}) == ("x-session-affinity", "oc")
+    assert tr.session_name({}, {"user": "u1"}) == ("user", "u1")
+    assert tr.session_name({}, {"metadata": {"user_id": "m"}}) == ("metadata.user_id", "m")
+    assert tr.session_name({}, {}) is None
+
+
+def test_sessions_are_namespaced_by_tenant_agent_and_model() -> None:
+    a = tr.talaria_session_id("tenant-a", "1", "", MODEL)
+    assert a == tr.talaria_session_id("tenant-a", "1", "", MODEL)
+    assert len({a, tr.talaria_session_id("tenant-b", "1", "", MODEL), tr.talaria_session_id("tenant-a", "1", "sub", MODEL),
+                tr.talaria_session_id("tenant-a", "1", "", "glm-4.5-fp8")}) == 4
+
+
+def test_a_retry_keeps_the_call_id() -> None:
+    h = tr.request_hash("/v1/chat/completions", b'{"a":1}')
+    assert tr.call_id_for("t", "s", h, None) == tr.call_id_for("t", "s", tr.request_hash("/v1/chat/completions", b'{"a":1}'), None)
+    assert tr.call_id_for("t", "s", h, None) != tr.call_id_for("t", "s2", h, None)
+    assert tr.call_id_for("t", "s", h, "k1") == tr.call_id_for("t", "other", "x", "k1") != tr.call_id_for("u", "s", h, "k1")
+    assert tr.retry_count({"x-stainless-retry-count": "2"}) == 2 and tr.retry_count({"x-stainless-retry-count": "x"}) == 0
+
+
+def test_keys_and_token_estimate() -> None:
+    keys = tr.parse_keys("a:k1, b:k2,bare")
+    assert keys["k1"] == "a" and keys["k2"] == "b" and keys["bare"].startswith("k")
+    assert tr.tenant_for({"authorization": "Bearer k2"}, keys) == "b"
+    assert tr.tenant_for({"x-api-key": "k1"}, keys) == "a"
+    assert tr.tenant_for({"authorization": "Bearer nope"}, keys) is None and tr.tenant_for({}, keys) is None
+    assert tr.estimate_tokens("abcd") == 1 and tr.estimate_tokens("abcde") == 2
+    p = tr.chat_prompt([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"},
+                        {"role": "user", "content": [{"type": "text", "text": "again"}]}])
+    assert p.tokens == 3 * tr.MESSAGE_FRAME_TOKENS + 1 + 1 + 2 and p.prefix_tokens == 2 * tr.MESSAGE_FRAME_TOKENS + 2
+    with pytest.raises(tr.BadRequest):
+        tr.chat_prompt([{"role": "wizard", "content": "x"}])
+
+
+def test_sampling_fields_are_carried_or_refused_by_name() -> None:
+    sp = tr.sampling_of({"temperature": 0.3, "top_p": 0.9, "stop": "END", "seed": 7}, "openai")
+    assert (sp.temperature, sp.top_p, sp.stop, sp.seed) == (0.3, 0.9, ["END"], 7)
+    assert tr.sampling_of({"stop_sequences": ["a", "b"], "top_k": 5}, "anthropic").stop == ["a", "b"]
+    for body, api, field in (({"temperature": 5}, "openai", "temperature"), ({"logprobs": True}, "openai", "logprobs"),
+                             ({"stop": ["a"] * 5}, "openai", "stop"), ({"temperature": 1.5}, "anthropic", "temperature"),
+                             ({"top_p": "x"}, "openai", "top_p"), ({"stop_sequences": [""]}, "anthropic", "stop_sequences")):
+        with pytest.raises(tr.BadRequest) as e:
+            tr.sampling_of(body, api)
+        assert e.value.param == field, (body, e.value)
+
+
+def test_vllm_sampling_params() -> None:
+    from services.engine.vllm_backend import sampling_kwargs
+    from shared.schema import Sampling
+
+    assert sampling_kwargs(None, 9) == {"max_tokens": 9, "ignore_eos": True, "temperature": 0.0}  # a trace's call
+    assert sampling_kwargs(Sampling(temperature=0.5, stop=["x"], seed=3), 9) == {
+        "max_tokens": 9, "temperature": 0.5, "stop": ["x"], "seed": 3}
+
+
+def test_error_shapes() -> None:
+    assert tr.openai_error("context_limit", "m")[1]["error"]["code"] == "context_length_exceeded"
+    assert tr.openai_error("no_capacity", "m")[0] == 429
+    assert tr.anthropic_error("no_capacity", "m") == (529, {"type": "error", "error": {"type": "overloaded_error", "message": "m"}})
+    assert tr.openai_error("timeout", "m")[0] == 504 and tr.openai_error("too_large", "m")[0] == 413
+
+
+# --------------------------------------------------------------------------- the embedded stack
+@pytest.fixture(scope="module")
+async def stack(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[EmbeddedStack]:
+    spec = StackSpec(policy=resolve_policy("talaria"), models=[MODEL], time_scale=100.0,
+                     log_dir=tmp_path_factory.mktemp("gw") / "logs", gateway=True, api_keys={"tenant-b": OTHER_KEY},
+                     extra_env={"TALARIA_HEARTBEAT_WALL_S": "0.2"})
+    async with EmbeddedStack(spec) as s:
+        yield s
+
+
+def oai(stack: EmbeddedStack, key: str | None = None, **kw: Any) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=stack.openai_base_url, api_key=key or stack.api_key, **kw)
+
+
+def ant(stack: EmbeddedStack, key: str | None = None, **kw: Any) -> anthropic.AsyncAnthropic:
+    return anthropic.AsyncAnthropic(base_url=stack.gateway_url, api_key=key or stack.api_key, **kw)
+
+
+def events(stack: EmbeddedStack, name: str, event: str) -> list[dict[str, Any]]:
+    return [e for e in read_log_events(Path(stack.log_dir) / f"{name}.log") if e.get("event") == event]
+
+
+@pytest.mark.timeout(120)
+async def test_deployment_names_the_front_door(stack: EmbeddedStack) -> None:
+    dep = stack.deployment()
+    assert dep.openai_base_url and dep.openai_base_url.endswith("/v1") and dep.api_key == stack.api_key
+    models = await oai(stack).models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert models.data[0].model_extra["context_length"] > 1000
+    async with aiohttp.ClientSession() as http, http.get(f"{stack.gateway_url}/health") as r:
+        assert r.status == 200 and (await r.json())["status"] == "ok"
+
+
+@pytest.mark.timeout(120)
+async def test_chat_completion_whole_and_streamed_with_usage(stack: EmbeddedStack) -> None:
+    client = oai(stack)
+    r = await client.chat.completions.create(model=MODEL, max_tokens=8,
+                                             messages=[{"role": "user", "content": "hello " * 100}])
+    assert r.object == "chat.completion" and r.choices[0].message.role == "assistant"
+    assert r.usage.completion_tokens == 8 and r.usage.prompt_tokens == tr.MESSAGE_FRAME_TOKENS + 150
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 8 and r.choices[0].finish_reason == "length"
+    assert r.usage.prompt_tokens_details.cached_tokens == 0
+
+    chunks = [c async for c in await client.chat.completions.create(
+        model=MODEL, max_tokens=40, stream=True, stream_options={"include_usage": True},
+        messages=[{"role": "user", "content": "stream me " * 50}])]
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 40
+    assert chunks[-2].choices[0].finish_reason == "length"
+    assert len(chunks) >= 4  # role, at least one token batch, finish, usage
+
+    c = await client.completions.create(model=MODEL, prompt="def f():", max_tokens=5)
+    assert c.object == "text_completion" and c.usage.completion_tokens == 5
+
+
+@pytest.mark.timeout(120)
+async def test_a_session_header_makes_the_next_call_a_continuation_per_tenant(stack: EmbeddedStack) -> None:
+    a, b = oai(stack), oai(stack, OTHER_KEY)
+    hdr = {"x-session-id": "1"}
+    turn1 = [{"role": "system", "content": "you are terse " * 20}, {"role": "user", "content": "fix the bug " * 40}]
+    r1 = await a.chat.completions.create(model=MODEL, max_tokens=16, messages=turn1, extra_headers=hdr)
+    turn2 = [*turn1, {"role": "assistant", "content": r1.choices[0].message.content},
+             {"role": "user", "content": "tool output " * 30}]
+    r2 = await a.chat.completions.create(model=MODEL, max_tokens=16, messages=turn2, extra_headers=hdr)
+    assert r2.usage.prompt_tokens_details.cached_tokens > r1.usage.prompt_tokens * 0.9, r2.usage
+    # the other tenant's `x-session-id: 1` is another session: nothing of tenant a's is cached for it
+    rb = await b.chat.completions.create(model=MODEL, max_tokens=16, messages=turn2, extra_headers=hdr)
+    assert rb.usage.prompt_tokens_details.cached_tokens == 0
+    assert rb.id != r2.id
+
+
+@pytest.mark.timeout(120)
+async def test_messages_keyed_by_claude_codes_header(stack: EmbeddedStack) -> None:
+    client = ant(stack)
+    hdr = {"x-claude-code-session-id": "cc-1", "anthropic-version": "2023-06-01"}
+    m1 = await client.messages.create(model=MODEL, max_tokens=12, system="be brief",
+                                      messages=[{"role": "user", "content": "list files " * 30}], extra_headers=hdr)
+    assert m1.type == "message" and m1.stop_reason == "max_tokens" and m1.usage.output_tokens == 12
+    assert m1.usage.cache_read_input_tokens == 0 and m1.usage.input_tokens > 0
+    turn2 = [{"role": "user", "content": "list files " * 30}, {"role": "assistant", "content": "ok"},
+             {"role": "user", "content": "now read one " * 10}]
+    async with client.messages.stream(model=MODEL, max_tokens=20, system="be brief", messages=turn2,
+                                      extra_headers=hdr) as s:
+        kinds = [ev.type async for ev in s]
+        final = await s.get_final_message()
+    assert kinds[0] == "message_start" and "message_stop" in kinds
+    assert final.usage.output_tokens == 20 and final.usage.cache_read_input_tokens > 0
+
+
+@pytest.mark.timeout(120)
+async def test_401_and_404_in_each_apis_shape(stack: EmbeddedStack) -> None:
+    with pytest.raises(openai.AuthenticationError) as e:
+        await oai(stack, "sk-wrong").chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}])
+    assert e.value.status_code == 401 and e.value.body["code"] == "invalid_api_key"
+    with pytest.raises(anthropic.AuthenticationError) as ea:
+        await ant(stack, "sk-wrong").messages.create(model=MODEL, max_tokens=4, messages=[{"role": "user", "content": "x"}])
+    assert ea.value.body == {"type": "error", "error": {"type": "authentication_error", "message": ea.value.body["error"]["message"]}}
+    with pytest.raises(openai.NotFoundError) as en:
+        await oai(stack).chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "x"}])
+    assert en.value.body["code"] == "model_not_found" and en.value.body["param"] == "model"
+    with pytest.raises(openai.BadRequestError) as eb:
+        await oai(stack).chat.completions.create(model=MODEL, max_tokens=10_000_000,
+                                                 messages=[{"role": "user", "content": "x"}])
+    assert eb.value.body["code"] == "context_length_exceeded"
+    async with aiohttp.ClientSession() as http:
+        async with http.post(f"{stack.openai_base_url}/chat/completions", data=b"{not json",
+                             headers={"Authorization": f"Bearer {stack.api_key}"}) as r:
+            body = await r.json()
+            assert r.status == 400 and set(body["error"]) == {"message", "type", "param", "code"}
+
+
+@pytest.mark.timeout(120)
+async def test_an_sdk_retry_does_not_run_a_second_call(stack: EmbeddedStack) -> None:
+    client = oai(stack)
+    msgs = [{"role": "user", "content": "retry me " * 20}]
+    hdr = {"x-session-id": "retry-1"}
+    first = await client.chat.completions.create(model=MODEL, max_tokens=8, messages=msgs, extra_headers=hdr)
+    again = await client.chat.completions.create(model=MODEL, max_tokens=8, messages=msgs,
+                                                 extra_headers={**hdr, "x-stainless-retry-count": "1"})
+    assert again.id == first.id and again.usage == first.usage
+    call_id = first.id.removeprefix("chatcmpl-")
+    deadline = time.monotonic() + 5
+    while not [e for e in events(stack, "router-0", "call.duplicate") if e.get("call_id") == call_id]:
+        assert time.monotonic() < deadline, "the router never answered the retry from its reply cache"
+        await asyncio.sleep(0.1)
+    assert [e.get("served_from") for e in events(stack, "router-0", "call.duplicate")
+            if e.get("call_id") == call_id] == ["reply-cache"]
+
+
+@pytest.mark.timeout(120)
+async def test_a_disconnect_cancels_the_running_call(stack: EmbeddedStack) -> None:
+    body = {"model": MODEL, "max_tokens": 60_000, "stream": True,
+            "messages": [{"role": "user", "content": "a long answer please " * 10}]}
+    async with aiohttp.ClientSession() as http:
+        resp = await http.post(f"{stack.openai_base_url}/chat/completions", json=body,
+                               headers={"Authorization": f"Bearer {stack.api_key}", "x-session-id": "gone"})
+        assert resp.status == 200
+        seen = b""
+        while b"chat.completion.chunk" not in seen:
+            seen += await resp.content.readany()
+        cid = json.loads(seen.split(b"data: ", 1)[1].split(b"\n", 1)[0])["id"].removeprefix("chatcmpl-")
+        resp.close()  # the agent goes away mid-call
+    deadline = time.monotonic() + 10
+    while not [e for e in events(stack, f"engine-s0-{MODEL}", "engine.cancel") if e.get("call_id") == cid]:
+        assert time.monotonic() < deadline, "the engine never heard the cancel"
+        await asyncio.sleep(0.1)
+
+
+# --------------------------------------------------------------------------- a router that refuses
+@pytest.fixture
+async def refusing_gateway(nats_server: NatsServer) -> AsyncIterator[tuple[str, dict[str, Any]]]:
+    """The gateway in this process before a stand-in router: every call is refused
+    with no_capacity (or, for a prompt saying `slow`, answered after a long wait)."""
+    import nats as nats_mod
+
+    prefix = f"gwt{time.time_ns() % 10**8}"
+    router = await nats_mod.connect(nats_server.url)
+    ctl: dict[str, Any] = {"calls": 0}
+
+    async def on_api(msg: Any) -> None:
+        if msg.subject.endswith(".api.cancel"):
+            ctl.setdefault("cancelled", []).append(json.loads(msg.data)["call_id"])
+            return
+        req = api_request_decoder.decode(msg.data)
+        match req:
+            case InfoRequest():
+                await router.publish(msg.reply, encode(Info(time_scale=1, clock_epoch=0, policy="x", servers=["s0"],
+                                                            models=[MODEL])))
+            case OpenSession():
+                await router.publish(msg.reply, encode(SessionOpened(session_id=req.session_id, model=req.model,
+                                                                     context_limit=100_000)))
+            case EndSession():
+                await router.publish(msg.reply, encode(Ok()))
+            case CallRequest() if "slow" in (req.prompt_text or ""):
+                ctl["calls"] += 1  # queued for a round that never comes: heartbeats only
+                await router.publish(req.reply_to, encode(CallQueued(call_id=req.call_id, server_id="s0", waited_s=0)))
+            case CallRequest():
+                ctl["calls"] += 1
+                ctl["last"] = req
+                await router.publish(req.reply_to, encode(ApiError(code="no_capacity", message="every slot is taken",
+                                                                   call_id=req.call_id, retry_after_s=3.0)))
+
+    await router.subscribe(f"{prefix}.api.>", cb=on_api)
+    settings = Settings(nats_urls=[nats_server.url], subject_prefix=prefix, gateway_host="127.0.0.1", gateway_port=0,
+                        api_keys="t:k", gateway_keepalive_s=0.1)
+    client = await TalariaClient.connect([nats_server.url], subject_prefix=prefix)
+    runner, port = await start_gateway(settings, client)
+    try:
+        yield f"http://127.0.0.1:{port}", ctl
+    finally:
+        await runner.cleanup()
+        await client.close()
+        await router.close()
+
+
+@pytest.mark.timeout(60)
+async def test_no_capacity_is_429_with_retry_after_and_529_for_anthropic(refusing_gateway: tuple[str, dict[str, Any]]) -> None:
+    url, ctl = refusing_gateway
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="k", max_retries=0)
+    with pytest.raises(openai.RateLimitError) as e:
+        await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}])
+    assert e.value.status_code == 429 and e.value.response.headers["Retry-After"] == "3"
+    assert e.value.body["code"] == "no_capacity"
+    with pytest.raises(anthropic.APIStatusError) as ea:
+        await anthropic.AsyncAnthropic(base_url=url, api_key="k", max_retries=0).messages.create(
+            model=MODEL, max_tokens=4, messages=[{"role": "user", "content": "x"}])
+    assert ea.value.status_code == 529 and ea.value.body["error"]["type"] == "overloaded_error"
+    # a streamed call refused before it ran still gets the status, not a 200 stream
+    with pytest.raises(openai.RateLimitError):
+        await client.chat.completions.create(model=MODEL, stream=True, messages=[{"role": "user", "content": "y"}])
+    calls = ctl["calls"]
+    with pytest.raises(openai.AuthenticationError):
+        await openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="bad", max_retries=0).chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "x"}])
+    assert ctl["calls"] == calls  # a refused key reaches nothing
+
+
+@pytest.mark.timeout(60)
+async def test_a_waiting_stream_gets_keep_alives_and_a_disconnect_cancels_the_queued_call(
+        refusing_gateway: tuple[str, dict[str, Any]]) -> None:
+    url, ctl = refusing_gateway
+    body = {"model": MODEL, "stream": True, "max_tokens": 4, "messages": [{"role": "user", "content": "slow please"}]}
+    async with aiohttp.ClientSession() as http:
+        resp = await http.post(f"{url}/v1/chat/completions", json=body, headers={"Authorization": "Bearer k"})
+        assert resp.status == 200 and resp.headers["Content-Type"].startswith("text/event-stream")
+        seen = b""
+        while seen.count(b": keep-alive") < 2:
+            seen += await resp.content.readany()
+        resp.close()
+    deadline = time.monotonic() + 5
+    while not ctl.get("cancelled"):
+        assert time.monotonic() < deadline, "no CancelCall for the abandoned call"
+        await asyncio.sleep(0.05)
+
+
+@pytest.mark.timeout(120)
+async def test_session_final_header_ends_the_session(stack: EmbeddedStack) -> None:
+    client = oai(stack)
+    sid = tr.talaria_session_id("default", "fin-1", "", MODEL)
+    await client.chat.completions.create(model=MODEL, max_tokens=4, messages=[{"role": "user", "content": "one"}],
+                                         extra_headers={"X-Dynamo-Session-ID": "fin-1"})
+    assert not [e for e in events(stack, "router-0", "session.ended") if e.get("session_id") == sid]
+    await client.chat.completions.create(model=MODEL, max_tokens=4, messages=[{"role": "user", "content": "two"}],
+                                         extra_headers={"X-Dynamo-Session-ID": "fin-1", "X-Dynamo-Session-Final": "true"})
+    deadline = time.monotonic() + 5
+    while not [e for e in events(stack, "router-0", "session.ended") if e.get("session_id") == sid]:
+        assert time.monotonic() < deadline, "the final call did not end its session"
+        await asyncio.sleep(0.1)
+
+
+@pytest.mark.timeout(60)
+async def test_sampling_reaches_the_call_and_a_bad_field_is_a_400_naming_it(
+        refusing_gateway: tuple[str, dict[str, Any]]) -> None:
+    url, ctl = refusing_gateway
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="k", max_retries=0)
+    with pytest.raises(openai.RateLimitError):
+        await client.chat.completions.create(model=MODEL, temperature=0.3, top_p=0.5, stop="END", seed=7,
+                                             messages=[{"role": "user", "content": "x"}])
+    sp = ctl["last"].sampling
+    assert (sp.temperature, sp.top_p, sp.stop, sp.seed) == (0.3, 0.5, ["END"], 7)
+    calls = ctl["calls"]
+    with pytest.raises(openai.BadRequestError) as e:
+        await client.chat.completions.create(model=MODEL, temperature=9, messages=[{"role": "user", "content": "x"}])
+    assert e.value.body["param"] == "temperature"
+    with pytest.raises(openai.BadRequestError) as e:
+        await client.chat.completions.create(model=MODEL, logprobs=True, messages=[{"role": "user", "content": "x"}])
+    assert e.value.body["param"] == "logprobs"
+    assert ctl["calls"] == calls  # refused before anything was sent
+
+
+@pytest.mark.timeout(120)
+async def test_a_100k_token_conversation_is_served(stack: EmbeddedStack) -> None:
+    turns = []
+    for i in range(50):  # 50 turns of ~2,000 tokens each (8,000 bytes)
+        turns.append({"role": "user" if i % 2 == 0 else "assistant", "content": f"{i:04d} " + "x" * 7995})
+    r = await oai(stack).chat.completions.create(model=MODEL, max_tokens=8, messages=turns,
+                                                 extra_headers={"x-session-id": "big-1"})
+    assert r.usage.prompt_tokens >= 100_000 and r.usage.completion_tokens == 8
+
+
+@pytest.mark.timeout(120)
+async def test_a_retry_without_a_session_header_is_the_same_one_call_session(stack: EmbeddedStack) -> None:
+    client = oai(stack)
+    msgs = [{"role": "user", "content": "no header here " * 10}]
+    first = await client.chat.completions.create(model=MODEL, max_tokens=6, messages=msgs)
+    again = await client.chat.completions.create(model=MODEL, max_tokens=6, messages=msgs,
+                                                 extra_headers={"x-stainless-retry-count": "1"})
+    assert again.id == first.id
+    fresh = await client.chat.completions.create(model=MODEL, max_tokens=6, messages=msgs,
+                                                 extra_headers={"Idempotency-Key": "another-attempt"})
+    assert fresh.id != first.id
+
+
+@pytest.mark.timeout(120)
+async def test_hostile_requests_get_typed_errors_and_reach_nothing(refusing_gateway: tuple[str, dict[str, Any]]) -> None:
+    """A few hundred malformed or hostile requests (the seeded short form of the fuzz):
+    each gets a 4xx in the API's shape, none reaches the router, the gateway stays healthy."""
+    import random
+
+    url, ctl = refusing_gateway
+    rng = random.Random(7)
+    auth = {"Authorization": "Bearer k"}
+    good = {"model": MODEL, "messages": [{"role": "user", "content": "x"}]}
+    bodies: list[bytes] = [b"", b"{", b"[]", b"null", b'"s"', b"\xff\xfe", b'{"model": 1}', b"{}" * 1000]
+    mutations = [("model", None), ("model", 7), ("model", "x" * 5000), ("messages", []), ("messages", "hi"),
+                 ("messages", [{"role": "wizard", "content": "x"}]), ("messages", [{"role": "user", "content": 5}]),
+                 ("messages", [7]), ("stream", "yes"), ("max_tokens", -1), ("max_tokens", "9"), ("max_tokens", 10**12),
+                 ("n", 3), ("temperature", "hot"), ("temperature", 1e9), ("stop", [1, 2]), ("logprobs", True),
+                 ("messages", [{"role": "user", "content": [{"type": "text"}, 3]}])]
+    for field, value in mutations:
+        bodies.append(json.dumps({**good, field: value}).encode())
+    for _ in range(200):
+        b = bytearray(json.dumps(good).encode())
+        for _ in range(rng.randint(1, 4)):
+            b[rng.randrange(len(b))] = rng.randrange(256)
+        bodies.append(bytes(b))
+    async with aiohttp.ClientSession() as http:
+        for i, body in enumerate(bodies):
+            path = "/v1/messages" if i % 3 == 0 else "/v1/chat/completions"
+            async with http.post(url + path, data=body, headers=auth) as r:
+                if r.status == 429 or (r.status == 529 and path == "/v1/messages"):
+                    continue  # a mutation that left a valid request: the stand-in refuses it
+                assert 400 <= r.status < 500, (body[:200], r.status)
+                out = await r.json()
+                assert ("error" in out and "message" in out["error"]) if path != "/v1/messages" else out["type"] == "error"
+        async with http.post(url + "/v1/chat/completions", data=b"x" * (5 * 1024 * 1024), headers=auth) as r:
+            assert r.status == 413 and (await r.json())["error"]["code"] == "request_too_large"
+        for hdr in ({"Authorization": "Bearer \u00ff\u00fe"}, {"x-session-id": "a" * 8000}, {"Authorization": "Basic k"}):
+            async with http.post(url + "/v1/chat/completions", json=good, headers=hdr) as r:
+                assert r.status in (400, 401, 429, 431), r.status
+        # a client that sends half a body and vanishes
+        reader, writer = await asyncio.open_connection("127.0.0.1", int(url.rsplit(":", 1)[1]))
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer k\r\n"
+                     b"Content-Length: 1000\r\n\r\n{\"model\"")
+        await writer.drain()
+        writer.close()
+        async with http.get(url + "/health") as r:
+            assert r.status == 200
+    valid_ones = ctl["calls"]
+    assert valid_ones <= len(bodies) // 20  # only mutations that left a valid request got through
