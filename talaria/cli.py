@@ -7,6 +7,7 @@ import asyncio
 import os
 import signal
 import sys
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -399,8 +400,9 @@ def _exit_on_signal(signum: int, _frame: object) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, _exit_on_signal)
+    if threading.current_thread() is threading.main_thread():  # (a caller's thread keeps its own handlers)
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, _exit_on_signal)
     try:
         return int(args.fn(args) or 0)
     except (TraceError, CatalogError, PolicyError) as exc:
