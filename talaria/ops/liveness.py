@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 LIVENESS_INTERVAL_S = 0.5   # wall seconds between two rounds of health pings
 LIVENESS_TIMEOUT_S = 0.5    # wall seconds a ping may take
 LIVENESS_MISSES = 4         # rounds in a row without an answer before a kill (about 2-4 s)
-STARTUP_GRACE_S = 60.0      # wall seconds after a (re)start in which a child is never judged
+STARTUP_GRACE_S = 300.0     # wall seconds after a (re)start in which a child is never judged (a real engine loads its weights)
 
 
 @dataclass
