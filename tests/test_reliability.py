@@ -50,8 +50,9 @@ async def test_admission_sigkilled_with_calls_queued_and_running(nats_server: Na
             b2 = await c.open_session(MODEL_B)
             ev_a: list[Any] = []
             ev_b: list[Any] = []
-            # a long call of A (~2-3 wall s at 100x) holds the server; B's calls queue behind it
-            ta = asyncio.ensure_future(a.call(prompt_tokens=3000, max_tokens=16384, sim_output_tokens=16000,
+            # a long call of A (~8-10 wall s at 100x: long enough to outlast admission's restart on a
+            # loaded 2-core machine) holds the server; B's calls queue behind it
+            ta = asyncio.ensure_future(a.call(prompt_tokens=3000, max_tokens=60000, sim_output_tokens=59000,
                                               call_id=f"{a.session_id}-0", on_event=ev_a.append))
             await until(lambda: _has(ev_a, CallRunning), 15, "A never ran")
             tb = asyncio.ensure_future(b.call(prompt_tokens=2000, max_tokens=512, sim_output_tokens=30,
@@ -66,7 +67,7 @@ async def test_admission_sigkilled_with_calls_queued_and_running(nats_server: Na
             svc.group.kill(svc.admission)          # SIGKILL: no graceful anything
             svc.group.start(svc.admission)
             ra, rb, rb2 = await asyncio.wait_for(asyncio.gather(ta, tb, tb2), timeout=90)
-            assert (ra.output_tokens, rb.output_tokens, rb2.output_tokens) == (16000, 30, 20)
+            assert (ra.output_tokens, rb.output_tokens, rb2.output_tokens) == (59000, 30, 20)
             assert not (ra.duplicate or rb.duplicate or rb2.duplicate)
             assert sum(isinstance(e, CallReply) for e in ev_a) == 1
             assert sum(isinstance(e, CallReply) for e in ev_b) == 1
