@@ -44,7 +44,7 @@ def test_an_answer_resets_the_count() -> None:
 @pytest.mark.timeout(120)
 async def test_a_stopped_service_is_killed_and_restarted(tmp_path: Path) -> None:
     spec = StackSpec(policy=resolve_policy("talaria"), models=[AIR], time_scale=20.0, log_dir=tmp_path / "logs",
-                     liveness_grace_s=1.0)
+                     liveness=True, liveness_grace_s=1.0)
     async with EmbeddedStack(spec) as stack:
         client = await TalariaClient.connect(stack.nats_urls, subject_prefix=stack.subject_prefix, silence_s=20.0,
                                              **stack.nats_auth("agent"))

@@ -232,7 +232,7 @@ async def run_chaos(sessions: list[TraceSession], *, seed: int = 0, policy: str 
 
     def spec(sub: str) -> StackSpec:
         return StackSpec(policy=pol, models=models, servers=servers, time_scale=time_scale,
-                         log_dir=base / sub, nats_cluster=nats_cluster, liveness_grace_s=LIVENESS_GRACE_S)
+                         log_dir=base / sub, nats_cluster=nats_cluster, liveness=True, liveness_grace_s=LIVENESS_GRACE_S)
 
     print(f"[chaos] fault-free reference run ({len(sessions)} sessions) ...", file=sys.stderr, flush=True)
     ref, _, _, ref_wall = await _run_once(sessions, spec("reference"), plan=None, seed=seed, silence_s=silence_s)

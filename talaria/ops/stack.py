@@ -52,6 +52,7 @@ class StackSpec:
     extra_env: dict[str, str] = field(default_factory=dict)
     auth: bool = True  # embedded NATS/Redis: per-role NATS users and a Redis ACL user, fresh passwords
     nats_cluster: int = 1  # embedded NATS nodes; 3 = a routed cluster on loopback, clients given every URL
+    liveness: bool = False  # watch for hung services (`talaria up`, chaos); off for replays, whose driver shares this loop
     liveness_grace_s: float = STARTUP_GRACE_S  # a service is judged hung only this long after its (re)start
     gateway: bool = False  # the HTTP gateway (services/gateway) on a free loopback port (`talaria up` starts it)
     api_keys: dict[str, str] = field(default_factory=dict)  # tenant -> key beside the generated `default` one
@@ -199,7 +200,8 @@ class EmbeddedStack:
         await self.wait_healthy(timeout_s)
         if self.spec.gateway:
             await self.wait_gateway(timeout_s)
-        self._liveness = asyncio.ensure_future(self.watch_liveness())
+        if self.spec.liveness:
+            self._liveness = asyncio.ensure_future(self.watch_liveness())
 
     async def watch_liveness(self) -> None:
         """Kill a service that stopped answering its health endpoint while its process
