@@ -199,6 +199,11 @@ def run_service(make: Callable[[Settings], ServiceProcess], argv: list[str] | No
     """A service's entry point: its settings (flags over TALARIA_* variables), then its loop."""
     if settings is None:
         settings = Settings.from_env(argv if argv is not None else sys.argv[1:])
+    run_loop(make(settings).run())
+
+
+def run_loop(main: Awaitable[None]) -> None:
+    """Run a process's main coroutine on uvloop where it is installed."""
     try:
         import uvloop
 
@@ -206,4 +211,4 @@ def run_service(make: Callable[[Settings], ServiceProcess], argv: list[str] | No
     except ImportError:  # pragma: no cover - uvloop is optional off Linux
         factory = None
     with asyncio.Runner(loop_factory=factory) as runner:
-        runner.run(make(settings).run())
+        runner.run(main)  # type: ignore[arg-type]

@@ -40,6 +40,7 @@ from aiohttp import web
 
 from services.gateway import translate as tr
 from services.gateway.translate import BadRequest, Prompt
+from shared.bus import run_loop
 from shared.agent_client import Session, TalariaClient, TalariaError
 from shared.catalog import Catalog, load_catalog
 from shared.logs import configure_logging
@@ -502,11 +503,4 @@ async def serve(settings: Settings) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     settings = Settings.from_env(argv if argv is not None else sys.argv[1:])
-    try:
-        import uvloop
-
-        factory = uvloop.new_event_loop
-    except ImportError:  # pragma: no cover - uvloop is optional off Linux
-        factory = None
-    with asyncio.Runner(loop_factory=factory) as runner:
-        runner.run(serve(settings))
+    run_loop(serve(settings))
