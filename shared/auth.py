@@ -23,18 +23,29 @@ _SERVICE_SUB = ["$SRV.>", "_INBOX.>"]
 _SERVICE_PUB = ["_INBOX.>"]  # (health checks inside a service's container ping with its own user)
 
 
+def _call_record_api(prefix: str) -> list[str]:
+    """JetStream API subjects to open and read the call record bucket (its stream is KV_<bucket>)."""
+    stream = f"KV_{Subjects(prefix).call_record_bucket}"
+    return [f"$JS.API.STREAM.CREATE.{stream}", f"$JS.API.STREAM.INFO.{stream}", f"$JS.API.STREAM.MSG.GET.{stream}",
+            f"$JS.API.DIRECT.GET.{stream}", f"$JS.API.DIRECT.GET.{stream}.>"]
+
+
 def nats_permissions(prefix: str) -> dict[str, dict[str, list[str]]]:
     p = prefix
     health = Subjects(prefix).health_all
     service_pub = [*_SERVICE_PUB, health]
+    records_read = _call_record_api(p)
+    records_write = [*records_read, f"$KV.{Subjects(p).call_record_bucket}.>"]  # placing, claiming, answering
     return {
         "router": {
             "subscribe": [f"{p}.api.>", health, *_SERVICE_SUB],
-            "publish": [f"{p}.admission.*.submit", f"{p}.reply.>", Subjects(p).session_released, *service_pub],
+            "publish": [f"{p}.admission.*.submit", f"{p}.reply.>", Subjects(p).session_released, *service_pub,
+                        *records_write],
         },
         "admission": {
             "subscribe": [f"{p}.admission.*.submit", f"{p}.events.>", health, *_SERVICE_SUB],
-            "publish": [f"{p}.engine.>", f"{p}.substrate.>", f"{p}.reply.>", Subjects(p).session_released, *service_pub],
+            "publish": [f"{p}.engine.>", f"{p}.substrate.>", f"{p}.reply.>", Subjects(p).session_released, *service_pub,
+                        *records_read],
         },
         "substrate": {
             "subscribe": [f"{p}.substrate.>", f"{p}.events.>", health, *_SERVICE_SUB],
@@ -42,7 +53,7 @@ def nats_permissions(prefix: str) -> dict[str, dict[str, list[str]]]:
         },
         "engine": {
             "subscribe": [f"{p}.engine.>", f"{p}.api.cancel", Subjects(p).session_released, health, *_SERVICE_SUB],
-            "publish": [f"{p}.reply.>", f"{p}.events.>", *service_pub],
+            "publish": [f"{p}.reply.>", f"{p}.events.>", *service_pub, *records_write],
         },
         "agent": {
             "subscribe": [f"{p}.reply.{AGENT_REPLY_NAMESPACE}.>", "_INBOX.>"],

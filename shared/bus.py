@@ -26,9 +26,10 @@ from nats.aio.msg import Msg
 from nats.micro import add_service
 from nats.micro.service import EndpointConfig, ServiceConfig
 
+from shared.call_record import CallRecords
 from shared.catalog import Catalog, load_catalog
 from shared.clock import LagMonitor, ScaledClock
-from shared.keys import Keys
+from shared.keys import CALL_TTL_S, Keys
 from shared.logs import configure_logging
 from shared.schema import ApiError, encode
 from shared.settings import Settings
@@ -94,10 +95,12 @@ class ServiceProcess:
         self.lag = LagMonitor()
         self.nc: nats.NATS
         self.redis: aioredis.Redis
+        self.call_records: CallRecords  # opened before setup() where `uses_call_records`
         self._tasks: set[asyncio.Task] = set()
         self._stop = asyncio.Event()
 
     per_server = True
+    uses_call_records = False  # router, admission and engine-worker read or step the at-most-once record
 
     @property
     def instance(self) -> str:
@@ -176,6 +179,9 @@ class ServiceProcess:
         await svc.add_endpoint(EndpointConfig(name="health", handler=health, subject=self.subjects.health(self.instance)))
         self.spawn(self.lag.run(), "lag-monitor")
         self.spawn(self._lag_reporter(), "lag-reporter")
+        if self.uses_call_records:
+            self.call_records = await CallRecords.open(self.nc, self.settings.subject_prefix,
+                                                       replicas=self.settings.call_record_replicas, ttl_s=CALL_TTL_S)
         await self.setup()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):

@@ -9,6 +9,10 @@ stack or a test has its own key space. Each key is tagged in `DURABILITY`:
   accepted but forgotten, a call answered twice, a session that vanishes).
   Run Redis with a replica (or persistence) where those matter.
 
+The at-most-once record of each call (placed, claimed, answered) is not here:
+it lives in a JetStream bucket replicated over the NATS cluster
+(`shared/call_record.py`), because Redis replicates asynchronously.
+
 The typed encode/decode of the shared hashes and who writes which field:
 `shared/state.py`.
 """
@@ -18,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-CALL_TTL_S = 6 * 3600       # dedupe and cached replies outlive any replay
+CALL_TTL_S = 6 * 3600       # the call record (shared/call_record.py: dedupe, stored replies) outlives any replay
 SESSION_TTL_S = 6 * 3600
 # one Redis Cluster hash tag for the keys that placement reads and writes together
 # (a router's compare-and-set, admission's mirror transaction): one slot, so the
@@ -29,16 +33,6 @@ PLACEMENT_SLOT = "{placement}:"
 @dataclass(frozen=True, slots=True)
 class Keys:
     prefix: str = "talaria:"
-
-    def call(self, session_id: str, call_id: str) -> str:
-        """String: the server a call was placed on (SET NX = first placement wins).
-        Keyed by the session too: a call id another session reuses is a new call."""
-        return f"{self.prefix}call:{session_id}:{call_id}"
-
-    def reply(self, session_id: str, call_id: str) -> str:
-        """Bytes: the encoded final reply, so a retried call gets it again (and only
-        from its own session)."""
-        return f"{self.prefix}reply:{session_id}:{call_id}"
 
     def session(self, session_id: str) -> str:
         """Hash: model, last_server, last_finish, gaps (JSON), outputs (JSON)."""
@@ -113,8 +107,6 @@ class Keys:
 Durability = Literal["soft", "must-survive"]
 
 DURABILITY: dict[str, Durability] = {
-    "call": "must-survive",            # at most once per call id
-    "reply": "must-survive",           # a retried call gets the same answer, never a second generation
     "session": "must-survive",         # an open session (its model) and its call count
     "admission_calls": "must-survive", # calls accepted and not finished: a restarted admission reloads them
     "kv_locality": "soft",             # rebuilt from finishes and KV events

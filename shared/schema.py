@@ -151,7 +151,7 @@ class CallReply(Base, tag="reply"):
     restore_s: float
     prefill_s: float
     decode_s: float
-    duplicate: bool = False    # served from the reply cache for a retried call_id
+    duplicate: bool = False    # the stored reply (call record) for a retried call_id
     text: str | None = None
     token_ids: list[int] | None = None
     # the real engine's own figures (backend `vllm`): CPU/GPU **wall seconds**, never
@@ -265,6 +265,21 @@ class RunAccepted(Base, tag="run_accepted"):
     answered): admission stops sending it and heartbeats it as running."""
 
     call_id: str
+
+
+class CallRecord(Base, tag="call_record"):
+    """The durable at-most-once record of one call id in one session (the call
+    record bucket, `shared/call_record.py`), stepped forward only by
+    compare-and-set: `placing` (a router took the id) -> `placed` (a server's
+    admission accepted it) -> `claimed` (that server's engine-worker is
+    generating it; `epoch` names the process) -> `answered` (`reply` is the
+    encoded final reply, written before it is published)."""
+
+    state: Literal["placing", "placed", "claimed", "answered"]
+    server_id: str | None = None
+    owner: str | None = None   # the engine-worker instance that claimed it
+    epoch: str | None = None   # that process's start (a restarted worker is a new epoch)
+    reply: bytes | None = None
 
 
 class Sleep(Base, tag="sleep"):
@@ -437,6 +452,7 @@ reply_decoder = msgspec.json.Decoder(CallReply)
 kv_event_decoder = msgspec.json.Decoder(KvEvent)
 kv_spilled_decoder = msgspec.json.Decoder(KvSpilled)
 cancel_decoder = msgspec.json.Decoder(CancelCall)
+call_record_decoder = msgspec.json.Decoder(CallRecord)
 
 
 def encode(msg: msgspec.Struct) -> bytes:

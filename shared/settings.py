@@ -128,6 +128,7 @@ class Settings:
     api_keys: str = ""              # the gateway's API keys, `tenant:key,...` (a bare key: its own tenant)
     gateway_keepalive_s: float = 10.0  # wall seconds between SSE keep-alive comments while a call waits
     gateway_max_body: int = 4 * 1024 * 1024  # bytes of an HTTP request body above which the gateway answers 413
+    call_record_replicas: int = 1   # JetStream replicas of the at-most-once call record (3 on a 3-node cluster)
 
     def instance_name(self, kind: str) -> str:
         """A service process's instance: its name in logs, in NATS and on its health subject."""
@@ -190,6 +191,8 @@ class Settings:
                        help="wall seconds between SSE keep-alive comments while a streamed call waits")
         p.add_argument("--gateway-max-body", type=int, default=_int(src, "TALARIA_GATEWAY_MAX_BODY", 4 * 1024 * 1024),
                        help="largest HTTP request body in bytes (larger: 413)")
+        p.add_argument("--call-record-replicas", type=int, default=_int(src, "TALARIA_CALL_RECORD_REPLICAS", 1),
+                       help="JetStream replicas of the at-most-once call record (1-5; 3 on a three-node NATS cluster)")
         a = p.parse_args(argv)
         vllm = None
         if a.engine == "vllm":
@@ -237,4 +240,5 @@ class Settings:
             api_keys=src.get("TALARIA_API_KEYS", ""),
             gateway_keepalive_s=max(0.05, a.gateway_keepalive_s),
             gateway_max_body=max(1024, a.gateway_max_body),
+            call_record_replicas=min(5, max(1, a.call_record_replicas)),
         )

@@ -97,6 +97,12 @@ class Subjects:
         """SessionReleased: an agent ended a session, or admission released an idle one."""
         return f"{self.prefix}.events.session_released"
 
+    @property
+    def call_record_bucket(self) -> str:
+        """The JetStream KV bucket of the at-most-once call record (shared/call_record.py);
+        its stream is `KV_<bucket>`, its subjects `$KV.<bucket>.<key>`."""
+        return "".join(ch if ch.isalnum() or ch in "-_" else "_" for ch in self.prefix) + "_calls"
+
 
 def _token(name: str) -> str:
     """A model or call name as one subject token (no dots, spaces or wildcards)."""

@@ -17,9 +17,10 @@ from nats.aio.client import Client as NATS
 
 from polling import until
 from services.engine.sim_backend import placeholder_tokens
-from shared.keys import Keys
+from shared.call_record import CallRecords, record_key
+from shared.keys import CALL_TTL_S, Keys
 from shared.schema import (
-    AdmissionCall, CallReply, CallTokens, CancelCall, EnginePayload, EngineHint, RunCall, Wake,
+    AdmissionCall, CallRecord, CallReply, CallTokens, CancelCall, EnginePayload, EngineHint, RunCall, Wake,
     call_event_decoder, encode, finished_decoder,
 )
 from talaria.client import CallTimeout, TalariaClient
@@ -90,7 +91,6 @@ async def test_a_second_generation_is_never_a_second_answer(engine_only: Any, re
     dispatch was lost and sent twice) wins: the agent hears one answer."""
     svc, nc = engine_only
     s = svc.subjects
-    keys = Keys(key_prefix)
     r = aioredis.Redis.from_url(redis_server.url)
     try:
         replies, _ = await _collect(nc, s.reply_inbox("t", "r2"))
@@ -101,7 +101,8 @@ async def test_a_second_generation_is_never_a_second_answer(engine_only: Any, re
                             cached_tokens=0, restored_tokens=0, reprefill_tokens=0, output_tokens=7, arrived_at=0.0,
                             finished_at=1.0, waited_s=0.0, switch_wait_s=0.0, round_wait=False, restore_s=0.0,
                             prefill_s=0.0, decode_s=0.0)
-        await r.set(keys.reply("S2", "c2"), encode(earlier))
+        records = await CallRecords.open(nc, svc.subjects.prefix, replicas=1, ttl_s=CALL_TTL_S)
+        await records.kv.put(record_key("S2", "c2"), encode(CallRecord(state="answered", reply=encode(earlier))))
         answers = lambda: [e for e in replies if isinstance(call_event_decoder.decode(e), CallReply)]  # noqa: E731
         await until(lambda: len(answers()) == 1, 30, "no answer")
         assert msgspec.json.decode(answers()[0], type=CallReply) == earlier

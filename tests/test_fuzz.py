@@ -45,7 +45,8 @@ from hypothesis import strategies as st
 
 import shared.schema as _schema
 from shared.catalog import load_catalog
-from shared.keys import Keys
+from shared.call_record import CallRecords
+from shared.keys import CALL_TTL_S, Keys
 from shared.schema import (
     ApiError, CallAccepted, CallQueued, CallReply, CallRequest, CallRunning, ControlOk, EndSession, Info,
     InfoRequest, Ok, OpenSession, SessionOpened, StageRequest, Submitted, SwitchRequest, SwitchResult,
@@ -667,7 +668,8 @@ async def test_fuzz_every_subject(nats_server: NatsServer, redis_server: RedisSe
                                                         call_id=SEED_CALL), timeout=30)
                 assert seed.output_tokens == 5
             before = await _keys(r, key_prefix)
-            seed_reply = await r.get(Keys(key_prefix).reply(SEED_SESSION, SEED_CALL))
+            records = await CallRecords.open(nc, prefix, replicas=1, ttl_s=CALL_TTL_S)
+            seed_reply = await records.answered_reply(SEED_SESSION, SEED_CALL)
             assert seed_reply is not None
 
             # -- send ------------------------------------------------------------------------
@@ -739,7 +741,7 @@ async def test_fuzz_every_subject(nats_server: NatsServer, redis_server: RedisSe
                     origin = "rejected" if any(i in rejected_ids for i in ids) else "unknown"
                     bad_keys.append(f"{k} ({origin})")
             assert not bad_keys, f"keys written for rejected requests: {bad_keys[:20]}"
-            assert await r.get(Keys(key_prefix).reply(SEED_SESSION, SEED_CALL)) == seed_reply  # the cached reply is untouched
+            assert await records.answered_reply(SEED_SESSION, SEED_CALL) == seed_reply  # the stored reply is untouched
 
             # -- (4) clean logs -------------------------------------------------------------------------
             for name in svc.names:

@@ -261,3 +261,39 @@ async def test_a_retried_call_stays_on_the_server_that_holds_it(nats_server: Nat
     finally:
         await nc.close()
         await svc.stop()
+
+
+async def test_a_reply_lost_and_redis_emptied_is_answered_again_not_generated_again(
+        nats_server: NatsServer, redis_server: RedisServer, subject_prefix: str, key_prefix: str,
+        tmp_path: Path) -> None:
+    """The engine finishes a call whose reply reaches no one (the agent's connection
+    was moving to another NATS node), then Redis loses everything; the agent reopens
+    its session and retries the call id. The retry is answered with the stored reply
+    from the call record (JetStream, not Redis): the call is generated once."""
+    from nats.aio.client import Client as NATS
+
+    from shared.schema import CallRequest, EngineHint, OpenSession, encode
+    from test_services import call_until
+
+    svc = Services(nats_server.url, redis_server.url, subject_prefix, key_prefix, tmp_path / "logs", models=[MODEL_A])
+    await svc.start()
+    nc = NATS()
+    await nc.connect(nats_server.url)
+    r = aioredis.Redis.from_url(redis_server.url)
+    try:
+        await nc.request(svc.subjects.api_session_open, encode(OpenSession(session_id="away", model=MODEL_A)), 5)
+        call = CallRequest(call_id="away#0", session_id="away", model=MODEL_A, prompt_tokens=800, max_tokens=16,
+                           engine_hint=EngineHint(sim_output_tokens=4), reply_to=nc.new_inbox())  # nobody listens there
+        await nc.publish(svc.subjects.api_call, encode(call))
+        await until(lambda: engine_counts(svc, "engine.finished").get("away#0", 0) == 1, 30, "never finished")
+        await r.flushall()  # the store restarts empty
+        await nc.request(svc.subjects.api_session_open, encode(OpenSession(session_id="away", model=MODEL_A)), 5)
+        again = await call_until(nc, svc.subjects, call, 30.0)
+        assert again.duplicate and again.output_tokens == 4, again
+        await asyncio.sleep(1.0)  # a second generation, if one started, would show by now
+        assert engine_counts(svc, "engine.started").get("away#0") == 1, "the call was generated again"
+        assert engine_counts(svc, "engine.finished").get("away#0") == 1
+    finally:
+        await r.aclose()
+        await nc.close()
+        await svc.stop()

@@ -26,7 +26,8 @@ from nats.aio.client import Client as NATS
 from polling import until
 from services.router.placement import InFlight
 from services.router.service import PLACE_SCRIPT
-from shared.keys import Keys
+from shared.call_record import CallRecords
+from shared.keys import CALL_TTL_S, Keys
 from shared.logs import read_log_events
 from shared.schema import (
     EngineHint,
@@ -431,9 +432,8 @@ async def test_router_rejections(stack: Services, nc: NATS, redis_client: aiored
     ev = await call_raw(nc, s, CallRequest(call_id=cid, session_id=sess.session_id, model=MODEL_B, prompt_tokens=100))
     assert isinstance(ev, ApiError) and ev.code == "malformed", ev
     # none of the rejected calls was placed or answered
-    keys = Keys(stack.key_prefix)
-    assert await redis_client.get(keys.call(sess.session_id, cid)) is None
-    assert await redis_client.get(keys.reply(sess.session_id, cid)) is None
+    records = await CallRecords.open(nc, stack.subject_prefix, replicas=1, ttl_s=CALL_TTL_S)
+    assert await records.get(sess.session_id, cid) == (None, 0)
     assert [k async for k in redis_client.scan_iter(match=f"{stack.key_prefix}*{cid}*")] == []
     await health(nc, stack.subject_prefix, stack.router, 5.0, stack)
 
@@ -449,7 +449,7 @@ async def test_router_refuses_oversize_message(redis_server: RedisServer, tmp_pa
                                                subject_prefix: str, key_prefix: str) -> None:
     # NATS's default max_payload (1 MiB) is below MAX_MESSAGE_BYTES (4 MiB), so over a default
     # server the client refuses first; a deployment that raises max_payload gets the router's check.
-    big = BigNats(jetstream=False, log_file=tmp_path / "nats.log")
+    big = BigNats(jetstream=True, store_dir=tmp_path / "js", log_file=tmp_path / "nats.log")
     await big.astart(timeout=30)
     svc = Services(big.url, redis_server.url, subject_prefix, key_prefix, tmp_path / "logs", which=("router",))
     try:

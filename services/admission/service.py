@@ -35,6 +35,7 @@ MIRROR_COALESCE_S = 0.005  # wall seconds between two writes of the scheduler's 
 
 class AdmissionService(ServiceProcess):
     name = "admission"
+    uses_call_records = True
 
     async def setup(self) -> None:
         s = self.settings
@@ -88,7 +89,7 @@ class AdmissionService(ServiceProcess):
         written before each Submitted ack), and each engine-worker says whether
         it is awake and which calls it runs (ListCalls). Running calls are
         adopted as running in an open slot of the awake model; the rest queue
-        again in arrival order. Calls already answered (reply cached) are dropped."""
+        again in arrival order. Calls already answered (in the call record) are dropped."""
         s = self.settings
         stored: dict[str, SubmitCall] = {}
         try:
@@ -135,7 +136,7 @@ class AdmissionService(ServiceProcess):
         answered = set()
         for cid, sub in list(stored.items()):
             with contextlib.suppress(Exception):
-                if await self.redis.exists(self.keys.reply(sub.call.session_id, cid)):
+                if await self.call_records.answered_reply(sub.call.session_id, cid) is not None:
                     answered.add(cid)
         requeued = 0
         for cid, sub in sorted(stored.items(), key=lambda kv: kv[1].call.arrived_at):
@@ -157,7 +158,7 @@ class AdmissionService(ServiceProcess):
         for cid in list(self.scheduler.running):
             with contextlib.suppress(Exception):
                 run = self.scheduler.running[cid]
-                if await self.redis.exists(self.keys.reply(run.call.session_id, cid)):
+                if await self.call_records.answered_reply(run.call.session_id, cid) is not None:
                     self.payloads.pop(cid, None)
                     self._forget_dispatch(cid)
                     await self.step(sch.Finished(cid, run.call.session_id, run.call.prompt_tokens))

@@ -2,14 +2,16 @@
 
 `EngineWorker` owns the call protocol, written once for every backend:
 
-- a run (admission's `RunCall`) whose reply is stored is answered from the
-  reply store again, with its `CallFinished` re-sent (admission may have missed
-  the first one while it restarted); a run already generating is ignored; a run
-  that lands while the engine sleeps or starts waits in `pending` until it wakes;
-- the finish of a call stores its reply create-if-absent (a second generation
-  of one call id never becomes a second answer: the first stored reply is the
-  one published), records the session's finish, answers the agent and tells
-  admission (`CallFinished`);
+- a run (admission's `RunCall`) is claimed in the durable call record
+  (`shared/call_record.py`) before it generates; one already answered is
+  answered from the record again, with its `CallFinished` re-sent (admission
+  may have missed the first one while it restarted); one claimed by another
+  worker is not run here; a run already generating is ignored; a run that
+  lands while the engine sleeps or starts waits in `pending` until it wakes;
+- the finish of a call stores its reply in the record on its claim before
+  publishing it (a second generation of one call id never becomes a second
+  answer, and a process whose claim was taken over answers nothing), records
+  the session's finish, answers the agent and tells admission (`CallFinished`);
 - an agent's cancel (`CancelCall`) of a pending call drops it and tells
   admission; of a running call, the backend stops generating and the call ends
   as aborted (no reply, a `CallFinished`);
@@ -22,6 +24,7 @@ only generates. It is chosen at start (`services/engine/__main__.py`).
 from __future__ import annotations
 
 import contextlib
+import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any
@@ -31,7 +34,7 @@ from nats.aio.msg import Msg
 
 from shared import state
 from shared.bus import ServiceProcess, trace_headers
-from shared.keys import CALL_TTL_S
+from shared.call_record import Claim
 from shared.schema import (
     Abort, CallFinished, CallReply, CallTokens, ControlOk, EngineAnnounce, EngineState, ForgetHostKv, ListCalls,
     ProtectKv, RunAccepted, RunCall, Sleep, Wake, cancel_decoder, control_decoder, encode, reply_decoder, run_decoder,
@@ -118,12 +121,14 @@ class EngineBackend(ABC):
 
 class EngineWorker(ServiceProcess):
     name = "engine"
+    uses_call_records = True
 
     def __init__(self, settings: Settings, backend: type[EngineBackend]) -> None:
         super().__init__(settings)
         self.backend = backend(self)
         self.pending: dict[str, RunCall] = {}  # runs that arrived while the engine slept or started
-
+        self.claims: dict[str, Claim] = {}     # the call record's claim of each run taken (answered on it)
+        self.epoch = uuid.uuid4().hex          # this process: a restarted worker takes its old claims over
 
     async def setup(self) -> None:
         s = self.settings
@@ -158,16 +163,26 @@ class EngineWorker(ServiceProcess):
 
     async def _take_run(self, rc: RunCall) -> None:
         with structlog.contextvars.bound_contextvars(session_id=rc.session_id, call_id=rc.call_id):
-            stored = await self.redis.get(self.keys.reply(rc.session_id, rc.call_id))
-            if stored is not None:  # already answered: the same reply again, never a second generation
+            if rc.call_id in self.pending or self.backend.holds(rc.call_id):
+                return
+            # claimed in the durable record before anything is generated
+            claim = await self.call_records.claim(rc.session_id, rc.call_id, server_id=self.settings.server_id,
+                                                  owner=self.instance, epoch=self.epoch)
+            if claim.outcome == "answered":  # the same reply again, never a second generation
+                stored = claim.record.reply or b""
                 await self.nc.publish(rc.reply_to, stored)
-                self.log.info("engine.duplicate_run", served_from="reply-store")
+                self.log.info("engine.duplicate_run", served_from="call-record")
                 with contextlib.suppress(Exception):
                     done = reply_decoder.decode(stored)
                     await self._tell_admission(rc.call_id, rc.session_id, done.prompt_tokens + done.output_tokens)
                 return
-            if rc.call_id in self.pending or self.backend.holds(rc.call_id):
+            if claim.outcome == "held_elsewhere":  # another worker generates it: it is not this server's to run
+                self.log.warning("engine.held_elsewhere", owner=claim.record.owner)
+                await self._tell_admission(rc.call_id, rc.session_id, 0)
                 return
+            if rc.call_id in self.pending or self.backend.holds(rc.call_id):
+                return  # (a resend of it was taken while this one claimed)
+            self.claims[rc.call_id] = claim
             if not self.backend.can_run:
                 self.pending[rc.call_id] = rc
                 self.log.info("engine.run_deferred", reason="asleep or starting")
@@ -190,22 +205,30 @@ class EngineWorker(ServiceProcess):
         """`rc` ended (`reply.aborted`: stopped before its end; nobody is answered)."""
         s = self.settings
         data = encode(reply)
-        pipe = self.redis.pipeline(transaction=True)
-        if not reply.aborted:
-            # create-if-absent, then read back: the first stored reply is the answer
-            pipe.set(self.keys.reply(reply.session_id, reply.call_id), data, ex=CALL_TTL_S, nx=True)
-            pipe.get(self.keys.reply(reply.session_id, reply.call_id))
-        state.record_finish(pipe, self.keys, reply.session_id, s.server_id, reply.finished_at, max(1, reply.output_tokens))
-        if writes is not None:
-            writes(pipe)
-        results = await pipe.execute()
+        claim = self.claims.pop(rc.call_id, None)
         hdrs = trace_headers(reply.session_id, reply.call_id)
+        first = True
         if not reply.aborted:
-            first = results[1]
-            if first is not None and first != data:
-                self.log.warning("engine.second_generation", call_id=reply.call_id, session_id=reply.session_id,
-                                 answered_with="the first stored reply")
-                data = first
+            if claim is None:  # (never: a run starts only after its claim)
+                claim = await self.call_records.claim(rc.session_id, rc.call_id, server_id=s.server_id,
+                                                      owner=self.instance, epoch=self.epoch)
+            # stored before it is published, on this process's claim: the first stored reply is the answer
+            published, first = await self.call_records.answer(reply.session_id, reply.call_id, data, claim)
+            if published is None:
+                self.log.error("engine.fenced", reason="another process of this worker took the call over")
+                return
+            if not first:
+                self.log.warning("engine.second_generation", answered_with="the first stored reply")
+                data = published
+        if first:
+            # the session's finish, once per call id (a second generation would count it twice)
+            pipe = self.redis.pipeline(transaction=True)
+            state.record_finish(pipe, self.keys, reply.session_id, s.server_id, reply.finished_at,
+                                max(1, reply.output_tokens))
+            if writes is not None:
+                writes(pipe)
+            await pipe.execute()
+        if not reply.aborted:
             await self.nc.publish(rc.reply_to, data, headers=hdrs)
         # admission's state machine advances on this, whatever the backend
         await self._tell_admission(reply.call_id, reply.session_id, context_tokens, reply.finished_at, hdrs)
@@ -222,6 +245,7 @@ class EngineWorker(ServiceProcess):
         c = cancel_decoder.decode(msg.data)
         pending = self.pending.pop(c.call_id, None)
         if pending is not None:
+            self.claims.pop(c.call_id, None)
             self.log.info("engine.cancelled_before_start", call_id=c.call_id, session_id=pending.session_id)
             await self._tell_admission(c.call_id, pending.session_id, 0)
             return
@@ -240,6 +264,7 @@ class EngineWorker(ServiceProcess):
                 await self.start_pending()
             case Abort(call_id=cid, at=at):
                 self.pending.pop(cid, None)
+                self.claims.pop(cid, None)  # it stays claimed by this process: a re-dispatch runs it here
                 await self.backend.abort(cid, at)
             case ProtectKv(session_id=sid, on=on):
                 await self.backend.protect(sid, on)

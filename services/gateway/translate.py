@@ -6,7 +6,7 @@ each API's own shapes (no I/O; the service around it does the HTTP and NATS).
   documented order (`SESSION_HEADERS`); `talaria_session_id` namespaces it by
   tenant, agent id and model, so two tenants' `x-session-id: 1` never meet.
 - calls: `call_id_for` gives an HTTP retry the first attempt's call id, so the
-  router's reply cache answers it instead of running a second call.
+  router answers it from the call record instead of running a second call.
 - tokens: `estimate_tokens` stands in for a tokenizer (part 1 has none): about
   four UTF-8 bytes a token plus four per message for the role framing; the
   same text always gives the same count.

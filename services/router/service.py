@@ -27,13 +27,12 @@ from shared.bus import ServiceProcess, run_service, trace_headers
 from shared.keys import CALL_TTL_S, SESSION_TTL_S
 from shared.policy import DECISION_HISTORY
 from shared.schema import (
-    MAX_MESSAGE_BYTES, AdmissionCall, ApiError, CallAccepted, CallRequest, EndSession, Info, InfoRequest, Ok,
+    MAX_MESSAGE_BYTES, AdmissionCall, ApiError, CallAccepted, CallRecord, CallRequest, EndSession, Info, InfoRequest, Ok,
     EnginePayload, OpenSession, SessionOpened, SessionReleased, SubmitCall, api_request_decoder, encode, reply_decoder,
     submit_reply_decoder,
 )
 
 SUBMIT_TIMEOUT_WALL_S = 5.0
-PLACING = "placing"  # a call key's value while its first placement is under way (then: the server's id)
 NO_CAPACITY_RETRY_AFTER_S = 1.0  # wall seconds an agent should wait before asking again
 PLACEMENT_ATTEMPTS = 4  # snapshots a placement may take when other replicas keep placing; the last one lands anyway
 # KEYS: the placement sequence, the chosen server's in-flight hash; ARGV: the sequence
@@ -48,6 +47,7 @@ IN_FLIGHT_MAX_WALL_S = 2.0  # forget an in-flight placement the mirror never cou
 
 class Router(ServiceProcess):
     name = "router"
+    uses_call_records = True
     per_server = False
 
     async def setup(self) -> None:
@@ -156,30 +156,32 @@ class Router(ServiceProcess):
                 await self.reply_error(reply_to, "malformed", f"session {req.session_id} is open for another model", req.call_id)
                 return
             # at most once per call_id: the first placement wins, a retry gets the reply or a fresh ack
-            ckey = self.keys.call(req.session_id, req.call_id)
-            if not await self.redis.set(ckey, PLACING, nx=True, ex=CALL_TTL_S):
-                cached = await self.redis.get(self.keys.reply(req.session_id, req.call_id))
-                if cached is not None:
-                    dup = msgspec.structs.replace(reply_decoder.decode(cached), duplicate=True)
+            revision = await self.call_records.create(req.session_id, req.call_id, CallRecord(state="placing"))
+            if revision is None:
+                record, current = await self.call_records.get(req.session_id, req.call_id)
+                if record is not None and record.state == "answered" and record.reply is not None:
+                    dup = msgspec.structs.replace(reply_decoder.decode(record.reply), duplicate=True)
                     await self.nc.publish(reply_to, encode(dup))
-                    self.log.info("call.duplicate", served_from="reply-cache")
+                    self.log.info("call.duplicate", served_from="call-record")
                 else:
                     # in flight, or lost with a process that held it: submit again under the same id,
                     # to the server that took it (another server's engine would run it a second time)
-                    holder = await self.redis.get(ckey)
-                    pinned = holder.decode() if holder is not None and holder != PLACING.encode() else None
+                    pinned = record.server_id if record is not None else None
                     self.log.info("call.duplicate", served_from="resubmitted", pinned_to=pinned)
-                    await self._place_and_submit(req, reply_to, session, retry=True, pinned=pinned)
+                    # (a placement that never finished, by a router that died: this one records it)
+                    unplaced = current if record is not None and record.state == "placing" else 0
+                    await self._place_and_submit(req, reply_to, session, retry=True, pinned=pinned, revision=unplaced)
                 return
-            await self._place_and_submit(req, reply_to, session)
+            await self._place_and_submit(req, reply_to, session, revision=revision)
 
     async def _place_and_submit(self, req: CallRequest, reply_to: str, session: state.SessionRecord,
-                                retry: bool = False, pinned: str | None = None) -> None:
+                                retry: bool = False, pinned: str | None = None, revision: int = 0) -> None:
         """Place and submit a call. `retry`: the same call id again, with no reply
         yet (e.g. the admission that held it restarted): submit it again without
         counting it twice in the session's history; admission and the engine
         both deduplicate by call id. `pinned`: the server that took it, the only
-        one it may go to (if that one cannot take it now, the agent retries later)."""
+        one it may go to (if that one cannot take it now, the agent retries later).
+        `revision`: the call record this placement created (a first placement)."""
         now = self.clock.now()
         last_finish = session.last_finish
         calls_before = session.calls - (1 if retry else 0)
@@ -259,14 +261,17 @@ class Router(ServiceProcess):
                 # new session's first call; admission decides on its own exact count, not a mirrored one
                 self.log.warning("router.admission_refused", server_id=cand.server_id, reason=out.message, code=out.code)
                 continue
-            await self.redis.set(self.keys.call(req.session_id, req.call_id), cand.server_id, ex=CALL_TTL_S)
+            if revision:  # a retry is pinned to this server (unless its engine claimed it already: that says so too)
+                await self.call_records.update(req.session_id, req.call_id,
+                                               CallRecord(state="placed", server_id=cand.server_id), revision)
             await self.nc.publish(reply_to, encode(CallAccepted(call_id=req.call_id, server_id=cand.server_id)))
             return
         if pinned is not None:  # still held there: the agent retries, to that server again
             await self.reply_error(reply_to, "no_capacity", f"{pinned}, which holds call {req.call_id}, cannot take it now",
                                    req.call_id, retry_after_s=NO_CAPACITY_RETRY_AFTER_S)
             return
-        await self.redis.delete(self.keys.call(req.session_id, req.call_id))  # nothing took it: a retry may place it again
+        if revision:  # nothing took it: a retry may place it again
+            await self.call_records.release(req.session_id, req.call_id, revision)
         if new_session:  # so the retry is the session's first call again
             pipe = self.redis.pipeline(transaction=False)
             state.count_call(pipe, self.keys, req.session_id, -1)

@@ -259,7 +259,7 @@ async def run_chaos(sessions: list[TraceSession], *, seed: int = 0, policy: str 
         "calls_completed": completed,
         "calls_duplicated": duplicated,
         "calls_lost": total - completed,
-        "replies_from_cache": out.duplicates,   # a retried call id answered from the reply cache (not a 2nd generation)
+        "replies_from_cache": out.duplicates,   # a retried call id answered with the stored reply (not a 2nd generation)
         "session_failures": out.failures,
         "faults": [asdict(f) for f in inj.faults],
         "worst_recovery_s": worst,

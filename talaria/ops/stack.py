@@ -140,6 +140,8 @@ class EmbeddedStack:
             "TALARIA_SWITCH_COST_SCALE": repr(s.switch_cost_scale),
             "TALARIA_PREFILL_SPEED_SCALE": repr(s.prefill_speed_scale),
             "TALARIA_LOG_FORMAT": s.log_format,
+            # the call record is replicated on every embedded node, up to three
+            "TALARIA_CALL_RECORD_REPLICAS": str(1 if s.nats_urls else min(3, max(1, s.nats_cluster))),
             "PYTHONUNBUFFERED": "1",
             **s.extra_env,
         }

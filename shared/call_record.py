@@ -1,0 +1,207 @@
+"""The durable at-most-once record of every call: a JetStream key-value bucket.
+
+Failure model: a node is lost with its disk. Redis replicates asynchronously
+(and the embedded one keeps nothing on disk), so the record that a call id was
+taken, who generates it and what its reply was lives in a JetStream KV bucket
+replicated synchronously over the NATS cluster (three replicas on the
+three-node cluster; `TALARIA_CALL_RECORD_REPLICAS`). Every step is a
+compare-and-set on the key's revision (`CallRecord`, `shared/schema.py`):
+
+- the router *creates* it (`placing`) — the first placement of a call id wins —
+  and records the server whose admission accepted it (`placed`); a retry reads
+  it: answered -> the stored reply again, else pinned to that server;
+- the engine-worker *claims* it before it generates (`claimed`, its instance
+  and process epoch); a claim by another worker is never run here, a claim by
+  an earlier process of this same worker (it was restarted) is taken over;
+- the engine-worker *answers* it (`answered`, the reply) before it publishes
+  the reply, on the revision of its own claim: a process whose claim was taken
+  over while it hung cannot answer (it is fenced), and a second generation of
+  a call id never becomes a second answer.
+
+Transient errors (a NATS node restarting, a stream leader being elected) are
+retried up to a deadline; past it `CallRecordUnavailable` is raised.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import time
+from dataclasses import dataclass
+from typing import Literal
+
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client as NATS
+from nats.js.api import KeyValueConfig, StorageType
+from nats.js.kv import KeyValue
+
+from shared.schema import CallRecord, call_record_decoder, encode
+from shared.subjects import Subjects
+
+RETRY_DEADLINE_S = 20.0   # wall seconds a step waits out a restarting node or a leader election
+_BACKOFF_S = (0.02, 0.05, 0.1, 0.2, 0.5)
+
+
+class CallRecordUnavailable(RuntimeError):
+    """The bucket did not answer within the retry deadline."""
+
+
+def record_key(session_id: str, call_id: str) -> str:
+    """Session and call id in the key's alphabet (a call id reused by another session is another key)."""
+    raw = f"{session_id}\x1f{call_id}".encode()
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    """What an engine-worker may do with a run: `run` it (under `revision`), answer
+    it with the stored reply (`answered`), or leave it (`held_elsewhere`: another
+    worker claimed it)."""
+
+    outcome: Literal["run", "answered", "held_elsewhere"]
+    record: CallRecord
+    revision: int
+
+
+def _transient(exc: BaseException) -> bool:
+    """A node restarting or a leader election (timeouts, no responders, a 5xx from
+    JetStream): wait it out. A refusal (4xx: wrong revision, bad request) is an answer."""
+    if isinstance(exc, nats.js.errors.APIError):
+        return (exc.code or 0) >= 500
+    return isinstance(exc, (nats.errors.Error, asyncio.TimeoutError, OSError))
+
+
+class CallRecords:
+    def __init__(self, kv: KeyValue, deadline_s: float = RETRY_DEADLINE_S) -> None:
+        self.kv = kv
+        self.deadline_s = deadline_s
+
+    @classmethod
+    async def open(cls, nc: NATS, subject_prefix: str, *, replicas: int, ttl_s: float,
+                   deadline_s: float = RETRY_DEADLINE_S) -> CallRecords:
+        """Create the bucket, or bind to it if it exists (every service may be first)."""
+        js = nc.jetstream()
+        name = Subjects(subject_prefix).call_record_bucket
+        config = KeyValueConfig(bucket=name, history=1, ttl=ttl_s, replicas=max(1, replicas), storage=StorageType.FILE)
+        end = time.monotonic() + max(deadline_s, 30.0)
+        attempt = 0
+        while True:
+            try:
+                try:
+                    kv = await js.create_key_value(config)
+                except nats.js.errors.BadRequestError:  # exists with another config (e.g. other replicas)
+                    kv = await js.key_value(name)
+                return cls(kv, deadline_s)
+            except Exception as exc:
+                if not _transient(exc) or time.monotonic() > end:
+                    hint = (" (is JetStream enabled on the NATS server? the call record needs it: nats-server -js)"
+                            if isinstance(exc, nats.js.errors.ServiceUnavailableError) else "")
+                    raise CallRecordUnavailable(f"call record bucket {name}: {type(exc).__name__}: {exc}{hint}") from exc
+                await asyncio.sleep(_BACKOFF_S[min(attempt, len(_BACKOFF_S) - 1)])
+                attempt += 1
+
+    async def _retry(self, what: str, step):  # type: ignore[no-untyped-def]
+        end = time.monotonic() + self.deadline_s
+        attempt = 0
+        while True:
+            try:
+                return await step()
+            except Exception as exc:
+                if not _transient(exc):
+                    raise
+                if time.monotonic() > end:
+                    raise CallRecordUnavailable(f"{what}: {type(exc).__name__}: {exc}") from exc
+                await asyncio.sleep(_BACKOFF_S[min(attempt, len(_BACKOFF_S) - 1)])
+                attempt += 1
+
+    # -- the primitive steps ------------------------------------------------------------
+    async def get(self, session_id: str, call_id: str) -> tuple[CallRecord | None, int]:
+        """The record and its revision (None, 0 when there is none)."""
+        key = record_key(session_id, call_id)
+
+        async def step() -> tuple[CallRecord | None, int]:
+            try:
+                entry = await self.kv.get(key)
+            except nats.js.errors.KeyNotFoundError:
+                return None, 0
+            if not entry.value:
+                return None, 0
+            return call_record_decoder.decode(entry.value), int(entry.revision or 0)
+
+        return await self._retry("get", step)
+
+    async def create(self, session_id: str, call_id: str, record: CallRecord) -> int | None:
+        """Write it if the key has no record; its revision, or None when one exists."""
+        key, data = record_key(session_id, call_id), encode(record)
+
+        async def step() -> int | None:
+            try:
+                return await self.kv.create(key, data)
+            except nats.js.errors.KeyWrongLastSequenceError:
+                return None
+
+        return await self._retry("create", step)
+
+    async def update(self, session_id: str, call_id: str, record: CallRecord, last: int) -> int | None:
+        """Write it if the key is still at revision `last`; the new revision, or None."""
+        key, data = record_key(session_id, call_id), encode(record)
+
+        async def step() -> int | None:
+            try:
+                return await self.kv.update(key, data, last=last)
+            except nats.js.errors.KeyWrongLastSequenceError:
+                return None
+
+        # (a retried write whose first try landed reads as a wrong revision: None, and the caller reads again)
+        return await self._retry("update", step)
+
+    async def release(self, session_id: str, call_id: str, last: int) -> None:
+        """Forget a placement nothing took (a retry may place it again)."""
+        key = record_key(session_id, call_id)
+
+        async def step() -> None:
+            try:
+                await self.kv.delete(key, last=last)
+            except nats.js.errors.KeyWrongLastSequenceError:
+                pass  # it moved on (a server took it after all): keep it
+
+        await self._retry("release", step)
+
+    # -- the engine-worker's steps ------------------------------------------------------
+    async def claim(self, session_id: str, call_id: str, *, server_id: str, owner: str, epoch: str) -> Claim:
+        mine = CallRecord(state="claimed", server_id=server_id, owner=owner, epoch=epoch)
+        while True:
+            record, revision = await self.get(session_id, call_id)
+            if record is None:
+                rev = await self.create(session_id, call_id, mine)
+                if rev is not None:
+                    return Claim("run", mine, rev)
+                continue
+            if record.state == "answered":
+                return Claim("answered", record, revision)
+            if record.state == "claimed" and record.owner != owner:
+                return Claim("held_elsewhere", record, revision)
+            if record.state == "claimed" and record.epoch == epoch:
+                return Claim("run", record, revision)  # this process again (the earlier run was stopped)
+            # placing / placed, or an earlier process of this worker: claim it (fencing that process)
+            rev = await self.update(session_id, call_id, mine, revision)
+            if rev is not None:
+                return Claim("run", mine, rev)
+
+    async def answer(self, session_id: str, call_id: str, reply: bytes, claim: Claim) -> tuple[bytes | None, bool]:
+        """Store the reply on the claim's revision. Returns (the reply to publish,
+        whether it is this one): the stored first answer if there is one, or None
+        when this process's claim was taken over (fenced: publish nothing)."""
+        answered = CallRecord(state="answered", server_id=claim.record.server_id, owner=claim.record.owner,
+                              epoch=claim.record.epoch, reply=reply)
+        if await self.update(session_id, call_id, answered, claim.revision) is not None:
+            return reply, True
+        record, _ = await self.get(session_id, call_id)
+        if record is not None and record.state == "answered" and record.reply is not None:
+            return record.reply, record.reply == reply
+        return None, False
+
+    async def answered_reply(self, session_id: str, call_id: str) -> bytes | None:
+        record, _ = await self.get(session_id, call_id)
+        return record.reply if record is not None and record.state == "answered" else None
