@@ -223,10 +223,10 @@ async def test_an_sdk_retry_does_not_run_a_second_call(stack: EmbeddedStack) -> 
     call_id = first.id.removeprefix("chatcmpl-")
     deadline = time.monotonic() + 5
     while not [e for e in events(stack, "router-0", "call.duplicate") if e.get("call_id") == call_id]:
-        assert time.monotonic() < deadline, "the router never answered the retry from its reply cache"
+        assert time.monotonic() < deadline, "the router never answered the retry from the call record"
         await asyncio.sleep(0.1)
     assert [e.get("served_from") for e in events(stack, "router-0", "call.duplicate")
-            if e.get("call_id") == call_id] == ["reply-cache"]
+            if e.get("call_id") == call_id] == ["call-record"]
 
 
 @pytest.mark.timeout(120)
