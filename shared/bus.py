@@ -10,8 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import os
 import signal
 import sys
+import threading
+import time
 from collections.abc import Awaitable, Callable
 
 import msgspec
@@ -79,6 +83,31 @@ async def connect_nats(urls: list[str], name: str, log: structlog.stdlib.BoundLo
         user=user,
         password=password,
     )
+
+
+LOOP_STALL_EXIT_CODE = 70  # EX_SOFTWARE: the process's own watchdog found its event loop stuck
+
+
+def start_loop_watchdog(lag: LagMonitor, stall_s: float, instance: str) -> threading.Thread:
+    """A thread that ends the process when its event loop has not run for `stall_s`
+    (a blocked call, a stuck driver): in compose nothing else would, since Docker
+    does not restart a container that is merely unhealthy; its restart policy
+    restarts one that exited. A SIGSTOPped process stops this thread too: the
+    embedded stack's liveness watch (talaria/ops/liveness.py) covers that."""
+
+    def watch() -> None:
+        while True:
+            time.sleep(min(1.0, stall_s / 4))
+            idle = time.monotonic() - lag.last_tick
+            if idle > stall_s:
+                sys.stderr.write(json.dumps({"event": "service.loop_stuck", "instance": instance, "level": "error",
+                                             "idle_s": round(idle, 1), "exit_code": LOOP_STALL_EXIT_CODE}) + "\n")
+                sys.stderr.flush()
+                os._exit(LOOP_STALL_EXIT_CODE)
+
+    t = threading.Thread(target=watch, name="loop-watchdog", daemon=True)
+    t.start()
+    return t
 
 
 class ServiceProcess:
@@ -183,6 +212,8 @@ class ServiceProcess:
             self.call_records = await CallRecords.open(self.nc, self.settings.subject_prefix,
                                                        replicas=self.settings.call_record_replicas, ttl_s=CALL_TTL_S)
         await self.setup()
+        if self.settings.loop_stall_exit_s > 0:  # armed after start-up (a real engine blocks while it loads)
+            start_loop_watchdog(self.lag, self.settings.loop_stall_exit_s, self.instance)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stop.set)

@@ -58,12 +58,14 @@ class LagMonitor:
     def __init__(self, interval_s: float = 0.05) -> None:
         self.interval_s = interval_s
         self.worst_s = 0.0
+        self.last_tick = time.monotonic()  # when the loop last ran this monitor (a stuck loop stops it)
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
             t0 = loop.time()
             await asyncio.sleep(self.interval_s)
+            self.last_tick = time.monotonic()
             self.worst_s = max(self.worst_s, loop.time() - t0 - self.interval_s)
 
 

@@ -129,6 +129,7 @@ class Settings:
     gateway_keepalive_s: float = 10.0  # wall seconds between SSE keep-alive comments while a call waits
     gateway_max_body: int = 4 * 1024 * 1024  # bytes of an HTTP request body above which the gateway answers 413
     call_record_replicas: int = 1   # JetStream replicas of the at-most-once call record (3 on a 3-node cluster)
+    loop_stall_exit_s: float = 0.0  # wall seconds of a stuck event loop after which the process exits (0 = off)
 
     def instance_name(self, kind: str) -> str:
         """A service process's instance: its name in logs, in NATS and on its health subject."""
@@ -193,6 +194,9 @@ class Settings:
                        help="largest HTTP request body in bytes (larger: 413)")
         p.add_argument("--call-record-replicas", type=int, default=_int(src, "TALARIA_CALL_RECORD_REPLICAS", 1),
                        help="JetStream replicas of the at-most-once call record (1-5; 3 on a three-node NATS cluster)")
+        p.add_argument("--loop-stall-exit-s", type=float, default=float(_env("TALARIA_LOOP_STALL_EXIT_S", "0")),
+                       help="exit when the event loop has not run for this many wall seconds, so a supervisor "
+                            "restarts the process (compose; 0 = off)")
         a = p.parse_args(argv)
         vllm = None
         if a.engine == "vllm":
@@ -241,4 +245,5 @@ class Settings:
             gateway_keepalive_s=max(0.05, a.gateway_keepalive_s),
             gateway_max_body=max(1024, a.gateway_max_body),
             call_record_replicas=min(5, max(1, a.call_record_replicas)),
+            loop_stall_exit_s=max(0.0, a.loop_stall_exit_s),
         )

@@ -85,11 +85,13 @@ async def drive(
     run_tag: str = "",
     progress_every_wall_s: float = 5.0,
     on_reply: Callable[[CallReply], None] | None = None,
+    on_issue: Callable[[str], None] | None = None,
     error_retries: int = 0,
 ) -> ReplayOutcome:
     """`error_retries` > 0 (the chaos run): an agent that gets no_capacity, an
     internal error or a timeout waits `retry_after_s` (or 1 s) and tries again
-    under the same call id, that many times."""
+    under the same call id, that many times. `on_issue(call_id)` / `on_reply`:
+    a call is sent / answered (the chaos run's in-flight count and watchdog)."""
     total_calls = sum(len(s.calls) for s in sessions)
     prog = Progress(policy_name, total_calls, len(sessions))
     records: list[CallRecord] = []
@@ -106,6 +108,8 @@ async def drive(
         started = clock.now()
         for pc in plan_session(s, max_tokens, context_limit=sess.context_limit):
             issued = clock.now()
+            if on_issue is not None:
+                on_issue(call_id_for(sid, pc.index))
             reply: CallReply = await _retrying(error_retries, lambda: sess.call(
                 prompt_tokens=pc.prompt_tokens, prefix_tokens=pc.prefix_tokens, max_tokens=pc.max_tokens,
                 call_id=call_id_for(sid, pc.index), sim_output_tokens=pc.sim_stop_tokens,
