@@ -18,6 +18,10 @@ compare-and-set on the key's revision (`CallRecord`, `shared/schema.py`):
   over while it hung cannot answer (it is fenced), and a second generation of
   a call id never becomes a second answer.
 
+The router also keeps each open session's model here (`session.` keys), so a
+Redis that restarts empty does not turn an agent's open session into an
+unknown one: the router restores the session's Redis hash from it.
+
 Transient errors (a NATS node restarting, a stream leader being elected) are
 retried up to a deadline; past it `CallRecordUnavailable` is raised.
 """
@@ -51,6 +55,11 @@ def record_key(session_id: str, call_id: str) -> str:
     """Session and call id in the key's alphabet (a call id reused by another session is another key)."""
     raw = f"{session_id}\x1f{call_id}".encode()
     return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def session_key(session_id: str) -> str:
+    """An open session's key (the `session.` namespace: no call key has a dot)."""
+    return "session." + base64.urlsafe_b64encode(session_id.encode()).decode().rstrip("=")
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,6 +210,37 @@ class CallRecords:
         if record is not None and record.state == "answered" and record.reply is not None:
             return record.reply, record.reply == reply
         return None, False
+
+    # -- open sessions (the router's) ---------------------------------------------------
+    async def open_session(self, session_id: str, model: str) -> None:
+        """A session is open for `model` until it ends: kept here too, so a Redis that
+        restarts empty does not make an agent's open session unknown."""
+        key, value = session_key(session_id), model.encode()
+
+        async def step() -> None:
+            await self.kv.put(key, value)
+
+        await self._retry("open session", step)
+
+    async def session_model(self, session_id: str) -> str | None:
+        key = session_key(session_id)
+
+        async def step() -> str | None:
+            try:
+                entry = await self.kv.get(key)
+            except nats.js.errors.KeyNotFoundError:
+                return None
+            return entry.value.decode() if entry.value else None
+
+        return await self._retry("session", step)
+
+    async def end_session(self, session_id: str) -> None:
+        key = session_key(session_id)
+
+        async def step() -> None:
+            await self.kv.delete(key)
+
+        await self._retry("end session", step)
 
     async def answered_reply(self, session_id: str, call_id: str) -> bytes | None:
         record, _ = await self.get(session_id, call_id)

@@ -9,6 +9,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import redis.asyncio as aioredis
 
@@ -267,9 +268,10 @@ async def test_a_reply_lost_and_redis_emptied_is_answered_again_not_generated_ag
         nats_server: NatsServer, redis_server: RedisServer, subject_prefix: str, key_prefix: str,
         tmp_path: Path) -> None:
     """The engine finishes a call whose reply reaches no one (the agent's connection
-    was moving to another NATS node), then Redis loses everything; the agent reopens
-    its session and retries the call id. The retry is answered with the stored reply
-    from the call record (JetStream, not Redis): the call is generated once."""
+    was moving to another NATS node), then Redis loses everything; the agent
+    retries the call id. The retry is answered with the stored reply
+    from the call record (JetStream, not Redis): the call is generated once. The
+    session itself is still open (its record is durable too): no reopen needed."""
     from nats.aio.client import Client as NATS
 
     from shared.schema import CallRequest, EngineHint, OpenSession, encode
@@ -287,9 +289,10 @@ async def test_a_reply_lost_and_redis_emptied_is_answered_again_not_generated_ag
         await nc.publish(svc.subjects.api_call, encode(call))
         await until(lambda: engine_counts(svc, "engine.finished").get("away#0", 0) == 1, 30, "never finished")
         await r.flushall()  # the store restarts empty
-        await nc.request(svc.subjects.api_session_open, encode(OpenSession(session_id="away", model=MODEL_A)), 5)
-        again = await call_until(nc, svc.subjects, call, 30.0)
+        again = await call_until(nc, svc.subjects, call, 30.0)  # the agent's retry, without reopening
         assert again.duplicate and again.output_tokens == 4, again
+        nxt = await call_until(nc, svc.subjects, msgspec.structs.replace(call, call_id="away#1", prompt_tokens=900), 30.0)
+        assert not nxt.duplicate and nxt.output_tokens == 4, nxt
         await asyncio.sleep(1.0)  # a second generation, if one started, would show by now
         assert engine_counts(svc, "engine.started").get("away#0") == 1, "the call was generated again"
         assert engine_counts(svc, "engine.finished").get("away#0") == 1

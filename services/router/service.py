@@ -116,6 +116,7 @@ class Router(ServiceProcess):
         pipe = self.redis.pipeline(transaction=False)
         state.open_session(pipe, self.keys, sid, model)
         await pipe.execute()
+        await self.call_records.open_session(sid, model)
         self.log.info("session.opened", session_id=sid, model=model)
         if reply:
             await self.nc.publish(reply, encode(SessionOpened(session_id=sid, model=model,
@@ -125,6 +126,7 @@ class Router(ServiceProcess):
         model = await self.redis.hget(self.keys.session(sid), "model")
         await self.nc.publish(self.subjects.session_released, encode(SessionReleased(
             session_id=sid, reason="ended", model=model.decode() if model is not None else None)))
+        await self.call_records.end_session(sid)
         self.log.info("session.ended", session_id=sid)
         if reply:
             await self.nc.publish(reply, encode(Ok()))
@@ -148,6 +150,13 @@ class Router(ServiceProcess):
                                        req.call_id)
                 return
             session = state.decode_session(await self.redis.hgetall(self.keys.session(req.session_id)))
+            if session.model is None and (model := await self.call_records.session_model(req.session_id)):
+                # open, but the store restarted empty: its hash again from the durable record
+                pipe = self.redis.pipeline(transaction=False)
+                state.open_session(pipe, self.keys, req.session_id, model)
+                pipe.hgetall(self.keys.session(req.session_id))
+                session = state.decode_session((await pipe.execute())[-1])
+                self.log.warning("session.restored", model=model, source="call record")
             if session.model is None:
                 # (a hash with no model: the store restarted empty and an engine wrote to it since)
                 await self.reply_error(reply_to, "unknown_session", f"session {req.session_id} is not open (open it first)", req.call_id)
