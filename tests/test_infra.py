@@ -478,3 +478,26 @@ async def test_shared_fixtures(nats_server: NatsServer, redis_server: RedisServe
     assert await redis_client.get(f"{key_prefix}k") == b"v"
     # JetStream is on for the shared server.
     await nc.jetstream().add_stream(name=subject_prefix, subjects=[f"{subject_prefix}.js.>"])
+
+
+async def test_a_child_that_served_before_dying_restarts_without_crash_loop_backoff(tmp_path: Path) -> None:
+    """Back-off grows for a child that keeps dying (a crash loop), not for one that
+    answered its health check in between (killed again and again, as chaos does)."""
+    group = ProcessGroup(backoff_initial=0.1, backoff_max=5.0, stable_after=100.0, poll_interval=0.05)
+    child = group.add("steady", [sys.executable, "-c", FOREVER], {}, tmp_path / "steady.log")
+    group.start_all()
+    stop = asyncio.Event()
+    task = asyncio.create_task(group.supervise(stop))
+    try:
+        for n in (1, 2):  # killed twice, never marked healthy: a crash loop
+            group.kill("steady")
+            await until(lambda n=n: child.restarts == n and child.running, DEADLINE_S)
+        assert child.failures == 2
+        group.mark_healthy("steady")  # it served
+        group.kill("steady")
+        await until(lambda: child.restarts == 3 and child.running, DEADLINE_S)
+        assert child.failures == 1  # back to the first back-off
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, timeout=5)
+        await group.astop_all(timeout=5)

@@ -517,6 +517,15 @@ class ProcessGroup:
     def pids(self) -> dict[str, int | None]:
         return {name: c.pid if c.running else None for name, c in self.children.items()}
 
+    def mark_healthy(self, name: str) -> None:
+        """The child answered its health check: it serves, so its next death is not part
+        of a crash loop (its restart back-off starts over). A child killed again and again
+        after serving each time (a chaos run) is restarted at once each time."""
+        with self._lock:
+            child = self.children.get(name)
+            if child is not None and child.next_start is None:
+                child.failures = 0
+
     def _backoff(self, child: Child) -> float:
         return min(self.backoff_initial * (2 ** max(child.failures - 1, 0)), self.backoff_max)
 

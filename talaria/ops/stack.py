@@ -240,6 +240,9 @@ class EmbeddedStack:
                         return False
 
                 answers = dict(zip(alive, await asyncio.gather(*(ping(n) for n in alive))))
+                for name, ok in answers.items():
+                    if ok:  # serving: a later death is not a crash loop
+                        self.group.mark_healthy(name)
                 for name in watch.round(answers, time.monotonic()):
                     print(f"[talaria] {name} stopped answering its health checks: killing it for a restart",
                           file=sys.stderr, flush=True)
