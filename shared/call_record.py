@@ -172,8 +172,10 @@ class CallRecords:
         async def step() -> None:
             try:
                 await self.kv.delete(key, last=last)
-            except nats.js.errors.KeyWrongLastSequenceError:
-                pass  # it moved on (a server took it after all): keep it
+            except nats.js.errors.BadRequestError as exc:  # (delete does not name a wrong revision itself)
+                if exc.err_code not in (10071, 10164):
+                    raise
+                # it moved on (a server took it after all): keep it
 
         await self._retry("release", step)
 

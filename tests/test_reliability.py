@@ -300,3 +300,66 @@ async def test_a_reply_lost_and_redis_emptied_is_answered_again_not_generated_ag
         await r.aclose()
         await nc.close()
         await svc.stop()
+
+
+async def test_a_finish_lost_on_the_bus_is_re_derived_from_the_call_record(
+        nats_server: NatsServer, redis_server: RedisServer, subject_prefix: str, key_prefix: str,
+        tmp_path: Path) -> None:
+    """An engine acknowledges a run, answers it in the call record, and then both
+    its reply and its `CallFinished` are lost (its NATS node died between publish
+    and delivery, as in a chaos run). Admission, which heartbeats the call as
+    running, would hold it for ever and the agent would never retry; instead it
+    reads the record, sends the stored reply again and finishes the call."""
+    from nats.aio.client import Client as NATS
+
+    from shared.call_record import CallRecords
+    from shared.keys import CALL_TTL_S
+    from shared.schema import (
+        CallRecord, CallReply, ControlOk, EngineState, ListCalls, RunAccepted, control_decoder, encode, run_decoder,
+    )
+
+    svc = Services(nats_server.url, redis_server.url, subject_prefix, key_prefix, tmp_path / "logs", models=[MODEL_A],
+                   which=("router", "admission", "substrate"))
+    eng = NATS()
+    await eng.connect(nats_server.url)
+    records = await CallRecords.open(eng, subject_prefix, replicas=1, ttl_s=CALL_TTL_S)
+    runs: list[str] = []
+
+    async def control(msg: Any) -> None:  # a fake engine: awake, runs nothing
+        cmd = control_decoder.decode(msg.data)
+        out = EngineState(awake=True, kv_capacity_tokens=500_000) if isinstance(cmd, ListCalls) else ControlOk()
+        await eng.publish(msg.reply, encode(out))
+
+    async def run(msg: Any) -> None:
+        rc = run_decoder.decode(msg.data)
+        runs.append(rc.call_id)
+        await eng.publish(msg.reply, encode(RunAccepted(call_id=rc.call_id)))
+        reply = CallReply(call_id=rc.call_id, session_id=rc.session_id, server_id=SERVER, model=MODEL_A,
+                          prompt_tokens=rc.call.prompt_tokens, cached_tokens=0, restored_tokens=0,
+                          reprefill_tokens=0, output_tokens=5, arrived_at=rc.call.arrived_at, finished_at=1.0,
+                          waited_s=0.0, switch_wait_s=0.0, round_wait=False, restore_s=0.0, prefill_s=0.0,
+                          decode_s=0.0)
+        record, rev = await records.get(rc.session_id, rc.call_id)
+        claimed = CallRecord(state="claimed", server_id=SERVER, owner="fake", epoch="1")
+        rev = await records.update(rc.session_id, rc.call_id, claimed, rev) if record else \
+            await records.create(rc.session_id, rc.call_id, claimed)
+        await records.update(rc.session_id, rc.call_id, CallRecord(state="answered", server_id=SERVER, owner="fake",
+                                                                  epoch="1", reply=encode(reply)), rev or 0)
+        # ... and neither the reply nor CallFinished is ever published: lost
+
+    await eng.subscribe(svc.subjects.engine_control(SERVER, MODEL_A), queue="engine", cb=control)
+    await eng.subscribe(svc.subjects.engine_run(SERVER, MODEL_A), queue="engine", cb=run)
+    await eng.flush()
+    await svc.start()
+    try:
+        # silence_s far above the test's deadline: only the reconciler can answer in time
+        async with await TalariaClient.connect(nats_server.url, subject_prefix=subject_prefix, silence_s=120.0) as c:
+            sess = await c.open_session(MODEL_A)
+            got = await asyncio.wait_for(sess.call(prompt_tokens=700, max_tokens=16, sim_output_tokens=5), 30.0)
+            assert got.output_tokens == 5 and runs == [got.call_id], (got, runs)
+            second = await asyncio.wait_for(sess.call(prompt_tokens=900, max_tokens=16, sim_output_tokens=5), 30.0)
+            assert second.output_tokens == 5  # the slot was freed: the next call runs too
+        assert [d for d in svc.log_lines(svc.admission) if d.get("event") == "admission.finish_recovered"]
+    finally:
+        await eng.close()
+        await svc.stop()

@@ -46,6 +46,10 @@ CASES = [
     ("up", ["up", "--policy", "talaria", "--time-scale", "5"], "talaria is up", signal.SIGHUP),
     ("chaos", ["chaos", SMOKE, "--time-scale", "50"], "[chaos] fault-free reference run", signal.SIGTERM),
     ("replay-int", ["replay", SMOKE, "--policy", "baseline", "--time-scale", "5"], "stack up", signal.SIGINT),
+    # after chaos has restarted a NATS node and Redis itself (from worker threads)
+    ("chaos-after-restarts", ["chaos", SMOKE, "--time-scale", "5", "--kinds", "nats,redis"], "killed  redis",
+     signal.SIGTERM),
+    ("fidelity", ["fidelity", "--seeds", "1", "--time-scale", "50"], "stack up", signal.SIGTERM),
 ]
 
 

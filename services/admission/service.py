@@ -24,10 +24,12 @@ from shared.state import CounterMirror, ServerLoad, add_counters, write_server_l
 from shared.schema import (
     Abort, ApiError, CallQueued, CallRunning, ListCalls, ProtectKv, RunCall, SessionReleased,
     StageRequest, Submitted, SubmitCall, SwitchRequest, admission_decoder, encode, engine_announce_decoder,
-    dispatch_ack_decoder, engine_state_decoder, finished_decoder, session_released_decoder, stored_submit_decoder, switch_reply_decoder,
+    dispatch_ack_decoder, engine_state_decoder, finished_decoder, reply_decoder, session_released_decoder,
+    stored_submit_decoder, switch_reply_decoder,
 )
 
 LIST_CALLS_TIMEOUT_WALL_S = 2.0
+RECONCILE_WALL_S = 3.0  # wall seconds a confirmed run may go without CallFinished before its record is read
 DISPATCH_ACK_WALL_S = 1.0  # wall seconds a dispatch may go unacknowledged before it is sent again
 DISPATCH_RETRY_MAX_WALL_S = 10.0  # the longest wait between two sends of a dispatch an engine refused
 MIRROR_COALESCE_S = 0.005  # wall seconds between two writes of the scheduler's mirror
@@ -56,6 +58,7 @@ class AdmissionService(ServiceProcess):
         # is heartbeated as running, so a dispatch lost on the bus is sent again instead
         # of keeping its agent waiting on heartbeats for a call nobody runs
         self.confirmed: set[str] = set()
+        self.confirmed_at: dict[str, float] = {}  # wall time a confirmed call was last checked by the reconciler
         self.resend_at: dict[str, tuple[float, float]] = {}  # unacknowledged -> (next send, backoff), wall clock
         self.ack_inbox = self.nc.new_inbox()
         await self.nc.subscribe(self.ack_inbox, cb=self.guarded_handler(self.on_dispatch_ack, "dispatch_ack"))
@@ -80,6 +83,7 @@ class AdmissionService(ServiceProcess):
         self.spawn(self.persister(), "persister")
         self.spawn(self.idle_sessions(), "idle-sessions")
         self.spawn(self.redispatcher(), "redispatcher")
+        self.spawn(self.reconciler(), "reconciler")
         await self._settle_recovered()
 
     # -- recovery ----------------------------------------------------------------------
@@ -243,13 +247,46 @@ class AdmissionService(ServiceProcess):
 
     async def on_finished(self, msg: Msg) -> None:
         ev = finished_decoder.decode(msg.data)
-        if self.payloads.pop(ev.call_id, None) is not None:
+        await self._finished(ev.call_id, ev.session_id, ev.context_tokens, ev.finished_at)
+
+    async def _finished(self, call_id: str, session_id: str, context_tokens: int, finished_at: float | None) -> None:
+        if self.payloads.pop(call_id, None) is not None:
             self.persist_dirty.set()
             with contextlib.suppress(Exception):
-                await self.redis.hdel(self.keys.admission_calls(self.settings.server_id), ev.call_id)
-        self._forget_dispatch(ev.call_id)
-        self.last_seen[ev.session_id] = self.clock.now()
-        await self.step(sch.Finished(ev.call_id, ev.session_id, ev.context_tokens), at=ev.finished_at)
+                await self.redis.hdel(self.keys.admission_calls(self.settings.server_id), call_id)
+        self._forget_dispatch(call_id)
+        self.last_seen[session_id] = self.clock.now()
+        await self.step(sch.Finished(call_id, session_id, context_tokens), at=finished_at)
+
+    async def reconciler(self) -> None:
+        """Re-derive a finish lost on the bus: a call its engine confirmed but whose
+        `CallFinished` never came would hold its slot, and be heartbeated as running
+        to an agent that may have lost the reply too, for ever (a NATS node died
+        between the engine's publish and its delivery, in a chaos run). Every call
+        confirmed for `RECONCILE_WALL_S` is looked up in the call record; answered:
+        its reply is sent to the agent again (the same bytes) and it finishes here."""
+        while True:
+            await asyncio.sleep(RECONCILE_WALL_S / 2)
+            now = time.monotonic()
+            for cid in list(self.confirmed):
+                since = self.confirmed_at.setdefault(cid, now)
+                run = self.dispatched.get(cid)
+                if run is None or now - since < RECONCILE_WALL_S:
+                    continue
+                self.confirmed_at[cid] = now  # looked at again in RECONCILE_WALL_S
+                try:
+                    stored = await self.call_records.answered_reply(run.session_id, cid)
+                except Exception:  # noqa: BLE001 - the record is away: look again next time
+                    continue
+                if stored is None or cid not in self.confirmed:
+                    continue
+                sub = self.payloads.get(cid)
+                self.log.warning("admission.finish_recovered", call_id=cid, session_id=run.session_id,
+                                 reason="answered in the call record, no CallFinished")
+                if sub is not None:
+                    await self.nc.publish(sub.reply_to, stored, headers=trace_headers(run.session_id, cid))
+                done = reply_decoder.decode(stored)
+                await self._finished(cid, run.session_id, done.prompt_tokens + done.output_tokens, done.finished_at)
 
     async def on_engine_announce(self, msg: Msg) -> None:
         """An engine-worker restarted and lost what it ran: send those calls again
@@ -271,6 +308,7 @@ class AdmissionService(ServiceProcess):
     def _forget_dispatch(self, call_id: str) -> None:
         self.dispatched.pop(call_id, None)
         self.confirmed.discard(call_id)
+        self.confirmed_at.pop(call_id, None)
         self.resend_at.pop(call_id, None)
 
     async def on_dispatch_ack(self, msg: Msg) -> None:
@@ -284,6 +322,7 @@ class AdmissionService(ServiceProcess):
             return
         if ack.call_id in self.dispatched:
             self.confirmed.add(ack.call_id)
+            self.confirmed_at[ack.call_id] = time.monotonic()
             self.resend_at.pop(ack.call_id, None)
 
     async def redispatcher(self) -> None:
