@@ -315,7 +315,7 @@ async def test_a_finish_lost_on_the_bus_is_re_derived_from_the_call_record(
     from shared.call_record import CallRecords
     from shared.keys import CALL_TTL_S
     from shared.schema import (
-        CallRecord, CallReply, ControlOk, EngineState, ListCalls, RunAccepted, control_decoder, encode, run_decoder,
+        CallReply, ControlOk, EngineState, ListCalls, RunAccepted, control_decoder, encode, run_decoder,
     )
 
     svc = Services(nats_server.url, redis_server.url, subject_prefix, key_prefix, tmp_path / "logs", models=[MODEL_A],
@@ -339,12 +339,10 @@ async def test_a_finish_lost_on_the_bus_is_re_derived_from_the_call_record(
                           reprefill_tokens=0, output_tokens=5, arrived_at=rc.call.arrived_at, finished_at=1.0,
                           waited_s=0.0, switch_wait_s=0.0, round_wait=False, restore_s=0.0, prefill_s=0.0,
                           decode_s=0.0)
-        record, rev = await records.get(rc.session_id, rc.call_id)
-        claimed = CallRecord(state="claimed", server_id=SERVER, owner="fake", epoch="1")
-        rev = await records.update(rc.session_id, rc.call_id, claimed, rev) if record else \
-            await records.create(rc.session_id, rc.call_id, claimed)
-        await records.update(rc.session_id, rc.call_id, CallRecord(state="answered", server_id=SERVER, owner="fake",
-                                                                  epoch="1", reply=encode(reply)), rev or 0)
+        # claimed and answered as the real engine does (compare-and-set, racing the router's `placed`)
+        claim = await records.claim(rc.session_id, rc.call_id, server_id=SERVER, owner="fake", epoch="1")
+        if claim.outcome == "run":
+            await records.answer(rc.session_id, rc.call_id, encode(reply), claim)
         # ... and neither the reply nor CallFinished is ever published: lost
 
     await eng.subscribe(svc.subjects.engine_control(SERVER, MODEL_A), queue="engine", cb=control)
