@@ -39,7 +39,7 @@ from shared.schema import (
     EndSession, Info,
     InfoRequest, OpenSession, Sampling, SessionOpened, api_reply_decoder, call_event_decoder, encode,
 )
-from shared.subjects import Subjects
+from shared.subjects import AGENT_NAMESPACE, Subjects, inbox_prefix, is_namespace
 
 log = logging.getLogger("talaria.client")
 
@@ -121,23 +121,27 @@ class Deployment(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
 
 class TalariaClient:
     def __init__(self, nc: nats.NATS, subject_prefix: str = "talaria", silence_s: float = 15.0,
-                 retries: int = 3, request_timeout_s: float = 5.0, reply_namespace: str = "agent") -> None:
+                 retries: int = 3, request_timeout_s: float = 5.0, namespace: str = AGENT_NAMESPACE) -> None:
+        if not is_namespace(namespace):
+            raise ValueError(f"namespace {namespace!r}: letters, digits, '-' and '_' only")
         self.nc = nc
+        self.namespace = namespace
         self.subjects = Subjects(subject_prefix)
         self.silence_s = silence_s
         self.retries = retries
         self.request_timeout_s = request_timeout_s
-        # replies come under <prefix>.reply.<namespace>.<client>.<call>; an agent's NATS
-        # user may subscribe only to its own namespace
-        self.client_id = f"{reply_namespace}.{uuid.uuid4().hex[:12]}"
+        # requests go under <prefix>.api.<namespace>, replies come under
+        # <prefix>.reply.<namespace>.<client>.<call>: an agent's NATS user may use only its own
+        self.client_id = f"{namespace}.{uuid.uuid4().hex[:12]}"
 
     @classmethod
     async def connect(cls, urls: list[str] | str, *, user: str | None = None, password: str | None = None,
-                      connect_timeout_s: float = 10.0, **kw: object) -> Self:
+                      connect_timeout_s: float = 10.0, namespace: str = AGENT_NAMESPACE, **kw: object) -> Self:
         """Connect to NATS. Once connected the client reconnects forever; the
         first connection fails fast instead (nats-py would retry it forever):
         a refused login at once (`LoginRefused`), an unreachable server after
-        `connect_timeout_s` (`ConnectionError`), naming the servers and the last error."""
+        `connect_timeout_s` (`ConnectionError`), naming the servers and the last error.
+        `namespace` is the agent-facing user's (its NATS user name in a deployment)."""
         urls = [urls] if isinstance(urls, str) else list(urls)
         errors: list[Exception] = []
         refused = asyncio.Event()
@@ -156,7 +160,7 @@ class TalariaClient:
         nc = nats.NATS()
         connecting = asyncio.ensure_future(nc.connect(
             servers=urls, max_reconnect_attempts=-1, reconnect_time_wait=0.5, name="talaria-agent",
-            user=user, password=password, error_cb=on_error))
+            user=user, password=password, error_cb=on_error, inbox_prefix=inbox_prefix(namespace)))
         refusal = asyncio.ensure_future(refused.wait())
         done, _ = await asyncio.wait({connecting, refusal}, timeout=connect_timeout_s,
                                      return_when=asyncio.FIRST_COMPLETED)
@@ -174,12 +178,13 @@ class TalariaClient:
             raise ConnectionError(f"cannot connect to NATS at {where}: {why}")
         connecting.result()  # a connect that failed outright raises here
         connected = True
-        return cls(nc, **kw)  # type: ignore[arg-type]
+        return cls(nc, namespace=namespace, **kw)  # type: ignore[arg-type]
 
     @classmethod
     async def from_deployment(cls, deployment: Deployment, **kw: object) -> Self:
         """Connect as the deployment's agent user (`Deployment.load(credentials file)`)."""
         kw.setdefault("subject_prefix", deployment.subject_prefix)
+        kw.setdefault("namespace", deployment.agent.user or AGENT_NAMESPACE)
         return await cls.connect(deployment.nats_urls, user=deployment.agent.user, password=deployment.agent.password, **kw)
 
     async def __aenter__(self) -> Self:
@@ -217,12 +222,12 @@ class TalariaClient:
 
     async def open_session(self, model: str, session_id: str | None = None) -> "Session":
         sid = session_id or f"sess-{uuid.uuid4().hex[:12]}"
-        out = await self._request(self.subjects.api_session_open, OpenSession(session_id=sid, model=model))
+        out = await self._request(self.subjects.api_session_open(self.namespace), OpenSession(session_id=sid, model=model))
         assert isinstance(out, SessionOpened)
         return Session(self, sid, model, out.context_limit)
 
     async def end_session(self, session_id: str) -> None:
-        await self._request(self.subjects.api_session_end, EndSession(session_id=session_id))
+        await self._request(self.subjects.api_session_end(self.namespace), EndSession(session_id=session_id))
 
     async def call(
         self,
@@ -269,7 +274,7 @@ class TalariaClient:
             attempts = 0
             while attempts <= self.retries:
                 attempts += 1
-                await self.nc.publish(self.subjects.api_call, data)
+                await self.nc.publish(self.subjects.api_call(self.namespace), data)
                 while True:
                     try:
                         async with asyncio.timeout(self.silence_s):
@@ -302,7 +307,7 @@ class TalariaClient:
             if not done and not self.nc.is_closed:
                 # we give up (timeout or the caller cancelled us): a real engine running it aborts it
                 try:
-                    await self.nc.publish(self.subjects.call_cancel, encode(CancelCall(call_id=cid)))
+                    await self.nc.publish(self.subjects.call_cancel(self.namespace), encode(CancelCall(call_id=cid)))
                 except Exception:
                     pass
             await sub.unsubscribe()

@@ -13,10 +13,10 @@ from __future__ import annotations
 import secrets
 from dataclasses import dataclass
 
-from shared.subjects import Subjects
+from shared.subjects import AGENT_NAMESPACE, GATEWAY_NAMESPACE, Subjects, inbox_prefix
 
 ROLES = ("router", "admission", "substrate", "engine", "agent", "gateway", "operator")
-AGENT_REPLY_NAMESPACE = "agent"
+AGENT_REPLY_NAMESPACE = AGENT_NAMESPACE
 
 # what every service needs to be a NATS micro service and to make requests
 _SERVICE_SUB = ["$SRV.>", "_INBOX.>"]
@@ -28,6 +28,12 @@ def _call_record_api(prefix: str) -> list[str]:
     stream = f"KV_{Subjects(prefix).call_record_bucket}"
     return [f"$JS.API.STREAM.CREATE.{stream}", f"$JS.API.STREAM.INFO.{stream}", f"$JS.API.STREAM.MSG.GET.{stream}",
             f"$JS.API.DIRECT.GET.{stream}", f"$JS.API.DIRECT.GET.{stream}.>"]
+
+
+def _agent_permissions(prefix: str, namespace: str) -> dict[str, list[str]]:
+    s = Subjects(prefix)
+    return {"subscribe": [f"{s.reply_namespace(namespace)}.>", f"{inbox_prefix(namespace)}.>"],
+            "publish": s.api_publish(namespace)}
 
 
 def nats_permissions(prefix: str) -> dict[str, dict[str, list[str]]]:
@@ -52,18 +58,13 @@ def nats_permissions(prefix: str) -> dict[str, dict[str, list[str]]]:
             "publish": [f"{p}.engine.>", f"{p}.events.*.substrate", *service_pub],
         },
         "engine": {
-            "subscribe": [f"{p}.engine.>", f"{p}.api.cancel", Subjects(p).session_released, health, *_SERVICE_SUB],
+            "subscribe": [f"{p}.engine.>", Subjects(p).call_cancel_any, Subjects(p).session_released, health, *_SERVICE_SUB],
             "publish": [f"{p}.reply.>", f"{p}.events.>", *service_pub, *records_write],
         },
-        "agent": {
-            "subscribe": [f"{p}.reply.{AGENT_REPLY_NAMESPACE}.>", "_INBOX.>"],
-            "publish": [f"{p}.api.>"],
-        },
-        # the HTTP gateway is an agent of Talaria: exactly the agent's permissions, its own password
-        "gateway": {
-            "subscribe": [f"{p}.reply.{AGENT_REPLY_NAMESPACE}.>", "_INBOX.>"],
-            "publish": [f"{p}.api.>"],
-        },
+        # agents and the HTTP gateway (an agent of Talaria for all its tenants) each in a
+        # namespace of their own: requests under it, replies and inboxes under it only
+        "agent": _agent_permissions(prefix, AGENT_NAMESPACE),
+        "gateway": _agent_permissions(prefix, GATEWAY_NAMESPACE),
         # health checks and the replay's own bookkeeping
         "operator": {
             "subscribe": ["_INBOX.>"],

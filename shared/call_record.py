@@ -34,13 +34,14 @@ import time
 from dataclasses import dataclass
 from typing import Literal
 
+import msgspec
 import nats.errors
 import nats.js.errors
 from nats.aio.client import Client as NATS
 from nats.js.api import KeyValueConfig, StorageType
 from nats.js.kv import KeyValue
 
-from shared.schema import CallRecord, call_record_decoder, encode
+from shared.schema import CallRecord, OpenSessionRecord, call_record_decoder, encode, open_session_record_decoder
 from shared.subjects import Subjects
 
 RETRY_DEADLINE_S = 20.0   # wall seconds a step waits out a restarting node or a leader election
@@ -214,25 +215,30 @@ class CallRecords:
         return None, False
 
     # -- open sessions (the router's) ---------------------------------------------------
-    async def open_session(self, session_id: str, model: str) -> None:
-        """A session is open for `model` until it ends: kept here too, so a Redis that
-        restarts empty does not make an agent's open session unknown."""
-        key, value = session_key(session_id), model.encode()
+    async def open_session(self, session_id: str, model: str, owner: str) -> None:
+        """A session is open for `model` (by `owner`) until it ends: kept here too, so a
+        Redis that restarts empty does not make an agent's open session unknown."""
+        key, value = session_key(session_id), encode(OpenSessionRecord(model=model, owner=owner))
 
         async def step() -> None:
             await self.kv.put(key, value)
 
         await self._retry("open session", step)
 
-    async def session_model(self, session_id: str) -> str | None:
+    async def open_session_record(self, session_id: str) -> OpenSessionRecord | None:
         key = session_key(session_id)
 
-        async def step() -> str | None:
+        async def step() -> OpenSessionRecord | None:
             try:
                 entry = await self.kv.get(key)
             except nats.js.errors.KeyNotFoundError:
                 return None
-            return entry.value.decode() if entry.value else None
+            if not entry.value:
+                return None
+            try:
+                return open_session_record_decoder.decode(entry.value)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                return None  # not ours (a bucket shared by mistake): as if never opened
 
         return await self._retry("session", step)
 

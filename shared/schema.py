@@ -282,6 +282,14 @@ class CallRecord(Base, tag="call_record"):
     reply: bytes | None = None
 
 
+class OpenSessionRecord(Base, tag="session_record"):
+    """A session open in the call record bucket: its model, and the namespace (agent-facing
+    NATS user) that opened it, the only one that may call on it or end it."""
+
+    model: str
+    owner: str
+
+
 class Sleep(Base, tag="sleep"):
     pass
 
@@ -453,6 +461,7 @@ kv_event_decoder = msgspec.json.Decoder(KvEvent)
 kv_spilled_decoder = msgspec.json.Decoder(KvSpilled)
 cancel_decoder = msgspec.json.Decoder(CancelCall)
 call_record_decoder = msgspec.json.Decoder(CallRecord)
+open_session_record_decoder = msgspec.json.Decoder(OpenSessionRecord)
 
 
 def encode(msg: msgspec.Struct) -> bytes:

@@ -165,6 +165,7 @@ class SessionRecord(msgspec.Struct, frozen=True, kw_only=True):
     started_at: float | None = None
     last_finish: float | None = None
     last_server: str | None = None
+    owner: str | None = None  # the namespace that opened it (a hash from before namespaces: anyone's)
 
 
 def decode_session(raw: Mapping[bytes, bytes] | Mapping[str, str]) -> SessionRecord:
@@ -175,12 +176,13 @@ def decode_session(raw: Mapping[bytes, bytes] | Mapping[str, str]) -> SessionRec
         started_at=float(g["started_at"]) if "started_at" in g else None,
         last_finish=float(g["last_finish"]) if "last_finish" in g else None,
         last_server=g.get("last_server"),
+        owner=g.get("owner"),
     )
 
 
-def open_session(pipe: Any, keys: Keys, session_id: str, model: str) -> None:
-    """The router's group: the session's model."""
-    pipe.hset(keys.session(session_id), mapping={"model": model})
+def open_session(pipe: Any, keys: Keys, session_id: str, model: str, owner: str) -> None:
+    """The router's group: the session's model and the namespace that opened it."""
+    pipe.hset(keys.session(session_id), mapping={"model": model, "owner": owner})
     pipe.expire(keys.session(session_id), SESSION_TTL_S)
 
 

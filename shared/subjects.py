@@ -7,36 +7,81 @@ Admission, substrate and engine subjects are sharded by server id.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
+
+AGENT_NAMESPACE = "agent"       # agents on NATS (the `agent` user of an authenticated deployment)
+GATEWAY_NAMESPACE = "gateway"   # the HTTP gateway, an agent of Talaria for all its tenants
+_NAMESPACE = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+def is_namespace(name: str) -> bool:
+    return bool(_NAMESPACE.fullmatch(name))
+
+
+def inbox_prefix(namespace: str) -> str:
+    """The request-reply inbox prefix of an agent-facing user (nats-py `inbox_prefix`):
+    its user may subscribe to its own inboxes only."""
+    return f"_INBOX.{namespace}"
 
 
 @dataclass(frozen=True, slots=True)
 class Subjects:
     prefix: str = "talaria"
 
-    # agent API (router queue group)
-    @property
-    def api_call(self) -> str:
-        return f"{self.prefix}.api.call"
+    # agent API (router queue group). An agent-facing NATS user (an agent, the gateway)
+    # publishes under its own namespace and hears replies only under it; the NATS
+    # server enforces that by permission, the router and engines by ownership.
+    def api_call(self, namespace: str = AGENT_NAMESPACE) -> str:
+        return f"{self.prefix}.api.{namespace}.call"
+
+    def api_session_open(self, namespace: str = AGENT_NAMESPACE) -> str:
+        return f"{self.prefix}.api.{namespace}.session.open"
+
+    def api_session_end(self, namespace: str = AGENT_NAMESPACE) -> str:
+        return f"{self.prefix}.api.{namespace}.session.end"
+
+    def call_cancel(self, namespace: str = AGENT_NAMESPACE) -> str:
+        """An agent gave up on a call (CancelCall); the engine running it aborts it."""
+        return f"{self.prefix}.api.{namespace}.cancel"
 
     @property
-    def api_session_open(self) -> str:
-        return f"{self.prefix}.api.session.open"
+    def api_requests(self) -> list[str]:
+        """What the router listens on: every namespace's calls and session requests, and info."""
+        return [self.api_call("*"), self.api_session_open("*"), self.api_session_end("*"), self.api_info]
 
     @property
-    def api_session_end(self) -> str:
-        return f"{self.prefix}.api.session.end"
+    def call_cancel_any(self) -> str:
+        return self.call_cancel("*")
+
+    def api_namespace(self, subject: str) -> str | None:
+        """The namespace an API subject was published under (None: not one of them)."""
+        head = f"{self.prefix}.api."
+        if not subject.startswith(head):
+            return None
+        ns = subject[len(head):].split(".", 1)[0]
+        return ns if is_namespace(ns) and ns != "info" else None
 
     @property
     def api_info(self) -> str:
         return f"{self.prefix}.api.info"
 
+    def api_publish(self, namespace: str) -> list[str]:
+        """What an agent-facing user of `namespace` may publish."""
+        return [f"{self.prefix}.api.{namespace}.>", self.api_info]
+
+    def reply_namespace(self, namespace: str) -> str:
+        """The reply subjects of one namespace: `<this>.<client>.<call>`."""
+        return f"{self.prefix}.reply.{namespace}"
+
     def reply_inbox(self, client_id: str, call_id: str) -> str:
         return f"{self.prefix}.reply.{client_id}.{_token(call_id)}"
 
-    def is_reply_inbox(self, subject: str) -> bool:
-        """A subject in the agents' reply namespace (where a service may answer a request it could not read)."""
-        return subject.startswith(f"{self.prefix}.reply.") and not any(c in subject for c in " \t\r\n*>")
+    def is_reply_inbox(self, subject: str, namespace: str | None = None) -> bool:
+        """A subject in the agents' reply namespace (where a service may answer a request
+        it could not read); with `namespace`, in that namespace's part of it."""
+        head = f"{self.reply_namespace(namespace)}." if namespace else f"{self.prefix}.reply."
+        return subject.startswith(head) and not any(c in subject for c in " \t\r\n*>")
 
     # admission, one per server
     def admission_submit(self, server: str) -> str:
@@ -79,11 +124,6 @@ class Subjects:
     def kv_events(self, server: str) -> str:
         """KV-cache events of the server's real engines (KvBlocksStored/Removed/AllCleared)."""
         return f"{self.prefix}.events.{server}.kv"
-
-    @property
-    def call_cancel(self) -> str:
-        """An agent gave up on a call (CancelCall); the engine running it aborts it."""
-        return f"{self.prefix}.api.cancel"
 
     def kv_spilled(self, server: str) -> str:
         """The active engine spilled idle KV to host DRAM (KvSpilled), for the substrate's ledger."""

@@ -60,8 +60,8 @@ async def test_cancel_during_a_token_burst_raises_and_tells_the_engine(nats_serv
             cancels.append(call_id)
             cancelled.setdefault(call_id, asyncio.Event()).set()
 
-        await nc.subscribe(subjects.api_call, cb=responder)
-        await nc.subscribe(subjects.call_cancel, cb=on_cancel)
+        await nc.subscribe(subjects.api_call(), cb=responder)
+        await nc.subscribe(subjects.call_cancel(), cb=on_cancel)
         await nc.flush()
 
         # a whole call first: the burst is collected in order, the reply comes after a second
@@ -130,8 +130,8 @@ async def test_a_session_refuses_what_cannot_fit_and_calls_after_its_end(nats_se
         async def end(msg) -> None:  # type: ignore[no-untyped-def]
             await msg.respond(encode(Ok()))
 
-        await nc.subscribe(subjects.api_call, cb=responder)
-        await nc.subscribe(subjects.api_session_end, cb=end)
+        await nc.subscribe(subjects.api_call(), cb=responder)
+        await nc.subscribe(subjects.api_session_end(), cb=end)
         await nc.flush()
         session = Session(client, "sess", "m", context_limit=1000)
         with pytest.raises(ContextLimit, match="900 tokens \\+ max_tokens 200 = 1100 passes m's context limit of 1000"):

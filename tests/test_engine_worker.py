@@ -19,6 +19,7 @@ from polling import until
 from services.engine.sim_backend import placeholder_tokens
 from shared.call_record import CallRecords, record_key
 from shared.keys import CALL_TTL_S, Keys
+from shared.subjects import AGENT_NAMESPACE
 from shared.schema import (
     AdmissionCall, CallRecord, CallReply, CallTokens, CancelCall, EnginePayload, EngineHint, RunCall, Wake,
     call_event_decoder, encode, finished_decoder,
@@ -114,10 +115,10 @@ async def test_a_second_generation_is_never_a_second_answer(engine_only: Any, re
 async def test_a_streamed_sim_call_gets_its_tokens_and_a_cancel_ends_it(engine_only: Any) -> None:
     svc, nc = engine_only
     s = svc.subjects
-    events, _ = await _collect(nc, s.reply_inbox("t", "r3"))
+    events, _ = await _collect(nc, s.reply_inbox(f"{AGENT_NAMESPACE}.t", "r3"))
     finishes, _ = await _collect(nc, s.call_finished(SERVER))
     # a short streamed call: every token arrives, in order, before the reply
-    await nc.publish(s.engine_run(SERVER, MODEL_A), encode(_run("c3", "S3", s.reply_inbox("t", "r3"), out=3000, stream=True)))
+    await nc.publish(s.engine_run(SERVER, MODEL_A), encode(_run("c3", "S3", s.reply_inbox(f"{AGENT_NAMESPACE}.t", "r3"), out=3000, stream=True)))
     await until(lambda: any(isinstance(call_event_decoder.decode(e), CallReply) for e in events), 30, "no reply")
     decoded = [call_event_decoder.decode(e) for e in events]
     tokens = [t for e in decoded if isinstance(e, CallTokens) for t in e.token_ids]
@@ -127,9 +128,9 @@ async def test_a_streamed_sim_call_gets_its_tokens_and_a_cancel_ends_it(engine_o
     # a long one, cancelled mid-decode: no reply, a CallFinished, an aborted finish in the log
     events.clear()
     finishes.clear()
-    await nc.publish(s.engine_run(SERVER, MODEL_A), encode(_run("c4", "S4", s.reply_inbox("t", "r3"), out=100_000, stream=True)))
+    await nc.publish(s.engine_run(SERVER, MODEL_A), encode(_run("c4", "S4", s.reply_inbox(f"{AGENT_NAMESPACE}.t", "r3"), out=100_000, stream=True)))
     await until(lambda: any(isinstance(call_event_decoder.decode(e), CallTokens) for e in events), 30, "no tokens")
-    await nc.publish(s.call_cancel, encode(CancelCall(call_id="c4")))
+    await nc.publish(s.call_cancel(), encode(CancelCall(call_id="c4")))
     await until(lambda: any(finished_decoder.decode(f).call_id == "c4" for f in finishes), 10, "no CallFinished")
     await asyncio.sleep(0.3)
     assert not any(isinstance(call_event_decoder.decode(e), CallReply) for e in events), "a cancelled call was answered"

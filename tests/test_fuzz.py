@@ -121,9 +121,9 @@ if hasattr(Subjects, "substrate_announce"):  # a restarted substrate-manager's a
 def subject_of(key: str, prefix: str) -> str:
     s = Subjects(prefix)
     return {
-        "api.call": s.api_call,
-        "api.session.open": s.api_session_open,
-        "api.session.end": s.api_session_end,
+        "api.call": s.api_call(),
+        "api.session.open": s.api_session_open(),
+        "api.session.end": s.api_session_end(),
         "api.info": s.api_info,
         "admission.submit": s.admission_submit(SERVER),
         "events.finished": s.call_finished(SERVER),

@@ -25,6 +25,7 @@ from shared.schema import (
     ApiError, CallQueued, Info, SessionOpened, api_request_decoder, CallRequest, InfoRequest, OpenSession, EndSession, Ok, encode,
 )
 from shared.settings import Settings
+from shared.subjects import GATEWAY_NAMESPACE
 from talaria.ops.nats_server import NatsServer
 from talaria.ops.stack import EmbeddedStack, StackSpec
 
@@ -260,7 +261,7 @@ async def refusing_gateway(nats_server: NatsServer) -> AsyncIterator[tuple[str, 
     ctl: dict[str, Any] = {"calls": 0}
 
     async def on_api(msg: Any) -> None:
-        if msg.subject.endswith(".api.cancel"):
+        if msg.subject.endswith(".cancel"):
             ctl.setdefault("cancelled", []).append(json.loads(msg.data)["call_id"])
             return
         req = api_request_decoder.decode(msg.data)
@@ -285,7 +286,7 @@ async def refusing_gateway(nats_server: NatsServer) -> AsyncIterator[tuple[str, 
     await router.subscribe(f"{prefix}.api.>", cb=on_api)
     settings = Settings(nats_urls=[nats_server.url], subject_prefix=prefix, gateway_host="127.0.0.1", gateway_port=0,
                         api_keys="t:k", gateway_keepalive_s=0.1)
-    client = await TalariaClient.connect([nats_server.url], subject_prefix=prefix)
+    client = await TalariaClient.connect([nats_server.url], subject_prefix=prefix, namespace=GATEWAY_NAMESPACE)
     runner, port = await start_gateway(settings, client)
     try:
         yield f"http://127.0.0.1:{port}", ctl

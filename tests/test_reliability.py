@@ -245,7 +245,7 @@ async def test_a_retried_call_stays_on_the_server_that_holds_it(nats_server: Nat
             await nc.publish(msg.reply, encode(Submitted(call_id=sub.call.call_id, server_id=server)))
         subs[server] = await nc.subscribe(svc.subjects.admission_submit(server), cb=take)
     try:
-        resp = await nc.request(svc.subjects.api_session_open, encode(OpenSession(session_id="pin", model=MODEL_A)), 5)
+        resp = await nc.request(svc.subjects.api_session_open(), encode(OpenSession(session_id="pin", model=MODEL_A)), 5)
         assert not isinstance(api_reply_decoder.decode(resp.data), ApiError)
         call = CallRequest(call_id="pin#0", session_id="pin", model=MODEL_A, prompt_tokens=1000)
         first = await call_raw(nc, svc.subjects, call)
@@ -275,7 +275,7 @@ async def test_a_reply_lost_and_redis_emptied_is_answered_again_not_generated_ag
     from nats.aio.client import Client as NATS
 
     from shared.schema import CallRequest, EngineHint, OpenSession, encode
-    from test_services import call_until
+    from test_services import agent_inbox, call_until
 
     svc = Services(nats_server.url, redis_server.url, subject_prefix, key_prefix, tmp_path / "logs", models=[MODEL_A])
     await svc.start()
@@ -283,10 +283,10 @@ async def test_a_reply_lost_and_redis_emptied_is_answered_again_not_generated_ag
     await nc.connect(nats_server.url)
     r = aioredis.Redis.from_url(redis_server.url)
     try:
-        await nc.request(svc.subjects.api_session_open, encode(OpenSession(session_id="away", model=MODEL_A)), 5)
+        await nc.request(svc.subjects.api_session_open(), encode(OpenSession(session_id="away", model=MODEL_A)), 5)
         call = CallRequest(call_id="away#0", session_id="away", model=MODEL_A, prompt_tokens=800, max_tokens=16,
-                           engine_hint=EngineHint(sim_output_tokens=4), reply_to=nc.new_inbox())  # nobody listens there
-        await nc.publish(svc.subjects.api_call, encode(call))
+                           engine_hint=EngineHint(sim_output_tokens=4), reply_to=agent_inbox(nc, svc.subjects))  # nobody listens there
+        await nc.publish(svc.subjects.api_call(), encode(call))
         await until(lambda: engine_counts(svc, "engine.finished").get("away#0", 0) == 1, 30, "never finished")
         await r.flushall()  # the store restarts empty
         again = await call_until(nc, svc.subjects, call, 30.0)  # the agent's retry, without reopening

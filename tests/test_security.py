@@ -12,6 +12,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import AuthenticationError, ResponseError
 
 from shared.auth import ROLES, generate_credentials, nats_permissions
+from shared.subjects import AGENT_NAMESPACE, GATEWAY_NAMESPACE, Subjects, inbox_prefix
 from talaria.ops.nats_server import NatsServer
 from talaria.ops.redis_server import RedisServer
 
@@ -46,7 +47,9 @@ async def connect(server: NatsServer, role: str | None, creds, errors: list | No
         if errors is not None:
             errors.append(e)
 
-    kw = {"user": role, "password": creds.nats[role]} if role else {}
+    kw: dict = {"user": role, "password": creds.nats[role]} if role else {}
+    if role in (AGENT_NAMESPACE, GATEWAY_NAMESPACE):  # agent-facing users hear requests' answers in their own inboxes
+        kw["inbox_prefix"] = inbox_prefix(role)
     return await nats.connect(server.plain_url, allow_reconnect=False, connect_timeout=3, error_cb=on_error, **kw)
 
 
@@ -109,13 +112,13 @@ async def test_agent_may_call_the_api_and_hear_its_replies(secure_nats: NatsServ
             await router.publish(f"{PREFIX}.reply.agent.c1.x", b"done")
             await msg.respond(b"ok")
 
-        await router.subscribe(f"{PREFIX}.api.call", cb=answer)
+        await router.subscribe(Subjects(PREFIX).api_call("*"), cb=answer)
         await router.flush()
         inbox = await agent.subscribe(f"{PREFIX}.reply.agent.c1.>")
         await agent.flush()
         for _ in range(20):  # the router's interest may take a moment to register on a busy machine
             try:
-                resp = await agent.request(f"{PREFIX}.api.call", b"{}", timeout=3)
+                resp = await agent.request(Subjects(PREFIX).api_call(AGENT_NAMESPACE), b"{}", timeout=3)
                 break
             except nats.errors.NoRespondersError:
                 await asyncio.sleep(0.1)
@@ -135,7 +138,44 @@ def test_every_role_has_an_allow_list() -> None:
     for role, p in perms.items():
         assert p["publish"] and p["subscribe"], role
         assert ">" not in p["publish"] and ">" not in p["subscribe"], role  # no wildcard-everything
-    assert perms["agent"]["publish"] == ["p.api.>"]
+    # agents and the gateway: requests only under their own namespace (and the shared info)
+    assert perms["agent"]["publish"] == ["p.api.agent.>", "p.api.info"]
+    assert perms["gateway"]["publish"] == ["p.api.gateway.>", "p.api.info"]
+
+
+async def test_an_agent_cannot_act_or_listen_in_the_gateways_namespace(secure_nats: NatsServer, creds) -> None:
+    """The NATS agent and the HTTP gateway (all HTTP tenants) are apart: the agent can neither
+    publish a call, an end or a cancel under the gateway's namespace, nor hear its replies or
+    its inboxes; the gateway, likewise, not the agent's."""
+    s = Subjects(PREFIX)
+    router = await connect(secure_nats, "router", creds)
+    got: list = []
+
+    async def record(msg) -> None:
+        got.append(msg.subject)
+
+    for subject in s.api_requests + [s.call_cancel_any]:
+        await router.subscribe(subject, cb=record)
+    await router.flush()
+    for me, other in ((AGENT_NAMESPACE, GATEWAY_NAMESPACE), (GATEWAY_NAMESPACE, AGENT_NAMESPACE)):
+        errors: list = []
+        nc = await connect(secure_nats, me, creds, errors)
+        try:
+            for subject in (s.api_call(other), s.api_session_end(other), s.call_cancel(other)):
+                await nc.publish(subject, b"{}")
+            await nc.subscribe(f"{s.reply_namespace(other)}.>")
+            await nc.subscribe(f"{inbox_prefix(other)}.>")
+            await nc.subscribe("_INBOX.>")
+            await nc.publish(s.api_call(me), b"{}")  # its own: allowed
+            await nc.flush()
+            await asyncio.sleep(0.3)
+            violations = [e for e in errors if "permissions violation" in str(e).lower()]
+            assert len(violations) >= 6, errors
+            assert got == [s.api_call(me)], got
+            got.clear()
+        finally:
+            await nc.close()
+    await router.close()
 
 
 async def test_redis_refuses_unauthenticated_and_wrong_password(secure_redis: RedisServer, creds) -> None:

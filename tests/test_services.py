@@ -32,9 +32,9 @@ from shared.logs import read_log_events
 from shared.schema import (
     EngineHint,
     MAX_MESSAGE_BYTES, ApiError, CallAccepted, CallQueued, CallReply, CallRunning, api_reply_decoder,
-    call_event_decoder, encode, CallRequest,
+    call_event_decoder, encode, CallRequest, CancelCall,
 )
-from shared.subjects import Subjects
+from shared.subjects import AGENT_NAMESPACE, GATEWAY_NAMESPACE, Subjects
 from talaria.client import (
     ContextLimit, Malformed, TalariaClient, UnknownModel, UnknownSession,
 )
@@ -166,12 +166,17 @@ async def request_error(nc: NATS, subject: str, payload: bytes, timeout: float =
     return out
 
 
+def agent_inbox(nc: NATS, subjects: Subjects) -> str:
+    """A fresh reply subject in the agents' namespace (the router answers a call only there)."""
+    return f"{subjects.reply_namespace(AGENT_NAMESPACE)}.t{nc.new_inbox().rsplit('.', 1)[-1]}"
+
+
 async def call_raw(nc: NATS, subjects: Subjects, req: CallRequest, timeout: float = 5.0) -> Any:
     """Publish a call with a fresh reply subject; return the first event."""
-    inbox = nc.new_inbox()
+    inbox = agent_inbox(nc, subjects)
     sub = await nc.subscribe(inbox)
     try:
-        await nc.publish(subjects.api_call, encode(msgspec.structs.replace(req, reply_to=inbox)))
+        await nc.publish(subjects.api_call(), encode(msgspec.structs.replace(req, reply_to=inbox)))
         msg = await sub.next_msg(timeout=timeout)
         return call_event_decoder.decode(msg.data)
     finally:
@@ -185,10 +190,10 @@ async def call_until(nc: NATS, subjects: Subjects, req: CallRequest, timeout_s: 
     (Cancelling a `next_msg` while heartbeats stream in can be swallowed on Python 3.11, whose
     `asyncio.wait_for` loses a cancellation that races a completion; a lost call then hangs.)
     """
-    inbox = nc.new_inbox()
+    inbox = agent_inbox(nc, subjects)
     sub = await nc.subscribe(inbox)
     try:
-        await nc.publish(subjects.api_call, encode(msgspec.structs.replace(req, reply_to=inbox)))
+        await nc.publish(subjects.api_call(), encode(msgspec.structs.replace(req, reply_to=inbox)))
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             try:
@@ -320,7 +325,7 @@ def bad_inputs(s: Subjects, model: str) -> dict[str, list[bytes]]:
         _j(_run()),                                            # a run on the control subject
     ]
     return {
-        s.api_call: router, s.api_session_open: router, s.api_session_end: router, s.api_info: router,
+        s.api_call(): router, s.api_session_open(): router, s.api_session_end(): router, s.api_info: router,
         s.admission_submit(SERVER): admission,
         s.substrate_switch(SERVER): substrate, s.substrate_stage(SERVER): substrate,
         s.engine_run(SERVER, model): run, s.engine_control(SERVER, model): control,
@@ -386,7 +391,7 @@ async def test_bad_input_gets_typed_error_and_never_crashes(stack: Services, nc:
 
 async def test_malformed_call_with_reply_to_answers_on_the_request_reply(stack: Services, nc: NATS) -> None:
     # a call that does not validate cannot be trusted for its reply_to: the error goes to msg.reply
-    err = await request_error(nc, stack.subjects.api_call, _j(_api_call(prompt_tokens=-1, reply_to="x.nowhere")))
+    err = await request_error(nc, stack.subjects.api_call(), _j(_api_call(prompt_tokens=-1, reply_to="x.nowhere")))
     assert err.code == "malformed" and "prompt_tokens" in err.message
 
 
@@ -438,6 +443,47 @@ async def test_router_rejections(stack: Services, nc: NATS, redis_client: aiored
     await health(nc, stack.subject_prefix, stack.router, 5.0, stack)
 
 
+async def test_a_session_belongs_to_the_namespace_that_opened_it(stack: Services, nats_server: NatsServer,
+                                                                  client: TalariaClient) -> None:
+    """The gateway's sessions (all its HTTP tenants) and an agent's are apart, whatever the
+    NATS permissions: an agent that names a gateway session's id cannot call on it, end it or
+    open it again, nor send a call's reply into the gateway's inbox; a cancel under another
+    namespace leaves the call running."""
+    gw = await TalariaClient.connect(nats_server.url, subject_prefix=stack.subject_prefix, silence_s=10.0,
+                                     retries=1, namespace=GATEWAY_NAMESPACE)
+    try:
+        theirs = await gw.open_session(MODEL_A, session_id=f"gw-{uuid.uuid4().hex[:6]}")
+        with pytest.raises(UnknownSession):
+            await client.call(theirs.session_id, MODEL_A, prompt_tokens=100, call_id="intruder#0")
+        with pytest.raises(UnknownSession):
+            await client.end_session(theirs.session_id)
+        with pytest.raises(Malformed):
+            await client.open_session(MODEL_A, session_id=theirs.session_id)
+        # a call of the agent's own whose replies it would send into the gateway's inbox
+        mine = await client.open_session(MODEL_A)
+        nc = client.nc
+        stray = f"{stack.subjects.reply_namespace(GATEWAY_NAMESPACE)}.x.y"
+        resp = await nc.request(stack.subjects.api_call(), encode(CallRequest(
+            call_id="stray#0", session_id=mine.session_id, model=MODEL_A, prompt_tokens=100, reply_to=stray)), timeout=5)
+        err = api_reply_decoder.decode(resp.data)
+        assert isinstance(err, ApiError) and err.code == "malformed" and "reply_to" in err.message, err
+        # the gateway's session still works; a cancel from the agent's namespace does not stop its call
+        running = asyncio.Event()
+        task = asyncio.ensure_future(theirs.call(
+            prompt_tokens=800, max_tokens=4000, call_id="theirs#0", sim_output_tokens=4000,
+            on_event=lambda ev: running.set() if isinstance(ev, CallRunning) else None))
+        await asyncio.wait_for(running.wait(), 30)
+        await nc.publish(stack.subjects.call_cancel(), encode(CancelCall(call_id="theirs#0")))
+        reply = await asyncio.wait_for(task, 60)
+        assert reply.output_tokens == 4000 and not reply.aborted
+        cancels = [d for d in stack.log_lines(stack.engine(MODEL_A))
+                   if d.get("event", "").startswith("engine.cancel") and d.get("call_id") == "theirs#0"]
+        assert cancels == [], cancels
+        await theirs.end()
+    finally:
+        await gw.close()
+
+
 class BigNats(NatsServer):
     """A nats-server whose max_payload lets a message over the router's front-door limit through."""
 
@@ -460,7 +506,7 @@ async def test_router_refuses_oversize_message(redis_server: RedisServer, tmp_pa
             filler = "x" * (MAX_MESSAGE_BYTES + 1024)
             payload = encode(CallRequest(call_id="big", session_id="big", model=MODEL_A, prompt_tokens=10,
                                          prompt_text=filler))
-            err = await request_error(nc, svc.subjects.api_call, payload, timeout=10.0)
+            err = await request_error(nc, svc.subjects.api_call(), payload, timeout=10.0)
             assert err.code == "too_large", err
             await health(nc, subject_prefix, svc.router, 5.0, svc)
         finally:

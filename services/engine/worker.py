@@ -128,6 +128,7 @@ class EngineWorker(ServiceProcess):
         self.backend = backend(self)
         self.pending: dict[str, RunCall] = {}  # runs that arrived while the engine slept or started
         self.claims: dict[str, Claim] = {}     # the call record's claim of each run taken (answered on it)
+        self.asked_by: dict[str, str] = {}     # each run taken -> its reply subject (whose cancel counts)
         self.epoch = uuid.uuid4().hex          # this process: a restarted worker takes its old claims over
 
     async def setup(self) -> None:
@@ -140,7 +141,7 @@ class EngineWorker(ServiceProcess):
                                 cb=self.guarded_handler(self.on_run, "run"))
         await self.nc.subscribe(self.subjects.engine_control(s.server_id, s.model), queue="engine",
                                 cb=self.guarded_handler(self.on_control, "control"))
-        await self.nc.subscribe(self.subjects.call_cancel, cb=self.guarded_handler(self.on_cancel, "cancel"))
+        await self.nc.subscribe(self.subjects.call_cancel_any, cb=self.guarded_handler(self.on_cancel, "cancel"))
         await self.nc.subscribe(self.subjects.session_released,
                                 cb=self.guarded_handler(self.on_session_released, "session_released"))
         await self.nc.subscribe(self.subjects.engine_reset_kv(s.server_id, s.model),
@@ -183,6 +184,7 @@ class EngineWorker(ServiceProcess):
             if rc.call_id in self.pending or self.backend.holds(rc.call_id):
                 return  # (a resend of it was taken while this one claimed)
             self.claims[rc.call_id] = claim
+            self.asked_by[rc.call_id] = rc.reply_to
             if not self.backend.can_run:
                 self.pending[rc.call_id] = rc
                 self.log.info("engine.run_deferred", reason="asleep or starting")
@@ -206,6 +208,7 @@ class EngineWorker(ServiceProcess):
         s = self.settings
         data = encode(reply)
         claim = self.claims.pop(rc.call_id, None)
+        self.asked_by.pop(rc.call_id, None)
         hdrs = trace_headers(reply.session_id, reply.call_id)
         first = True
         if not reply.aborted:
@@ -243,9 +246,14 @@ class EngineWorker(ServiceProcess):
     # -- the agent gives up --------------------------------------------------------------
     async def on_cancel(self, msg: Msg) -> None:
         c = cancel_decoder.decode(msg.data)
+        ns = self.subjects.api_namespace(msg.subject)
+        asked_by = self.asked_by.get(c.call_id)
+        if asked_by is None or ns is None or not self.subjects.is_reply_inbox(asked_by, ns):
+            return  # not running here, or another namespace's call: only its caller may cancel it
         pending = self.pending.pop(c.call_id, None)
         if pending is not None:
             self.claims.pop(c.call_id, None)
+            self.asked_by.pop(c.call_id, None)
             self.log.info("engine.cancelled_before_start", call_id=c.call_id, session_id=pending.session_id)
             await self._tell_admission(c.call_id, pending.session_id, 0)
             return
@@ -265,6 +273,7 @@ class EngineWorker(ServiceProcess):
             case Abort(call_id=cid, at=at):
                 self.pending.pop(cid, None)
                 self.claims.pop(cid, None)  # it stays claimed by this process: a re-dispatch runs it here
+                self.asked_by.pop(cid, None)
                 await self.backend.abort(cid, at)
             case ProtectKv(session_id=sid, on=on):
                 await self.backend.protect(sid, on)

@@ -1,7 +1,7 @@
 """gateway: the agents' HTTP front door, OpenAI- and Anthropic-compatible.
 
 A stateless process (any number of replicas behind one port) that speaks to
-Talaria as an agent (its own NATS user, with only the agent's permissions)
+Talaria as an agent (its own NATS user and namespace, with an agent's permissions)
 through the agent client (`shared/agent_client.py`):
 
     POST /v1/chat/completions   whole, or SSE `chat.completion.chunk` lines ending `data: [DONE]`
@@ -46,6 +46,7 @@ from shared.catalog import Catalog, load_catalog
 from shared.logs import configure_logging
 from shared.schema import MAX_MESSAGE_BYTES, CallReply, CallRunning, CallTokens, Sampling
 from shared.settings import Settings
+from shared.subjects import GATEWAY_NAMESPACE
 
 DEFAULT_MAX_TOKENS = 4096      # a request naming no bound gets this much, capped by the context left
 PROMPT_BYTES_MAX = MAX_MESSAGE_BYTES - 64 * 1024  # the prompt rides in one bus message with its envelope
@@ -487,7 +488,8 @@ async def start_gateway(settings: Settings, client: TalariaClient) -> tuple[web.
 async def serve(settings: Settings) -> None:
     log = configure_logging("gateway", settings.log_format, settings.log_level)
     client = await TalariaClient.connect(settings.nats_urls, user=settings.nats_user, password=settings.nats_password,
-                                         subject_prefix=settings.subject_prefix, connect_timeout_s=30.0)
+                                         subject_prefix=settings.subject_prefix, connect_timeout_s=30.0,
+                                         namespace=GATEWAY_NAMESPACE)
     runner, port = await start_gateway(settings, client)
     log.info("gateway.listening", instance=settings.instance_name("gateway"), host=settings.gateway_host, port=port,
              url=f"http://{settings.gateway_host}:{port}/v1")

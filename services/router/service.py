@@ -55,32 +55,37 @@ class Router(ServiceProcess):
         # calls placed on each server that its mirror may not count yet (shared and own)
         self.in_flight = InFlightPlacements(max_age=IN_FLIGHT_MAX_WALL_S)
         self._place_script = self.redis.register_script(PLACE_SCRIPT)
-        for subject in (self.subjects.api_call, self.subjects.api_session_open, self.subjects.api_session_end, self.subjects.api_info):
+        for subject in self.subjects.api_requests:
             await self.nc.subscribe(subject, queue="router", cb=self.guarded_handler(self.on_api, "api"))
 
     async def on_api(self, msg: Msg) -> None:
         if len(msg.data) > MAX_MESSAGE_BYTES:
             await self.reply_error(msg.reply, "too_large", f"message of {len(msg.data)} bytes exceeds {MAX_MESSAGE_BYTES}")
             return
+        # the namespace is the subject's: in an authenticated deployment only its user can publish there
+        ns = self.subjects.api_namespace(msg.subject)
         try:
             req = api_request_decoder.decode(msg.data)
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-            await self._answer_malformed(msg, exc)
+            await self._answer_malformed(msg, exc, ns)
+            return
+        if ns is None and not isinstance(req, InfoRequest):
+            await self.reply_error(msg.reply, "malformed", f"{msg.subject}: not an agent API subject")
             return
         match req:
             case CallRequest():
-                await self.on_call(req, msg)
+                await self.on_call(req, msg, ns)
             case OpenSession(session_id=sid, model=model):
-                await self.on_open(sid, model, msg.reply)
+                await self.on_open(sid, model, msg.reply, ns)
             case EndSession(session_id=sid):
-                await self.on_end(sid, msg.reply)
+                await self.on_end(sid, msg.reply, ns)
             case InfoRequest():
                 if msg.reply:
                     s = self.settings
                     await self.nc.publish(msg.reply, encode(Info(time_scale=s.time_scale, clock_epoch=s.clock_epoch,
                                                                  policy=s.policy.name, servers=s.servers, models=s.models)))
 
-    async def _answer_malformed(self, msg: Msg, exc: Exception) -> None:
+    async def _answer_malformed(self, msg: Msg, exc: Exception, namespace: str | None) -> None:
         """A request that does not validate: answer on its request-reply subject, or,
         for a call, on the reply subject it names, so the agent hears it at once."""
         reply = msg.reply
@@ -91,7 +96,8 @@ class Router(ServiceProcess):
             except msgspec.DecodeError:
                 raw = None
             to = raw.get("reply_to") if isinstance(raw, dict) else None
-            if isinstance(to, str) and len(to) <= 1024 and self.subjects.is_reply_inbox(to):
+            if (isinstance(to, str) and len(to) <= 1024 and namespace is not None
+                    and self.subjects.is_reply_inbox(to, namespace)):
                 reply = to
                 cid = raw.get("call_id")  # type: ignore[union-attr]
                 call_id = cid if isinstance(cid, str) else None
@@ -105,37 +111,60 @@ class Router(ServiceProcess):
             return f"model {model!r} is not served by this deployment (serving {sorted(self.served)})"
         return None
 
-    async def on_open(self, sid: str, model: str, reply: str | None) -> None:
+    async def _owner(self, sid: str) -> tuple[str | None, str | None]:
+        """The session's (model, owner) from Redis, else from the durable record."""
+        model, owner = await self.redis.hmget(self.keys.session(sid), ["model", "owner"])
+        if model is not None:
+            return model.decode(), owner.decode() if owner is not None else None
+        record = await self.call_records.open_session_record(sid)
+        return (record.model, record.owner) if record is not None else (None, None)
+
+    async def on_open(self, sid: str, model: str, reply: str | None, ns: str) -> None:
         if (err := self._model_error(model)) is not None:
             await self.reply_error(reply, "unknown_model", err)
             return
-        existing = await self.redis.hget(self.keys.session(sid), "model")
-        if existing is not None and existing.decode() != model:
-            await self.reply_error(reply, "malformed", f"session {sid} is open for {existing.decode()}, not {model}")
+        existing, owner = await self._owner(sid)
+        if owner is not None and owner != ns:
+            # another namespace's session: an id is not a way in (and two tenants never share one)
+            self.log.warning("session.refused", session_id=sid, reason="another namespace's", namespace=ns)
+            await self.reply_error(reply, "malformed", f"session id {sid} is taken: choose another")
+            return
+        if existing is not None and existing != model:
+            await self.reply_error(reply, "malformed", f"session {sid} is open for {existing}, not {model}")
             return
         pipe = self.redis.pipeline(transaction=False)
-        state.open_session(pipe, self.keys, sid, model)
+        state.open_session(pipe, self.keys, sid, model, ns)
         await pipe.execute()
-        await self.call_records.open_session(sid, model)
-        self.log.info("session.opened", session_id=sid, model=model)
+        await self.call_records.open_session(sid, model, ns)
+        self.log.info("session.opened", session_id=sid, model=model, namespace=ns)
         if reply:
             await self.nc.publish(reply, encode(SessionOpened(session_id=sid, model=model,
                                                               context_limit=self.catalog.model(model).context_limit)))
 
-    async def on_end(self, sid: str, reply: str | None) -> None:
-        model = await self.redis.hget(self.keys.session(sid), "model")
+    async def on_end(self, sid: str, reply: str | None, ns: str) -> None:
+        model, owner = await self._owner(sid)
+        if owner is not None and owner != ns:
+            self.log.warning("session.refused", session_id=sid, reason="another namespace's", namespace=ns)
+            await self.reply_error(reply, "unknown_session", f"session {sid} is not open")
+            return
         await self.nc.publish(self.subjects.session_released, encode(SessionReleased(
-            session_id=sid, reason="ended", model=model.decode() if model is not None else None)))
+            session_id=sid, reason="ended", model=model)))
         await self.call_records.end_session(sid)
         self.log.info("session.ended", session_id=sid)
         if reply:
             await self.nc.publish(reply, encode(Ok()))
 
-    async def on_call(self, req: CallRequest, msg: Msg) -> None:
+    async def on_call(self, req: CallRequest, msg: Msg, ns: str) -> None:
         reply_to = req.reply_to or msg.reply
         with structlog.contextvars.bound_contextvars(session_id=req.session_id, call_id=req.call_id):
             if not reply_to:
                 self.log.warning("call.rejected", reason="no reply subject")
+                return
+            if req.reply_to and not self.subjects.is_reply_inbox(req.reply_to, ns):
+                # replies go to the caller's own namespace only (never into another agent's inbox)
+                self.log.warning("call.rejected", reason="reply subject outside its namespace", namespace=ns)
+                await self.reply_error(msg.reply, "malformed",
+                                       f"reply_to must be under {self.subjects.reply_namespace(ns)}.", req.call_id)
                 return
             if (err := self._model_error(req.model)) is not None:
                 await self.reply_error(reply_to, "unknown_model", err, req.call_id)
@@ -150,13 +179,16 @@ class Router(ServiceProcess):
                                        req.call_id)
                 return
             session = state.decode_session(await self.redis.hgetall(self.keys.session(req.session_id)))
-            if session.model is None and (model := await self.call_records.session_model(req.session_id)):
+            if session.model is None and (opened := await self.call_records.open_session_record(req.session_id)):
                 # open, but the store restarted empty: its hash again from the durable record
                 pipe = self.redis.pipeline(transaction=False)
-                state.open_session(pipe, self.keys, req.session_id, model)
+                state.open_session(pipe, self.keys, req.session_id, opened.model, opened.owner)
                 pipe.hgetall(self.keys.session(req.session_id))
                 session = state.decode_session((await pipe.execute())[-1])
-                self.log.warning("session.restored", model=model, source="call record")
+                self.log.warning("session.restored", model=opened.model, source="call record")
+            if session.model is not None and session.owner is not None and session.owner != ns:
+                self.log.warning("session.refused", reason="another namespace's", namespace=ns)
+                session = msgspec.structs.replace(session, model=None)  # answered as any unknown session
             if session.model is None:
                 # (a hash with no model: the store restarted empty and an engine wrote to it since)
                 await self.reply_error(reply_to, "unknown_session", f"session {req.session_id} is not open (open it first)", req.call_id)
