@@ -224,7 +224,7 @@ class TalariaClient:
         sid = session_id or f"sess-{uuid.uuid4().hex[:12]}"
         out = await self._request(self.subjects.api_session_open(self.namespace), OpenSession(session_id=sid, model=model))
         assert isinstance(out, SessionOpened)
-        return Session(self, sid, model, out.context_limit)
+        return Session(self, sid, model, out.context_limit, out.engine_context_limit)
 
     async def end_session(self, session_id: str) -> None:
         await self._request(self.subjects.api_session_end(self.namespace), EndSession(session_id=session_id))
@@ -314,11 +314,13 @@ class TalariaClient:
 
 
 class Session:
-    def __init__(self, client: TalariaClient, session_id: str, model: str, context_limit: int) -> None:
+    def __init__(self, client: TalariaClient, session_id: str, model: str, context_limit: int,
+                 engine_context_limit: int | None = None) -> None:
         self.client = client
         self.session_id = session_id
         self.model = model
-        self.context_limit = context_limit
+        self.context_limit = context_limit  # the catalog's (a call of token counts only)
+        self.engine_context_limit = engine_context_limit  # the engines' (a call with its real prompt), if reported
         self.ended = False
 
     async def call(
@@ -337,15 +339,18 @@ class Session:
     ) -> CallReply:
         """One call of this session (see `TalariaClient.call`). Refused here,
         before anything is sent, when the session has ended or when the prompt
-        plus `max_tokens` would not fit in the model's context."""
+        plus `max_tokens` would not fit in the model's context (the engines' own, for a
+        call that carries its real prompt)."""
         if self.ended:
             # the store would answer unknown_session and the retry below would quietly reopen it
             raise SessionEnded("session_ended", f"session {self.session_id} has ended; open a new one")
-        if prompt_tokens + max_tokens > self.context_limit:
+        real = prompt_token_ids is not None or prompt_text is not None
+        limit = self.engine_context_limit if real and self.engine_context_limit else self.context_limit
+        if prompt_tokens + max_tokens > limit:
             raise ContextLimit("context_limit",
                                f"prompt of {prompt_tokens} tokens + max_tokens {max_tokens} = "
                                f"{prompt_tokens + max_tokens} passes {self.model}'s context limit of "
-                               f"{self.context_limit}; lower max_tokens or compact the context")
+                               f"{limit}; lower max_tokens or compact the context")
         kw = dict(prompt_tokens=prompt_tokens, prefix_tokens=prefix_tokens, max_tokens=max_tokens, call_id=call_id,
                   sim_output_tokens=sim_output_tokens, on_event=on_event, prompt_token_ids=prompt_token_ids,
                   prompt_text=prompt_text, stream=stream, sampling=sampling)

@@ -101,7 +101,10 @@ ApiRequest = OpenSession | EndSession | InfoRequest | CallRequest
 class SessionOpened(Base, tag="session_opened"):
     session_id: str
     model: str
-    context_limit: int
+    context_limit: int  # the catalog's: what a call's token counts are checked against
+    # the running engines' own limit (the smallest), for a call that carries its real prompt;
+    # None while no engine has reported one (the sim engine: the catalog's holds)
+    engine_context_limit: int | None = None
 
 
 class Ok(Base, tag="ok"):
@@ -114,6 +117,8 @@ class Info(Base, tag="info_reply"):
     policy: str
     servers: list[str]
     models: list[str]
+    # per model, the context a real prompt may use: the running engines' limit, else the catalog's
+    context_limits: dict[str, int] = {}
 
 
 # -- call events (to the agent's reply subject) -------------------------------------

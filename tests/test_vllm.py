@@ -142,6 +142,7 @@ async def test_two_vllm_cpu_engine_workers_prefix_hits_and_kv_events(tmp_path: P
                 assert await r.hget(keys.kv_locality(sess), server) is None, "AllBlocksCleared did not remove it"
                 assert await r.hlen(keys.kv_blocks(server, vb.MODEL)) == 0
                 await _sleep_wake_and_cancel(client, stack, probe, tmp_path / policy)
+                await _real_prompts_must_fit_the_engine(client, probe)
             finally:
                 await client.close()
                 await r.aclose()
@@ -160,6 +161,30 @@ async def test_two_vllm_cpu_engine_workers_prefix_hits_and_kv_events(tmp_path: P
             if c.reusable_tokens and fresh:
                 assert c.cached_tokens < c.reusable_tokens, (policy, c)  # a server that never saw the session
             seen[c.session].add(c.server)
+
+
+async def _real_prompts_must_fit_the_engine(client, probe) -> None:  # type: ignore[no-untyped-def]
+    """The engines' own context limit (the tiny model's 2048, not the catalog's) is what
+    agents are told and held to: a real prompt that leaves no room for its max_tokens is
+    refused with `context_limit` by the router (by its count) and by the engine (by its
+    ids, whatever count the caller claimed), never cut short."""
+    from talaria.client import ContextLimit
+
+    limit = 2048
+    info = await client.info()
+    assert info.context_limits[vb.MODEL] == limit, info.context_limits
+    assert probe.session.engine_context_limit == limit
+    sid = probe.session.session_id
+    with pytest.raises(ContextLimit):  # by its count, at the router
+        await client.call(sid, vb.MODEL, prompt_tokens=limit, prompt_token_ids=list(range(limit)), max_tokens=8,
+                          call_id="kv-probe#too-long")
+    with pytest.raises(ContextLimit) as exc:  # a count that understates it: the engine counts the ids
+        await client.call(sid, vb.MODEL, prompt_tokens=100, prompt_token_ids=[7] * (limit - 50), max_tokens=100,
+                          call_id="kv-probe#understated")
+    assert "2048" in str(exc.value)
+    ok = await client.call(sid, vb.MODEL, prompt_tokens=limit - 100, prompt_token_ids=[7] * (limit - 100),
+                           max_tokens=8, call_id="kv-probe#fits")
+    assert ok.prompt_tokens == limit - 100 and len(ok.token_ids or []) == 8  # nothing cut
 
 
 async def _sleep_wake_and_cancel(client, stack, probe, log_dir: Path) -> None:  # type: ignore[no-untyped-def]

@@ -36,6 +36,7 @@ passes the tiny local model's folder).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import threading
 import time
@@ -53,6 +54,8 @@ from shared.schema import (
     CallReply, CallRunning, KvAllCleared, KvBlocksRemoved, KvBlocksStored, KvEvent, RunCall, Sampling, Wake, encode,
 )
 from shared.settings import VllmSettings
+
+ENGINE_HASH_EVERY_WALL_S = 3.0  # how often the engine's soft-state hash is written again
 
 
 def synthetic_prompt(session_id: str, n: int, vocab: int = 1000) -> list[int]:
@@ -191,11 +194,21 @@ class VllmBackend(EngineBackend):
         self.tokenizer = await tok if asyncio.iscoroutine(tok) else tok
         start_s = time.monotonic() - t0
         self.ready = True
-        await w.redis.hset(w.keys.engine(s.server_id, s.model),
-                              mapping={"state": "ready", "start_wall_s": f"{start_s:.2f}", "block_size": self.block_size,
-                                       "model_dir": model_dir})
-        self.log.info("engine.vllm_ready", start_wall_s=round(start_s, 2))
+        self.engine_hash = {"backend": "vllm", "state": "ready", "start_wall_s": f"{start_s:.2f}",
+                            "block_size": self.block_size, "model_dir": model_dir, "context_limit": self.context_limit or 0}
+        await w.redis.hset(w.keys.engine(s.server_id, s.model), mapping=self.engine_hash)
+        w.spawn(self._keep_engine_hash(), "engine-hash")
+        self.log.info("engine.vllm_ready", start_wall_s=round(start_s, 2), context_limit=self.context_limit)
         await self._apply_power()
+
+    async def _keep_engine_hash(self) -> None:
+        """Soft state: written again every few seconds, so a Redis that restarts empty has
+        the engine's context limit back before the router's cache of it runs out."""
+        w, s = self.worker, self.worker.settings
+        while True:
+            await asyncio.sleep(ENGINE_HASH_EVERY_WALL_S)
+            with contextlib.suppress(Exception):  # Redis away: next time
+                await w.redis.hset(w.keys.engine(s.server_id, s.model), mapping=self.engine_hash)
 
     # -- sleep / wake (the substrate's switch plans) -------------------------------------
     async def _apply_power(self) -> None:
@@ -307,16 +320,32 @@ class VllmBackend(EngineBackend):
         self.live[rc.call_id] = live
         live.task = self.worker.spawn(self._serve(live), "vllm-call")
 
-    def _prompt_ids(self, rc: RunCall, room: int) -> tuple[list[int], str]:
-        if rc.engine.prompt_token_ids:
-            ids, source = list(rc.engine.prompt_token_ids), "token_ids"
-        elif rc.engine.prompt_text:
-            ids, source = list(self.tokenizer.encode(rc.engine.prompt_text, add_special_tokens=False)), "text"
-        else:
-            ids, source = synthetic_prompt(rc.session_id, rc.call.prompt_tokens), "synthetic"
-        if len(ids) > room:  # a trace's counts can exceed the tiny model's context: keep the prefix
-            ids = ids[:room]
-        return ids, source
+    @property
+    def context_limit(self) -> int | None:
+        if self.ready:  # what vLLM runs with (it may lower what was asked)
+            return int(getattr(getattr(self.llm, "model_config", None), "max_model_len", 0) or self.max_model_len)
+        return self.max_model_len
+
+    def _prompt(self, rc: RunCall) -> tuple[list[int], str, int] | str:
+        """The prompt's ids, their source and the output bound; or why the call cannot run.
+
+        An agent's prompt (ids or text) is never cut: one that leaves no room for its
+        `max_tokens` is refused (`context_limit`). A replayed trace's call (counts only, a
+        synthetic prompt) keeps its prefix up to the context and its output up to a quarter
+        of it, since a trace's counts are the catalog model's, not the engine's."""
+        limit = self.context_limit or self.max_model_len
+        if rc.engine.prompt_token_ids or rc.engine.prompt_text:
+            if rc.engine.prompt_token_ids:
+                ids, source = list(rc.engine.prompt_token_ids), "token_ids"
+            else:
+                ids, source = list(self.tokenizer.encode(rc.engine.prompt_text, add_special_tokens=False)), "text"
+            if len(ids) + rc.call.max_tokens > limit:
+                return (f"This model's maximum context length is {limit} tokens; the prompt is {len(ids)} tokens "
+                        f"and max_tokens {rc.call.max_tokens}: shorten the prompt or lower max_tokens")
+            return ids, source, max(1, rc.call.max_tokens)
+        max_tokens = max(1, min(rc.call.max_tokens, limit // 4))
+        ids = synthetic_prompt(rc.session_id, rc.call.prompt_tokens)[:limit - max_tokens]
+        return ids, "synthetic", max_tokens
 
     async def _serve(self, live: Live) -> None:
         from vllm import SamplingParams, TokensPrompt
@@ -324,8 +353,13 @@ class VllmBackend(EngineBackend):
         rc, w = live.rc, self.worker
         s = w.settings
         with structlog.contextvars.bound_contextvars(session_id=rc.session_id, call_id=rc.call_id):
-            max_tokens = max(1, min(rc.call.max_tokens, self.max_model_len // 4))
-            ids, source = self._prompt_ids(rc, self.max_model_len - max_tokens)
+            prompt = self._prompt(rc)
+            if isinstance(prompt, str):
+                self.live.pop(rc.call_id, None)
+                self.log.warning("engine.refused", reason="context_limit", detail=prompt)
+                await w.refuse(rc, "context_limit", prompt)
+                return
+            ids, source, max_tokens = prompt
             sp = SamplingParams(**sampling_kwargs(rc.engine.sampling, max_tokens))
             self.matcher.track(live.request_id, rc.session_id, ids)
             await w.nc.publish(rc.reply_to, encode(CallRunning(call_id=rc.call_id, server_id=s.server_id)))

@@ -71,6 +71,11 @@ class EngineBackend(ABC):
     def kv_capacity_tokens(self) -> int:
         return 0
 
+    @property
+    def context_limit(self) -> int | None:
+        """The engine's own context limit for a real prompt (None: it takes the catalog's)."""
+        return None
+
     @abstractmethod
     def running(self) -> list[RunCall]:
         """The runs generating now."""
@@ -235,6 +240,14 @@ class EngineWorker(ServiceProcess):
             await self.nc.publish(rc.reply_to, data, headers=hdrs)
         # admission's state machine advances on this, whatever the backend
         await self._tell_admission(reply.call_id, reply.session_id, context_tokens, reply.finished_at, hdrs)
+
+    async def refuse(self, rc: RunCall, code: str, message: str) -> None:
+        """`rc` cannot run here (its real prompt does not fit the engine, say): the agent hears
+        the typed error and admission frees its slot. A retry is refused the same way."""
+        self.claims.pop(rc.call_id, None)
+        self.asked_by.pop(rc.call_id, None)
+        await self.reply_error(rc.reply_to, code, message, rc.call_id)
+        await self._tell_admission(rc.call_id, rc.session_id, 0)
 
     async def _tell_admission(self, call_id: str, session_id: str, context_tokens: int,
                               finished_at: float | None = None, headers: dict[str, str] | None = None) -> None:

@@ -94,6 +94,7 @@ class Gateway:
         self.log = structlog.get_logger("gateway")
         self.sessions: OrderedDict[str, Session] = OrderedDict()
         self._models: tuple[float, list[str]] | None = None
+        self._limits: dict[str, int] = {}
 
     # -- the app --------------------------------------------------------------------------
     def app(self) -> web.Application:
@@ -150,10 +151,13 @@ class Gateway:
             except TalariaError as exc:
                 raise HttpError(exc.code, f"the router did not answer: {exc.message}") from None
             self._models = (now, list(info.models))
+            self._limits = dict(info.context_limits)
         return self._models[1]
 
     def context_limit(self, model: str) -> int:
-        return self.catalog.model(model).context_limit
+        """The running engines' limit as the router reports it (a real prompt must fit the
+        engine, not the catalog's wish), else the catalog's."""
+        return self._limits.get(model) or self.catalog.model(model).context_limit
 
     async def _model(self, body: dict[str, Any]) -> str:
         model = body.get("model")

@@ -43,6 +43,7 @@ PLACE_SCRIPT = (
     "redis.call('INCR', KEYS[1]) redis.call('HSET', KEYS[2], ARGV[2], ARGV[3]) "
     "redis.call('EXPIRE', KEYS[2], ARGV[4]) return 1")
 IN_FLIGHT_MAX_WALL_S = 2.0  # forget an in-flight placement the mirror never counted (e.g. admission restarted)
+ENGINE_LIMITS_TTL_WALL_S = 5.0  # how long the engines' reported context limits are reused
 
 
 class Router(ServiceProcess):
@@ -55,6 +56,7 @@ class Router(ServiceProcess):
         # calls placed on each server that its mirror may not count yet (shared and own)
         self.in_flight = InFlightPlacements(max_age=IN_FLIGHT_MAX_WALL_S)
         self._place_script = self.redis.register_script(PLACE_SCRIPT)
+        self._engine_limits: tuple[float, dict[str, int]] = (float("-inf"), {})
         for subject in self.subjects.api_requests:
             await self.nc.subscribe(subject, queue="router", cb=self.guarded_handler(self.on_api, "api"))
 
@@ -82,8 +84,10 @@ class Router(ServiceProcess):
             case InfoRequest():
                 if msg.reply:
                     s = self.settings
+                    limits = {m: await self.prompt_limit(m) for m in s.models if m in self.catalog.models}
                     await self.nc.publish(msg.reply, encode(Info(time_scale=s.time_scale, clock_epoch=s.clock_epoch,
-                                                                 policy=s.policy.name, servers=s.servers, models=s.models)))
+                                                                 policy=s.policy.name, servers=s.servers, models=s.models,
+                                                                 context_limits=limits)))
 
     async def _answer_malformed(self, msg: Msg, exc: Exception, namespace: str | None) -> None:
         """A request that does not validate: answer on its request-reply subject, or,
@@ -103,6 +107,27 @@ class Router(ServiceProcess):
                 call_id = cid if isinstance(cid, str) else None
         what = "api" if isinstance(exc, msgspec.ValidationError) else "api: not a valid message"
         await self.reply_error(reply, "malformed", f"{what}: {exc}", call_id)
+
+    async def engine_limits(self) -> dict[str, int]:
+        """Per served model, the smallest context limit its running engines report (the vLLM
+        engine-worker writes it; a model whose engines report none is absent)."""
+        at, limits = self._engine_limits
+        if time.monotonic() - at < ENGINE_LIMITS_TTL_WALL_S:
+            return limits
+        pairs = [(srv, m) for srv in self.settings.servers for m in sorted(self.served)]
+        pipe = self.redis.pipeline(transaction=False)
+        for srv, m in pairs:
+            pipe.hget(self.keys.engine(srv, m), "context_limit")
+        limits = {}
+        for (_, m), raw in zip(pairs, await pipe.execute()):
+            if raw is not None and int(raw) > 0:
+                limits[m] = min(limits.get(m, int(raw)), int(raw))
+        self._engine_limits = (time.monotonic(), limits)
+        return limits
+
+    async def prompt_limit(self, model: str) -> int:
+        """What a call carrying its real prompt may use: the engines' limit, else the catalog's."""
+        return (await self.engine_limits()).get(model, self.catalog.model(model).context_limit)
 
     def _model_error(self, model: str) -> str | None:
         if model not in self.catalog.models:
@@ -138,8 +163,9 @@ class Router(ServiceProcess):
         await self.call_records.open_session(sid, model, ns)
         self.log.info("session.opened", session_id=sid, model=model, namespace=ns)
         if reply:
-            await self.nc.publish(reply, encode(SessionOpened(session_id=sid, model=model,
-                                                              context_limit=self.catalog.model(model).context_limit)))
+            await self.nc.publish(reply, encode(SessionOpened(
+                session_id=sid, model=model, context_limit=self.catalog.model(model).context_limit,
+                engine_context_limit=(await self.engine_limits()).get(model))))
 
     async def on_end(self, sid: str, reply: str | None, ns: str) -> None:
         model, owner = await self._owner(sid)
@@ -173,9 +199,12 @@ class Router(ServiceProcess):
             if req.prefix_tokens >= req.prompt_tokens:
                 await self.reply_error(reply_to, "malformed", "prefix_tokens must be smaller than prompt_tokens", req.call_id)
                 return
-            if req.prompt_tokens + 1 > spec.context_limit:
+            # a real prompt must fit the engines that run it; a trace's counts, the catalog's model
+            real = req.prompt_text is not None or req.prompt_token_ids is not None
+            limit = await self.prompt_limit(req.model) if real else spec.context_limit
+            if req.prompt_tokens + 1 > limit:
                 await self.reply_error(reply_to, "context_limit",
-                                       f"prompt of {req.prompt_tokens} tokens exceeds {req.model}'s context limit of {spec.context_limit}",
+                                       f"prompt of {req.prompt_tokens} tokens exceeds {req.model}'s context limit of {limit}",
                                        req.call_id)
                 return
             session = state.decode_session(await self.redis.hgetall(self.keys.session(req.session_id)))
