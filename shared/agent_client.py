@@ -30,6 +30,7 @@ from typing import Self
 import msgspec
 import nats
 import nats.errors
+import nats.js.errors
 from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
@@ -37,8 +38,10 @@ from nats.errors import TimeoutError as NatsTimeout
 from shared.schema import (
     ApiError, CallAccepted, CallEvent, CallQueued, CallReply, CallRequest, CallRunning, CallTokens, CancelCall, EngineHint,
     EndSession, Info,
-    InfoRequest, OpenSession, Sampling, SessionOpened, api_reply_decoder, call_event_decoder, encode,
+    PROMPT_INLINE_MAX_BYTES, InfoRequest, OpenSession, PromptPayload, Sampling, SessionOpened, api_reply_decoder,
+    call_event_decoder, encode,
 )
+from shared.prompt_store import PromptStore, PromptStoreUnavailable, encode_payload, object_name
 from shared.subjects import AGENT_NAMESPACE, Subjects, inbox_prefix, is_namespace
 
 log = logging.getLogger("talaria.client")
@@ -133,6 +136,8 @@ class TalariaClient:
         # requests go under <prefix>.api.<namespace>, replies come under
         # <prefix>.reply.<namespace>.<client>.<call>: an agent's NATS user may use only its own
         self.client_id = f"{namespace}.{uuid.uuid4().hex[:12]}"
+        self.prompt_inline_max_bytes = PROMPT_INLINE_MAX_BYTES  # larger real prompts go by reference
+        self._prompts: PromptStore | None = None
 
     @classmethod
     async def connect(cls, urls: list[str] | str, *, user: str | None = None, password: str | None = None,
@@ -215,6 +220,16 @@ class TalariaClient:
             return out
         raise CallTimeout("timeout", f"no router answered on {subject} ({type(last).__name__})")
 
+    async def _put_prompt(self, name: str, data: bytes) -> None:
+        if self._prompts is None:
+            self._prompts = PromptStore(self.nc, self.subjects.prefix)
+        try:
+            await self._prompts.put(self.namespace, name, data)
+        except PromptStoreUnavailable as exc:
+            raise TalariaError("internal", f"the prompt store did not take the prompt: {exc}") from None
+        except nats.js.errors.APIError as exc:  # e.g. the store is full
+            raise TalariaError("too_large", f"the prompt store refused the prompt: {exc}") from None
+
     async def info(self) -> Info:
         out = await self._request(self.subjects.api_info, InfoRequest())
         assert isinstance(out, Info)
@@ -254,10 +269,18 @@ class TalariaClient:
         cid = call_id or uuid.uuid4().hex
         inbox = self.subjects.reply_inbox(self.client_id, cid)
         hint = EngineHint(sim_output_tokens=sim_output_tokens) if sim_output_tokens is not None else None
+        # a large real prompt goes by reference: put in the prompt store, read by the engine alone
+        by_ref: bytes | None = None
+        prompt_ref: str | None = None
+        if prompt_text is not None or prompt_token_ids is not None:
+            payload = PromptPayload(prompt_text=prompt_text, prompt_token_ids=prompt_token_ids)
+            if len(msgspec.json.encode(payload)) > self.prompt_inline_max_bytes:
+                by_ref, prompt_ref = encode_payload(payload), object_name(session_id, cid)
+                prompt_text = prompt_token_ids = None
         req = CallRequest(call_id=cid, session_id=session_id, model=model, prompt_tokens=prompt_tokens,
                           prefix_tokens=prefix_tokens, max_tokens=max_tokens, reply_to=inbox,
                           prompt_text=prompt_text, prompt_token_ids=prompt_token_ids, engine_hint=hint, stream=stream,
-                          sampling=sampling)
+                          sampling=sampling, prompt_ref=prompt_ref)
         data = encode(req)
         # Our own queue read under `asyncio.timeout`, not `sub.next_msg`: nats-py's next_msg wraps
         # `asyncio.wait_for`, which on Python 3.11 can swallow a cancellation that races a message,
@@ -274,6 +297,8 @@ class TalariaClient:
             attempts = 0
             while attempts <= self.retries:
                 attempts += 1
+                if by_ref is not None and prompt_ref is not None:  # (again on a retry: the engine deletes it when done)
+                    await self._put_prompt(prompt_ref, by_ref)
                 await self.nc.publish(self.subjects.api_call(self.namespace), data)
                 while True:
                     try:

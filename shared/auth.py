@@ -13,7 +13,7 @@ from __future__ import annotations
 import secrets
 from dataclasses import dataclass
 
-from shared.subjects import AGENT_NAMESPACE, GATEWAY_NAMESPACE, Subjects, inbox_prefix
+from shared.subjects import AGENT_FACING_NAMESPACES, AGENT_NAMESPACE, GATEWAY_NAMESPACE, Subjects, inbox_prefix
 
 ROLES = ("router", "admission", "substrate", "engine", "agent", "gateway", "operator")
 AGENT_REPLY_NAMESPACE = AGENT_NAMESPACE
@@ -30,10 +30,30 @@ def _call_record_api(prefix: str) -> list[str]:
             f"$JS.API.DIRECT.GET.{stream}", f"$JS.API.DIRECT.GET.{stream}.>"]
 
 
+def _prompt_store_api(prefix: str, namespace: str, *, write: bool = False, read: bool = False,
+                      create: bool = False) -> list[str]:
+    """JetStream subjects for one namespace's prompt store (its stream is OBJ_<bucket>):
+    `write` puts objects (an agent), `read` reads and deletes them (an engine), `create`
+    makes the bucket (the router)."""
+    bucket = Subjects(prefix).prompt_bucket(namespace)
+    stream = f"OBJ_{bucket}"
+    out = [f"$JS.API.STREAM.INFO.{stream}", f"$JS.API.STREAM.MSG.GET.{stream}"]
+    if create:
+        out.append(f"$JS.API.STREAM.CREATE.{stream}")
+    if write or read:  # a put purges the chunks it replaces; a delete purges its own
+        out += [f"$JS.API.STREAM.PURGE.{stream}", f"$O.{bucket}.M.>"]
+    if write:
+        out.append(f"$O.{bucket}.C.>")
+    if read:  # a get reads the chunks through an ordered consumer
+        out += [f"$JS.API.CONSUMER.CREATE.{stream}", f"$JS.API.CONSUMER.CREATE.{stream}.>",
+                f"$JS.API.CONSUMER.DELETE.{stream}.>", f"$JS.API.CONSUMER.INFO.{stream}.>"]
+    return out
+
+
 def _agent_permissions(prefix: str, namespace: str) -> dict[str, list[str]]:
     s = Subjects(prefix)
     return {"subscribe": [f"{s.reply_namespace(namespace)}.>", f"{inbox_prefix(namespace)}.>"],
-            "publish": s.api_publish(namespace)}
+            "publish": [*s.api_publish(namespace), *_prompt_store_api(prefix, namespace, write=True)]}
 
 
 def nats_permissions(prefix: str) -> dict[str, dict[str, list[str]]]:
@@ -42,11 +62,14 @@ def nats_permissions(prefix: str) -> dict[str, dict[str, list[str]]]:
     service_pub = [*_SERVICE_PUB, health]
     records_read = _call_record_api(p)
     records_write = [*records_read, f"$KV.{Subjects(p).call_record_bucket}.>"]  # placing, claiming, answering
+    prompts_create = [x for ns in AGENT_FACING_NAMESPACES for x in _prompt_store_api(p, ns, create=True)]
+    prompts_read = [x for ns in AGENT_FACING_NAMESPACES for x in _prompt_store_api(p, ns, read=True)]
+    prompts_read += ["$JS.API.STREAM.NAMES", "$JS.FC.>"]  # (an ordered consumer finds its stream, answers flow control)
     return {
         "router": {
             "subscribe": [f"{p}.api.>", health, *_SERVICE_SUB],
             "publish": [f"{p}.admission.*.submit", f"{p}.reply.>", Subjects(p).session_released, *service_pub,
-                        *records_write],
+                        *records_write, *prompts_create],
         },
         "admission": {
             "subscribe": [f"{p}.admission.*.submit", f"{p}.events.>", health, *_SERVICE_SUB],
@@ -59,7 +82,7 @@ def nats_permissions(prefix: str) -> dict[str, dict[str, list[str]]]:
         },
         "engine": {
             "subscribe": [f"{p}.engine.>", Subjects(p).call_cancel_any, Subjects(p).session_released, health, *_SERVICE_SUB],
-            "publish": [f"{p}.reply.>", f"{p}.events.>", *service_pub, *records_write],
+            "publish": [f"{p}.reply.>", f"{p}.events.>", *service_pub, *records_write, *prompts_read],
         },
         # agents and the HTTP gateway (an agent of Talaria for all its tenants) each in a
         # namespace of their own: requests under it, replies and inboxes under it only

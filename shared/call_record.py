@@ -74,12 +74,29 @@ class Claim:
     revision: int
 
 
-def _transient(exc: BaseException) -> bool:
+def is_transient(exc: BaseException) -> bool:
     """A node restarting or a leader election (timeouts, no responders, a 5xx from
     JetStream): wait it out. A refusal (4xx: wrong revision, bad request) is an answer."""
     if isinstance(exc, nats.js.errors.APIError):
         return (exc.code or 0) >= 500
     return isinstance(exc, (nats.errors.Error, asyncio.TimeoutError, OSError))
+
+
+async def retry_transient(what: str, step, deadline_s: float,  # type: ignore[no-untyped-def]
+                          unavailable: type[Exception] = CallRecordUnavailable):
+    """Run `step()` until it answers, waiting out transient errors up to `deadline_s`."""
+    end = time.monotonic() + deadline_s
+    attempt = 0
+    while True:
+        try:
+            return await step()
+        except Exception as exc:
+            if not is_transient(exc):
+                raise
+            if time.monotonic() > end:
+                raise unavailable(f"{what}: {type(exc).__name__}: {exc}") from exc
+            await asyncio.sleep(_BACKOFF_S[min(attempt, len(_BACKOFF_S) - 1)])
+            attempt += 1
 
 
 class CallRecords:
@@ -104,7 +121,7 @@ class CallRecords:
                     kv = await js.key_value(name)
                 return cls(kv, deadline_s)
             except Exception as exc:
-                if not _transient(exc) or time.monotonic() > end:
+                if not is_transient(exc) or time.monotonic() > end:
                     hint = (" (is JetStream enabled on the NATS server? the call record needs it: nats-server -js)"
                             if isinstance(exc, nats.js.errors.ServiceUnavailableError) else "")
                     raise CallRecordUnavailable(f"call record bucket {name}: {type(exc).__name__}: {exc}{hint}") from exc
@@ -112,18 +129,7 @@ class CallRecords:
                 attempt += 1
 
     async def _retry(self, what: str, step):  # type: ignore[no-untyped-def]
-        end = time.monotonic() + self.deadline_s
-        attempt = 0
-        while True:
-            try:
-                return await step()
-            except Exception as exc:
-                if not _transient(exc):
-                    raise
-                if time.monotonic() > end:
-                    raise CallRecordUnavailable(f"{what}: {type(exc).__name__}: {exc}") from exc
-                await asyncio.sleep(_BACKOFF_S[min(attempt, len(_BACKOFF_S) - 1)])
-                attempt += 1
+        return await retry_transient(what, step, self.deadline_s, CallRecordUnavailable)
 
     # -- the primitive steps ------------------------------------------------------------
     async def get(self, session_id: str, call_id: str) -> tuple[CallRecord | None, int]:

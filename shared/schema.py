@@ -22,6 +22,9 @@ Count = Annotated[int, Meta(ge=0)]  # a size with no front-door cap (e.g. a KV b
 Subject = Annotated[str, Meta(min_length=1, max_length=1024, pattern=r"^\S+\Z")]
 
 MAX_MESSAGE_BYTES = 1024 * 1024  # refused at the front door above this (the embedded NATS carries up to 2 MiB)
+# a real prompt (text or token ids) larger than this, encoded, goes by reference (the prompt
+# store, `shared/prompt_store.py`) instead of riding the bus through router and admission
+PROMPT_INLINE_MAX_BYTES = 64 * 1024
 
 
 class Base(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", forbid_unknown_fields=False):
@@ -93,6 +96,24 @@ class CallRequest(Base, tag="call"):
     engine_hint: EngineHint | None = None
     stream: bool = False              # send CallTokens as tokens are generated (the vllm backend always does)
     sampling: Sampling | None = None  # how a real engine samples (the engine payload carries it; no decision reads it)
+    # the real prompt by reference: an object in the caller's namespace's prompt store
+    # (`PromptPayload`), in place of prompt_text / prompt_token_ids
+    prompt_ref: Annotated[str, Meta(min_length=1, max_length=1024, pattern=r"^[A-Za-z0-9_=-]+$")] | None = None
+
+
+class PromptPayload(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """A real prompt stored by reference (msgpack in the prompt store)."""
+
+    prompt_text: str | None = None
+    prompt_token_ids: list[int] | None = None
+
+
+class PromptRef(msgspec.Struct, frozen=True, kw_only=True):
+    """Where an engine reads a call's prompt: an object of one namespace's prompt store
+    (the router sets the namespace from the call's subject, never from the caller)."""
+
+    namespace: str
+    name: str
 
 
 ApiRequest = OpenSession | EndSession | InfoRequest | CallRequest
@@ -212,6 +233,7 @@ class EnginePayload(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tru
 
     prompt_text: str | None = None
     prompt_token_ids: list[int] | None = None
+    prompt_ref: PromptRef | None = None  # the prompt in the prompt store (fetched by the engine, deleted after the reply)
     hint: EngineHint | None = None
     stream: bool = False
     sampling: Sampling | None = None

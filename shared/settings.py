@@ -128,7 +128,8 @@ class Settings:
     api_keys: str = ""              # the gateway's API keys, `tenant:key,...` (a bare key: its own tenant)
     gateway_keepalive_s: float = 10.0  # wall seconds between SSE keep-alive comments while a call waits
     gateway_max_body: int = 4 * 1024 * 1024  # bytes of an HTTP request body above which the gateway answers 413
-    call_record_replicas: int = 1   # JetStream replicas of the at-most-once call record (3 on a 3-node cluster)
+    call_record_replicas: int = 1   # JetStream replicas of the at-most-once call record and the prompt store (3 on a 3-node cluster)
+    prompt_store_max_bytes: int = 1024 ** 3  # bytes each namespace's prompt store may hold (prompts sent by reference)
     loop_stall_exit_s: float = 0.0  # wall seconds of a stuck event loop after which the process exits (0 = off)
 
     def instance_name(self, kind: str) -> str:
@@ -194,6 +195,9 @@ class Settings:
                        help="largest HTTP request body in bytes (larger: 413)")
         p.add_argument("--call-record-replicas", type=int, default=_int(src, "TALARIA_CALL_RECORD_REPLICAS", 1),
                        help="JetStream replicas of the at-most-once call record (1-5; 3 on a three-node NATS cluster)")
+        p.add_argument("--prompt-store-max-bytes", type=int,
+                       default=_int(src, "TALARIA_PROMPT_STORE_MAX_BYTES", 1024 ** 3),
+                       help="bytes each agent namespace's prompt store may hold (large prompts go by reference)")
         p.add_argument("--loop-stall-exit-s", type=float, default=float(_env("TALARIA_LOOP_STALL_EXIT_S", "0")),
                        help="exit when the event loop has not run for this many wall seconds, so a supervisor "
                             "restarts the process (compose; 0 = off)")
@@ -245,5 +249,6 @@ class Settings:
             gateway_keepalive_s=max(0.05, a.gateway_keepalive_s),
             gateway_max_body=max(1024, a.gateway_max_body),
             call_record_replicas=min(5, max(1, a.call_record_replicas)),
+            prompt_store_max_bytes=max(1024 * 1024, a.prompt_store_max_bytes),
             loop_stall_exit_s=max(0.0, a.loop_stall_exit_s),
         )

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 AGENT_NAMESPACE = "agent"       # agents on NATS (the `agent` user of an authenticated deployment)
 GATEWAY_NAMESPACE = "gateway"   # the HTTP gateway, an agent of Talaria for all its tenants
+AGENT_FACING_NAMESPACES = (AGENT_NAMESPACE, GATEWAY_NAMESPACE)
 _NAMESPACE = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
@@ -137,11 +138,19 @@ class Subjects:
         """SessionReleased: an agent ended a session, or admission released an idle one."""
         return f"{self.prefix}.events.session_released"
 
+    def prompt_bucket(self, namespace: str) -> str:
+        """The JetStream object store of one namespace's prompts sent by reference
+        (shared/prompt_store.py); its stream is `OBJ_<bucket>`, its subjects `$O.<bucket>.>`."""
+        return self._bucket_base() + "_prompts_" + namespace
+
+    def _bucket_base(self) -> str:
+        return "".join(ch if ch.isalnum() or ch in "-_" else "_" for ch in self.prefix)
+
     @property
     def call_record_bucket(self) -> str:
         """The JetStream KV bucket of the at-most-once call record (shared/call_record.py);
         its stream is `KV_<bucket>`, its subjects `$KV.<bucket>.<key>`."""
-        return "".join(ch if ch.isalnum() or ch in "-_" else "_" for ch in self.prefix) + "_calls"
+        return self._bucket_base() + "_calls"
 
 
 def _token(name: str) -> str:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 
 import nats
+import nats.js.errors
 import pytest
 import redis.asyncio as aioredis
 from redis.exceptions import AuthenticationError, ResponseError
@@ -138,9 +139,40 @@ def test_every_role_has_an_allow_list() -> None:
     for role, p in perms.items():
         assert p["publish"] and p["subscribe"], role
         assert ">" not in p["publish"] and ">" not in p["subscribe"], role  # no wildcard-everything
-    # agents and the gateway: requests only under their own namespace (and the shared info)
-    assert perms["agent"]["publish"] == ["p.api.agent.>", "p.api.info"]
-    assert perms["gateway"]["publish"] == ["p.api.gateway.>", "p.api.info"]
+    # agents and the gateway: requests only under their own namespace (and the shared info),
+    # the rest is their own prompt store
+    for ns in (AGENT_NAMESPACE, GATEWAY_NAMESPACE):
+        assert perms[ns]["publish"][:2] == [f"p.api.{ns}.>", "p.api.info"]
+        assert all(f"p_prompts_{ns}" in x for x in perms[ns]["publish"][2:]), perms[ns]["publish"]
+
+
+async def test_prompts_by_reference_each_namespace_writes_its_own_and_only_engines_read(
+        secure_nats: NatsServer, creds) -> None:
+    """The router creates the prompt stores; an agent puts a prompt in its own namespace's
+    and not in the gateway's; the engine reads and deletes it."""
+    from shared.prompt_store import PromptStore, PromptStoreUnavailable, encode_payload
+    from shared.schema import PromptPayload, PromptRef
+
+    router = await connect(secure_nats, "router", creds)
+    agent = await connect(secure_nats, "agent", creds)
+    engine = await connect(secure_nats, "engine", creds)
+    try:
+        await PromptStore(router, PREFIX).create([AGENT_NAMESPACE, GATEWAY_NAMESPACE], replicas=1, ttl_s=60,
+                                                 max_bytes=64 * 1024 * 1024)
+        data = encode_payload(PromptPayload(prompt_text="x" * 300_000, prompt_token_ids=list(range(1000))))
+        mine = PromptStore(agent, PREFIX, deadline_s=2.0)
+        await mine.put(AGENT_NAMESPACE, "obj1", data)
+        with pytest.raises((PromptStoreUnavailable, nats.errors.Error, nats.js.errors.Error, asyncio.TimeoutError)):
+            await mine.put(GATEWAY_NAMESPACE, "obj2", data)  # another namespace's store: refused
+        reader = PromptStore(engine, PREFIX, deadline_s=5.0)
+        got = await reader.get(PromptRef(namespace=AGENT_NAMESPACE, name="obj1"))
+        assert got is not None and got.prompt_token_ids == list(range(1000)) and len(got.prompt_text or "") == 300_000
+        await reader.delete(PromptRef(namespace=AGENT_NAMESPACE, name="obj1"))
+        assert await reader.get(PromptRef(namespace=AGENT_NAMESPACE, name="obj1")) is None
+        assert await reader.get(PromptRef(namespace=GATEWAY_NAMESPACE, name="obj2")) is None
+    finally:
+        for nc in (agent, engine, router):
+            await nc.close()
 
 
 async def test_an_agent_cannot_act_or_listen_in_the_gateways_namespace(secure_nats: NatsServer, creds) -> None:

@@ -32,8 +32,9 @@ from shared.logs import read_log_events
 from shared.schema import (
     EngineHint,
     MAX_MESSAGE_BYTES, ApiError, CallAccepted, CallQueued, CallReply, CallRunning, api_reply_decoder,
-    call_event_decoder, encode, CallRequest, CancelCall,
+    call_event_decoder, encode, CallRequest, CancelCall, PromptRef,
 )
+from shared.prompt_store import PromptStore, object_name
 from shared.subjects import AGENT_NAMESPACE, GATEWAY_NAMESPACE, Subjects
 from talaria.client import (
     ContextLimit, Malformed, TalariaClient, UnknownModel, UnknownSession,
@@ -482,6 +483,42 @@ async def test_a_session_belongs_to_the_namespace_that_opened_it(stack: Services
         await theirs.end()
     finally:
         await gw.close()
+
+
+async def test_a_large_prompt_goes_by_reference_and_is_deleted_after_the_reply(stack: Services, nc: NATS,
+                                                                                 client: TalariaClient) -> None:
+    """A 100k-token conversation as ids and text is over NATS's 1 MiB message limit: the
+    client puts it in the prompt store, router and admission carry only its reference and
+    counts, and the engine-worker deletes it once the call is answered."""
+    ids = list(range(100_000))
+    text = "word " * 100_000
+    assert len(msgspec.json.encode({"t": text, "i": ids})) > 1024 * 1024
+    submits: list[bytes] = []
+
+    async def spy(msg: Any) -> None:
+        submits.append(msg.data)
+
+    sub = await nc.subscribe(stack.subjects.admission_submit("*"), cb=spy)
+    try:
+        sess = await client.open_session(MODEL_A)
+        reply = await sess.call(prompt_tokens=100_000, max_tokens=16, prompt_token_ids=ids, prompt_text=text,
+                                sim_output_tokens=8, call_id="big#0")
+        assert reply.prompt_tokens == 100_000 and reply.output_tokens == 8
+        assert submits and max(map(len, submits)) < 16 * 1024, [len(x) for x in submits]  # the reference only
+        store = PromptStore(nc, stack.subject_prefix)
+        ref = PromptRef(namespace=AGENT_NAMESPACE, name=object_name(sess.session_id, "big#0"))
+        for _ in range(50):  # deleted right after the reply is published
+            if await store.get(ref) is None:
+                break
+            await asyncio.sleep(0.1)
+        assert await store.get(ref) is None, "the prompt was not deleted after its reply"
+        # a small prompt still rides inline
+        submits.clear()
+        await sess.call(prompt_tokens=10, max_tokens=4, prompt_text="short prompt", sim_output_tokens=2)
+        assert submits and all(b"short prompt" in x and b"prompt_ref" not in x for x in submits)
+        await sess.end()
+    finally:
+        await sub.unsubscribe()
 
 
 class BigNats(NatsServer):

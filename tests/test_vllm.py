@@ -20,6 +20,7 @@ from shared.schema import (
     CallTokens, ControlOk, EngineState, KvAllCleared, KvBlocksRemoved, KvBlocksStored, ListCalls, Sleep, Wake,
     control_reply_decoder, encode, engine_state_decoder, kv_event_decoder,
 )
+from shared.schema import PROMPT_INLINE_MAX_BYTES
 from shared.subjects import Subjects
 from talaria.lab import vllm_bench as vb
 
@@ -185,6 +186,16 @@ async def _real_prompts_must_fit_the_engine(client, probe) -> None:  # type: ign
     ok = await client.call(sid, vb.MODEL, prompt_tokens=limit - 100, prompt_token_ids=[7] * (limit - 100),
                            max_tokens=8, call_id="kv-probe#fits")
     assert ok.prompt_tokens == limit - 100 and len(ok.token_ids or []) == 8  # nothing cut
+    # a prompt sent by reference (the prompt store): the engine reads the very ids
+    client.prompt_inline_max_bytes = 64
+    try:
+        ids = [11 + (i * 7) % 900 for i in range(300)]
+        # (a count that understates it: a synthetic prompt would have its 100 tokens, the real one has 300)
+        by_ref = await client.call(sid, vb.MODEL, prompt_tokens=100, prompt_token_ids=ids, max_tokens=4,
+                                   call_id="kv-probe#by-ref")
+        assert by_ref.prompt_tokens == 300 and len(by_ref.token_ids or []) == 4
+    finally:
+        client.prompt_inline_max_bytes = PROMPT_INLINE_MAX_BYTES
 
 
 async def _sleep_wake_and_cancel(client, stack, probe, log_dir: Path) -> None:  # type: ignore[no-untyped-def]

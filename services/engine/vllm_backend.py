@@ -117,6 +117,7 @@ def sampling_kwargs(sampling: Sampling | None, max_tokens: int) -> dict[str, Any
 
 class VllmBackend(EngineBackend):
     name = "vllm"
+    reads_prompt = True
 
     def __init__(self, worker: EngineWorker) -> None:
         super().__init__(worker)

@@ -29,12 +29,14 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
 import structlog
 from nats.aio.msg import Msg
 
 from shared import state
 from shared.bus import ServiceProcess, trace_headers
 from shared.call_record import Claim
+from shared.prompt_store import PromptStore
 from shared.schema import (
     Abort, CallFinished, CallReply, CallTokens, ControlOk, EngineAnnounce, EngineState, ForgetHostKv, ListCalls,
     ProtectKv, RunAccepted, RunCall, Sleep, Wake, cancel_decoder, control_decoder, encode, reply_decoder, run_decoder,
@@ -75,6 +77,8 @@ class EngineBackend(ABC):
     def context_limit(self) -> int | None:
         """The engine's own context limit for a real prompt (None: it takes the catalog's)."""
         return None
+
+    reads_prompt = False  # the engine generates from the real prompt (a prompt sent by reference is fetched)
 
     @abstractmethod
     def running(self) -> list[RunCall]:
@@ -141,6 +145,7 @@ class EngineWorker(ServiceProcess):
         if s.model not in self.catalog.models:
             raise SystemExit(f"engine-worker: unknown model {s.model!r}")
         self.log = self.log.bind(model=s.model, engine=self.backend.name)
+        self.prompts = PromptStore(self.nc, s.subject_prefix)
         await self.backend.start()
         await self.nc.subscribe(self.subjects.engine_run(s.server_id, s.model), queue="engine",
                                 cb=self.guarded_handler(self.on_run, "run"))
@@ -188,6 +193,16 @@ class EngineWorker(ServiceProcess):
                 return
             if rc.call_id in self.pending or self.backend.holds(rc.call_id):
                 return  # (a resend of it was taken while this one claimed)
+            if rc.engine.prompt_ref is not None and self.backend.reads_prompt:
+                payload = await self.prompts.get(rc.engine.prompt_ref)
+                if payload is None:
+                    await self.refuse(rc, "malformed", "the prompt sent by reference (prompt_ref) is not in the prompt "
+                                                       "store: it expired, or was never stored")
+                    return
+                rc = msgspec.structs.replace(rc, engine=msgspec.structs.replace(
+                    rc.engine, prompt_text=payload.prompt_text, prompt_token_ids=payload.prompt_token_ids))
+            if rc.call_id in self.pending or self.backend.holds(rc.call_id):
+                return
             self.claims[rc.call_id] = claim
             self.asked_by[rc.call_id] = rc.reply_to
             if not self.backend.can_run:
@@ -238,6 +253,7 @@ class EngineWorker(ServiceProcess):
             await pipe.execute()
         if not reply.aborted:
             await self.nc.publish(rc.reply_to, data, headers=hdrs)
+            await self._forget_prompt(rc)
         # admission's state machine advances on this, whatever the backend
         await self._tell_admission(reply.call_id, reply.session_id, context_tokens, reply.finished_at, hdrs)
 
@@ -247,7 +263,18 @@ class EngineWorker(ServiceProcess):
         self.claims.pop(rc.call_id, None)
         self.asked_by.pop(rc.call_id, None)
         await self.reply_error(rc.reply_to, code, message, rc.call_id)
+        await self._forget_prompt(rc)
         await self._tell_admission(rc.call_id, rc.session_id, 0)
+
+    async def _forget_prompt(self, rc: RunCall) -> None:
+        """A prompt sent by reference is deleted once its call is answered or refused (a
+        retry after that is answered from the call record, or sends the prompt again)."""
+        if rc.engine.prompt_ref is None:
+            return
+        try:
+            await self.prompts.delete(rc.engine.prompt_ref)
+        except Exception as exc:  # it ages out with the store's TTL
+            self.log.warning("engine.prompt_not_deleted", error=f"{type(exc).__name__}: {exc}")
 
     async def _tell_admission(self, call_id: str, session_id: str, context_tokens: int,
                               finished_at: float | None = None, headers: dict[str, str] | None = None) -> None:

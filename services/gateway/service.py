@@ -44,12 +44,11 @@ from shared.bus import run_loop
 from shared.agent_client import Session, TalariaClient, TalariaError
 from shared.catalog import Catalog, load_catalog
 from shared.logs import configure_logging
-from shared.schema import MAX_MESSAGE_BYTES, CallReply, CallRunning, CallTokens, Sampling
+from shared.schema import CallReply, CallRunning, CallTokens, Sampling
 from shared.settings import Settings
 from shared.subjects import GATEWAY_NAMESPACE
 
 DEFAULT_MAX_TOKENS = 4096      # a request naming no bound gets this much, capped by the context left
-PROMPT_BYTES_MAX = MAX_MESSAGE_BYTES - 64 * 1024  # the prompt rides in one bus message with its envelope
 SESSIONS_KEPT = 50_000         # opened sessions remembered (a forgotten one is just opened again)
 MODELS_TTL_S = 5.0             # how long the served-model list is reused
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -237,8 +236,7 @@ class Gateway:
                     model: str, prompt: Prompt, max_tokens: int, stream: bool, sampling: Sampling,
                     streamer: "Callable[[web.Request, asyncio.Task[CallReply], asyncio.Queue[Any]], Awaitable[web.StreamResponse]] | None" = None,
                     whole: "Callable[[CallReply], dict[str, Any]] | None" = None) -> web.StreamResponse:
-        if len(msgspec.json.encode(prompt.text)) > PROMPT_BYTES_MAX:
-            raise HttpError("too_large", f"the conversation is over {PROMPT_BYTES_MAX} bytes; part of it must go")
+        # (a conversation of any size the body limit lets in: a large one goes by reference, off the bus)
         sid, cid, one_call = self._ids(request, tenant, raw, body, model)
         final = one_call or tr.is_final(request.headers)
         t0 = time.monotonic()

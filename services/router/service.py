@@ -26,9 +26,11 @@ from shared import state
 from shared.bus import ServiceProcess, run_service, trace_headers
 from shared.keys import CALL_TTL_S, SESSION_TTL_S
 from shared.policy import DECISION_HISTORY
+from shared.prompt_store import PromptStore
+from shared.subjects import AGENT_FACING_NAMESPACES
 from shared.schema import (
     MAX_MESSAGE_BYTES, AdmissionCall, ApiError, CallAccepted, CallRecord, CallRequest, EndSession, Info, InfoRequest, Ok,
-    EnginePayload, OpenSession, SessionOpened, SessionReleased, SubmitCall, api_request_decoder, encode, reply_decoder,
+    EnginePayload, OpenSession, PromptRef, SessionOpened, SessionReleased, SubmitCall, api_request_decoder, encode, reply_decoder,
     submit_reply_decoder,
 )
 
@@ -57,6 +59,10 @@ class Router(ServiceProcess):
         self.in_flight = InFlightPlacements(max_age=IN_FLIGHT_MAX_WALL_S)
         self._place_script = self.redis.register_script(PLACE_SCRIPT)
         self._engine_limits: tuple[float, dict[str, int]] = (float("-inf"), {})
+        # every agent-facing namespace's store of prompts sent by reference (the router creates them)
+        await PromptStore(self.nc, self.settings.subject_prefix).create(
+            list(AGENT_FACING_NAMESPACES), replicas=self.settings.call_record_replicas, ttl_s=CALL_TTL_S,
+            max_bytes=self.settings.prompt_store_max_bytes)
         for subject in self.subjects.api_requests:
             await self.nc.subscribe(subject, queue="router", cb=self.guarded_handler(self.on_api, "api"))
 
@@ -200,7 +206,12 @@ class Router(ServiceProcess):
                 await self.reply_error(reply_to, "malformed", "prefix_tokens must be smaller than prompt_tokens", req.call_id)
                 return
             # a real prompt must fit the engines that run it; a trace's counts, the catalog's model
-            real = req.prompt_text is not None or req.prompt_token_ids is not None
+            inline = req.prompt_text is not None or req.prompt_token_ids is not None
+            if inline and req.prompt_ref is not None:
+                await self.reply_error(reply_to, "malformed", "send the prompt inline or by prompt_ref, not both",
+                                       req.call_id)
+                return
+            real = inline or req.prompt_ref is not None
             limit = await self.prompt_limit(req.model) if real else spec.context_limit
             if req.prompt_tokens + 1 > limit:
                 await self.reply_error(reply_to, "context_limit",
@@ -240,11 +251,12 @@ class Router(ServiceProcess):
                     self.log.info("call.duplicate", served_from="resubmitted", pinned_to=pinned)
                     # (a placement that never finished, by a router that died: this one records it)
                     unplaced = current if record is not None and record.state == "placing" else 0
-                    await self._place_and_submit(req, reply_to, session, retry=True, pinned=pinned, revision=unplaced)
+                    await self._place_and_submit(req, reply_to, session, ns, retry=True, pinned=pinned,
+                                                 revision=unplaced)
                 return
-            await self._place_and_submit(req, reply_to, session, revision=revision)
+            await self._place_and_submit(req, reply_to, session, ns, revision=revision)
 
-    async def _place_and_submit(self, req: CallRequest, reply_to: str, session: state.SessionRecord,
+    async def _place_and_submit(self, req: CallRequest, reply_to: str, session: state.SessionRecord, ns: str,
                                 retry: bool = False, pinned: str | None = None, revision: int = 0) -> None:
         """Place and submit a call. `retry`: the same call id again, with no reply
         yet (e.g. the admission that held it restarted): submit it again without
@@ -313,7 +325,9 @@ class Router(ServiceProcess):
         )
         sub = SubmitCall(call=call, reply_to=reply_to, engine=EnginePayload(
             prompt_text=req.prompt_text, prompt_token_ids=req.prompt_token_ids, hint=req.engine_hint, stream=req.stream,
-            sampling=req.sampling))
+            sampling=req.sampling,
+            # the prompt store read is the caller's own namespace's, whatever the caller says
+            prompt_ref=PromptRef(namespace=ns, name=req.prompt_ref) if req.prompt_ref is not None else None))
         for i, cand in enumerate(ranked):
             if i > 0:  # the first choice did not take it: the next one counts it now
                 await self.mark_in_flight(cand.server_id, placement)
