@@ -376,6 +376,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     bg = sub.add_parser("bench-gateway", help="the HTTP gateway's overhead over a direct NATS client (wall ms, p50/p99)")
     gateway_bench.configure_parser(bg, default_log_dir() / "bench-gateway")
+    from talaria.lab import gateway_fuzz
+
+    fz = sub.add_parser("fuzz-gateway", help="malformed and hostile HTTP requests against the front door; "
+                                             "exits 1 unless every refusal is typed and nothing else moved")
+    gateway_fuzz.configure_parser(fz, default_log_dir() / "fuzz-gateway")
 
     from talaria.lab import vllm_bench  # imports vLLM only when its commands run
 

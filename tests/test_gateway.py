@@ -441,3 +441,19 @@ async def test_hostile_requests_get_typed_errors_and_reach_nothing(refusing_gate
             assert r.status == 200
     valid_ones = ctl["calls"]
     assert valid_ones <= len(bodies) // 20  # only mutations that left a valid request got through
+
+
+@pytest.mark.timeout(300)
+async def test_a_thousand_hostile_requests_leave_the_stack_healthy_and_redis_untouched(tmp_path: Path) -> None:
+    """The fuzz command's checks on a seed of its own (`talaria fuzz-gateway` runs 10,000):
+    every refusal typed in its API's shape, no 5xx, no service restarted or unhealthy, and
+    no session key in Redis but those of requests the gateway accepted."""
+    from talaria.lab.gateway_fuzz import format_report, run_fuzz
+
+    rep = await run_fuzz(1000, seed=11, log_dir=tmp_path / "logs", progress=False)
+    assert rep.ok, format_report(rep)
+    assert rep.requests == 1000
+    assert set(rep.by_kind) == {"bad-field", "bad-json", "flipped", "bad-key", "odd-header", "bad-route",
+                                "huge-body", "raw-bytes", "vanishing", "slow"}
+    assert rep.by_status[400] > 300 and rep.by_status[401] > 0 and rep.by_status[413] > 0
+    assert rep.served < rep.requests // 4

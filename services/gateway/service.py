@@ -138,6 +138,8 @@ class Gateway:
             body = msgspec.json.decode(raw)
         except msgspec.DecodeError as exc:
             raise HttpError("malformed", f"the body is not JSON: {exc}") from None
+        except RecursionError:  # (msgspec's answer to nesting thousands deep)
+            raise HttpError("malformed", "the body is nested too deeply") from None
         if not isinstance(body, dict):
             raise HttpError("malformed", "the body must be a JSON object")
         return raw, body
