@@ -46,6 +46,9 @@ from shared.subjects import Subjects
 
 RETRY_DEADLINE_S = 20.0   # wall seconds a step waits out a restarting node or a leader election
 _BACKOFF_S = (0.02, 0.05, 0.1, 0.2, 0.5)
+# the JetStream error codes a conditional delete is refused with when the key moved on
+# (10071: wrong last sequence; 10164 is what the server answered for it in chaos runs)
+WRONG_LAST_SEQUENCE = (10071, 10164)
 
 
 class CallRecordUnavailable(RuntimeError):
@@ -180,7 +183,7 @@ class CallRecords:
             try:
                 await self.kv.delete(key, last=last)
             except nats.js.errors.BadRequestError as exc:  # (delete does not name a wrong revision itself)
-                if exc.err_code not in (10071, 10164):
+                if exc.err_code not in WRONG_LAST_SEQUENCE:
                     raise
                 # it moved on (a server took it after all): keep it
 

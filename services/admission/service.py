@@ -163,9 +163,7 @@ class AdmissionService(ServiceProcess):
             with contextlib.suppress(Exception):
                 run = self.scheduler.running[cid]
                 if await self.call_records.answered_reply(run.call.session_id, cid) is not None:
-                    self.payloads.pop(cid, None)
-                    self._forget_dispatch(cid)
-                    await self.step(sch.Finished(cid, run.call.session_id, run.call.prompt_tokens))
+                    await self._finished(cid, run.call.session_id, run.call.prompt_tokens, None)
 
     async def persister(self) -> None:
         """Keep `adm:<server>:calls` equal to the calls we hold: rewritten on a
