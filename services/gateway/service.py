@@ -262,7 +262,7 @@ class Gateway:
                         with contextlib.suppress(BaseException):
                             await task
                 assert whole is not None
-                return web.json_response(whole(reply))
+                return web.Response(body=msgspec.json.encode(whole(reply)), content_type="application/json")
             except TalariaError as exc:
                 status = tr.error_status(exc.code, api)
                 raise HttpError(exc.code, exc.message, retry_after_s=exc.retry_after_s) from None

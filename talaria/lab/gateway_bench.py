@@ -3,10 +3,12 @@
 Brings up the embedded stack with the gateway on the sim engine (one model,
 a high time scale, one output token, so the engine's own time is small and
 the same on both paths), then for each conversation size makes the same
-calls at a fixed rate twice: through the agent client on NATS, and through
-the gateway over loopback HTTP. Prints both latency distributions (wall
-milliseconds) and the overhead at p50 and p99. Not a timed test: a busy
-machine moves the figures; run it on a quiet one.
+calls at a fixed rate, alternating between two paths (each at half the
+rate, so a pause of the machine falls on both): through the agent client on NATS,
+and through the gateway over loopback HTTP. Prints both latency
+distributions (wall milliseconds) and the overhead at p50 and p99 (the
+differences of the two paths' percentiles). Not a timed test: a busy
+machine moves the figures; compare the columns of one run.
 """
 
 from __future__ import annotations
@@ -28,13 +30,14 @@ def _pct(xs: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(q * len(s)))]
 
 
-async def _paced(n: int, rate: float, one: "callable[[int], object]") -> list[float]:  # type: ignore[valid-type]
-    """Start call i at i/rate seconds; each call's wall milliseconds."""
+async def _paced(n: int, rate: float, one: "callable[[int], object]",  # type: ignore[valid-type]
+                 offset_s: float = 0.0, t0: float | None = None) -> list[float]:
+    """Start call i at t0 + offset_s + i/rate seconds; each call's wall milliseconds."""
     out: list[float] = []
-    t0 = time.monotonic()
+    t0 = time.monotonic() if t0 is None else t0
 
     async def timed(i: int) -> None:
-        await asyncio.sleep(max(0.0, t0 + i / rate - time.monotonic()))
+        await asyncio.sleep(max(0.0, t0 + offset_s + i / rate - time.monotonic()))
         start = time.perf_counter()
         await one(i)  # type: ignore[misc]
         out.append((time.perf_counter() - start) * 1000)
@@ -78,8 +81,10 @@ async def bench(sizes: list[int], calls: int, rate: float, log_dir: Path) -> lis
 
                     await _paced(min(10, calls), rate, direct)  # warm both paths
                     await _paced(min(10, calls), rate, via_http)
-                    d = await _paced(calls, rate, direct)
-                    h = await _paced(calls, rate, via_http)
+                    # `rate` calls/s in all, alternating paths (each path at half of it)
+                    t0 = time.monotonic()
+                    d, h = await asyncio.gather(_paced(calls, rate / 2, direct, t0=t0),
+                                                _paced(calls, rate / 2, via_http, offset_s=1 / rate, t0=t0))
                     rows.append({"tokens": size, "direct_p50": statistics.median(d), "direct_p99": _pct(d, 0.99),
                                  "http_p50": statistics.median(h), "http_p99": _pct(h, 0.99),
                                  "overhead_p50": statistics.median(h) - statistics.median(d),
@@ -93,7 +98,7 @@ def run(a: argparse.Namespace) -> int:
     sizes = [int(x) for x in a.sizes.split(",") if x.strip()]
     rows = asyncio.run(bench(sizes, a.calls, a.rate, Path(a.log_dir)))
     print(f"{'tokens':>8} {'direct p50':>11} {'direct p99':>11} {'http p50':>9} {'http p99':>9} "
-          f"{'overhead p50':>13} {'overhead p99':>13}   (wall ms per call, {a.calls} calls at {a.rate:g}/s)")
+          f"{'overhead p50':>13} {'overhead p99':>13}   (wall ms per call, {a.calls} calls a path, {a.rate:g}/s in all, alternating)")
     for r in rows:
         print(f"{r['tokens']:>8} {r['direct_p50']:>11.2f} {r['direct_p99']:>11.2f} {r['http_p50']:>9.2f} "
               f"{r['http_p99']:>9.2f} {r['overhead_p50']:>13.2f} {r['overhead_p99']:>13.2f}")
@@ -103,6 +108,7 @@ def run(a: argparse.Namespace) -> int:
 def configure_parser(p: argparse.ArgumentParser, default_log_dir: Path) -> None:
     p.add_argument("--sizes", default="1000,32000,100000", help="conversation sizes in tokens (comma-separated)")
     p.add_argument("--calls", type=positive_int, default=200, help="calls per size and path")
-    p.add_argument("--rate", type=positive_float, default=100.0, help="calls started per second")
+    p.add_argument("--rate", type=positive_float, default=100.0,
+                   help="calls started per second, both paths together (alternating)")
     p.add_argument("--log-dir", default=str(default_log_dir), help="the embedded stack's logs")
     p.set_defaults(fn=run)
