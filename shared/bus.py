@@ -35,6 +35,7 @@ from shared.catalog import Catalog, load_catalog
 from shared.clock import LagMonitor, ScaledClock
 from shared.keys import CALL_TTL_S, Keys
 from shared.logs import configure_logging
+from shared.metrics import Metrics
 from shared.schema import ApiError, encode
 from shared.settings import Settings
 from shared.subjects import HEADER_CALL, HEADER_SESSION, Subjects
@@ -125,6 +126,7 @@ class ServiceProcess:
         self.nc: nats.NATS
         self.redis: aioredis.Redis
         self.call_records: CallRecords  # opened before setup() where `uses_call_records`
+        self.metrics = Metrics()
         self._tasks: set[asyncio.Task] = set()
         self._stop = asyncio.Event()
 
@@ -161,6 +163,8 @@ class ServiceProcess:
         message = message if len(message) <= 2000 else message[:2000] + "..."
         call_id = call_id if call_id is None or len(call_id) <= 1024 else call_id[:1024]
         self.log.warning("request.rejected", code=code, reason=message, call_id=call_id)
+        if call_id is not None:
+            self.metrics.calls_failed.labels(code=code).inc()
         if reply:
             await self.nc.publish(reply, encode(ApiError(code=code, message=message, call_id=call_id, retry_after_s=retry_after_s)))  # type: ignore[arg-type]
 
@@ -186,6 +190,7 @@ class ServiceProcess:
     async def _lag_reporter(self) -> None:
         while True:
             await asyncio.sleep(1.0)
+            self.metrics.loop_lag.set(self.lag.worst_s)
             with contextlib.suppress(Exception):
                 await self.redis.set(self.keys.lag(self.instance), f"{self.lag.worst_s:.4f}", ex=3600)
 
@@ -206,6 +211,7 @@ class ServiceProcess:
             await req.respond(b'{"status":"ok"}')
 
         await svc.add_endpoint(EndpointConfig(name="health", handler=health, subject=self.subjects.health(self.instance)))
+        self.metrics.serve(self.settings.metrics_port, self.settings.metrics_host)
         self.spawn(self.lag.run(), "lag-monitor")
         self.spawn(self._lag_reporter(), "lag-reporter")
         if self.uses_call_records:

@@ -131,6 +131,8 @@ class Settings:
     call_record_replicas: int = 1   # JetStream replicas of the at-most-once call record and the prompt store (3 on a 3-node cluster)
     prompt_store_max_bytes: int = 1024 ** 3  # bytes each namespace's prompt store may hold (prompts sent by reference)
     loop_stall_exit_s: float = 0.0  # wall seconds of a stuck event loop after which the process exits (0 = off)
+    metrics_port: int = 0           # this process's Prometheus endpoint (0 = off; compose: 9464 in every container)
+    metrics_host: str = "0.0.0.0"   # the address it listens on
 
     def instance_name(self, kind: str) -> str:
         """A service process's instance: its name in logs, in NATS and on its health subject."""
@@ -198,6 +200,10 @@ class Settings:
         p.add_argument("--prompt-store-max-bytes", type=int,
                        default=_int(src, "TALARIA_PROMPT_STORE_MAX_BYTES", 1024 ** 3),
                        help="bytes each agent namespace's prompt store may hold (large prompts go by reference)")
+        p.add_argument("--metrics-port", type=int, default=_int(src, "TALARIA_METRICS_PORT", 0),
+                       help="serve Prometheus metrics on this port (0 = off)")
+        p.add_argument("--metrics-host", default=_env("TALARIA_METRICS_HOST", "0.0.0.0"),
+                       help="the metrics endpoint's listen address")
         p.add_argument("--loop-stall-exit-s", type=float, default=float(_env("TALARIA_LOOP_STALL_EXIT_S", "0")),
                        help="exit when the event loop has not run for this many wall seconds, so a supervisor "
                             "restarts the process (compose; 0 = off)")
@@ -251,4 +257,6 @@ class Settings:
             call_record_replicas=min(5, max(1, a.call_record_replicas)),
             prompt_store_max_bytes=max(1024 * 1024, a.prompt_store_max_bytes),
             loop_stall_exit_s=max(0.0, a.loop_stall_exit_s),
+            metrics_port=max(0, a.metrics_port),
+            metrics_host=a.metrics_host,
         )

@@ -502,6 +502,7 @@ async def test_compose_services_start_outside_docker_and_serve_a_call(tmp_path: 
                 env["TALARIA_ENGINE"] = "sim"  # no GPU here: the sim backend in the GPU worker's place
             if svc["command"][2] == "services.gateway":
                 env["TALARIA_GATEWAY_PORT"] = str(free_port())  # the host's 8080 may be taken; the health check reads the same
+            env["TALARIA_METRICS_PORT"] = str(free_port())  # each container has its own 9464; here, one host
             full = {**host, **env}
             plan.append((name, host_argv(svc["command"]), host_argv(svc["healthcheck"]["test"]), full))
             group.add(name, host_argv(svc["command"]), env=full, log_path=tmp_path / f"{name}.log", inherit_env=False)

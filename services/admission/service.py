@@ -362,8 +362,21 @@ class AdmissionService(ServiceProcess):
         not leak into decisions; never earlier than the last step."""
         actions = self.scheduler.step(event, at_source(at, self.clock.now(), self.scheduler.last_step_at))
         await self.apply(actions)
+        self._gauge()
         self.wakeup.set()
         self.dirty.set()
+
+    def _gauge(self) -> None:
+        """What admission holds now, per model (the llm-d model-server contract's waiting and
+        running, for a server whose waiting calls are here, not in an engine)."""
+        sch_, srv = self.scheduler, self.settings.server_id
+        running: dict[str, int] = {m: 0 for m in sch_.models}
+        for r in sch_.running.values():
+            running[r.call.model] = running.get(r.call.model, 0) + 1
+        for m in sch_.models:
+            self.metrics.queued.labels(server=srv, model=m).set(len(sch_.queues.get(m, ())))
+            self.metrics.running.labels(server=srv, model=m).set(running.get(m, 0))
+        self.metrics.reservations_held.labels(server=srv).set(len(sch_.reservations))
 
     async def apply(self, actions: list[sch.Action]) -> None:
         s = self.settings
@@ -405,8 +418,10 @@ class AdmissionService(ServiceProcess):
                     await self.nc.publish(self.subjects.engine_control(s.server_id, m), encode(ProtectKv(session_id=sid, on=on)))
                 case sch.SlotOpened(model=m, slot_id=i, at=t):
                     self.log.info("admission.slot_opened", model=m, slot_id=i, at=round(t, 3))
+                    self.metrics.slots.labels(server=s.server_id, model=m, reason="opened").inc()
                 case sch.SlotClosed(model=m, slot_id=i, at=t, reason=why):
                     self.log.info("admission.slot_closed", model=m, slot_id=i, at=round(t, 3), reason=why)
+                    self.metrics.slots.labels(server=s.server_id, model=m, reason=why).inc()
         for cid in lost:
             await self.apply(self.scheduler.forget(cid, self.scheduler.last_step_at))
 

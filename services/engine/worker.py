@@ -253,9 +253,26 @@ class EngineWorker(ServiceProcess):
             await pipe.execute()
         if not reply.aborted:
             await self.nc.publish(rc.reply_to, data, headers=hdrs)
+            self._count(rc, reply, first)
             await self._forget_prompt(rc)
         # admission's state machine advances on this, whatever the backend
         await self._tell_admission(reply.call_id, reply.session_id, context_tokens, reply.finished_at, hdrs)
+
+    def _count(self, rc: RunCall, reply: CallReply, first: bool) -> None:
+        """A generation ran to its end; the first stored answer of a call is its completion
+        (counted once per call id, whatever process or retry runs it again)."""
+        m, labels = self.metrics, {"server": self.settings.server_id, "model": rc.call.model}
+        m.generations.labels(**labels).inc()
+        if not first:
+            return
+        m.calls_completed.labels(**labels).inc()
+        m.admission_wait.labels(**labels, kind="round" if rc.round_wait else "in_slot").observe(rc.waited_s)
+        m.switch_wait.labels(**labels).observe(rc.switch_wait_s)
+        new = max(0, reply.prompt_tokens - reply.cached_tokens - reply.restored_tokens - reply.reprefill_tokens)
+        for source, n in (("reused", reply.cached_tokens), ("restored", reply.restored_tokens),
+                          ("reprefilled", reply.reprefill_tokens), ("new", new)):
+            if n:
+                m.prefix_tokens.labels(**labels, source=source).inc(n)
 
     async def refuse(self, rc: RunCall, code: str, message: str) -> None:
         """`rc` cannot run here (its real prompt does not fit the engine, say): the agent hears

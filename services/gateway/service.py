@@ -45,6 +45,7 @@ from shared.agent_client import Session, TalariaClient, TalariaError
 from shared.catalog import Catalog, load_catalog
 from shared.logs import configure_logging
 from shared.schema import CallReply, CallRunning, CallTokens, Sampling
+from shared.metrics import Metrics
 from shared.settings import Settings
 from shared.subjects import GATEWAY_NAMESPACE
 
@@ -94,6 +95,7 @@ class Gateway:
         self.sessions: OrderedDict[str, Session] = OrderedDict()
         self._models: tuple[float, list[str]] | None = None
         self._limits: dict[str, int] = {}
+        self.metrics = Metrics()
 
     # -- the app --------------------------------------------------------------------------
     def app(self) -> web.Application:
@@ -270,6 +272,8 @@ class Gateway:
                 status = tr.error_status(exc.code, api)
                 raise
             finally:
+                self.metrics.http_requests.labels(api=api, status=str(status)).inc()
+                self.metrics.http_duration.labels(api=api).observe(time.monotonic() - t0)
                 self.log.info("gateway.call", api=api, path=request.path, model=model, stream=stream, status=status,
                               prompt_tokens=prompt.tokens, prefix_tokens=prompt.prefix_tokens,
                               retry=tr.retry_count(request.headers), ms=round((time.monotonic() - t0) * 1000, 2))
@@ -476,6 +480,7 @@ class Gateway:
 async def start_gateway(settings: Settings, client: TalariaClient) -> tuple[web.AppRunner, int]:
     """Serve the gateway on the settings' address; (runner, the bound port)."""
     gw = Gateway(settings, client)
+    gw.metrics.serve(settings.metrics_port, settings.metrics_host)
     if not gw.keys:
         gw.log.warning("gateway.no_keys", reason="TALARIA_API_KEYS is empty: every API request gets 401")
     runner = web.AppRunner(gw.app(), handler_cancellation=True, access_log=None)

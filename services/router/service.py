@@ -348,6 +348,10 @@ class Router(ServiceProcess):
             if revision:  # a retry is pinned to this server (unless its engine claimed it already: that says so too)
                 await self.call_records.update(req.session_id, req.call_id,
                                                CallRecord(state="placed", server_id=cand.server_id), revision)
+            if not retry:  # first accepted: counted once, a retry of it is not a new call
+                self.metrics.calls_accepted.labels(model=req.model).inc()
+                self.metrics.placements.labels(server=cand.server_id, model=req.model, residency=cand.residency,
+                                               kv=cand.kv).inc()
             await self.nc.publish(reply_to, encode(CallAccepted(call_id=req.call_id, server_id=cand.server_id)))
             return
         if pinned is not None:  # still held there: the agent retries, to that server again

@@ -160,6 +160,9 @@ class SubstrateManager(ServiceProcess):
                                                at=t0 + plan.duration_s))
         self.ledger.finish_switch()
         await self._mirror()
+        kind = "staged" if plan.staged_bytes > 0 else "host"  # (the cost model loads every model from host memory)
+        self.metrics.switches.labels(server=self.settings.server_id, to_model=req.to_model, kind=kind).inc()
+        self.metrics.switch_duration.labels(server=self.settings.server_id, kind=kind).observe(plan.duration_s)
         if reply:
             await self.nc.publish(reply, encode(SwitchResult(
                 to_model=req.to_model, kv_capacity_tokens=plan.kv_capacity_tokens, duration_s=plan.duration_s,
@@ -168,6 +171,10 @@ class SubstrateManager(ServiceProcess):
 
     async def _mirror(self) -> None:
         led = self.ledger
+        srv = self.settings.server_id
+        self.metrics.host_kv_bytes.labels(server=srv).set(led.host_kv_bytes())
+        for m in led.models:
+            self.metrics.active_model.labels(server=srv, model=m).set(1 if m == led.active else 0)
         pipe = self.redis.pipeline(transaction=False)
         write_substrate_view(pipe, self.keys, self.settings.server_id, SubstrateView(
             resident=led.active, staged=led.incoming_model(self.clock.now()), host_kv_gb=led.host_kv_bytes() / 1e9,

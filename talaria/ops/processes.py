@@ -27,7 +27,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, Self
@@ -383,6 +383,7 @@ class Child:
     stopping: bool = False  # set while we stop it on purpose, so supervise leaves it alone
     next_start: float | None = None  # pending supervised restart time (monotonic)
     exit_codes: list[int] = field(default_factory=list)
+    on_launch: Callable[["Child"], None] | None = None  # called before every (re)start, e.g. to pick a port
 
     @property
     def pid(self) -> int | None:
@@ -445,6 +446,8 @@ class ProcessGroup:
                 f.write(f"--- [infra {stamp}] {message}\n")
 
     def _launch(self, child: Child) -> None:
+        if child.on_launch is not None:
+            child.on_launch(child)
         child.proc = spawn(child.argv, log_path=child.log_path, env=child.env)
         child.started_at = time.monotonic()
         child.stopping = False

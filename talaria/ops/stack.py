@@ -27,7 +27,9 @@ from shared.subjects import Subjects
 from talaria.client import AgentLogin, Deployment
 from talaria.ops.liveness import LIVENESS_INTERVAL_S, LIVENESS_TIMEOUT_S, STARTUP_GRACE_S, LivenessWatch
 from talaria.ops.nats_server import NatsServer, start_cluster
-from talaria.ops.processes import ProcessGroup
+from talaria.ops import prometheus
+from talaria.ops.processes import Child, ProcessGroup
+from talaria.ops.prometheus import write_atomically
 from talaria.ops.redis_server import RedisServer
 
 DEFAULT_MODELS = ["glm-4.5-fp8", "qwen3-235b-a22b-fp8", "glm-4.5-air-fp8"]
@@ -69,6 +71,7 @@ class EmbeddedStack:
         self.nats_nodes: list[NatsServer] = []  # every embedded node (one, or the cluster's)
         self.redis: RedisServer | None = None
         self.group = ProcessGroup()
+        self.metrics_ports: dict[str, int] = {}  # process -> its metrics port now
         self.clock_epoch = time.time()
         self.log_dir = Path(spec.log_dir)
         self._supervisor: asyncio.Task | None = None
@@ -197,6 +200,10 @@ class EmbeddedStack:
             self.gateway_port = free_port()
             self.group.add("gateway", [sys.executable, "-m", "services.gateway"], env={**env, **self.gateway_env()},
                            log_path=self.log_dir / "gateway.log")
+        for child in self.group.children.values():
+            child.on_launch = self._metrics_port
+        write_atomically(self.log_dir / prometheus.CONFIG_FILE,
+                         prometheus.render_config(self.log_dir / prometheus.TARGETS_FILE))
         self.group.start_all()
         self._supervisor = asyncio.ensure_future(self.group.supervise(self._stop_supervising))
         await self.wait_healthy(timeout_s)
@@ -204,6 +211,21 @@ class EmbeddedStack:
             await self.wait_gateway(timeout_s)
         if self.spec.liveness:
             self._liveness = asyncio.ensure_future(self.watch_liveness())
+
+    def _metrics_port(self, child: Child) -> None:
+        """Before each (re)start: a fresh metrics port, and the targets file says so (a new
+        incarnation is a new target, so totals over incarnations add up in PromQL)."""
+        port = free_port()
+        assert child.env is not None
+        child.env["TALARIA_METRICS_PORT"] = str(port)
+        child.env["TALARIA_METRICS_HOST"] = LOOPBACK
+        self.metrics_ports[child.name] = port
+        write_atomically(self.log_dir / prometheus.TARGETS_FILE, prometheus.render_targets(self.metrics_ports, LOOPBACK))
+
+    @property
+    def prometheus_config(self) -> Path:
+        """`prometheus --config.file=<this>` scrapes this stack."""
+        return self.log_dir / prometheus.CONFIG_FILE
 
     async def watch_liveness(self) -> None:
         """Kill a service that stopped answering its health endpoint while its process

@@ -1,0 +1,114 @@
+"""Every Prometheus metric Talaria exposes, in one place (prometheus_client).
+
+Each service process serves its own registry on its own port
+(`TALARIA_METRICS_PORT`; 0 = off) from prometheus_client's HTTP server, a
+thread of its own, so a scrape still answers while the event loop is busy.
+prometheus_client rather than OpenTelemetry's Prometheus exporter: it is what
+the field's servers expose with (vLLM's `vllm:*` among them), it needs no SDK
+pipeline, and its exposition is Prometheus's own.
+
+Rules (docs/observability.md has the table):
+
+- Labels are `server`, `model` and a few bounded enums (`code`, `kind`,
+  `reason`, `residency`, `kv`): never a session or call id (cardinality), and
+  never `instance` or `job` (Prometheus sets those from the target).
+- Counted where it cannot double: a call's outcome at its durable transition
+  (accepted when the router creates its call record, completed when an
+  engine-worker stores its first answer), never inside a state machine that
+  a restarted process steps through again. A counter restarts at zero with its
+  process; a new incarnation is a new target (a new port), so totals over
+  every incarnation are `sum(max_over_time(m[range]))`.
+- Two clocks, never mixed: `*_model_seconds` are the stack clock's (the sim
+  engine's model time, buckets up to hours: a baseline round wait is
+  minutes), `*_seconds` are wall time.
+"""
+
+from __future__ import annotations
+
+import structlog
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, start_http_server
+
+disable_created_metrics()  # no `_created` series beside each counter
+
+# model seconds: a round wait under the baseline is minutes, a session's duration hours
+MODEL_SECONDS_BUCKETS = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0, 1800.0, 3600.0,
+                         7200.0, 14400.0)
+WALL_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class Metrics:
+    """One process's metrics. Every service kind builds the same set (one schema of
+    names); each updates only its own, and a labelled metric nobody updates
+    exposes no sample."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        # -- calls (router: accepted, refused; engine-worker: generated, completed) -----------
+        self.calls_accepted = Counter(
+            "talaria_calls_accepted", "Calls taken for the first time (the router created their call record).",
+            ["model"], registry=r)
+        self.calls_failed = Counter(
+            "talaria_calls_failed", "Calls answered with an error, by error code (router and engine-worker).",
+            ["code"], registry=r)
+        self.calls_completed = Counter(
+            "talaria_calls_completed", "Calls answered to the agent, once each: an engine-worker stored its "
+            "first reply in the call record.", ["server", "model"], registry=r)
+        self.generations = Counter(
+            "talaria_generations", "Generations run to their end (a second generation of a call counts "
+            "again: minus talaria_calls_completed, the duplicate generations).", ["server", "model"], registry=r)
+        self.prefix_tokens = Counter(
+            "talaria_prefix_tokens", "Prompt tokens of completed calls by where they came from: reused "
+            "(in HBM), restored (from host memory), reprefilled (recomputed though the session had them), "
+            "new.", ["server", "model", "source"], registry=r)
+        self.admission_wait = Histogram(
+            "talaria_admission_wait_model_seconds", "Model seconds a completed call waited for admission: "
+            "`round` (it missed its model's open slot and waited for the next one) or `in_slot`.",
+            ["server", "model", "kind"], buckets=MODEL_SECONDS_BUCKETS, registry=r)
+        self.switch_wait = Histogram(
+            "talaria_switch_wait_model_seconds", "Model seconds a completed call waited for its model's switch.",
+            ["server", "model"], buckets=MODEL_SECONDS_BUCKETS, registry=r)
+        # -- placement (router) -----------------------------------------------------------------
+        self.placements = Counter(
+            "talaria_placements", "Placement decisions by the chosen server's residency for the call's model "
+            "and where the session's KV was there.", ["server", "model", "residency", "kv"], registry=r)
+        # -- admission ---------------------------------------------------------------------------
+        self.queued = Gauge("talaria_queued_calls", "Calls waiting for admission.", ["server", "model"], registry=r)
+        self.running = Gauge("talaria_running_calls", "Calls admitted and running.", ["server", "model"], registry=r)
+        self.slots = Counter("talaria_slots", "Slots opened (`reason=opened`) and closed (by why).",
+                             ["server", "model", "reason"], registry=r)
+        self.reservations_held = Gauge("talaria_reservations_held", "Soft reservations held now.", ["server"],
+                                       registry=r)
+        # -- substrate ----------------------------------------------------------------------------
+        self.switches = Counter("talaria_model_switches", "Model switches done, by kind: `staged` (weights "
+                                "staged in host memory ahead) or `host` (loaded from host memory).",
+                                ["server", "to_model", "kind"], registry=r)
+        self.switch_duration = Histogram(
+            "talaria_model_switch_duration_model_seconds", "Model seconds a switch took, by kind.",
+            ["server", "kind"], buckets=MODEL_SECONDS_BUCKETS, registry=r)
+        self.host_kv_bytes = Gauge("talaria_host_kv_bytes", "Bytes of KV held in host memory (the substrate's "
+                                   "ledger).", ["server"], registry=r)
+        self.active_model = Gauge("talaria_active_model", "1 for the model a server holds now (0 for the others).",
+                                  ["server", "model"], registry=r)
+        # -- gateway ------------------------------------------------------------------------------
+        self.http_requests = Counter("talaria_http_requests", "HTTP calls at the gateway by API and status.",
+                                     ["api", "status"], registry=r)
+        self.http_duration = Histogram("talaria_http_request_duration_seconds", "Wall seconds of an HTTP call at "
+                                       "the gateway (a streamed one: until its last event).", ["api"],
+                                       buckets=WALL_SECONDS_BUCKETS + (60.0, 300.0, 600.0), registry=r)
+        # -- every process ------------------------------------------------------------------------
+        self.loop_lag = Gauge("talaria_event_loop_lag_seconds", "Worst event-loop lag of the last interval "
+                              "(wall seconds).", registry=r)
+
+    def serve(self, port: int, host: str = "0.0.0.0") -> int:
+        """Serve the registry on `port` (0: nothing is served); the port actually bound."""
+        if port <= 0:
+            return 0
+        log = structlog.get_logger("metrics")
+        try:
+            server, _ = start_http_server(port, addr=host, registry=self.registry)
+        except OSError as exc:  # the service still serves calls: metrics are not worth an outage
+            log.error("metrics.unavailable", port=port, error=str(exc))
+            return 0
+        bound = int(server.server_address[1])
+        log.info("metrics.listening", port=bound)
+        return bound

@@ -1,0 +1,175 @@
+"""Metrics scraped by a real Prometheus (Debian's `prometheus` package; CI installs it)
+from the embedded stack during a short replay with an admission restart in the middle:
+PromQL totals over every process incarnation (`max_over_time` per series, summed) equal
+independent sources — the client's own records, the engines' and substrate's log events.
+
+A missing Prometheus fails here: it does not skip (the checks are the point)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import time
+import urllib.parse
+import urllib.request
+from datetime import datetime, timezone
+from pathlib import Path
+
+import pytest
+
+from shared.clock import ScaledClock
+from shared.logs import read_log_events
+from shared.net import free_port
+from shared.policy import resolve_policy
+from talaria.client import TalariaClient
+from talaria.ops.prometheus import CONFIG_FILE, TARGETS_FILE
+from talaria.ops.stack import EmbeddedStack, StackSpec
+from talaria.replay import drive
+from talaria.workload.trace import load_trace
+
+ROOT = Path(__file__).resolve().parents[1]
+SMOKE = ROOT / "traces" / "smoke-4.jsonl"
+
+
+def _prometheus_binary() -> str:
+    found = shutil.which("prometheus")
+    if found is None:
+        pytest.fail("no `prometheus` on PATH: install Debian's package (apt-get install prometheus); "
+                    ".ci/run does", pytrace=False)
+    return found
+
+
+class Prometheus:
+    def __init__(self, config: Path, data: Path) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = (data / "prometheus.log").open("wb")
+        self.proc = subprocess.Popen(
+            [_prometheus_binary(), f"--config.file={config}", f"--storage.tsdb.path={data / 'tsdb'}",
+             f"--web.listen-address=127.0.0.1:{self.port}", "--web.enable-lifecycle"],
+            stdout=self.log, stderr=subprocess.STDOUT)
+
+    def get(self, path: str, **params: str) -> dict:
+        q = f"?{urllib.parse.urlencode(params)}" if params else ""
+        with urllib.request.urlopen(self.url + path + q, timeout=10) as r:
+            return json.loads(r.read())
+
+    def ready(self, timeout_s: float = 60) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, "prometheus exited at start-up"
+            try:
+                with urllib.request.urlopen(self.url + "/-/ready", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.2)
+        raise AssertionError("prometheus did not become ready")
+
+    def value(self, query: str) -> float:
+        out = self.get("/api/v1/query", query=query)
+        assert out["status"] == "success", out
+        result = out["data"]["result"]
+        return float(result[0]["value"][1]) if result else 0.0
+
+    def scraped(self, port: int, timeout_s: float = 30) -> None:
+        """Wait until the target on `port` has been scraped (Prometheus's discovery hands new
+        targets to the scraper in batches, every 5 s)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for t in self.get("/api/v1/targets")["data"]["activeTargets"]:
+                if t["scrapeUrl"].endswith(f":{port}/metrics") and t["health"] == "up":
+                    return
+            time.sleep(0.2)
+        raise AssertionError(f"the target on port {port} was never scraped")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log.close()
+
+
+def _events(log_dir: Path, prefix: str, event: str) -> list[dict]:
+    return [d for f in sorted(log_dir.glob(f"{prefix}*.log")) for d in read_log_events(f) if d.get("event") == event]
+
+
+def total(metric: str, where: str = "") -> str:
+    """A counter's total over every incarnation of every process: each series' highest value."""
+    return f"sum(max_over_time({metric}{{{where}}}[1h]))"
+
+
+@pytest.mark.timeout(300)
+async def test_prometheus_totals_equal_the_clients_records_and_the_logs(tmp_path: Path) -> None:
+    sessions = load_trace(SMOKE)
+    models = sorted({s.model for s in sessions})
+    spec = StackSpec(policy=resolve_policy("talaria"), models=models, time_scale=20.0, log_dir=tmp_path / "logs")
+    async with EmbeddedStack(spec) as stack:
+        config = stack.prometheus_config
+        assert config == stack.log_dir / CONFIG_FILE and (stack.log_dir / TARGETS_FILE).exists()
+        targets = json.loads((stack.log_dir / TARGETS_FILE).read_text())
+        assert {g["labels"]["service"] for g in targets} == {"router", "admission", "substrate", "engine"}
+        prom = Prometheus(config, tmp_path)
+        try:
+            await asyncio.to_thread(prom.ready)
+            for port in list(stack.metrics_ports.values()):  # every process is a scraped target
+                await asyncio.to_thread(prom.scraped, port)
+            client = await TalariaClient.connect(stack.nats_urls, subject_prefix=stack.subject_prefix, silence_s=5.0,
+                                                 retries=20, **stack.nats_auth("agent"))
+            done: list[str] = []
+            try:
+                clock = ScaledClock(spec.time_scale, stack.clock_epoch)
+                replay = asyncio.ensure_future(drive(client, clock, sessions, "talaria",
+                                                     on_reply=lambda r: done.append(r.call_id), error_retries=10))
+                total_calls = sum(len(s.calls) for s in sessions)
+                while len(done) < total_calls // 3:
+                    assert not replay.done(), replay
+                    await asyncio.sleep(0.05)
+                admission = next(n for n in stack.group.children if n.startswith("admission-"))
+                first_port = stack.metrics_ports[admission]
+                killed_at = datetime.now(timezone.utc)
+                stack.group.children[admission].proc.kill()  # the supervisor restarts it, on a new port
+                while stack.metrics_ports[admission] == first_port:
+                    await asyncio.sleep(0.05)
+                await asyncio.to_thread(prom.scraped, stack.metrics_ports[admission])
+                out = await asyncio.wait_for(replay, timeout=200)
+            finally:
+                await client.close()
+            await asyncio.sleep(3.5)  # the last scrapes (every second)
+            # both admission incarnations were scraped: two targets, one process
+            incarnations = prom.value(
+                f'count(count by (instance) (last_over_time(talaria_event_loop_lag_seconds{{process="{admission}"}}[1h])))')
+            assert incarnations == 2, incarnations
+
+            completed = {r.call_id for r in out.records}
+            assert not out.failures and len(completed) == total_calls
+            assert prom.value(total("talaria_calls_completed_total")) == total_calls
+            assert prom.value(total("talaria_calls_accepted_total")) == total_calls
+            generations = [d for d in _events(stack.log_dir, "engine-", "engine.finished")]
+            assert prom.value(total("talaria_generations_total")) == len(generations) >= total_calls
+            switches = _events(stack.log_dir, "substrate-", "substrate.switch")
+            assert switches and prom.value(total("talaria_model_switches_total")) == len(switches)
+            # slots, counted by the admission that opened them: the restarted one's all scraped; of the
+            # killed one, what a scrape saw (a crash loses the counts since its last scrape)
+            opened = _events(stack.log_dir, "admission-", "admission.slot_opened")
+            after = [d for d in opened if datetime.fromisoformat(d["timestamp"].replace("Z", "+00:00")) > killed_at]
+            assert after, "the restarted admission opened no slot"
+            port_now = stack.metrics_ports[admission]
+            assert prom.value(total("talaria_slots_total", f'reason="opened",instance="127.0.0.1:{port_now}"')) \
+                == len(after)
+            assert prom.value(total("talaria_slots_total", 'reason="opened"')) <= len(opened)
+            # a histogram of model seconds counts each completed call once
+            assert prom.value(total("talaria_admission_wait_model_seconds_count")) == total_calls
+            # no session or call label anywhere, and no `instance` label of ours
+            names = prom.get("/api/v1/labels")["data"]
+            assert not {"session_id", "call_id", "session", "call"} & set(names), names
+            series = prom.get("/api/v1/series", **{"match[]": '{__name__=~"talaria_.+"}'})["data"]
+            assert series and all(s["instance"].startswith("127.0.0.1:") for s in series)
+        finally:
+            prom.stop()
