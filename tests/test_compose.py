@@ -550,3 +550,32 @@ async def test_compose_services_start_outside_docker_and_serve_a_call(tmp_path: 
         await group.astop_all(timeout=10)
         await redis.astop()
         await nats.astop()
+
+
+def test_the_observability_profile_scrapes_every_service_and_provisions_grafana() -> None:
+    """Prometheus and Grafana run only under `--profile observability`; Prometheus's config
+    has every service of ours as a target on the metrics port of .env.example, labelled as
+    the embedded stack labels its own; Grafana gets the data source and the dashboard."""
+    import shutil
+    import subprocess
+
+    compose = load_compose()
+    for name in ("prometheus", "grafana"):
+        assert compose["services"][name]["profiles"] == ["observability"], name
+    port = parse_env_file(ENV_EXAMPLE)["TALARIA_METRICS_PORT"]
+    config = yaml.safe_load((ROOT / "deploy" / "prometheus" / "prometheus.yml").read_text())
+    groups = config["scrape_configs"][0]["static_configs"]
+    targets = {g["targets"][0]: g["labels"]["service"] for g in groups}
+    for name, svc in ours(compose).items():
+        kind = svc["command"][2].split(".")[1]
+        assert targets.get(f"{name}:{port}") == kind, (name, targets)
+    mounted = {v.split(":")[0] for v in compose["services"]["grafana"]["volumes"]}
+    for path in mounted:
+        assert (ROOT / path).exists(), path
+    assert (ROOT / "deploy/grafana/provisioning/datasources/prometheus.yml").exists()
+    dashboard = json.loads((ROOT / "deploy/grafana/dashboards/talaria.json").read_text())
+    assert dashboard["uid"] == "talaria" and len(dashboard["panels"]) >= 12
+    if shutil.which("promtool"):  # (Debian's prometheus package ships it)
+        out = subprocess.run(["promtool", "check", "config", str(ROOT / "deploy/prometheus/prometheus.yml")],
+                             capture_output=True, text=True)
+        assert out.returncode == 0, out.stdout + out.stderr

@@ -18,13 +18,14 @@ import urllib.request
 from datetime import datetime, timezone
 from pathlib import Path
 
+import aiohttp
 import pytest
 
 from shared.clock import ScaledClock
 from shared.logs import read_log_events
 from shared.net import free_port
 from shared.policy import resolve_policy
-from talaria.client import TalariaClient
+from talaria.client import TalariaClient, UnknownSession
 from talaria.ops.prometheus import CONFIG_FILE, TARGETS_FILE
 from talaria.ops.stack import EmbeddedStack, StackSpec
 from talaria.replay import drive
@@ -109,12 +110,13 @@ def total(metric: str, where: str = "") -> str:
 async def test_prometheus_totals_equal_the_clients_records_and_the_logs(tmp_path: Path) -> None:
     sessions = load_trace(SMOKE)
     models = sorted({s.model for s in sessions})
-    spec = StackSpec(policy=resolve_policy("talaria"), models=models, time_scale=20.0, log_dir=tmp_path / "logs")
+    spec = StackSpec(policy=resolve_policy("talaria"), models=models, time_scale=20.0, log_dir=tmp_path / "logs",
+                     gateway=True)
     async with EmbeddedStack(spec) as stack:
         config = stack.prometheus_config
         assert config == stack.log_dir / CONFIG_FILE and (stack.log_dir / TARGETS_FILE).exists()
         targets = json.loads((stack.log_dir / TARGETS_FILE).read_text())
-        assert {g["labels"]["service"] for g in targets} == {"router", "admission", "substrate", "engine"}
+        assert {g["labels"]["service"] for g in targets} == {"router", "admission", "substrate", "engine", "gateway"}
         prom = Prometheus(config, tmp_path)
         try:
             await asyncio.to_thread(prom.ready)
@@ -139,6 +141,14 @@ async def test_prometheus_totals_equal_the_clients_records_and_the_logs(tmp_path
                     await asyncio.sleep(0.05)
                 await asyncio.to_thread(prom.scraped, stack.metrics_ports[admission])
                 out = await asyncio.wait_for(replay, timeout=200)
+                # an error and an HTTP call, for the dashboard's panels of them
+                with pytest.raises(UnknownSession):
+                    await client.call("never-opened", models[0], prompt_tokens=10, max_tokens=2, call_id="x#0")
+                async with aiohttp.ClientSession() as http:
+                    body = {"model": models[0], "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+                    async with http.post(f"{stack.openai_base_url}/chat/completions", json=body,
+                                         headers={"Authorization": f"Bearer {stack.api_key}"}) as r:
+                        assert r.status == 200, await r.text()
             finally:
                 await client.close()
             await asyncio.sleep(3.5)  # the last scrapes (every second)
@@ -149,10 +159,12 @@ async def test_prometheus_totals_equal_the_clients_records_and_the_logs(tmp_path
 
             completed = {r.call_id for r in out.records}
             assert not out.failures and len(completed) == total_calls
-            assert prom.value(total("talaria_calls_completed_total")) == total_calls
-            assert prom.value(total("talaria_calls_accepted_total")) == total_calls
+            answered = total_calls + 1  # the replay's calls and the HTTP one
+            assert prom.value(total("talaria_calls_completed_total")) == answered
+            assert prom.value(total("talaria_calls_accepted_total")) == answered
+            assert prom.value(total("talaria_calls_failed_total", 'code="unknown_session"')) == 1
             generations = [d for d in _events(stack.log_dir, "engine-", "engine.finished")]
-            assert prom.value(total("talaria_generations_total")) == len(generations) >= total_calls
+            assert prom.value(total("talaria_generations_total")) == len(generations) >= answered
             switches = _events(stack.log_dir, "substrate-", "substrate.switch")
             assert switches and prom.value(total("talaria_model_switches_total")) == len(switches)
             # slots, counted by the admission that opened them: the restarted one's all scraped; of the
@@ -165,11 +177,16 @@ async def test_prometheus_totals_equal_the_clients_records_and_the_logs(tmp_path
                 == len(after)
             assert prom.value(total("talaria_slots_total", 'reason="opened"')) <= len(opened)
             # a histogram of model seconds counts each completed call once
-            assert prom.value(total("talaria_admission_wait_model_seconds_count")) == total_calls
+            assert prom.value(total("talaria_admission_wait_model_seconds_count")) == answered
             # no session or call label anywhere, and no `instance` label of ours
             names = prom.get("/api/v1/labels")["data"]
             assert not {"session_id", "call_id", "session", "call"} & set(names), names
             series = prom.get("/api/v1/series", **{"match[]": '{__name__=~"talaria_.+"}'})["data"]
             assert series and all(s["instance"].startswith("127.0.0.1:") for s in series)
+            # every panel of the Grafana dashboard: its PromQL returns data from this Prometheus
+            dashboard = json.loads((ROOT / "deploy" / "grafana" / "dashboards" / "talaria.json").read_text())
+            empty = [(p["title"], t["expr"]) for p in dashboard["panels"] for t in p["targets"]
+                     if not prom.get("/api/v1/query", query=t["expr"])["data"]["result"]]
+            assert not empty, empty
         finally:
             prom.stop()
