@@ -76,6 +76,16 @@ class Metrics:
         self.running = Gauge("talaria_running_calls", "Calls admitted and running.", ["server", "model"], registry=r)
         self.slots = Counter("talaria_slots", "Slots opened (`reason=opened`) and closed (by why).",
                              ["server", "model", "reason"], registry=r)
+        self.sp_admissions = Counter(
+            "talaria_sp_admissions", "Completed calls that session-prefill admitted into their model's open slot "
+            "(counted at completion, once per call).", ["server", "model"], registry=r)
+        self.reservations = Counter(
+            "talaria_reservations", "Soft reservations by outcome: `made`, `returned` (the session came back "
+            "within the hold), `expired` (its hold ran out, or the slot closed for another model).",
+            ["server", "outcome"], registry=r)
+        self.reserved_idle = Counter(
+            "talaria_reserved_idle_model_seconds", "Model seconds a server sat idle holding its slot open for "
+            "reservations (capacity held idle).", ["server"], registry=r)
         self.reservations_held = Gauge("talaria_reservations_held", "Soft reservations held now.", ["server"],
                                        registry=r)
         # -- substrate ----------------------------------------------------------------------------

@@ -269,6 +269,7 @@ class RunCall(Base, tag="run"):
     switch_wait_s: float
     round_wait: bool
     dispatched_at: float | None = None      # admission's model time of the dispatch
+    sp_admit: bool = False                  # admitted into its model's open slot by session-prefill
 
     @property
     def call_id(self) -> str:

@@ -176,6 +176,11 @@ async def test_prometheus_totals_equal_the_clients_records_and_the_logs(tmp_path
             assert prom.value(total("talaria_slots_total", f'reason="opened",instance="127.0.0.1:{port_now}"')) \
                 == len(after)
             assert prom.value(total("talaria_slots_total", 'reason="opened"')) <= len(opened)
+            # session-prefill admissions, counted by the engine-worker at completion
+            sp = [d for d in generations if d.get("sp_admit")]
+            assert prom.value(total("talaria_sp_admissions_total")) == len(sp)
+            made = prom.value(total("talaria_reservations_total", 'outcome="made"'))
+            assert made > 0 and prom.value(total("talaria_reservations_total", 'outcome="returned"')) <= made
             # a histogram of model seconds counts each completed call once
             assert prom.value(total("talaria_admission_wait_model_seconds_count")) == answered
             # no session or call label anywhere, and no `instance` label of ours

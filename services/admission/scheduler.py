@@ -90,6 +90,7 @@ class Dispatch:
     waited_s: float
     switch_wait_s: float
     round_wait: bool  # it arrived during its model's open slot and missed it
+    sp_admit: bool = False  # admitted into its model's open slot by session-prefill
 
 
 @dataclass(frozen=True, slots=True)
@@ -473,7 +474,7 @@ class RoundScheduler:
                 continue
             if sp:
                 self.stats.sp_admits += 1
-            self._dispatch(item, now, actions)
+            self._dispatch(item, now, actions, sp_admit=sp)
         q.extend(kept)
 
     def _demand_exceeds_budget(self, q: deque[_Queued]) -> bool:
@@ -485,7 +486,7 @@ class RoundScheduler:
                 return True
         return False
 
-    def _dispatch(self, item: _Queued, now: float, actions: list[Action]) -> None:
+    def _dispatch(self, item: _Queued, now: float, actions: list[Action], sp_admit: bool = False) -> None:
         c = item.call
         reserved = self._reserve_for(c)
         # prefill-first and serial: a call's first token comes after every
@@ -503,7 +504,7 @@ class RoundScheduler:
         res = self.reservations.pop(c.session_id, None)
         if res is not None:
             actions.append(Protect(c.session_id, res.model, on=False))
-        actions.append(Dispatch(c, reserved, self.slot_id, waited, switch_wait, round_wait))
+        actions.append(Dispatch(c, reserved, self.slot_id, waited, switch_wait, round_wait, sp_admit))
 
     def _preempt_at(self, running: list[_Running]) -> float:
         """The quantum, but never before every running call has had its prefill

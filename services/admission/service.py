@@ -44,6 +44,10 @@ class AdmissionService(ServiceProcess):
         cost = CostModel(self.catalog, self.catalog.server(s.server_profile), s.switch_cost_scale, s.prefill_speed_scale)
         specs = {m: self.catalog.model(m) for m in sorted(s.models)}
         self.scheduler = sch.RoundScheduler(s.server_id, specs, cost, s.policy)
+        # the server's counters exist from the start (a zero is an answer; no series is not)
+        for outcome in ("made", "returned", "expired"):
+            self.metrics.reservations.labels(server=s.server_id, outcome=outcome)
+        self.metrics.reserved_idle.labels(server=s.server_id)
         self.payloads: dict[str, SubmitCall] = {}
         self.newly_counted: set[str] = set()  # calls stepped since the last mirror write: their in-flight entries go with it
         self.wakeup = asyncio.Event()
@@ -51,6 +55,7 @@ class AdmissionService(ServiceProcess):
         self.persist_dirty = asyncio.Event()
         self.last_seen: dict[str, float] = {}   # session -> model time of its last arrival or finish here
         self.session_model: dict[str, str] = {}  # session -> its model, for the release event
+        self._stats_seen: dict[str, float] = {}  # the scheduler's stats already counted in the metrics
         self.switch_attempt: dict[str, asyncio.Event] = {}  # pending switch -> "ask again" (substrate restarted)
         sid = s.server_id
         self.dispatched: dict[str, RunCall] = {}
@@ -377,6 +382,16 @@ class AdmissionService(ServiceProcess):
             self.metrics.queued.labels(server=srv, model=m).set(len(sch_.queues.get(m, ())))
             self.metrics.running.labels(server=srv, model=m).set(running.get(m, 0))
         self.metrics.reservations_held.labels(server=srv).set(len(sch_.reservations))
+        # reservation outcomes: events of this process's scheduler, as increments of its stats
+        st = sch_.stats
+        now = {"made": st.reservations_made, "returned": st.reservations_hit, "expired": st.reservations_expired}
+        for outcome, n in now.items():
+            if n > self._stats_seen.get(outcome, 0):
+                self.metrics.reservations.labels(server=srv, outcome=outcome).inc(n - self._stats_seen.get(outcome, 0))
+                self._stats_seen[outcome] = n
+        if st.reserved_idle_s > self._stats_seen.get("idle_s", 0.0):
+            self.metrics.reserved_idle.labels(server=srv).inc(st.reserved_idle_s - self._stats_seen.get("idle_s", 0.0))
+            self._stats_seen["idle_s"] = st.reserved_idle_s
 
     async def apply(self, actions: list[sch.Action]) -> None:
         s = self.settings
@@ -394,10 +409,11 @@ class AdmissionService(ServiceProcess):
                     run = RunCall(
                         call=c, engine=sub.engine, reply_to=sub.reply_to, reserved_tokens=a.reserved_tokens,
                         waited_s=a.waited_s, switch_wait_s=a.switch_wait_s, round_wait=a.round_wait,
-                        dispatched_at=self.scheduler.last_step_at,
+                        dispatched_at=self.scheduler.last_step_at, sp_admit=a.sp_admit,
                     )
                     self.log.info("admission.dispatched", session_id=c.session_id, call_id=c.call_id, model=c.model,
-                                  slot_id=a.slot_id, waited_s=round(a.waited_s, 3), round_wait=a.round_wait)
+                                  slot_id=a.slot_id, waited_s=round(a.waited_s, 3), round_wait=a.round_wait,
+                                  sp_admit=a.sp_admit)
                     self.dispatched[c.call_id] = run
                     self.confirmed.discard(c.call_id)
                     await self._send_run(run)

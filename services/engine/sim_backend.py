@@ -252,4 +252,4 @@ class SimBackend(EngineBackend):
         w.log.info("engine.finished", session_id=r.session_id, call_id=r.call_id, at=round(r.finished_at, 3),
                    cached_tokens=r.cached_tokens, restored_tokens=r.restored_tokens,
                    reprefill_tokens=r.reprefill_tokens, output_tokens=r.output_tokens,
-                   prefill_s=round(r.prefill_s, 3), decode_s=round(r.decode_s, 3))
+                   prefill_s=round(r.prefill_s, 3), decode_s=round(r.decode_s, 3), sp_admit=rc.sp_admit)

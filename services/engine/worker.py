@@ -268,6 +268,8 @@ class EngineWorker(ServiceProcess):
         m.calls_completed.labels(**labels).inc()
         m.admission_wait.labels(**labels, kind="round" if rc.round_wait else "in_slot").observe(rc.waited_s)
         m.switch_wait.labels(**labels).observe(rc.switch_wait_s)
+        if rc.sp_admit:
+            m.sp_admissions.labels(**labels).inc()
         new = max(0, reply.prompt_tokens - reply.cached_tokens - reply.restored_tokens - reply.reprefill_tokens)
         for source, n in (("reused", reply.cached_tokens), ("restored", reply.restored_tokens),
                           ("reprefilled", reply.reprefill_tokens), ("new", new)):
