@@ -100,6 +100,8 @@ class Deployment(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     # the HTTP front door (services/gateway): OpenAI-style base URL (ends in /v1) and a bearer key
     openai_base_url: str | None = None
     api_key: str | None = None
+    # operators: the Prometheus scrape config of an embedded stack (docs/observability.md)
+    prometheus_config: str | None = None
 
     @classmethod
     def load(cls, path: str | Path) -> "Deployment":

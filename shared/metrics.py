@@ -86,6 +86,16 @@ class Metrics:
         self.reserved_idle = Counter(
             "talaria_reserved_idle_model_seconds", "Model seconds a server sat idle holding its slot open for "
             "reservations (capacity held idle).", ["server"], registry=r)
+        # the llm-d model-server contract, per (server, model), from the service that knows it: under
+        # round scheduling a model's waiting calls are in admission, not in its engine
+        self.contract_waiting = Gauge("vllm:num_requests_waiting", "Calls waiting for this model on this server "
+                                      "(llm-d's model-server contract; admission's queue).", ["server", "model"],
+                                      registry=r)
+        self.contract_running = Gauge("vllm:num_requests_running", "Calls of this model running on this server "
+                                      "(llm-d's model-server contract).", ["server", "model"], registry=r)
+        self.contract_kv_usage = Gauge("vllm:kv_cache_usage_perc", "Share of the active model's KV budget the "
+                                       "running calls reserve, 0-1 (0 for a model not active; llm-d's contract).",
+                                       ["server", "model"], registry=r)
         self.reservations_held = Gauge("talaria_reservations_held", "Soft reservations held now.", ["server"],
                                        registry=r)
         # -- substrate ----------------------------------------------------------------------------
@@ -109,6 +119,11 @@ class Metrics:
         self.loop_lag = Gauge("talaria_event_loop_lag_seconds", "Worst event-loop lag of the last interval "
                               "(wall seconds).", registry=r)
 
+    def reexport(self, source: CollectorRegistry, prefix: str, skip: frozenset[str]) -> None:
+        """Expose another registry's metrics named `prefix*` here too (a real engine's own
+        `vllm:*`), but for `skip`: names this process's metrics define, so none is exposed twice."""
+        self.registry.register(_Reexport(source, prefix, skip))
+
     def serve(self, port: int, host: str = "0.0.0.0") -> int:
         """Serve the registry on `port` (0: nothing is served); the port actually bound."""
         if port <= 0:
@@ -122,3 +137,21 @@ class Metrics:
         bound = int(server.server_address[1])
         log.info("metrics.listening", port=bound)
         return bound
+
+
+CONTRACT_NAMES = frozenset({"vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc"})
+
+
+class _Reexport:
+    """A collector that yields another registry's metrics of one prefix."""
+
+    def __init__(self, source: CollectorRegistry, prefix: str, skip: frozenset[str]) -> None:
+        self.source, self.prefix, self.skip = source, prefix, skip
+
+    def describe(self) -> list[object]:
+        return []  # (unchecked: what the source registers changes as the engine starts)
+
+    def collect(self):  # type: ignore[no-untyped-def]
+        for family in self.source.collect():
+            if family.name.startswith(self.prefix) and family.name not in self.skip:
+                yield family

@@ -252,6 +252,7 @@ def cmd_up(a: argparse.Namespace) -> int:
             if stack.creds is not None:
                 print(f"authentication on: agent credentials (NATS user 'agent') in {cred_file}")
             print(f"replay against it: talaria replay TRACE --credentials {cred_file}")
+            print(f"metrics: prometheus --config.file={stack.prometheus_config}  (docs/observability.md)")
             if stack.openai_base_url:
                 # the key is in the credentials file (mode 600), not on the terminal
                 print(f"HTTP front door: OPENAI_BASE_URL={stack.openai_base_url}  ANTHROPIC_BASE_URL={stack.gateway_url}\n"

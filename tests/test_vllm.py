@@ -144,6 +144,7 @@ async def test_two_vllm_cpu_engine_workers_prefix_hits_and_kv_events(tmp_path: P
                 assert await r.hlen(keys.kv_blocks(server, vb.MODEL)) == 0
                 await _sleep_wake_and_cancel(client, stack, probe, tmp_path / policy)
                 await _real_prompts_must_fit_the_engine(client, probe)
+                _vllm_metrics_are_reexported(stack)
             finally:
                 await client.close()
                 await r.aclose()
@@ -162,6 +163,26 @@ async def test_two_vllm_cpu_engine_workers_prefix_hits_and_kv_events(tmp_path: P
             if c.reusable_tokens and fresh:
                 assert c.cached_tokens < c.reusable_tokens, (policy, c)  # a server that never saw the session
             seen[c.session].add(c.server)
+
+
+def _vllm_metrics_are_reexported(stack) -> None:  # type: ignore[no-untyped-def]
+    """The engine-worker's metrics endpoint carries vLLM's own `vllm:*` metrics but for the
+    llm-d contract's three names, which admission serves per (server, model)."""
+    import urllib.request
+
+    def scrape(process: str) -> str:
+        port = stack.metrics_ports[process]
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+            return r.read().decode()
+
+    engine = next(n for n in stack.metrics_ports if n.startswith("engine-"))
+    admission = next(n for n in stack.metrics_ports if n.startswith("admission-"))
+    text, adm = scrape(engine), scrape(admission)
+    assert "vllm:prompt_tokens" in text or "vllm:generation_tokens" in text, text[:2000]
+    assert "talaria_calls_completed_total" in text
+    for name in ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc"):
+        assert f"\n{name}{{" not in text, name
+        assert f"\n{name}{{" in adm, name
 
 
 async def _real_prompts_must_fit_the_engine(client, probe) -> None:  # type: ignore[no-untyped-def]

@@ -378,9 +378,15 @@ class AdmissionService(ServiceProcess):
         running: dict[str, int] = {m: 0 for m in sch_.models}
         for r in sch_.running.values():
             running[r.call.model] = running.get(r.call.model, 0) + 1
+        kv_used = sch_.reserved_kv_tokens() / sch_.kv_capacity if sch_.kv_capacity else 0.0
         for m in sch_.models:
-            self.metrics.queued.labels(server=srv, model=m).set(len(sch_.queues.get(m, ())))
+            waiting = len(sch_.queues.get(m, ()))
+            self.metrics.queued.labels(server=srv, model=m).set(waiting)
             self.metrics.running.labels(server=srv, model=m).set(running.get(m, 0))
+            self.metrics.contract_waiting.labels(server=srv, model=m).set(waiting)
+            self.metrics.contract_running.labels(server=srv, model=m).set(running.get(m, 0))
+            self.metrics.contract_kv_usage.labels(server=srv, model=m).set(
+                min(1.0, kv_used) if m == sch_.active else 0.0)
         self.metrics.reservations_held.labels(server=srv).set(len(sch_.reservations))
         # reservation outcomes: events of this process's scheduler, as increments of its stats
         st = sch_.stats

@@ -53,6 +53,7 @@ from shared.net import free_port
 from shared.schema import (
     CallReply, CallRunning, KvAllCleared, KvBlocksRemoved, KvBlocksStored, KvEvent, RunCall, Sampling, Wake, encode,
 )
+from shared.metrics import CONTRACT_NAMES
 from shared.settings import VllmSettings
 
 ENGINE_HASH_EVERY_WALL_S = 3.0  # how often the engine's soft-state hash is written again
@@ -191,6 +192,12 @@ class VllmBackend(EngineBackend):
                          name="kv-events").start()
         w.spawn(self._kv_consumer(), "kv-events")
         self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kw))  # type: ignore[arg-type]
+        # vLLM's own metrics (its stat logger registers them in prometheus_client's default
+        # registry) on this worker's endpoint, but for the llm-d contract's names: admission
+        # serves those per (server, model), since the waiting calls are there
+        from prometheus_client import REGISTRY
+
+        w.metrics.reexport(REGISTRY, "vllm:", CONTRACT_NAMES)
         tok = self.llm.get_tokenizer()
         self.tokenizer = await tok if asyncio.iscoroutine(tok) else tok
         start_s = time.monotonic() - t0

@@ -103,7 +103,8 @@ class EmbeddedStack:
         return Deployment(nats_urls=self.nats_urls, subject_prefix=self.subject_prefix,
                           agent=AgentLogin(**self.nats_auth("agent")), redis_url=self.redis_url,
                           key_prefix=self.key_prefix, openai_base_url=self.openai_base_url,
-                          api_key=self.api_key if self.gateway_port else None)
+                          api_key=self.api_key if self.gateway_port else None,
+                          prometheus_config=str(self.prometheus_config))
 
     @property
     def gateway_url(self) -> str | None:
