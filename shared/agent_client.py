@@ -34,6 +34,7 @@ import nats.js.errors
 from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
+from opentelemetry.trace import SpanKind
 
 from shared.schema import (
     ApiError, CallAccepted, CallEvent, CallQueued, CallReply, CallRequest, CallRunning, CallTokens, CancelCall, EngineHint,
@@ -41,6 +42,7 @@ from shared.schema import (
     PROMPT_INLINE_MAX_BYTES, InfoRequest, OpenSession, PromptPayload, Sampling, SessionOpened, api_reply_decoder,
     call_event_decoder, encode,
 )
+from shared import tracing
 from shared.prompt_store import PromptStore, PromptStoreUnavailable, encode_payload, object_name
 from shared.subjects import AGENT_NAMESPACE, Subjects, inbox_prefix, is_namespace
 
@@ -295,13 +297,19 @@ class TalariaClient:
         sub = await self.nc.subscribe(inbox, cb=deliver)
         streamed: list[int] = []
         done = False
+        # the call's span (a root for an agent on NATS; under the gateway's request span there)
+        call_span = tracing.span(f"chat {model}", kind=SpanKind.CLIENT,
+                                 attributes=tracing.call_attributes(model, session_id, cid, **{
+                                     "gen_ai.request.max_tokens": max_tokens}))
+        span_ = call_span.__enter__()
+        headers = tracing.with_traceparent(None) or None
         try:
             attempts = 0
             while attempts <= self.retries:
                 attempts += 1
                 if by_ref is not None and prompt_ref is not None:  # (again on a retry: the engine deletes it when done)
                     await self._put_prompt(prompt_ref, by_ref)
-                await self.nc.publish(self.subjects.api_call(self.namespace), data)
+                await self.nc.publish(self.subjects.api_call(self.namespace), data, headers=headers)
                 while True:
                     try:
                         async with asyncio.timeout(self.silence_s):
@@ -317,11 +325,16 @@ class TalariaClient:
                     match ev:
                         case CallReply():
                             done = True
+                            span_.set_attributes({"gen_ai.usage.input_tokens": ev.prompt_tokens,
+                                                  "gen_ai.usage.output_tokens": ev.output_tokens,
+                                                  "gen_ai.usage.cache_read.input_tokens": ev.cached_tokens,
+                                                  "talaria.server_id": ev.server_id})
                             if ev.token_ids is None and streamed:
                                 ev = msgspec.structs.replace(ev, token_ids=streamed)
                             return ev
                         case ApiError():
                             done = True
+                            span_.set_attribute("error.type", ev.code)
                             raise_for(ev)
                         case CallTokens(index=i, token_ids=t):
                             del streamed[i:]
@@ -338,6 +351,7 @@ class TalariaClient:
                 except Exception:
                     pass
             await sub.unsubscribe()
+            call_span.__exit__(None, None, None)
 
 
 class Session:

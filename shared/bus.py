@@ -35,6 +35,7 @@ from shared.catalog import Catalog, load_catalog
 from shared.clock import LagMonitor, ScaledClock
 from shared.keys import CALL_TTL_S, Keys
 from shared.logs import configure_logging
+from shared import tracing
 from shared.metrics import Metrics
 from shared.schema import ApiError, encode
 from shared.settings import Settings
@@ -212,6 +213,7 @@ class ServiceProcess:
 
         await svc.add_endpoint(EndpointConfig(name="health", handler=health, subject=self.subjects.health(self.instance)))
         self.metrics.serve(self.settings.metrics_port, self.settings.metrics_host)
+        tracing.configure(self.name, self.settings.otlp_endpoint)
         self.spawn(self.lag.run(), "lag-monitor")
         self.spawn(self._lag_reporter(), "lag-reporter")
         if self.uses_call_records:
@@ -227,6 +229,8 @@ class ServiceProcess:
                       policy=self.settings.policy.name)
         await self._stop.wait()
         self.log.info("service.stopping")
+        with contextlib.suppress(Exception):
+            tracing.shutdown()
         with contextlib.suppress(Exception):
             await svc.stop()
         with contextlib.suppress(Exception):

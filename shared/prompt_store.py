@@ -19,6 +19,8 @@ creates them.
 
 from __future__ import annotations
 
+import asyncio
+
 import msgspec
 import nats.js.errors
 from nats.aio.client import Client as NATS
@@ -30,6 +32,7 @@ from shared.schema import PromptPayload, PromptRef
 from shared.subjects import Subjects
 
 _payload_decoder = msgspec.msgpack.Decoder(PromptPayload)
+GET_TIMEOUT_S = 5.0  # wall seconds one read of a prompt may take before it is looked at again
 
 
 class PromptStoreUnavailable(RuntimeError):
@@ -98,11 +101,17 @@ class PromptStore:
 
         async def step() -> PromptPayload | None:
             try:
-                got = await store.get(ref.name)
-            except nats.js.errors.ObjectNotFoundError:
+                # (bounded: nats-py reads the chunks through a consumer that waits for ever when
+                # they are purged under it, by a delete racing this read)
+                got = await asyncio.wait_for(store.get(ref.name), GET_TIMEOUT_S)
+            except (nats.js.errors.ObjectNotFoundError, nats.js.errors.ObjectDeletedError):
                 return None
-            except nats.js.errors.ObjectDeletedError:
-                return None
+            except asyncio.TimeoutError:
+                try:
+                    await store.get_info(ref.name)
+                except (nats.js.errors.ObjectNotFoundError, nats.js.errors.ObjectDeletedError):
+                    return None  # deleted while we read it
+                raise  # still there: a slow node, read again (transient)
             try:
                 return _payload_decoder.decode(got.data or b"")
             except (msgspec.DecodeError, msgspec.ValidationError):

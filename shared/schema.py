@@ -247,6 +247,7 @@ class SubmitCall(Base, tag="submit"):
     call: AdmissionCall
     reply_to: Subject
     engine: EnginePayload = EnginePayload()
+    traceparent: str | None = None  # the call's trace (W3C), kept with the stored call across restarts
 
 
 class Submitted(Base, tag="submitted"):
@@ -270,6 +271,7 @@ class RunCall(Base, tag="run"):
     round_wait: bool
     dispatched_at: float | None = None      # admission's model time of the dispatch
     sp_admit: bool = False                  # admitted into its model's open slot by session-prefill
+    traceparent: str | None = None          # the call's trace (W3C): the engine's span goes under it
 
     @property
     def call_id(self) -> str:
@@ -285,7 +287,7 @@ class RunCall(Base, tag="run"):
 
     def submitted(self) -> SubmitCall:
         """The submission this dispatch came from (a restarted admission adopts it)."""
-        return SubmitCall(call=self.call, reply_to=self.reply_to, engine=self.engine)
+        return SubmitCall(call=self.call, reply_to=self.reply_to, engine=self.engine, traceparent=self.traceparent)
 
 
 class RunAccepted(Base, tag="run_accepted"):

@@ -133,6 +133,7 @@ class Settings:
     loop_stall_exit_s: float = 0.0  # wall seconds of a stuck event loop after which the process exits (0 = off)
     metrics_port: int = 0           # this process's Prometheus endpoint (0 = off; compose: 9464 in every container)
     metrics_host: str = "0.0.0.0"   # the address it listens on
+    otlp_endpoint: str | None = None  # OpenTelemetry traces go here over OTLP/HTTP (None = off)
 
     def instance_name(self, kind: str) -> str:
         """A service process's instance: its name in logs, in NATS and on its health subject."""
@@ -204,6 +205,8 @@ class Settings:
                        help="serve Prometheus metrics on this port (0 = off)")
         p.add_argument("--metrics-host", default=_env("TALARIA_METRICS_HOST", "0.0.0.0"),
                        help="the metrics endpoint's listen address")
+        p.add_argument("--otlp-endpoint", default=_env("TALARIA_OTLP_ENDPOINT", "") or None,
+                       help="export OpenTelemetry traces over OTLP/HTTP to this URL (off when empty)")
         p.add_argument("--loop-stall-exit-s", type=float, default=float(_env("TALARIA_LOOP_STALL_EXIT_S", "0")),
                        help="exit when the event loop has not run for this many wall seconds, so a supervisor "
                             "restarts the process (compose; 0 = off)")
@@ -259,4 +262,5 @@ class Settings:
             loop_stall_exit_s=max(0.0, a.loop_stall_exit_s),
             metrics_port=max(0, a.metrics_port),
             metrics_host=a.metrics_host,
+            otlp_endpoint=a.otlp_endpoint,
         )

@@ -17,12 +17,13 @@ import structlog
 from nats.aio.msg import Msg
 
 from services.admission import scheduler as sch
+from shared import tracing
 from shared.costmodel import CostModel
 from shared.bus import ServiceProcess, run_service, trace_headers
 from shared.clock import at_source, done_within, drive_timer
 from shared.state import CounterMirror, ServerLoad, add_counters, write_server_load
 from shared.schema import (
-    Abort, ApiError, CallQueued, CallRunning, ListCalls, ProtectKv, RunCall, SessionReleased,
+    Abort, AdmissionCall, ApiError, CallQueued, CallRunning, ListCalls, ProtectKv, RunCall, SessionReleased,
     StageRequest, Submitted, SubmitCall, SwitchRequest, admission_decoder, encode, engine_announce_decoder,
     dispatch_ack_decoder, engine_state_decoder, finished_decoder, reply_decoder, session_released_decoder,
     stored_submit_decoder, switch_reply_decoder,
@@ -56,6 +57,7 @@ class AdmissionService(ServiceProcess):
         self.last_seen: dict[str, float] = {}   # session -> model time of its last arrival or finish here
         self.session_model: dict[str, str] = {}  # session -> its model, for the release event
         self._stats_seen: dict[str, float] = {}  # the scheduler's stats already counted in the metrics
+        self.arrived_wall: dict[str, float] = {}  # call -> wall time it reached this process (its wait span)
         self.switch_attempt: dict[str, asyncio.Event] = {}  # pending switch -> "ask again" (substrate restarted)
         sid = s.server_id
         self.dispatched: dict[str, RunCall] = {}
@@ -106,9 +108,11 @@ class AdmissionService(ServiceProcess):
         except Exception as exc:
             self.log.warning("admission.recover_store_failed", error=str(exc))
             raw = {}
+        recovered_at = time.time()
         for cid, data in raw.items():
             try:
                 stored[cid.decode()] = stored_submit_decoder.decode(data)
+                self.arrived_wall.setdefault(cid.decode(), recovered_at)  # (its wait span restarts here)
             except Exception:  # noqa: BLE001 - a corrupt entry is skipped, not fatal
                 self.log.warning("admission.recover_bad_entry", call_id=cid.decode(errors="replace"))
         awake: tuple[str, int] | None = None
@@ -233,6 +237,7 @@ class AdmissionService(ServiceProcess):
                                        c.call_id, retry_after_s=1.0)
                 return
             self.payloads.setdefault(c.call_id, sub)
+            self.arrived_wall.setdefault(c.call_id, time.time())  # (the wait span's start)
             self.last_seen[c.session_id] = self.clock.now()
             self.session_model[c.session_id] = c.model
             if not known:
@@ -371,6 +376,23 @@ class AdmissionService(ServiceProcess):
         self.wakeup.set()
         self.dirty.set()
 
+    def _wait_span(self, c: AdmissionCall, sub: SubmitCall, a: sch.Dispatch) -> str | None:
+        """The call's wait here as a span (wall time, from its arrival at this process, or its
+        recovery, to its dispatch), with its switch wait inside; the traceparent its run carries."""
+        if sub.traceparent is None:
+            return None
+        end = time.time()
+        start = min(end, self.arrived_wall.pop(c.call_id, end))
+        attrs = tracing.call_attributes(c.model, c.session_id, c.call_id, **{
+            "talaria.server_id": self.settings.server_id, "talaria.waited_model_s": round(a.waited_s, 3),
+            "talaria.round_wait": a.round_wait, "talaria.sp_admit": a.sp_admit})
+        tp = tracing.record_span("admission.wait", sub.traceparent, start, end, attrs)
+        if a.switch_wait_s > 0 and tp is not None:
+            wall = min(end - start, a.switch_wait_s / max(self.settings.time_scale, 1e-9))
+            tracing.record_span("admission.switch_wait", tp, end - wall, end,
+                                {"talaria.switch_wait_model_s": round(a.switch_wait_s, 3)})
+        return tp
+
     def _gauge(self) -> None:
         """What admission holds now, per model (the llm-d model-server contract's waiting and
         running, for a server whose waiting calls are here, not in an engine)."""
@@ -416,6 +438,7 @@ class AdmissionService(ServiceProcess):
                         call=c, engine=sub.engine, reply_to=sub.reply_to, reserved_tokens=a.reserved_tokens,
                         waited_s=a.waited_s, switch_wait_s=a.switch_wait_s, round_wait=a.round_wait,
                         dispatched_at=self.scheduler.last_step_at, sp_admit=a.sp_admit,
+                        traceparent=self._wait_span(c, sub, a),
                     )
                     self.log.info("admission.dispatched", session_id=c.session_id, call_id=c.call_id, model=c.model,
                                   slot_id=a.slot_id, waited_s=round(a.waited_s, 3), round_wait=a.round_wait,

@@ -24,6 +24,7 @@ only generates. It is chosen at start (`services/engine/__main__.py`).
 from __future__ import annotations
 
 import contextlib
+import time
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -33,7 +34,7 @@ import msgspec
 import structlog
 from nats.aio.msg import Msg
 
-from shared import state
+from shared import state, tracing
 from shared.bus import ServiceProcess, trace_headers
 from shared.call_record import Claim
 from shared.prompt_store import PromptStore
@@ -138,6 +139,7 @@ class EngineWorker(ServiceProcess):
         self.pending: dict[str, RunCall] = {}  # runs that arrived while the engine slept or started
         self.claims: dict[str, Claim] = {}     # the call record's claim of each run taken (answered on it)
         self.asked_by: dict[str, str] = {}     # each run taken -> its reply subject (whose cancel counts)
+        self.started_wall: dict[str, float] = {}  # each run started -> its wall start (its span)
         self.epoch = uuid.uuid4().hex          # this process: a restarted worker takes its old claims over
 
     async def setup(self) -> None:
@@ -209,6 +211,7 @@ class EngineWorker(ServiceProcess):
                 self.pending[rc.call_id] = rc
                 self.log.info("engine.run_deferred", reason="asleep or starting")
                 return
+            self.started_wall[rc.call_id] = time.time()
             await self.backend.run(rc)
 
     async def start_pending(self) -> None:
@@ -216,6 +219,7 @@ class EngineWorker(ServiceProcess):
         while self.pending and self.backend.can_run:
             _, rc = next(iter(self.pending.items()))
             del self.pending[rc.call_id]
+            self.started_wall[rc.call_id] = time.time()
             await self.backend.run(rc)
 
     async def stream_tokens(self, rc: RunCall, index: int, token_ids: list[int]) -> None:
@@ -227,6 +231,7 @@ class EngineWorker(ServiceProcess):
         """`rc` ended (`reply.aborted`: stopped before its end; nobody is answered)."""
         s = self.settings
         data = encode(reply)
+        self._generation_span(rc, reply)
         claim = self.claims.pop(rc.call_id, None)
         self.asked_by.pop(rc.call_id, None)
         hdrs = trace_headers(reply.session_id, reply.call_id)
@@ -257,6 +262,18 @@ class EngineWorker(ServiceProcess):
             await self._forget_prompt(rc)
         # admission's state machine advances on this, whatever the backend
         await self._tell_admission(reply.call_id, reply.session_id, context_tokens, reply.finished_at, hdrs)
+
+    def _generation_span(self, rc: RunCall, reply: CallReply) -> None:
+        """The generation as the GenAI conventions name a call, under admission's wait span."""
+        start = self.started_wall.pop(rc.call_id, None)
+        if rc.traceparent is None or start is None:
+            return
+        c = rc.call
+        tracing.record_span(f"chat {c.model}", rc.traceparent, start, time.time(), tracing.call_attributes(
+            c.model, c.session_id, c.call_id, **{
+                "gen_ai.usage.input_tokens": reply.prompt_tokens, "gen_ai.usage.output_tokens": reply.output_tokens,
+                "gen_ai.usage.cache_read.input_tokens": reply.cached_tokens, "talaria.server_id": reply.server_id,
+                "talaria.engine": reply.engine, "talaria.aborted": reply.aborted}))
 
     def _count(self, rc: RunCall, reply: CallReply, first: bool) -> None:
         """A generation ran to its end; the first stored answer of a call is its completion
@@ -333,6 +350,7 @@ class EngineWorker(ServiceProcess):
                 self.pending.pop(cid, None)
                 self.claims.pop(cid, None)  # it stays claimed by this process: a re-dispatch runs it here
                 self.asked_by.pop(cid, None)
+                self.started_wall.pop(cid, None)
                 await self.backend.abort(cid, at)
             case ProtectKv(session_id=sid, on=on):
                 await self.backend.protect(sid, on)

@@ -37,6 +37,7 @@ from typing import Any
 import msgspec
 import structlog
 from aiohttp import web
+from opentelemetry.trace import SpanKind
 
 from services.gateway import translate as tr
 from services.gateway.translate import BadRequest, Prompt
@@ -45,6 +46,7 @@ from shared.agent_client import Session, TalariaClient, TalariaError
 from shared.catalog import Catalog, load_catalog
 from shared.logs import configure_logging
 from shared.schema import CallReply, CallRunning, CallTokens, Sampling
+from shared import tracing
 from shared.metrics import Metrics
 from shared.settings import Settings
 from shared.subjects import GATEWAY_NAMESPACE
@@ -245,7 +247,10 @@ class Gateway:
         final = one_call or tr.is_final(request.headers)
         t0 = time.monotonic()
         status = 200
-        with structlog.contextvars.bound_contextvars(tenant=tenant, session_id=sid, call_id=cid):
+        with structlog.contextvars.bound_contextvars(tenant=tenant, session_id=sid, call_id=cid), tracing.span(
+                f"chat {model}", tracing.traceparent_of(request.headers), kind=SpanKind.SERVER,
+                attributes=tracing.call_attributes(model, sid, cid, **{"talaria.api": api,
+                                                                        "http.route": request.path})):
             try:
                 session = await self._session(sid, model)
                 events: asyncio.Queue[Any] = asyncio.Queue()
@@ -496,6 +501,7 @@ async def start_gateway(settings: Settings, client: TalariaClient) -> tuple[web.
 
 async def serve(settings: Settings) -> None:
     log = configure_logging("gateway", settings.log_format, settings.log_level)
+    tracing.configure("gateway", settings.otlp_endpoint)
     client = await TalariaClient.connect(settings.nats_urls, user=settings.nats_user, password=settings.nats_password,
                                          subject_prefix=settings.subject_prefix, connect_timeout_s=30.0,
                                          namespace=GATEWAY_NAMESPACE)
@@ -510,6 +516,7 @@ async def serve(settings: Settings) -> None:
     log.info("gateway.stopping")
     await runner.cleanup()  # stops taking requests and lets in-flight ones finish
     await client.close()
+    tracing.shutdown()
 
 
 def main(argv: list[str] | None = None) -> None:

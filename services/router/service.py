@@ -22,7 +22,7 @@ from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 
 from services.router.placement import InFlight, InFlightPlacements, ServerView, rank, server_view, with_in_flight
-from shared import state
+from shared import state, tracing
 from shared.bus import ServiceProcess, run_service, trace_headers
 from shared.keys import CALL_TTL_S, SESSION_TTL_S
 from shared.policy import DECISION_HISTORY
@@ -82,7 +82,9 @@ class Router(ServiceProcess):
             return
         match req:
             case CallRequest():
-                await self.on_call(req, msg, ns)
+                with tracing.span("router.place", tracing.traceparent_of(msg.headers),
+                                  attributes=tracing.call_attributes(req.model, req.session_id, req.call_id)):
+                    await self.on_call(req, msg, ns)
             case OpenSession(session_id=sid, model=model):
                 await self.on_open(sid, model, msg.reply, ns)
             case EndSession(session_id=sid):
@@ -323,7 +325,7 @@ class Router(ServiceProcess):
             output_history=tuple(int(x) for x in outputs_raw),
             session_started_at=session.started_at if session.started_at is not None else now,
         )
-        sub = SubmitCall(call=call, reply_to=reply_to, engine=EnginePayload(
+        sub = SubmitCall(call=call, reply_to=reply_to, traceparent=tracing.current_traceparent(), engine=EnginePayload(
             prompt_text=req.prompt_text, prompt_token_ids=req.prompt_token_ids, hint=req.engine_hint, stream=req.stream,
             sampling=req.sampling,
             # the prompt store read is the caller's own namespace's, whatever the caller says
