@@ -67,6 +67,9 @@ class Metrics:
         self.switch_wait = Histogram(
             "talaria_switch_wait_model_seconds", "Model seconds a completed call waited for its model's switch.",
             ["server", "model"], buckets=MODEL_SECONDS_BUCKETS, registry=r)
+        self.session_duration = Histogram(
+            "talaria_session_duration_model_seconds", "Model seconds from a session's first call to its end "
+            "(an agent's end), per model.", ["model"], buckets=MODEL_SECONDS_BUCKETS, registry=r)
         # -- placement (router) -----------------------------------------------------------------
         self.placements = Counter(
             "talaria_placements", "Placement decisions by the chosen server's residency for the call's model "
@@ -107,6 +110,12 @@ class Metrics:
             ["server", "kind"], buckets=MODEL_SECONDS_BUCKETS, registry=r)
         self.host_kv_bytes = Gauge("talaria_host_kv_bytes", "Bytes of KV held in host memory (the substrate's "
                                    "ledger).", ["server"], registry=r)
+        self.hbm_weights_bytes = Gauge("talaria_hbm_weights_bytes", "Bytes of model weights in HBM: the active "
+                                       "model's and what is being staged in (the substrate's ledger).", ["server"],
+                                       registry=r)
+        self.host_kv_capacity_bytes = Gauge("talaria_host_kv_capacity_bytes", "Bytes of host memory the ledger "
+                                            "keeps for KV (host DRAM less every model's weights).", ["server"],
+                                            registry=r)
         self.active_model = Gauge("talaria_active_model", "1 for the model a server holds now (0 for the others).",
                                   ["server", "model"], registry=r)
         # -- gateway ------------------------------------------------------------------------------

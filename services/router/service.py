@@ -181,6 +181,9 @@ class Router(ServiceProcess):
             self.log.warning("session.refused", session_id=sid, reason="another namespace's", namespace=ns)
             await self.reply_error(reply, "unknown_session", f"session {sid} is not open")
             return
+        started = await self.redis.hget(self.keys.session(sid), "started_at")
+        if model is not None and started is not None:
+            self.metrics.session_duration.labels(model=model).observe(max(0.0, self.clock.now() - float(started)))
         await self.nc.publish(self.subjects.session_released, encode(SessionReleased(
             session_id=sid, reason="ended", model=model)))
         await self.call_records.end_session(sid)

@@ -173,6 +173,11 @@ class SubstrateManager(ServiceProcess):
         led = self.ledger
         srv = self.settings.server_id
         self.metrics.host_kv_bytes.labels(server=srv).set(led.host_kv_bytes())
+        self.metrics.host_kv_capacity_bytes.labels(server=srv).set(led.host_kv_capacity_bytes)
+        weights = led.models[led.active].weights_bytes if led.active else 0.0
+        if led.staging is not None:
+            weights += led.staging.nbytes
+        self.metrics.hbm_weights_bytes.labels(server=srv).set(weights)
         for m in led.models:
             self.metrics.active_model.labels(server=srv, model=m).set(1 if m == led.active else 0)
         pipe = self.redis.pipeline(transaction=False)
