@@ -84,7 +84,7 @@ class Metrics:
             "(counted at completion, once per call).", ["server", "model"], registry=r)
         self.reservations = Counter(
             "talaria_reservations", "Soft reservations by outcome: `made`, `returned` (the session came back "
-            "within the hold), `expired` (its hold ran out, or the slot closed for another model).",
+            "within the hold), `expired` (its hold ran out), `yielded` (its model's slot closed for another).",
             ["server", "outcome"], registry=r)
         self.reserved_idle = Counter(
             "talaria_reserved_idle_model_seconds", "Model seconds a server sat idle holding its slot open for "

@@ -169,6 +169,7 @@ class SchedulerStats:
     reservations_made: int = 0
     reservations_hit: int = 0
     reservations_expired: int = 0
+    reservations_yielded: int = 0  # of the expired: dropped because their model's slot closed (yielded to others)
     reserved_idle_s: float = 0.0  # time the server sat idle holding a slot for reservations
     max_wait_s: dict[str, float] = field(default_factory=dict)
 
@@ -527,6 +528,7 @@ class RoundScheduler:
             if r.model == self.active:
                 del self.reservations[sid]
                 self.stats.reservations_expired += 1
+                self.stats.reservations_yielded += 1
                 actions.append(Protect(sid, r.model, on=False))
         actions.append(SlotClosed(self.active, self.slot_id, now, reason))
         self.phase = "idle"

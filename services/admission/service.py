@@ -46,7 +46,7 @@ class AdmissionService(ServiceProcess):
         specs = {m: self.catalog.model(m) for m in sorted(s.models)}
         self.scheduler = sch.RoundScheduler(s.server_id, specs, cost, s.policy)
         # the server's counters exist from the start (a zero is an answer; no series is not)
-        for outcome in ("made", "returned", "expired"):
+        for outcome in ("made", "returned", "expired", "yielded"):
             self.metrics.reservations.labels(server=s.server_id, outcome=outcome)
         self.metrics.reserved_idle.labels(server=s.server_id)
         self.payloads: dict[str, SubmitCall] = {}
@@ -412,7 +412,8 @@ class AdmissionService(ServiceProcess):
         self.metrics.reservations_held.labels(server=srv).set(len(sch_.reservations))
         # reservation outcomes: events of this process's scheduler, as increments of its stats
         st = sch_.stats
-        now = {"made": st.reservations_made, "returned": st.reservations_hit, "expired": st.reservations_expired}
+        now = {"made": st.reservations_made, "returned": st.reservations_hit,
+               "expired": st.reservations_expired - st.reservations_yielded, "yielded": st.reservations_yielded}
         for outcome, n in now.items():
             if n > self._stats_seen.get(outcome, 0):
                 self.metrics.reservations.labels(server=srv, outcome=outcome).inc(n - self._stats_seen.get(outcome, 0))
