@@ -72,3 +72,37 @@ async def test_a_stopped_service_is_killed_and_restarted(tmp_path: Path) -> None
                 os.kill(pid, signal.SIGCONT)  # in case it was not killed
             except OSError:
                 pass
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(120)
+async def test_a_stopped_gateway_is_killed_and_restarted(tmp_path: Path) -> None:
+    """The gateway has no NATS health endpoint: the liveness watch judges it by its HTTP
+    /health, and a SIGSTOPped one is replaced like any service."""
+    import aiohttp
+
+    spec = StackSpec(policy=resolve_policy("talaria"), models=[AIR], time_scale=20.0, log_dir=tmp_path / "logs",
+                     liveness=True, liveness_grace_s=1.0, gateway=True)
+    async with EmbeddedStack(spec) as stack:
+        await asyncio.sleep(1.5)  # past the grace
+        pid = stack.group.pids()["gateway"]
+        assert pid is not None
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            while stack.group.pids()["gateway"] in (pid, None):
+                assert time.monotonic() - t0 < 30, "the hung gateway was never replaced"
+                await asyncio.sleep(0.1)
+            detected = time.monotonic() - t0
+            await stack.wait_gateway(30)
+            body = {"model": AIR, "max_tokens": 4, "messages": [{"role": "user", "content": "back?"}]}
+            async with aiohttp.ClientSession() as http, http.post(
+                    f"{stack.openai_base_url}/chat/completions", json=body,
+                    headers={"Authorization": f"Bearer {stack.api_key}"}) as r:
+                assert r.status == 200, await r.text()
+            assert detected < 10, f"detected after {detected:.1f} s"
+        finally:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except OSError:
+                pass

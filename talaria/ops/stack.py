@@ -228,6 +228,14 @@ class EmbeddedStack:
         """`prometheus --config.file=<this>` scrapes this stack."""
         return self.log_dir / prometheus.CONFIG_FILE
 
+    async def _gateway_answers(self, timeout_s: float) -> bool:
+        """The gateway's GET /health answered 200 within `timeout_s`."""
+        import aiohttp
+
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as http:
+            async with http.get(f"{self.gateway_url}/health") as r:
+                return r.status == 200
+
     async def watch_liveness(self) -> None:
         """Kill a service that stopped answering its health endpoint while its process
         runs (hung, not crashed): the supervisor then restarts it (talaria/ops/liveness.py)."""
@@ -237,6 +245,8 @@ class EmbeddedStack:
         watch = LivenessWatch(grace_s=self.spec.liveness_grace_s)
         subjects = Subjects(self.subject_prefix)
         names = [name for name, _, _ in self.service_table()]
+        if self.spec.gateway:
+            names.append("gateway")  # (judged by its HTTP health: it has no NATS endpoint, being an agent)
         pids: dict[str, int | None] = {}
         try:
             nc = await nats.connect(servers=self.nats_urls, name="talaria-liveness", error_cb=quiet,
@@ -257,6 +267,8 @@ class EmbeddedStack:
 
                 async def ping(name: str) -> bool:
                     try:
+                        if name == "gateway":
+                            return await self._gateway_answers(LIVENESS_TIMEOUT_S)
                         await nc.request(subjects.health(name), b"", timeout=LIVENESS_TIMEOUT_S)
                         return True
                     except Exception:
