@@ -56,7 +56,7 @@ class AdmissionService(ServiceProcess):
         self.persist_dirty = asyncio.Event()
         self.last_seen: dict[str, float] = {}   # session -> model time of its last arrival or finish here
         self.session_model: dict[str, str] = {}  # session -> its model, for the release event
-        self._stats_seen: dict[str, float] = {}  # the scheduler's stats already counted in the metrics
+        self._counted = CounterMirror()  # the scheduler's stats already counted in the metrics
         self.arrived_wall: dict[str, float] = {}  # call -> wall time it reached this process (its wait span)
         self.switch_attempt: dict[str, asyncio.Event] = {}  # pending switch -> "ask again" (substrate restarted)
         sid = s.server_id
@@ -372,7 +372,6 @@ class AdmissionService(ServiceProcess):
         not leak into decisions; never earlier than the last step."""
         actions = self.scheduler.step(event, at_source(at, self.clock.now(), self.scheduler.last_step_at))
         await self.apply(actions)
-        self._gauge()
         self.wakeup.set()
         self.dirty.set()
 
@@ -412,15 +411,16 @@ class AdmissionService(ServiceProcess):
         self.metrics.reservations_held.labels(server=srv).set(len(sch_.reservations))
         # reservation outcomes: events of this process's scheduler, as increments of its stats
         st = sch_.stats
-        now = {"made": st.reservations_made, "returned": st.reservations_hit,
-               "expired": st.reservations_expired - st.reservations_yielded, "yielded": st.reservations_yielded}
-        for outcome, n in now.items():
-            if n > self._stats_seen.get(outcome, 0):
-                self.metrics.reservations.labels(server=srv, outcome=outcome).inc(n - self._stats_seen.get(outcome, 0))
-                self._stats_seen[outcome] = n
-        if st.reserved_idle_s > self._stats_seen.get("idle_s", 0.0):
-            self.metrics.reserved_idle.labels(server=srv).inc(st.reserved_idle_s - self._stats_seen.get("idle_s", 0.0))
-            self._stats_seen["idle_s"] = st.reserved_idle_s
+        added = self._counted.pending({
+            "made": st.reservations_made, "returned": st.reservations_hit,
+            "expired": st.reservations_expired - st.reservations_yielded, "yielded": st.reservations_yielded,
+            "idle_s": st.reserved_idle_s})
+        for name, delta in added.items():
+            if name == "idle_s":
+                self.metrics.reserved_idle.labels(server=srv).inc(delta)
+            else:
+                self.metrics.reservations.labels(server=srv, outcome=name).inc(delta)
+        self._counted.written(added)
 
     async def apply(self, actions: list[sch.Action]) -> None:
         s = self.settings
@@ -553,6 +553,7 @@ class AdmissionService(ServiceProcess):
         while True:
             await self.dirty.wait()
             self.dirty.clear()
+            self._gauge()  # (coalesced with the mirror: not on every step)
             sc = self.scheduler
             cap = sc.kv_capacity or 1
             counted = list(self.newly_counted)

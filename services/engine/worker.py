@@ -203,8 +203,8 @@ class EngineWorker(ServiceProcess):
                     return
                 rc = msgspec.structs.replace(rc, engine=msgspec.structs.replace(
                     rc.engine, prompt_text=payload.prompt_text, prompt_token_ids=payload.prompt_token_ids))
-            if rc.call_id in self.pending or self.backend.holds(rc.call_id):
-                return
+                if rc.call_id in self.pending or self.backend.holds(rc.call_id):
+                    return  # (a resend of it was taken while this one read its prompt)
             self.claims[rc.call_id] = claim
             self.asked_by[rc.call_id] = rc.reply_to
             if not self.backend.can_run:
