@@ -87,6 +87,7 @@ async def connect_nats(urls: list[str], name: str, log: structlog.stdlib.BoundLo
     )
 
 
+CONCURRENT_HANDLER_LIMIT = 256  # requests one subscription handles at once (concurrent_handler)
 LOOP_STALL_EXIT_CODE = 70  # EX_SOFTWARE: the process's own watchdog found its event loop stuck
 
 
@@ -185,6 +186,30 @@ class ServiceProcess:
                 except Exception as exc:  # last resort: log, answer, keep serving
                     self.log.exception("handler.failed", handler=what)
                     await self.reply_error(msg.reply, "internal", f"{what}: {type(exc).__name__}")
+
+        return cb
+
+    def concurrent_handler(self, handler: Callable[[Msg], Awaitable[None]], what: str,
+                           limit: int = CONCURRENT_HANDLER_LIMIT) -> Callable[[Msg], Awaitable[None]]:
+        """Like `guarded_handler`, but each message is handled in a task of its own:
+        nats-py runs one subscription's callbacks one after another, so one request
+        waiting on a dead peer (a submit to an admission killed mid-request waits out
+        its timeout) held up every agent's call behind it. At most `limit` run at
+        once; beyond that the subscription waits, and NATS buffers (backpressure)."""
+        guarded = self.guarded_handler(handler, what)
+        slots = asyncio.Semaphore(limit)
+
+        async def run(msg: Msg) -> None:
+            try:
+                await guarded(msg)
+            finally:
+                slots.release()
+
+        async def cb(msg: Msg) -> None:
+            await slots.acquire()
+            t = asyncio.ensure_future(run(msg))
+            self._tasks.add(t)
+            t.add_done_callback(self._tasks.discard)
 
         return cb
 

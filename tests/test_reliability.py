@@ -182,25 +182,32 @@ async def test_idle_session_releases_reservation_and_kv(nats_server: NatsServer,
         await svc.stop()
 
 
+async def black_hole(url: str, subject: str, queue: str, taken: list[float]) -> Any:
+    """A NATS client in `queue`'s group on `subject` that takes its share of the
+    messages and never answers them (a peer that died holding them); it notes when."""
+    from nats.aio.client import Client as NATS
+
+    hole = NATS()
+    await hole.connect(url)
+
+    async def take(msg: Any) -> None:
+        taken.append(time.monotonic())
+
+    await hole.subscribe(subject, queue=queue, cb=take)
+    await hole.flush()
+    return hole
+
+
 async def test_a_dispatch_lost_on_the_bus_is_sent_again(nats_server: NatsServer, redis_server: RedisServer,
                                                         subject_prefix: str, key_prefix: str, tmp_path: Path) -> None:
     """A black hole joins the engine's queue group on its run subject, so NATS hands it
     about half of admission's dispatches, which it drops. Each call still finishes in
     moments: admission sends a dispatch until the engine acknowledges it (and heartbeats
     only acknowledged runs as running), instead of waiting forever on a run nobody has."""
-    from nats.aio.client import Client as NATS
-
     svc = Services(nats_server.url, redis_server.url, subject_prefix, key_prefix, tmp_path / "logs", models=[MODEL_A])
     await svc.start()
-    hole = NATS()
-    await hole.connect(nats_server.url)
-    dropped: list[bytes] = []
-
-    async def drop(msg: Any) -> None:
-        dropped.append(msg.data)  # neither run nor acknowledged: lost
-
-    await hole.subscribe(svc.subjects.engine_run(SERVER, MODEL_A), queue="engine", cb=drop)
-    await hole.flush()
+    dropped: list[float] = []  # neither run nor acknowledged: lost
+    hole = await black_hole(nats_server.url, svc.subjects.engine_run(SERVER, MODEL_A), "engine", dropped)
     try:
         async with await TalariaClient.connect(nats_server.url, subject_prefix=subject_prefix, silence_s=60.0) as c:
             sess = await c.open_session(MODEL_A)
@@ -215,6 +222,88 @@ async def test_a_dispatch_lost_on_the_bus_is_sent_again(nats_server: NatsServer,
         assert max(engine_counts(svc, "engine.started").values()) == 1  # each call ran once
     finally:
         await hole.close()
+        await svc.stop()
+
+
+async def test_a_submit_lost_with_its_admission_holds_up_no_other_call(
+        nats_server: NatsServer, redis_server: RedisServer, subject_prefix: str, key_prefix: str,
+        tmp_path: Path) -> None:
+    """A black hole joins admission's queue group on the submit subject and never
+    answers: an admission that took a submit and died. The router waits out that
+    submit's timeout (5 s); other agents' calls meanwhile are served at once. When
+    the router handled its requests one after another, every call behind the lost
+    submit waited for its timeout (a chaos run stalled all sessions that way)."""
+    svc = Services(nats_server.url, redis_server.url, subject_prefix, key_prefix, tmp_path / "logs", models=[MODEL_A])
+    await svc.start()
+    swallowed: list[float] = []  # taken, never answered
+    hole = await black_hole(nats_server.url, svc.subjects.admission_submit(SERVER), "admission", swallowed)
+    pending: list[asyncio.Task] = []
+    try:
+        async with await TalariaClient.connect(nats_server.url, subject_prefix=subject_prefix, silence_s=60.0,
+                                               retries=0) as c:
+            served_at: float | None = None
+            for n in range(40):
+                sess = await c.open_session(MODEL_A)
+                before = len(swallowed)
+                t = asyncio.create_task(sess.call(prompt_tokens=400 + n, max_tokens=16, sim_output_tokens=2))
+                pending.append(t)
+                await until(lambda: t.done() or len(swallowed) > before, 10.0)
+                if swallowed and t.done() and len(swallowed) == before:
+                    assert (await t).output_tokens == 2
+                    served_at = time.monotonic()
+                    break
+            assert swallowed, "the black hole never took a submit: the test proved nothing"
+            assert served_at is not None
+            # served while the lost submit was still waiting out its 5-s timeout
+            assert served_at - swallowed[0] < 3.0, f"served {served_at - swallowed[0]:.1f} s after the lost submit"
+    finally:
+        for t in pending:
+            t.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        await hole.close()
+        await svc.stop()
+
+
+async def test_a_stalled_redis_holds_up_admissions_ack_for_half_a_second_at_most(
+        nats_server: NatsServer, redis_server: RedisServer, subject_prefix: str, key_prefix: str,
+        tmp_path: Path) -> None:
+    """Redis stopped (SIGSTOP): admission acknowledges a submit after at most
+    `PERSIST_WAIT_WALL_S` and its persister writes the call once Redis is back.
+    Before, the ack waited for Redis, and every submit behind it with it."""
+    import os
+    import signal
+
+    from nats.aio.client import Client as NATS
+    from shared.schema import AdmissionCall, SubmitCall, Submitted, encode
+
+    svc = Services(nats_server.url, redis_server.url, subject_prefix, key_prefix, tmp_path / "logs", models=[MODEL_A])
+    await svc.start()
+    nc = NATS()
+    await nc.connect(nats_server.url)
+    assert redis_server.pid is not None
+    try:
+        async with await TalariaClient.connect(nats_server.url, subject_prefix=subject_prefix) as c:
+            sess = await c.open_session(MODEL_A)  # (warm: admission's Redis connection is open)
+            assert (await sess.call(prompt_tokens=300, max_tokens=8, sim_output_tokens=2)).output_tokens == 2
+        sub = SubmitCall(call=AdmissionCall(call_id="stall-1", session_id="stall-s", model=MODEL_A, prompt_tokens=100,
+                                            prefix_tokens=0, max_tokens=4, arrived_at=0.0, continuation=False),
+                         reply_to=f"{subject_prefix}.reply.agent.test.stall-1")
+        os.kill(redis_server.pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            resp = await nc.request(svc.subjects.admission_submit(SERVER), encode(sub), timeout=4.0)
+            took = time.monotonic() - t0
+        finally:
+            os.kill(redis_server.pid, signal.SIGCONT)
+        assert msgspec.json.decode(resp.data, type=Submitted).call_id == "stall-1"
+        assert took < 1.5, f"acknowledged after {took:.2f} s"
+        r = aioredis.Redis.from_url(redis_server.url)
+        try:  # written once Redis is back
+            await until(lambda: r.hexists(Keys(key_prefix).admission_calls(SERVER), "stall-1"), 10.0)
+        finally:
+            await r.aclose()
+    finally:
+        await nc.close()
         await svc.stop()
 
 

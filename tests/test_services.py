@@ -11,6 +11,7 @@ import asyncio
 import json
 import os
 import sys
+import signal
 import time
 import uuid
 from pathlib import Path
@@ -744,6 +745,41 @@ async def test_switch_to_a_dead_engine_is_retried_not_stalled(nats_server: NatsS
             assert time.monotonic() - t0 < 15.0
             log = svc.log_tail(svc.substrate, 400)
             assert "substrate.switch_failed" in log, log
+    finally:
+        await svc.stop()
+
+
+async def test_a_switch_to_a_hung_engine_is_resent_once_it_is_replaced(
+        nats_server: NatsServer, redis_server: RedisServer, subject_prefix: str, key_prefix: str,
+        tmp_path: Path) -> None:
+    """The incoming model's engine-worker is stopped (SIGSTOP) when a switch sends it
+    its Wake; it is then killed and restarted, as the liveness watch does. The
+    substrate sends the Wake again to the new process as soon as it announces itself,
+    so the call is served moments after the restart, not once the Wake to the
+    stopped process has timed out (`TALARIA_CONTROL_TIMEOUT_S`, 10 s here)."""
+    svc = Services(nats_server.url, redis_server.url, subject_prefix, key_prefix, tmp_path / "logs",
+                   models=[MODEL_A, MODEL_B], extra_env={"TALARIA_CONTROL_TIMEOUT_S": "10"})
+    await svc.start()
+    try:
+        async with await TalariaClient.connect(nats_server.url, subject_prefix=subject_prefix, silence_s=60.0) as c:
+            a = await c.open_session(MODEL_A)
+            assert (await a.call(prompt_tokens=2000, max_tokens=64, sim_output_tokens=10)).output_tokens == 10
+            name = svc.engine(MODEL_B)
+            pid = svc.group[name].pid
+            assert pid is not None
+            os.kill(pid, signal.SIGSTOP)
+            b = await c.open_session(MODEL_B)
+            call = asyncio.ensure_future(b.call(prompt_tokens=2000, max_tokens=64, sim_output_tokens=12))
+            await until(lambda: "substrate.switch" in svc.log_tail(svc.substrate, 200), 10.0)
+            await asyncio.sleep(0.5)  # the Wake is sent to the stopped process meanwhile
+            assert not call.done()
+            svc.group.kill(name)
+            t0 = time.monotonic()
+            await asyncio.to_thread(svc.group.start, name)
+            reply = await asyncio.wait_for(call, 20.0)
+            assert reply.output_tokens == 12 and reply.model == MODEL_B
+            assert time.monotonic() - t0 < 5.0, f"served {time.monotonic() - t0:.1f} s after the restart"
+            assert "substrate.control_resent" in svc.log_tail(svc.substrate, 400)
     finally:
         await svc.stop()
 

@@ -23,7 +23,7 @@ from shared.bus import ServiceProcess, run_service, trace_headers
 from shared.clock import at_source, done_within, drive_timer
 from shared.state import CounterMirror, ServerLoad, add_counters, write_server_load
 from shared.schema import (
-    Abort, AdmissionCall, ApiError, CallQueued, CallRunning, ListCalls, ProtectKv, RunCall, SessionReleased,
+    Abort, AdmissionCall, ApiError, CallQueued, EngineState, CallRunning, ListCalls, ProtectKv, RunCall, SessionReleased,
     StageRequest, Submitted, SubmitCall, SwitchRequest, admission_decoder, encode, engine_announce_decoder,
     dispatch_ack_decoder, engine_state_decoder, finished_decoder, reply_decoder, session_released_decoder,
     stored_submit_decoder, switch_reply_decoder,
@@ -31,6 +31,7 @@ from shared.schema import (
 
 LIST_CALLS_TIMEOUT_WALL_S = 2.0
 RECONCILE_WALL_S = 3.0  # wall seconds a confirmed run may go without CallFinished before its record is read
+PERSIST_WAIT_WALL_S = 0.5  # wall seconds a submit waits for its durable write before it is acknowledged anyway
 DISPATCH_ACK_WALL_S = 1.0  # wall seconds a dispatch may go unacknowledged before it is sent again
 DISPATCH_RETRY_MAX_WALL_S = 10.0  # the longest wait between two sends of a dispatch an engine refused
 MIRROR_COALESCE_S = 0.005  # wall seconds between two writes of the scheduler's mirror
@@ -117,16 +118,22 @@ class AdmissionService(ServiceProcess):
                 self.log.warning("admission.recover_bad_entry", call_id=cid.decode(errors="replace"))
         awake: tuple[str, int] | None = None
         running: list[RunCall] = []
-        for m in self.scheduler.models:
+
+        async def engine_state(m: str) -> object:
             try:
                 resp = await self.nc.request(self.subjects.engine_control(s.server_id, m), encode(ListCalls()),
                                              timeout=LIST_CALLS_TIMEOUT_WALL_S)
-                st = engine_state_decoder.decode(resp.data)
+                return engine_state_decoder.decode(resp.data)
             except Exception as exc:  # engine down: it announces when back, and we re-send then
                 self.log.warning("admission.recover_engine_unknown", model=m, error=type(exc).__name__)
+                return None
+
+        # asked together: a hung engine costs one timeout, not one per model after it
+        states = await asyncio.gather(*(engine_state(m) for m in self.scheduler.models))
+        for m, st in zip(self.scheduler.models, states):
+            if st is None or isinstance(st, ApiError):
                 continue
-            if isinstance(st, ApiError):
-                continue
+            assert isinstance(st, EngineState)
             if st.awake and (awake is None or st.running):
                 awake = (m, st.kv_capacity_tokens)
             if st.awake:
@@ -242,16 +249,31 @@ class AdmissionService(ServiceProcess):
             self.session_model[c.session_id] = c.model
             if not known:
                 # durable before the ack: a restarted admission finds it (docs/reliability.md)
-                try:
-                    await self.redis.hset(self.keys.admission_calls(self.settings.server_id), c.call_id, encode(sub))
-                except Exception as exc:  # the persister writes it when Redis is back
-                    self.log.warning("admission.persist_failed", error=str(exc))
-                    self.persist_dirty.set()
+                await self._persist_submit(c.call_id, sub)
             if msg.reply:
                 await self.nc.publish(msg.reply, encode(Submitted(call_id=c.call_id, server_id=self.settings.server_id)))
             self.log.info("admission.queued", model=c.model, at=round(self.clock.now(), 3))
             self.newly_counted.add(c.call_id)
             await self.step(sch.Arrive(c), at=c.arrived_at)
+
+    async def _persist_submit(self, call_id: str, sub: SubmitCall) -> None:
+        """Write an accepted call to the durable hash, waiting at most
+        `PERSIST_WAIT_WALL_S`: this subscription handles submits one at a time, and a
+        Redis that is restarting (its client retries for up to 15 s) held up every
+        submit behind it. A write that has not landed by then goes on in the
+        background, and the persister writes it again once Redis is back."""
+        write = asyncio.ensure_future(self.redis.hset(self.keys.admission_calls(self.settings.server_id),
+                                                      call_id, encode(sub)))
+        done, _ = await asyncio.wait({write}, timeout=PERSIST_WAIT_WALL_S)
+        if not done:
+            write.add_done_callback(lambda t: t.cancelled() or t.exception())  # (its error retrieved, not lost)
+            error = f"not written in {PERSIST_WAIT_WALL_S} s; the persister writes it"
+        elif write.exception() is not None:
+            error = str(write.exception())
+        else:
+            return
+        self.log.warning("admission.persist_failed", error=error)
+        self.persist_dirty.set()
 
     async def on_finished(self, msg: Msg) -> None:
         ev = finished_decoder.decode(msg.data)
@@ -260,8 +282,9 @@ class AdmissionService(ServiceProcess):
     async def _finished(self, call_id: str, session_id: str, context_tokens: int, finished_at: float | None) -> None:
         if self.payloads.pop(call_id, None) is not None:
             self.persist_dirty.set()
-            with contextlib.suppress(Exception):
-                await self.redis.hdel(self.keys.admission_calls(self.settings.server_id), call_id)
+            # not awaited: a restarting Redis must not hold up the finishes behind this one (an
+            # entry left behind is dropped by a recovering admission, whose call record says answered)
+            self.spawn(self.redis.hdel(self.keys.admission_calls(self.settings.server_id), call_id), "unpersist")
         self._forget_dispatch(call_id)
         self.last_seen[session_id] = self.clock.now()
         await self.step(sch.Finished(call_id, session_id, context_tokens), at=finished_at)

@@ -64,7 +64,8 @@ class Router(ServiceProcess):
             list(AGENT_FACING_NAMESPACES), replicas=self.settings.call_record_replicas, ttl_s=CALL_TTL_S,
             max_bytes=self.settings.prompt_store_max_bytes)
         for subject in self.subjects.api_requests:
-            await self.nc.subscribe(subject, queue="router", cb=self.guarded_handler(self.on_api, "api"))
+            # each request in its own task: one waiting on a dead admission must not hold up the rest
+            await self.nc.subscribe(subject, queue="router", cb=self.concurrent_handler(self.on_api, "api"))
 
     async def on_api(self, msg: Msg) -> None:
         if len(msg.data) > MAX_MESSAGE_BYTES:

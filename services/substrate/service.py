@@ -25,6 +25,9 @@ from shared.schema import (
 )
 
 
+CONTROL_RESENDS_ON_RESTART = 3  # a worker that restarts more often than this during one command fails the switch
+
+
 class SubstrateManager(ServiceProcess):
     name = "substrate"
 
@@ -33,6 +36,9 @@ class SubstrateManager(ServiceProcess):
         profile = self.catalog.server(s.server_profile)
         cost = CostModel(self.catalog, profile, s.switch_cost_scale, s.prefill_speed_scale)
         self.switching_to: set[str] = set()
+        # model -> set when its engine-worker announces a (re)start: a Sleep/Wake sent to the
+        # process it replaced (hung, then killed) is sent again at once, not waited out
+        self.engine_restarted: dict[str, asyncio.Event] = {}
         self.ledger = SubstrateLedger(profile, {m: self.catalog.model(m) for m in sorted(s.models)}, cost, s.policy)
         await self.nc.subscribe(self.subjects.substrate_switch(s.server_id), queue="substrate",
                                 cb=self.guarded_handler(self.on_request, "substrate"))
@@ -52,6 +58,8 @@ class SubstrateManager(ServiceProcess):
 
     async def on_engine_announce(self, msg: Msg) -> None:
         ann = engine_announce_decoder.decode(msg.data)
+        if not ann.awake and ann.model in self.engine_restarted:
+            self.engine_restarted[ann.model].set()
         if ann.model == self.ledger.active and not ann.awake and ann.model not in self.switching_to:
             # the active model's worker restarted: wake it again (its KV is gone)
             self.log.warning("substrate.rewake", model=ann.model)
@@ -95,12 +103,28 @@ class SubstrateManager(ServiceProcess):
                 self.spawn(self._switch(req, msg.reply), "switch")
 
     async def _control(self, model: str, cmd: object) -> ControlOk:
+        """Send a Sleep/Wake to a model's engine-worker and wait for its answer. If the
+        worker announces a restart meanwhile (the one we asked hung and was replaced),
+        the command goes again to the new process at once: waiting out the control
+        timeout for a process that is gone stalled every switch behind it."""
         subject = self.subjects.engine_control(self.settings.server_id, model)
-        resp = await self.nc.request(subject, encode(cmd), timeout=self.settings.control_timeout_s)  # type: ignore[arg-type]
-        out = control_reply_decoder.decode(resp.data)
-        if isinstance(out, ApiError):
-            raise RuntimeError(f"engine {model}: {out.message}")
-        return out
+        restarted = self.engine_restarted.setdefault(model, asyncio.Event())
+        for _ in range(CONTROL_RESENDS_ON_RESTART + 1):
+            restarted.clear()
+            ask = asyncio.ensure_future(self.nc.request(subject, encode(cmd), timeout=self.settings.control_timeout_s))  # type: ignore[arg-type]
+            again = asyncio.ensure_future(restarted.wait())
+            await asyncio.wait((ask, again), return_when=asyncio.FIRST_COMPLETED)
+            again.cancel()
+            if not ask.done():
+                ask.cancel()
+                self.log.warning("substrate.control_resent", model=model, command=type(cmd).__name__,
+                                 reason="engine-worker restarted")
+                continue
+            out = control_reply_decoder.decode(ask.result().data)
+            if isinstance(out, ApiError):
+                raise RuntimeError(f"engine {model}: {out.message}")
+            return out
+        raise RuntimeError(f"engine {model} restarted {CONTROL_RESENDS_ON_RESTART} times during one command")
 
     async def _switch(self, req: SwitchRequest, reply: str | None) -> None:
         if req.to_model not in self.ledger.models:

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-LIVENESS_INTERVAL_S = 0.5   # wall seconds between two rounds of health pings
-LIVENESS_TIMEOUT_S = 0.5    # wall seconds a ping may take
-LIVENESS_MISSES = 4         # rounds in a row without an answer before a kill (about 2-4 s)
+LIVENESS_INTERVAL_S = 0.25  # wall seconds between two rounds of health pings
+LIVENESS_TIMEOUT_S = 0.3    # wall seconds a ping may take (a served ping takes about 1 ms)
+LIVENESS_MISSES = 3         # rounds in a row without an answer before a kill (about 1.6 s of silence)
 STARTUP_GRACE_S = 300.0     # wall seconds after a (re)start in which a child is never judged (a real engine loads its weights)
 
 

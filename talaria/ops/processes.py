@@ -530,7 +530,11 @@ class ProcessGroup:
                 child.failures = 0
 
     def _backoff(self, child: Child) -> float:
-        return min(self.backoff_initial * (2 ** max(child.failures - 1, 0)), self.backoff_max)
+        # The first death of a child that was serving is restarted at once: waiting
+        # only delays recovery. A crash loop (it dies again before serving) backs off.
+        if child.failures <= 1:
+            return 0.0
+        return min(self.backoff_initial * (2 ** (child.failures - 2)), self.backoff_max)
 
     def check(self) -> None:
         """One supervision step: notice unexpected exits and (re)start when back-off is due."""
