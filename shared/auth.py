@@ -74,7 +74,8 @@ def nats_permissions(prefix: str) -> dict[str, dict[str, list[str]]]:
         "admission": {
             "subscribe": [f"{p}.admission.*.submit", f"{p}.events.>", health, *_SERVICE_SUB],
             "publish": [f"{p}.engine.>", f"{p}.substrate.>", f"{p}.reply.>", Subjects(p).session_released, *service_pub,
-                        *records_read],
+                        # its epoch (shared/call_record.py) is the only record it writes
+                        *records_read, f"$KV.{Subjects(p).call_record_bucket}.epoch.admission.>"],
         },
         "substrate": {
             "subscribe": [f"{p}.substrate.>", f"{p}.events.>", health, *_SERVICE_SUB],

@@ -66,6 +66,11 @@ def session_key(session_id: str) -> str:
     return "session." + base64.urlsafe_b64encode(session_id.encode()).decode().rstrip("=")
 
 
+def epoch_key(role: str, scope: str) -> str:
+    """A role's epoch key (the `epoch.` namespace), e.g. admission of one server."""
+    return f"epoch.{role}." + base64.urlsafe_b64encode(scope.encode()).decode().rstrip("=")
+
+
 @dataclass(frozen=True, slots=True)
 class Claim:
     """What an engine-worker may do with a run: `run` it (under `revision`), answer
@@ -222,6 +227,56 @@ class CallRecords:
         if record is not None and record.state == "answered" and record.reply is not None:
             return record.reply, record.reply == reply
         return None, False
+
+    # -- epochs: who is the newest process of a role (admission's fence) -----------------
+    async def take_epoch(self, role: str, scope: str) -> tuple[int, int]:
+        """Become the newest holder of `role` for `scope` (an admission for its server):
+        the stored epoch plus one, written by compare-and-set, so two processes never
+        hold one epoch. Returns (epoch, revision)."""
+        key = epoch_key(role, scope)
+        while True:
+            current, revision = await self.current_epoch(role, scope)
+
+            async def step() -> int | None:
+                try:
+                    if revision == 0:
+                        return await self.kv.create(key, str(current + 1).encode())
+                    return await self.kv.update(key, str(current + 1).encode(), last=revision)
+                except nats.js.errors.KeyWrongLastSequenceError:
+                    return None  # another process took one meanwhile: read again
+
+            rev = await self._retry("take epoch", step)
+            if rev is not None:
+                return current + 1, rev
+
+    async def current_epoch(self, role: str, scope: str) -> tuple[int, int]:
+        """The newest epoch of `role` for `scope` and its revision ((0, 0): none yet)."""
+        key = epoch_key(role, scope)
+
+        async def step() -> tuple[int, int]:
+            try:
+                entry = await self.kv.get(key)
+            except nats.js.errors.KeyNotFoundError:
+                return 0, 0
+            try:
+                return int((entry.value or b"0").decode()), int(entry.revision or 0)
+            except ValueError:
+                return 0, int(entry.revision or 0)
+
+        return await self._retry("epoch", step)
+
+    async def refresh_epoch(self, role: str, scope: str, epoch: int, revision: int) -> int | None:
+        """Write our epoch again (the bucket's TTL would age it out under a long-lived
+        holder); the new revision, or None when a newer holder has taken it."""
+        key = epoch_key(role, scope)
+
+        async def step() -> int | None:
+            try:
+                return await self.kv.update(key, str(epoch).encode(), last=revision)
+            except nats.js.errors.KeyWrongLastSequenceError:
+                return None
+
+        return await self._retry("refresh epoch", step)
 
     # -- open sessions (the router's) ---------------------------------------------------
     async def open_session(self, session_id: str, model: str, owner: str) -> None:

@@ -35,6 +35,7 @@ class Base(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", forbid_u
 ErrorCode = Literal[
     "malformed", "unknown_model", "unknown_session", "context_limit", "no_capacity",
     "timeout", "too_large", "internal",
+    "superseded",  # (between services: an engine refuses an admission older than the newest it heard from)
 ]
 
 
@@ -272,6 +273,7 @@ class RunCall(Base, tag="run"):
     dispatched_at: float | None = None      # admission's model time of the dispatch
     sp_admit: bool = False                  # admitted into its model's open slot by session-prefill
     traceparent: str | None = None          # the call's trace (W3C): the engine's span goes under it
+    admission_epoch: int = 0                # the sending admission's epoch (0: unfenced); an older one is refused
 
     @property
     def call_id(self) -> str:
@@ -333,6 +335,7 @@ class Wake(Base, tag="wake"):
 class Abort(Base, tag="abort"):
     call_id: str
     at: float | None = None  # model time of the preemption at admission (it may land later)
+    admission_epoch: int = 0
 
 
 class ProtectKv(Base, tag="protect"):
@@ -341,7 +344,10 @@ class ProtectKv(Base, tag="protect"):
 
 
 class ListCalls(Base, tag="list_calls"):
-    """A restarted admission asks an engine-worker what it runs (docs/reliability.md)."""
+    """A restarted admission asks an engine-worker what it runs (docs/reliability.md);
+    its epoch tells the engine to refuse its predecessors from now on."""
+
+    admission_epoch: int = 0
 
 
 class ForgetHostKv(Base, tag="forget_host_kv"):

@@ -63,13 +63,29 @@ def load_compose() -> dict[str, Any]:
     return yaml.safe_load(COMPOSE.read_text())
 
 
+WATCHDOG = ["python", "-m", "talaria.ops.watchdog"]
+
+
+def service_command(cmd: list[str]) -> list[str]:
+    """The service's own command: under the container watchdog, what follows its `--`."""
+    if cmd[:3] == WATCHDOG and "--" in cmd:
+        return cmd[cmd.index("--") + 1:]
+    return cmd
+
+
+def service_module(svc: dict[str, Any]) -> str:
+    return service_command(svc["command"])[2]
+
+
 def ours(compose: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """Services that run one of our modules (python -m services.<x>)."""
+    """Services that run one of our modules (python -m services.<x>, under the watchdog or not)."""
     out = {}
     for name, svc in compose["services"].items():
         cmd = svc.get("command")
-        if isinstance(cmd, list) and len(cmd) >= 3 and cmd[1] == "-m" and cmd[2].startswith("services."):
-            out[name] = svc
+        if isinstance(cmd, list) and len(cmd) >= 3:
+            inner = service_command(cmd)
+            if len(inner) >= 3 and inner[1] == "-m" and inner[2].startswith("services."):
+                out[name] = svc
     return out
 
 
@@ -170,9 +186,12 @@ def test_every_service_of_ours_runs_a_module_that_exists() -> None:
     services = ours(compose)
     kinds = set()
     for name, svc in services.items():
-        cmd = svc["command"]
+        cmd = service_command(svc["command"])
         assert cmd[:2] == ["python", "-m"] and len(cmd) == 3, f"{name}: {cmd}"
         module = cmd[2]
+        # every one runs under the container watchdog, watching its own kind
+        wrapper = svc["command"]
+        assert wrapper[:3] == WATCHDOG and wrapper[wrapper.index("--service") + 1] == module.split(".")[1], name
         assert module in SERVICE_KINDS, f"{name}: unknown module {module}"
         assert importlib.util.find_spec(module) is not None, f"{name}: no module {module}"
         assert importlib.util.find_spec(f"{module}.__main__") is not None, f"{name}: {module} has no __main__"
@@ -183,7 +202,7 @@ def test_every_service_of_ours_runs_a_module_that_exists() -> None:
 
 def test_one_gpu_engine_worker_per_default_model() -> None:
     compose = load_compose()
-    engines = {n: s for n, s in ours(compose).items() if s["command"][2] == "services.engine"}
+    engines = {n: s for n, s in ours(compose).items() if service_module(s) == "services.engine"}
     models = sorted(service_env(s)["TALARIA_MODEL"] for s in engines.values())
     assert models == sorted(DEFAULT_MODELS)
     catalog_models = service_env(next(iter(engines.values())))["TALARIA_MODELS"].split(",")
@@ -209,7 +228,7 @@ def test_each_gpu_engine_worker_resolves_to_its_own_model_and_context_length() -
     catalog = load_catalog()
     compose = load_compose()
     vllm_workers = {n: s for n, s in ours(compose).items()
-                    if s["command"][2] == "services.engine" and service_env(s).get("TALARIA_ENGINE") == "vllm"}
+                    if service_module(s) == "services.engine" and service_env(s).get("TALARIA_ENGINE") == "vllm"}
     assert vllm_workers
     targets = set()
     for name, svc in vllm_workers.items():
@@ -500,7 +519,7 @@ async def test_compose_services_start_outside_docker_and_serve_a_call(tmp_path: 
             env["TALARIA_REDIS_URL"] = f"redis://127.0.0.1:{redis.port}/0"  # user and password from the env file
             if env.get("TALARIA_ENGINE") == "vllm":
                 env["TALARIA_ENGINE"] = "sim"  # no GPU here: the sim backend in the GPU worker's place
-            if svc["command"][2] == "services.gateway":
+            if service_module(svc) == "services.gateway":
                 env["TALARIA_GATEWAY_PORT"] = str(free_port())  # the host's 8080 may be taken; the health check reads the same
             env["TALARIA_METRICS_PORT"] = str(free_port())  # each container has its own 9464; here, one host
             full = {**host, **env}
@@ -567,7 +586,7 @@ def test_the_observability_profile_scrapes_every_service_and_provisions_grafana(
     groups = config["scrape_configs"][0]["static_configs"]
     targets = {g["targets"][0]: g["labels"]["service"] for g in groups}
     for name, svc in ours(compose).items():
-        kind = svc["command"][2].split(".")[1]
+        kind = service_module(svc).split(".")[1]
         assert targets.get(f"{name}:{port}") == kind, (name, targets)
     mounted = {v.split(":")[0] for v in compose["services"]["grafana"]["volumes"]}
     for path in mounted:

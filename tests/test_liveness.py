@@ -4,6 +4,7 @@ service of a live embedded stack killed and restarted by its supervisor."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import time
@@ -14,6 +15,8 @@ import pytest
 from shared.policy import resolve_policy
 from talaria.client import TalariaClient
 from talaria.ops.liveness import LivenessWatch
+from talaria.ops.nats_server import NatsServer
+from talaria.ops.redis_server import RedisServer
 from talaria.ops.stack import EmbeddedStack, StackSpec
 
 AIR = "glm-4.5-air-fp8"
@@ -106,3 +109,71 @@ async def test_a_stopped_gateway_is_killed_and_restarted(tmp_path: Path) -> None
                 os.kill(pid, signal.SIGCONT)
             except OSError:
                 pass
+
+
+@pytest.mark.timeout(120)
+async def test_the_container_watchdog_kills_a_stopped_service_and_exits(
+        nats_server: NatsServer, redis_server: RedisServer, subject_prefix: str, key_prefix: str,
+        tmp_path: Path) -> None:
+    """In compose nothing replaces a stopped (SIGSTOP) service: Docker restarts only a
+    container that exited. `talaria.ops.watchdog` is the container's first process:
+    it kills the hung service and exits, so the restart policy replaces it."""
+    import json
+    import subprocess
+    import sys
+
+    import nats
+
+    from shared.subjects import Subjects
+    from talaria.ops.watchdog import HUNG_EXIT_CODE
+    from test_services import ROOT, SERVER
+
+    env = {**os.environ, "TALARIA_NATS_URL": nats_server.url, "TALARIA_REDIS_URL": redis_server.url,
+           "TALARIA_SUBJECT_PREFIX": subject_prefix, "TALARIA_KEY_PREFIX": key_prefix, "TALARIA_SERVERS": SERVER,
+           "TALARIA_SERVER_ID": SERVER, "TALARIA_MODELS": AIR, "TALARIA_LOG_FORMAT": "json",
+           "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+    err = tmp_path / "watchdog.err"
+    with open(err, "wb") as f:
+        dog = subprocess.Popen([sys.executable, "-m", "talaria.ops.watchdog", "--service", "substrate", "--grace", "0.5",
+                                "--", sys.executable, "-m", "services.substrate"], env=env, stderr=f, stdout=f)
+    child_pid = None
+    try:
+        nc = await nats.connect(nats_server.url)
+        try:
+            t0 = time.monotonic()
+            while True:  # serving
+                try:
+                    await nc.request(Subjects(subject_prefix).health(f"substrate-{SERVER}"), b"", timeout=0.5)
+                    break
+                except Exception:
+                    assert time.monotonic() - t0 < 30, err.read_text()
+                    await asyncio.sleep(0.2)
+        finally:
+            await nc.close()
+        started = [json.loads(line) for line in err.read_text().splitlines() if '"watchdog.started"' in line]
+        child_pid = started[0]["child_pid"]
+        await asyncio.sleep(1.0)  # past the grace, answered once
+        assert dog.poll() is None
+        os.kill(child_pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        code = await asyncio.to_thread(dog.wait, 20)
+        took = time.monotonic() - t0
+        assert code == HUNG_EXIT_CODE, err.read_text()
+        assert took < 5, f"judged hung after {took:.1f} s"
+        assert not os.path.exists(f"/proc/{child_pid}") or open(f"/proc/{child_pid}/stat").read().split()[2] == "Z"
+        assert '"watchdog.hung"' in err.read_text()
+    finally:
+        if dog.poll() is None:
+            dog.kill()
+        if child_pid is not None:
+            with contextlib.suppress(OSError):
+                os.kill(child_pid, signal.SIGKILL)
+
+
+async def test_the_watchdog_passes_a_services_own_exit_through(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    code = await asyncio.to_thread(subprocess.call, [sys.executable, "-m", "talaria.ops.watchdog", "--service", "gateway",
+                                                    "--", sys.executable, "-c", "raise SystemExit(3)"])
+    assert code == 3

@@ -4,6 +4,7 @@ flight, bounded queues, idle-session release (docs/reliability.md)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import Counter
 from pathlib import Path
@@ -274,7 +275,7 @@ async def test_a_stalled_redis_holds_up_admissions_ack_for_half_a_second_at_most
     import signal
 
     from nats.aio.client import Client as NATS
-    from shared.schema import AdmissionCall, SubmitCall, Submitted, encode
+    from shared.schema import AdmissionCall, EngineHint, EnginePayload, SubmitCall, Submitted, encode
 
     svc = Services(nats_server.url, redis_server.url, subject_prefix, key_prefix, tmp_path / "logs", models=[MODEL_A])
     await svc.start()
@@ -285,9 +286,11 @@ async def test_a_stalled_redis_holds_up_admissions_ack_for_half_a_second_at_most
         async with await TalariaClient.connect(nats_server.url, subject_prefix=subject_prefix) as c:
             sess = await c.open_session(MODEL_A)  # (warm: admission's Redis connection is open)
             assert (await sess.call(prompt_tokens=300, max_tokens=8, sim_output_tokens=2)).output_tokens == 2
+        # a long call (about 50 wall s at this time scale): still held, so still in the hash, when we look
         sub = SubmitCall(call=AdmissionCall(call_id="stall-1", session_id="stall-s", model=MODEL_A, prompt_tokens=100,
-                                            prefix_tokens=0, max_tokens=4, arrived_at=0.0, continuation=False),
-                         reply_to=f"{subject_prefix}.reply.agent.test.stall-1")
+                                            prefix_tokens=0, max_tokens=30000, arrived_at=0.0, continuation=False),
+                         reply_to=f"{subject_prefix}.reply.agent.test.stall-1",
+                         engine=EnginePayload(hint=EngineHint(sim_output_tokens=30000)))
         os.kill(redis_server.pid, signal.SIGSTOP)
         try:
             t0 = time.monotonic()
@@ -449,4 +452,61 @@ async def test_a_finish_lost_on_the_bus_is_re_derived_from_the_call_record(
         assert [d for d in svc.log_lines(svc.admission) if d.get("event") == "admission.finish_recovered"]
     finally:
         await eng.close()
+        await svc.stop()
+
+
+async def test_a_stopped_admission_that_resumes_after_its_replacement_stands_down(
+        nats_server: NatsServer, redis_server: RedisServer, subject_prefix: str, key_prefix: str,
+        tmp_path: Path) -> None:
+    """Admission is stopped (SIGSTOP) and a new one starts for its server, as a
+    supervisor does; then the old one resumes. Each admission takes a durable epoch
+    (the call record's bucket, not Redis) and every dispatch carries it: the engines
+    refuse the old one's, and the old one sees a newer epoch within a second and
+    exits. Calls go on being served once each."""
+    import os
+    import signal
+    import sys
+
+    from nats.aio.client import Client as NATS
+    from shared.schema import ApiError, RunCall, AdmissionCall, EnginePayload, encode, dispatch_ack_decoder
+
+    svc = Services(nats_server.url, redis_server.url, subject_prefix, key_prefix, tmp_path / "logs", models=[MODEL_A])
+    await svc.start()
+    old = svc.group[svc.admission]
+    assert old.pid is not None
+    old_pid = old.pid
+    newer = svc.group.add("admission-new", [sys.executable, "-m", "services.admission"], env=dict(old.env or {}),
+                          log_path=tmp_path / "logs" / "admission-new.log", inherit_env=False)
+    nc = NATS()
+    await nc.connect(nats_server.url)
+    try:
+        async with await TalariaClient.connect(nats_server.url, subject_prefix=subject_prefix, silence_s=5.0) as c:
+            sess = await c.open_session(MODEL_A)
+            assert (await sess.call(prompt_tokens=300, max_tokens=8, sim_output_tokens=2)).output_tokens == 2
+            os.kill(old_pid, signal.SIGSTOP)
+            svc.group.start("admission-new")
+            await until(lambda: "admission.recovered" in newer.log_path.read_text() or
+                        "service.started" in newer.log_path.read_text(), 30.0, "the new admission never started")
+            # the engine has heard the new epoch: a dispatch under the old one is refused
+            run = RunCall(call=AdmissionCall(call_id="old-1", session_id=sess.session_id, model=MODEL_A,
+                                             prompt_tokens=100, prefix_tokens=0, max_tokens=4, arrived_at=0.0,
+                                             continuation=False),
+                          engine=EnginePayload(), reply_to=f"{subject_prefix}.reply.agent.x.old-1", reserved_tokens=104,
+                          waited_s=0.0, switch_wait_s=0.0, round_wait=False, admission_epoch=1)
+            ack = dispatch_ack_decoder.decode((await nc.request(svc.subjects.engine_run(SERVER, MODEL_A), encode(run),
+                                                                timeout=5.0)).data)
+            assert isinstance(ack, ApiError) and ack.code == "superseded", ack
+            os.kill(old_pid, signal.SIGCONT)
+            await until(lambda: not old.running, 10.0, "the resumed old admission never stood down")
+            assert old.proc is not None and old.proc.returncode == 75
+            assert "admission.superseded" in old.log_path.read_text()
+            for n in range(3):  # served by the new one, once each
+                r = await sess.call(prompt_tokens=400 + n * 100, max_tokens=8, sim_output_tokens=2)
+                assert r.output_tokens == 2
+        assert "old-1" not in engine_counts(svc, "engine.started")
+        assert max(engine_counts(svc, "engine.started").values()) == 1
+    finally:
+        with contextlib.suppress(OSError):
+            os.kill(old_pid, signal.SIGCONT)
+        await nc.close()
         await svc.stop()

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import time
 
+import msgspec
 import structlog
 from nats.aio.msg import Msg
 
@@ -20,7 +22,9 @@ from services.admission import scheduler as sch
 from shared import tracing
 from shared.costmodel import CostModel
 from shared.bus import ServiceProcess, run_service, trace_headers
+from shared.call_record import CallRecordUnavailable
 from shared.clock import at_source, done_within, drive_timer
+from shared.keys import CALL_TTL_S
 from shared.state import CounterMirror, ServerLoad, add_counters, write_server_load
 from shared.schema import (
     Abort, AdmissionCall, ApiError, CallQueued, EngineState, CallRunning, ListCalls, ProtectKv, RunCall, SessionReleased,
@@ -31,6 +35,9 @@ from shared.schema import (
 
 LIST_CALLS_TIMEOUT_WALL_S = 2.0
 RECONCILE_WALL_S = 3.0  # wall seconds a confirmed run may go without CallFinished before its record is read
+EPOCH_CHECK_WALL_S = 1.0  # wall seconds between two checks that no newer admission of this server exists
+EPOCH_REFRESH_WALL_S = CALL_TTL_S / 4  # our epoch is rewritten this often (the bucket's TTL)
+SUPERSEDED_EXIT_CODE = 75  # a newer admission holds this server: this process must not go on
 PERSIST_WAIT_WALL_S = 0.5  # wall seconds a submit waits for its durable write before it is acknowledged anyway
 DISPATCH_ACK_WALL_S = 1.0  # wall seconds a dispatch may go unacknowledged before it is sent again
 DISPATCH_RETRY_MAX_WALL_S = 10.0  # the longest wait between two sends of a dispatch an engine refused
@@ -70,6 +77,10 @@ class AdmissionService(ServiceProcess):
         self.resend_at: dict[str, tuple[float, float]] = {}  # unacknowledged -> (next send, backoff), wall clock
         self.ack_inbox = self.nc.new_inbox()
         await self.nc.subscribe(self.ack_inbox, cb=self.guarded_handler(self.on_dispatch_ack, "dispatch_ack"))
+        # the newest admission of this server: engines refuse its predecessors' dispatches from
+        # now on (a stopped one that resumes cannot dispatch twice); durable, not in Redis
+        self.epoch, self.epoch_revision = await self.call_records.take_epoch("admission", sid)
+        self.log.info("admission.epoch", epoch=self.epoch)
         # rebuild queued and running calls a predecessor held (docs/reliability.md)
         await self.recover()
         await self.nc.subscribe(self.subjects.admission_submit(sid), queue="admission",
@@ -92,6 +103,7 @@ class AdmissionService(ServiceProcess):
         self.spawn(self.idle_sessions(), "idle-sessions")
         self.spawn(self.redispatcher(), "redispatcher")
         self.spawn(self.reconciler(), "reconciler")
+        self.spawn(self.epoch_guard(), "epoch-guard")
         await self._settle_recovered()
 
     # -- recovery ----------------------------------------------------------------------
@@ -121,7 +133,7 @@ class AdmissionService(ServiceProcess):
 
         async def engine_state(m: str) -> object:
             try:
-                resp = await self.nc.request(self.subjects.engine_control(s.server_id, m), encode(ListCalls()),
+                resp = await self.nc.request(self.subjects.engine_control(s.server_id, m), encode(ListCalls(admission_epoch=self.epoch)),
                                              timeout=LIST_CALLS_TIMEOUT_WALL_S)
                 return engine_state_decoder.decode(resp.data)
             except Exception as exc:  # engine down: it announces when back, and we re-send then
@@ -333,6 +345,8 @@ class AdmissionService(ServiceProcess):
     # -- dispatches: sent until acknowledged ---------------------------------------------
     async def _send_run(self, run: RunCall, backoff: float = DISPATCH_ACK_WALL_S) -> None:
         self.resend_at[run.call_id] = (time.monotonic() + backoff, backoff)
+        # every send carries our epoch (a run adopted from a predecessor's dispatch too)
+        run = msgspec.structs.replace(run, admission_epoch=self.epoch)
         await self.nc.publish(self.subjects.engine_run(self.settings.server_id, run.model), encode(run),
                               reply=self.ack_inbox, headers=trace_headers(run.session_id, run.call_id))
 
@@ -342,8 +356,38 @@ class AdmissionService(ServiceProcess):
         self.confirmed_at.pop(call_id, None)
         self.resend_at.pop(call_id, None)
 
+    def superseded(self, newer: int | None) -> None:
+        """A newer admission of this server exists (we were stopped and replaced, then
+        resumed): stop at once, before we dispatch, heartbeat or take a finish again."""
+        self.log.error("admission.superseded", epoch=self.epoch, newer=newer, exit_code=SUPERSEDED_EXIT_CODE)
+        os._exit(SUPERSEDED_EXIT_CODE)
+
+    async def epoch_guard(self) -> None:
+        """Every `EPOCH_CHECK_WALL_S`: is our epoch still the newest? (A process that was
+        stopped for longer than its liveness watch allows finds out here within a second
+        of resuming.) Also rewrites it now and then, so the bucket's TTL never ages it out.
+        The store unreachable: nothing is decided (the engines still fence our dispatches)."""
+        sid = self.settings.server_id
+        refreshed = time.monotonic()
+        while True:
+            await asyncio.sleep(EPOCH_CHECK_WALL_S)
+            try:
+                if time.monotonic() - refreshed > EPOCH_REFRESH_WALL_S:
+                    rev = await self.call_records.refresh_epoch("admission", sid, self.epoch, self.epoch_revision)
+                    if rev is None:
+                        self.superseded(None)
+                    self.epoch_revision, refreshed = rev, time.monotonic()
+                else:
+                    current, _ = await self.call_records.current_epoch("admission", sid)
+                    if current > self.epoch:
+                        self.superseded(current)
+            except CallRecordUnavailable:
+                continue
+
     async def on_dispatch_ack(self, msg: Msg) -> None:
         ack = dispatch_ack_decoder.decode(msg.data)
+        if isinstance(ack, ApiError) and ack.code == "superseded":  # an engine has heard from a newer admission
+            self.superseded(None)
         if isinstance(ack, ApiError):  # the engine could not take it: try again, slower
             cid = ack.call_id or ""
             if cid in self.resend_at:
@@ -477,7 +521,8 @@ class AdmissionService(ServiceProcess):
                     await self.nc.publish(self.subjects.substrate_stage(s.server_id), encode(StageRequest(model=m, requested_at=self.scheduler.last_step_at)))
                 case sch.Preempt(call_id=cid):
                     for m in self.scheduler.models:
-                        await self.nc.publish(self.subjects.engine_control(s.server_id, m), encode(Abort(call_id=cid, at=self.scheduler.last_step_at)))
+                        await self.nc.publish(self.subjects.engine_control(s.server_id, m), encode(Abort(call_id=cid, at=self.scheduler.last_step_at,
+                                                                                                         admission_epoch=self.epoch)))
                 case sch.Protect(session_id=sid, model=m, on=on):
                     if on and not await self._claim(sid):
                         await self.apply(self.scheduler.cancel_reservation(sid))

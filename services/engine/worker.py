@@ -148,6 +148,10 @@ class EngineWorker(ServiceProcess):
             raise SystemExit(f"engine-worker: unknown model {s.model!r}")
         self.log = self.log.bind(model=s.model, engine=self.backend.name)
         self.prompts = PromptStore(self.nc, s.subject_prefix)
+        # the newest admission epoch of this server (durable): a restarted worker fences too
+        self.admission_epoch = 0
+        with contextlib.suppress(Exception):
+            self.admission_epoch, _ = await self.call_records.current_epoch("admission", s.server_id)
         await self.backend.start()
         await self.nc.subscribe(self.subjects.engine_run(s.server_id, s.model), queue="engine",
                                 cb=self.guarded_handler(self.on_run, "run"))
@@ -163,8 +167,22 @@ class EngineWorker(ServiceProcess):
                               encode(EngineAnnounce(server_id=s.server_id, model=s.model, awake=False)))
 
     # -- runs --------------------------------------------------------------------------
+    def stale_admission(self, epoch: int) -> bool:
+        """A message from an admission older than the newest one this worker has heard
+        from (it was stopped, replaced, and resumed): refused, so it cannot dispatch or
+        abort a second time. 0: unfenced (a sender that names no epoch)."""
+        if epoch and epoch < self.admission_epoch:
+            self.log.warning("engine.stale_admission", epoch=epoch, newest=self.admission_epoch)
+            return True
+        self.admission_epoch = max(self.admission_epoch, epoch)
+        return False
+
     async def on_run(self, msg: Msg) -> None:
         rc = run_decoder.decode(msg.data)
+        if self.stale_admission(rc.admission_epoch):
+            await self.reply_error(msg.reply, "superseded", f"admission epoch {rc.admission_epoch} is older than "
+                                   f"{self.admission_epoch}: a newer admission holds {self.settings.server_id}", rc.call_id)
+            return
         try:
             await self._take_run(rc)
         except Exception as exc:  # say which call could not be taken: admission backs off and sends it again
@@ -347,6 +365,9 @@ class EngineWorker(ServiceProcess):
                 await self.backend.wake(cmd)
                 await self.start_pending()
             case Abort(call_id=cid, at=at):
+                if self.stale_admission(cmd.admission_epoch):
+                    await self.reply_error(msg.reply, "superseded", "an older admission's abort")
+                    return
                 self.pending.pop(cid, None)
                 self.claims.pop(cid, None)  # it stays claimed by this process: a re-dispatch runs it here
                 self.asked_by.pop(cid, None)
@@ -355,6 +376,7 @@ class EngineWorker(ServiceProcess):
             case ProtectKv(session_id=sid, on=on):
                 await self.backend.protect(sid, on)
             case ListCalls():
+                self.stale_admission(cmd.admission_epoch)  # (a newer admission recovering: its predecessors are fenced)
                 await self.backend.before_report()
                 report = EngineState(awake=self.backend.awake, kv_capacity_tokens=self.backend.kv_capacity_tokens,
                                      running=self.backend.running(), pending=list(self.pending.values()))

@@ -112,7 +112,8 @@ _prctl = _load_prctl()
 _PR_SET_PDEATHSIG = 1
 
 
-def _set_pdeathsig() -> None:
+def set_pdeathsig() -> None:
+    """In a child before exec: it gets SIGKILL when its parent (thread) dies."""
     if _prctl is not None:
         _prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
 
@@ -128,7 +129,7 @@ def spawn(
     log_path.parent.mkdir(parents=True, exist_ok=True)
     # PDEATHSIG fires when the *spawning thread* exits, so only use it from the main thread,
     # whose exit is the process's exit; a worker thread could die and take the child with it.
-    preexec = _set_pdeathsig if threading.current_thread() is threading.main_thread() else None
+    preexec = set_pdeathsig if threading.current_thread() is threading.main_thread() else None
     with open(log_path, "ab", buffering=0) as logf:
         return subprocess.Popen(
             list(argv),
