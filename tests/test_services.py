@@ -784,6 +784,31 @@ async def test_a_switch_to_a_hung_engine_is_resent_once_it_is_replaced(
         await svc.stop()
 
 
+async def test_a_restarted_substrate_learns_the_active_model_from_the_engines(
+        nats_server: NatsServer, redis_server: RedisServer, subject_prefix: str, key_prefix: str,
+        tmp_path: Path) -> None:
+    """The substrate-manager restarts while model A is awake, then A's engine-worker
+    restarts (it comes back asleep). The new substrate asked the engines which model
+    is awake, so A's restart announcement gets it woken and A's next call is served.
+    Before, the new substrate thought no model active, never woke the worker, and
+    admission's open slot for A waited for ever (a chaos run stalled on it)."""
+    svc = Services(nats_server.url, redis_server.url, subject_prefix, key_prefix, tmp_path / "logs",
+                   models=[MODEL_A, MODEL_B])
+    await svc.start()
+    try:
+        async with await TalariaClient.connect(nats_server.url, subject_prefix=subject_prefix, silence_s=60.0) as c:
+            a = await c.open_session(MODEL_A)
+            assert (await a.call(prompt_tokens=2000, max_tokens=64, sim_output_tokens=10)).output_tokens == 10
+            await svc.restart(svc.substrate)
+            assert "substrate.recovered" in svc.log_tail(svc.substrate, 200)
+            await svc.restart(svc.engine(MODEL_A))
+            reply = await asyncio.wait_for(a.call(prompt_tokens=2500, prefix_tokens=2010, max_tokens=64,
+                                                  sim_output_tokens=11), 15.0)
+            assert reply.output_tokens == 11
+    finally:
+        await svc.stop()
+
+
 async def test_call_queued_in_a_killed_admission_is_resubmitted(nats_server: NatsServer, redis_server: RedisServer,
                                                                 subject_prefix: str, key_prefix: str, tmp_path: Path) -> None:
     """Admission dies holding a queued call: the agent's retry (same call id,

@@ -207,6 +207,13 @@ class SubstrateLedger:
             host_kv_view=self.host_view(to_model) if self.policy.host_kv else {},
         )
 
+    def recover_active(self, model: str) -> None:
+        """A restarted substrate-manager learnt from the engine-workers that `model` is
+        awake: it is the active one (its host KV tier starts empty: what a
+        predecessor spilled is re-prefilled, not restored)."""
+        if model in self.models:
+            self.active = model
+
     def finish_switch(self) -> None:
         """The switched-in model is awake: it is active, no longer moving in."""
         self.switch_in = None

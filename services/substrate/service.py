@@ -19,12 +19,13 @@ from shared.bus import ServiceProcess, run_service
 from shared.clock import at_source
 from shared.state import SubstrateView, write_substrate_view
 from shared.schema import (
-    ApiError, ControlOk, ForgetHostKv, Sleep, StageRequest, SubstrateAnnounce, SwitchRequest, SwitchResult, Wake,
-    control_reply_decoder, encode, engine_announce_decoder, kv_spilled_decoder, session_released_decoder,
+    ApiError, ControlOk, EngineState, ForgetHostKv, ListCalls, Sleep, StageRequest, SubstrateAnnounce, SwitchRequest, SwitchResult, Wake,
+    control_reply_decoder, encode, engine_announce_decoder, engine_state_decoder, kv_spilled_decoder, session_released_decoder,
     substrate_decoder,
 )
 
 
+LIST_CALLS_TIMEOUT_WALL_S = 2.0  # wall seconds a recovering substrate waits for each engine's state
 CONTROL_RESENDS_ON_RESTART = 3  # a worker that restarts more often than this during one command fails the switch
 
 
@@ -39,6 +40,8 @@ class SubstrateManager(ServiceProcess):
         # model -> set when its engine-worker announces a (re)start: a Sleep/Wake sent to the
         # process it replaced (hung, then killed) is sent again at once, not waited out
         self.engine_restarted: dict[str, asyncio.Event] = {}
+        self.switch_lock = asyncio.Lock()  # one switch at a time, even if a restarted admission asks again
+        self.last_switch_end = 0.0  # model time
         self.ledger = SubstrateLedger(profile, {m: self.catalog.model(m) for m in sorted(s.models)}, cost, s.policy)
         await self.nc.subscribe(self.subjects.substrate_switch(s.server_id), queue="substrate",
                                 cb=self.guarded_handler(self.on_request, "substrate"))
@@ -50,11 +53,35 @@ class SubstrateManager(ServiceProcess):
                                 cb=self.guarded_handler(self.on_kv_spilled, "kv_spilled"))
         await self.nc.subscribe(self.subjects.session_released,
                                 cb=self.guarded_handler(self.on_session_released, "session_released"))
-        self.switch_lock = asyncio.Lock()  # one switch at a time, even if a restarted admission asks again
-        self.last_switch_end = 0.0  # model time
+        await self._recover_active()
         await self._mirror()
         # a switch an admission was waiting for died with our predecessor: it asks again
         await self.nc.publish(self.subjects.substrate_announce(s.server_id), encode(SubstrateAnnounce(server_id=s.server_id)))
+
+    async def _recover_active(self) -> None:
+        """Which model is awake is known by the engine-workers, not by us after a
+        restart: ask each (ListCalls, all at once). Without it, a worker of the active
+        model that restarted after us was never woken again (we did not know its model
+        was active), and its open slot waited for ever (a chaos run stalled 15 s so)."""
+        s = self.settings
+
+        async def awake(m: str) -> bool:
+            try:
+                resp = await self.nc.request(self.subjects.engine_control(s.server_id, m), encode(ListCalls()),
+                                             timeout=LIST_CALLS_TIMEOUT_WALL_S)
+                st = engine_state_decoder.decode(resp.data)
+            except Exception:  # down or hung: it announces itself when back
+                return False
+            return isinstance(st, EngineState) and st.awake
+
+        models = sorted(self.ledger.models)
+        async with self.switch_lock:  # (a switch asked meanwhile waits for what we learn)
+            up = [m for m, ok in zip(models, await asyncio.gather(*(awake(m) for m in models))) if ok]
+        if up and self.ledger.active is None:
+            if len(up) > 1:
+                self.log.warning("substrate.several_awake", models=up)
+            self.ledger.recover_active(up[0])
+            self.log.warning("substrate.recovered", active=up[0])
 
     async def on_engine_announce(self, msg: Msg) -> None:
         ann = engine_announce_decoder.decode(msg.data)
