@@ -37,7 +37,7 @@ from shared.keys import CALL_TTL_S, Keys
 from shared.logs import configure_logging
 from shared import tracing
 from shared.metrics import Metrics
-from shared.schema import ApiError, encode
+from shared.schema import HEALTH_OK, HEALTH_STARTING, ApiError, encode
 from shared.settings import Settings
 from shared.subjects import HEADER_CALL, HEADER_SESSION, Subjects
 
@@ -233,8 +233,12 @@ class ServiceProcess:
         svc = await add_service(self.nc, ServiceConfig(name=f"talaria-{self.name}", version=VERSION,
                                                        description=f"Talaria {self.name}", metadata={"instance": self.instance}))
 
+        # alive from here on (any answer: the liveness watch); "ok" only once set up and serving
+        # (readiness: a restarted admission is "starting" while it recovers its calls)
+        ready = asyncio.Event()
+
         async def health(req) -> None:  # type: ignore[no-untyped-def]
-            await req.respond(b'{"status":"ok"}')
+            await req.respond(HEALTH_OK if ready.is_set() else HEALTH_STARTING)
 
         await svc.add_endpoint(EndpointConfig(name="health", handler=health, subject=self.subjects.health(self.instance)))
         self.metrics.serve(self.settings.metrics_port, self.settings.metrics_host)
@@ -245,6 +249,7 @@ class ServiceProcess:
             self.call_records = await CallRecords.open(self.nc, self.settings.subject_prefix,
                                                        replicas=self.settings.call_record_replicas, ttl_s=CALL_TTL_S)
         await self.setup()
+        ready.set()
         if self.settings.loop_stall_exit_s > 0:  # armed after start-up (a real engine blocks while it loads)
             start_loop_watchdog(self.lag, self.settings.loop_stall_exit_s, self.instance)
         loop = asyncio.get_running_loop()

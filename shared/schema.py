@@ -31,6 +31,11 @@ class Base(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", forbid_u
     pass
 
 
+# -- health (a service's `<prefix>.health.<instance>` answer) -------------------------
+HEALTH_OK = b'{"status":"ok"}'              # set up and serving
+HEALTH_STARTING = b'{"status":"starting"}'  # alive (the liveness watch is satisfied), still setting up
+
+
 # -- errors (every family) ---------------------------------------------------------
 ErrorCode = Literal[
     "malformed", "unknown_model", "unknown_session", "context_limit", "no_capacity",

@@ -51,7 +51,7 @@ from shared import state
 from shared.auth import AGENT_REPLY_NAMESPACE
 from shared.clock import ScaledClock
 from shared.keys import Keys
-from shared.schema import CallReply, reply_decoder
+from shared.schema import HEALTH_OK, CallReply, reply_decoder
 from shared.logs import read_log_events
 from shared.policy import resolve_policy
 from shared.catalog import load_catalog
@@ -150,6 +150,7 @@ class Injector:
         self.skipped: list[str] = []  # kinds not injected: the replay ended first (nothing in flight to hurt)
         self.nc: nats.NATS | None = None
         self.observer: nats.NATS | None = None
+        self.store: nats.NATS | None = None
         # every distinct final reply an agent received, per call id (a re-sent stored reply is the same bytes)
         self.finals: dict[str, set[bytes]] = {}
 
@@ -157,12 +158,30 @@ class Injector:
         return time.monotonic() - self.t0
 
     async def _service_healthy(self, name: str) -> None:
+        """Back and serving: its health endpoint answers "ok" (a restarted admission
+        answers "starting" while it recovers; that is not recovered yet)."""
         assert self.nc is not None
         while True:
             try:
-                await self.nc.request(Subjects(self.stack.subject_prefix).health(name), b"", timeout=0.5)
-                return
+                resp = await self.nc.request(Subjects(self.stack.subject_prefix).health(name), b"", timeout=0.5)
+                if resp.data == HEALTH_OK:
+                    return
             except Exception:  # noqa: BLE001 - not back yet
+                pass
+            await asyncio.sleep(0.05)
+
+    async def _store_healthy(self) -> None:
+        """The NATS cluster serves the at-most-once record again: its stream's leader
+        answers (a node's own /healthz is up long before a stream that lost its leader
+        with that node has elected another: nats-server's raft waits 4-9 s for that)."""
+        assert self.store is not None
+        js = self.store.jetstream(timeout=1.0)
+        stream = f"KV_{Subjects(self.stack.subject_prefix).call_record_bucket}"
+        while True:
+            try:
+                await js.stream_info(stream)
+                return
+            except Exception:  # noqa: BLE001 - no leader yet
                 await asyncio.sleep(0.05)
 
     def _services(self, kind: str | None = None) -> list[str]:
@@ -229,6 +248,7 @@ class Injector:
             await asyncio.to_thread(node.kill)
             await asyncio.sleep(NATS_DOWN_S)
             await asyncio.to_thread(node.start, 60.0)   # start() waits for /healthz
+            await self._store_healthy()
         elif kind == "redis":
             assert st.redis is not None
             fault = Fault(kind, "redis", at)
@@ -247,6 +267,7 @@ class Injector:
             await asyncio.sleep(NATS_DOWN_S)
             await asyncio.to_thread(node.start, 60.0)
             await asyncio.to_thread(st.redis.start, 30.0)
+            await self._store_healthy()
         elif kind == "hang":
             # stopped, not crashed: only the liveness watch can tell (talaria/ops/liveness.py)
             target = self.rng.choice(self._services())
@@ -319,6 +340,8 @@ class Injector:
         # what the agents hear, as an agent may: their reply subjects
         self.observer = await nats.connect(name="talaria-chaos-observer", **opts, **self.stack.nats_auth("agent"))
         await self.observer.subscribe(f"{self.stack.subject_prefix}.reply.{AGENT_REPLY_NAMESPACE}.>", cb=self._observe)
+        # reads the call record's stream state as admission may (a NATS fault is healthy once it answers)
+        self.store = await nats.connect(name="talaria-chaos-store", **opts, **self.stack.nats_auth("admission"))
         try:
             for at, kind in plan:
                 wait = at - self.now()
@@ -331,6 +354,7 @@ class Injector:
                 await self.inject(kind, done)
         finally:
             await self.nc.close()
+            await self.store.close()
 
     async def close(self) -> None:
         if self.observer is not None:

@@ -31,6 +31,7 @@ import asyncio
 import sys
 from collections.abc import Mapping
 
+from shared.schema import HEALTH_STARTING
 from shared.settings import Settings
 from shared.subjects import Subjects
 from talaria.argtypes import positive_float
@@ -79,6 +80,8 @@ async def check(nats_urls: list[str], subject: str, timeout_s: float,
         return False, f"cannot reach NATS at {','.join(nats_urls)}: {type(exc).__name__}: {exc}"
     try:
         msg = await nc.request(subject, b"", timeout=timeout_s)
+        if msg.data == HEALTH_STARTING:  # alive, still setting up (e.g. a restarted admission recovering)
+            return False, "starting"
         return True, msg.data.decode(errors="replace") or "ok"
     except NoRespondersError:
         return False, f"no responder on {subject}"

@@ -23,6 +23,7 @@ from shared.auth import Credentials, generate_credentials, nats_permissions
 from shared.clock import done_within
 from shared.net import LOOPBACK, free_port
 from shared.policy import PolicyConfig, encode_policy
+from shared.schema import HEALTH_OK
 from shared.subjects import Subjects
 from talaria.client import AgentLogin, Deployment
 from talaria.ops.liveness import LIVENESS_INTERVAL_S, LIVENESS_TIMEOUT_S, STARTUP_GRACE_S, LivenessWatch
@@ -304,7 +305,8 @@ class EmbeddedStack:
                 await asyncio.sleep(0.2)
 
     async def wait_healthy(self, timeout_s: float) -> None:
-        """Every service answers its health endpoint (NATS micro) before we go on."""
+        """Every service answers its health endpoint (NATS micro) "ok", i.e. is set up and
+        serving, before we go on."""
         async def quiet(e: Exception) -> None:
             pass  # a service not up yet is retried below; no traceback per attempt
 
@@ -315,7 +317,9 @@ class EmbeddedStack:
             while pending:
                 name = pending[0]
                 try:
-                    await nc.request(Subjects(self.subject_prefix).health(name), b"", timeout=1.0)
+                    resp = await nc.request(Subjects(self.subject_prefix).health(name), b"", timeout=1.0)
+                    if resp.data != HEALTH_OK:  # alive, still setting up
+                        raise RuntimeError("starting")
                     pending.pop(0)
                 except Exception:
                     if time.monotonic() > deadline:
