@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -45,6 +46,9 @@ from shared.schema import (
 from shared import tracing
 from shared.prompt_store import PromptStore, PromptStoreUnavailable, encode_payload, object_name
 from shared.subjects import AGENT_NAMESPACE, Subjects, inbox_prefix, is_namespace
+
+NO_RESPONDERS_STATUS = "503"  # NATS's status on a reply subject when nobody is subscribed to the request's subject
+NO_ROUTER_RETRY_S = 0.2       # wall seconds between two sends of a call while no router is subscribed
 
 log = logging.getLogger("talaria.client")
 
@@ -305,17 +309,28 @@ class TalariaClient:
         headers = tracing.with_traceparent(None) or None
         try:
             attempts = 0
+            # the longest we wait: every attempt's silence (a router away meanwhile included)
+            give_up_at = time.monotonic() + self.silence_s * (self.retries + 1)
             while attempts <= self.retries:
                 attempts += 1
                 if by_ref is not None and prompt_ref is not None:  # (again on a retry: the engine deletes it when done)
                     await self._put_prompt(prompt_ref, by_ref)
-                await self.nc.publish(self.subjects.api_call(self.namespace), data, headers=headers)
+                # with our inbox as its reply subject, NATS tells us at once when no router is
+                # subscribed (a 503 status there): sent again shortly, not after a silence
+                await self.nc.publish(self.subjects.api_call(self.namespace), data, headers=headers, reply=inbox)
                 while True:
                     try:
                         async with asyncio.timeout(self.silence_s):
                             msg = await inbox_msgs.get()
                     except TimeoutError:
                         break  # silence: retry under the same call id
+                    if msg.headers and msg.headers.get("Status") == NO_RESPONDERS_STATUS:
+                        if time.monotonic() > give_up_at:
+                            break
+                        await asyncio.sleep(NO_ROUTER_RETRY_S)  # a router restarting: not an attempt
+                        await self.nc.publish(self.subjects.api_call(self.namespace), data, headers=headers,
+                                              reply=inbox)
+                        continue
                     try:
                         ev = call_event_decoder.decode(msg.data)
                     except msgspec.ValidationError:

@@ -809,6 +809,32 @@ async def test_a_restarted_substrate_learns_the_active_model_from_the_engines(
         await svc.stop()
 
 
+async def test_a_call_sent_while_no_router_runs_is_sent_again_when_one_is_back(
+        nats_server: NatsServer, redis_server: RedisServer, subject_prefix: str, key_prefix: str,
+        tmp_path: Path) -> None:
+    """The router is down when an agent sends a call: NATS says at once that nobody
+    is subscribed (a 503 on the call's reply inbox), so the client sends it again
+    every 0.2 s and it is served moments after a router is back. Before, the call
+    was dropped on the floor and the agent noticed only after its silence (30 s here)."""
+    svc = Services(nats_server.url, redis_server.url, subject_prefix, key_prefix, tmp_path / "logs", models=[MODEL_A])
+    await svc.start()
+    try:
+        async with await TalariaClient.connect(nats_server.url, subject_prefix=subject_prefix, silence_s=30.0) as c:
+            sess = await c.open_session(MODEL_A)
+            svc.group.kill(svc.router)
+            await until(lambda: not svc.group.running(svc.router), 5.0)
+            call = asyncio.ensure_future(sess.call(prompt_tokens=500, max_tokens=16, sim_output_tokens=3))
+            await asyncio.sleep(1.0)
+            assert not call.done()
+            t0 = time.monotonic()
+            await asyncio.to_thread(svc.group.start, svc.router)
+            reply = await asyncio.wait_for(call, 20.0)
+            assert reply.output_tokens == 3
+            assert time.monotonic() - t0 < 5.0, f"served {time.monotonic() - t0:.1f} s after the router was back"
+    finally:
+        await svc.stop()
+
+
 async def test_call_queued_in_a_killed_admission_is_resubmitted(nats_server: NatsServer, redis_server: RedisServer,
                                                                 subject_prefix: str, key_prefix: str, tmp_path: Path) -> None:
     """Admission dies holding a queued call: the agent's retry (same call id,
