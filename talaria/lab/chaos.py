@@ -72,6 +72,7 @@ REDIS_STALL_S = 2.0  # wall seconds redis-server is stopped (SIGSTOP; DEBUG SLEE
 LIVENESS_GRACE_S = 3.0  # chaos runs are short: a service is judged hung this soon after its (re)start
 OVERLAP_WITHIN_S = 1.0  # the second fault of an `overlap` comes this soon after the first, with no wait between
 SWITCH_WAIT_S = 15.0    # wall seconds a `switch` fault waits for a model switch to start (then it kills anyway)
+RECOVERY_WAIT_S = 15.0  # wall seconds the next fault waits for the previous one's recovery at most
 STALL_S = 120.0         # wall seconds without a completed call (calls open) after which the watchdog ends a run
 
 
@@ -317,6 +318,21 @@ class Injector:
             if not reply.duplicate and not reply.aborted:
                 self.finals.setdefault(reply.call_id, set()).add(msg.data)
 
+    async def _recovered(self, fault: Fault, done: asyncio.Future) -> None:
+        """The next fault waits for this one's recovery (a call completed after its
+        component was healthy), at most `RECOVERY_WAIT_S`: otherwise a fault's recovery
+        time measured the faults injected on top of it (two faults on purpose are the
+        `overlap` and `nats-redis` kinds). One that outlasts the wait is overlapped by
+        the next, and says so."""
+        healthy_at = self.t0 + fault.at_s + (fault.healthy_s or 0.0)
+        deadline = time.monotonic() + RECOVERY_WAIT_S
+        while not done.done() and time.monotonic() < deadline:
+            if self.flight.completions and self.flight.completions[-1] >= healthy_at:
+                return
+            await asyncio.sleep(0.02)
+        if not done.done():
+            fault.note = "; ".join(x for x in (fault.note, "not recovered when the next fault came") if x)
+
     async def _wait_in_flight(self, done: asyncio.Future) -> bool:
         """A fault hurts only while calls are open: wait for one (False: the replay ended first)."""
         while not self.flight.open:
@@ -351,7 +367,8 @@ class Injector:
                     self.skipped.append(kind)
                     print(f"[chaos] not injected: {kind} (the replay ended first)", file=sys.stderr, flush=True)
                     continue
-                await self.inject(kind, done)
+                fault = await self.inject(kind, done)
+                await self._recovered(fault, done)
         finally:
             await self.nc.close()
             await self.store.close()
