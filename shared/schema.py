@@ -459,6 +459,18 @@ class SwitchRequest(Base, tag="switch"):
     from_model: str | None
     to_model: str
     requested_at: float | None = None  # model time of the decision at admission (it may land later)
+    ack_to: Subject | None = None      # where the substrate says it has the request (SwitchAccepted)
+
+
+class SwitchAccepted(Base, tag="switch_accepted"):
+    """The substrate holds a switch request: once on receipt (`done_at` None), again
+    once the switch is planned, with the model time it will be done. A requester
+    that hears neither soon, or no result soon after `done_at`, asks again (a request
+    or a result lost on the bus); asking again is safe: a switch to the active model
+    is a wake."""
+
+    to_model: str
+    done_at: float | None = None
 
 
 class SwitchResult(Base, tag="switch_result"):
@@ -496,6 +508,7 @@ engine_state_decoder = msgspec.json.Decoder(EngineState | ApiError)
 stored_submit_decoder = msgspec.json.Decoder(SubmitCall)
 substrate_decoder = msgspec.json.Decoder(SubstrateRequest)
 switch_reply_decoder = msgspec.json.Decoder(SwitchResult | ApiError)
+switch_accepted_decoder = msgspec.json.Decoder(SwitchAccepted)
 api_reply_decoder = msgspec.json.Decoder(SessionOpened | Ok | Info | ApiError)
 reply_decoder = msgspec.json.Decoder(CallReply)
 kv_event_decoder = msgspec.json.Decoder(KvEvent)

@@ -54,3 +54,11 @@ def int_list(text: str) -> tuple[int, ...]:
         return tuple(int(x) for x in parts)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not comma-separated whole numbers: {text!r}") from None
+
+
+def positive_float_list(text: str) -> tuple[float, ...]:
+    """Comma-separated finite numbers above zero (rates): `100,200,500`."""
+    parts = [x.strip() for x in text.split(",") if x.strip()]
+    if not parts:
+        raise argparse.ArgumentTypeError("names no number")
+    return tuple(positive_float(x) for x in parts)

@@ -381,6 +381,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     bo = sub.add_parser("bench-observability", help="what tracing adds per call at 200 calls/s (wall ms, p50/p99)")
     observability_bench.configure_parser(bo, default_log_dir() / "bench-observability")
+    from talaria.lab import control_plane_bench
+
+    bc = sub.add_parser("bench-control-plane", help="the live stack's cost per call: calls served, added latency "
+                                                    "(wall ms) and CPU per process kind at open-loop rates")
+    control_plane_bench.configure_parser(bc, default_log_dir() / "bench-control-plane")
     from talaria.lab import gateway_fuzz
 
     fz = sub.add_parser("fuzz-gateway", help="malformed and hostile HTTP requests against the front door; "

@@ -4,6 +4,7 @@ traceback, and no embedded stack started only to fail its health checks."""
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 import pytest
@@ -34,6 +35,9 @@ TRACE = str(ROOT / "traces" / "swebench-30.jsonl")
         (["fidelity", "--time-scale=-50"], "--time-scale: must be above zero"),
         (["fidelity", "--seeds=a,b"], "--seeds: not comma-separated whole numbers"),
         (["fidelity", "--seeds=,"], "--seeds: names no number"),
+        (["bench-control-plane", "--rates=100,x"], "--rates: not a number: 'x'"),
+        (["bench-control-plane", "--rates=0"], "--rates: must be above zero"),
+        (["bench-control-plane", "--duration=0"], "--duration: must be above zero"),
     ],
 )
 def test_bad_numbers_are_usage_errors(argv: list[str], fragment: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -186,3 +190,20 @@ def test_no_nan_without_a_baseline_and_every_column_explained(capsys: pytest.Cap
     for column in ("x p50", "p50/oracle", "reprefill", "switches", "round waits"):
         assert f"{column}:" in out or f"{column}," in out, column  # the legend says what it is
     assert "no baseline in this run" in out
+
+
+def test_bench_control_plane_prints_a_row_per_rate_with_cpu_by_kind(tmp_path: Path) -> None:
+    """A short run: served calls, added latency and the CPU of every process kind."""
+    import json
+    import subprocess
+
+    out = tmp_path / "cp.json"
+    p = subprocess.run([sys.executable, "-m", "talaria.cli", "bench-control-plane", "--rates", "20", "--duration", "1",
+                        "--sessions", "4", "--out", str(out), "--log-dir", str(tmp_path / "logs")],
+                       capture_output=True, text=True, timeout=180, cwd=ROOT)
+    assert p.returncode == 0, p.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 1 and rows[0]["rate_asked"] == 20 and rows[0]["failed"] == 0
+    assert rows[0]["served_per_s"] > 5 and rows[0]["added_ms_p50"] > 0
+    assert {"router", "admission", "substrate", "engine", "nats", "redis", "client"} <= set(rows[0]["cpu_ms_per_call"])
+    assert rows[0]["stack_cpu_ms_per_call"] > 0

@@ -300,6 +300,38 @@ async def test_a_call_taken_by_a_router_that_never_answers_is_sent_again(
         await svc.stop()
 
 
+async def test_a_switch_request_lost_on_the_bus_is_asked_again(
+        nats_server: NatsServer, redis_server: RedisServer, subject_prefix: str, key_prefix: str,
+        tmp_path: Path) -> None:
+    """A black hole joins the substrate's queue group on the switch subject and drops
+    what it gets: a switch request lost on the bus. The substrate acknowledges a
+    request on receipt, so admission asks again after a second instead of waiting
+    out its switch timeout (36 s at this time scale), and calls for both models,
+    which need a switch each time, are served in moments."""
+    svc = Services(nats_server.url, redis_server.url, subject_prefix, key_prefix, tmp_path / "logs",
+                   models=[MODEL_A, MODEL_B])
+    await svc.start()
+    dropped: list[float] = []
+    hole = await black_hole(nats_server.url, svc.subjects.substrate_switch(SERVER), "substrate", dropped)
+    try:
+        async with await TalariaClient.connect(nats_server.url, subject_prefix=subject_prefix, silence_s=60.0) as c:
+            a, b = await c.open_session(MODEL_A), await c.open_session(MODEL_B)
+            n = 0
+            while len(dropped) < 2 and n < 20:
+                n += 1
+                for sess in (a, b):
+                    t0 = time.monotonic()
+                    r = await asyncio.wait_for(sess.call(prompt_tokens=300 + 100 * n, max_tokens=8, sim_output_tokens=2),
+                                               20.0)
+                    assert r.output_tokens == 2
+                    assert time.monotonic() - t0 < 6.0, f"served after {time.monotonic() - t0:.1f} s"
+        assert len(dropped) >= 2, "the black hole never took a switch request: the test proved nothing"
+        assert "no word from the substrate" in svc.log_tail(svc.admission, 400)
+    finally:
+        await hole.close()
+        await svc.stop()
+
+
 async def test_a_stalled_redis_holds_up_admissions_ack_for_half_a_second_at_most(
         nats_server: NatsServer, redis_server: RedisServer, subject_prefix: str, key_prefix: str,
         tmp_path: Path) -> None:

@@ -50,6 +50,7 @@ CASES = [
     ("chaos-after-restarts", ["chaos", SMOKE, "--time-scale", "5", "--kinds", "nats,redis"], "killed  redis",
      signal.SIGTERM),
     ("fidelity", ["fidelity", "--seeds", "1", "--time-scale", "50"], "stack up", signal.SIGTERM),
+    ("bench-control-plane", ["bench-control-plane", "--rates", "20", "--duration", "120"], "stack up", signal.SIGTERM),
 ]
 
 

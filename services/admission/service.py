@@ -30,7 +30,7 @@ from shared.schema import (
     Abort, AdmissionCall, ApiError, CallQueued, EngineState, CallRunning, ListCalls, ProtectKv, RunCall, SessionReleased,
     StageRequest, Submitted, SubmitCall, SwitchRequest, admission_decoder, encode, engine_announce_decoder,
     dispatch_ack_decoder, engine_state_decoder, finished_decoder, reply_decoder, session_released_decoder,
-    stored_submit_decoder, switch_reply_decoder,
+    stored_submit_decoder, switch_accepted_decoder, switch_reply_decoder,
 )
 
 LIST_CALLS_TIMEOUT_WALL_S = 2.0
@@ -38,10 +38,16 @@ RECONCILE_WALL_S = 3.0  # wall seconds a confirmed run may go without CallFinish
 EPOCH_CHECK_WALL_S = 1.0  # wall seconds between two checks that no newer admission of this server exists
 EPOCH_REFRESH_WALL_S = CALL_TTL_S / 4  # our epoch is rewritten this often (the bucket's TTL)
 SUPERSEDED_EXIT_CODE = 75  # a newer admission holds this server: this process must not go on
+SWITCH_ACK_WALL_S = 1.0  # wall seconds a switch request may go unacknowledged before it is asked again
+SWITCH_RESULT_MARGIN_WALL_S = 2.0  # wall seconds past a switch's planned end before its result counts as lost
 PERSIST_WAIT_WALL_S = 0.5  # wall seconds a submit waits for its durable write before it is acknowledged anyway
 DISPATCH_ACK_WALL_S = 1.0  # wall seconds a dispatch may go unacknowledged before it is sent again
 DISPATCH_RETRY_MAX_WALL_S = 10.0  # the longest wait between two sends of a dispatch an engine refused
 MIRROR_COALESCE_S = 0.005  # wall seconds between two writes of the scheduler's mirror
+
+
+class SwitchLost(RuntimeError):
+    """A switch request, or its result, that the substrate never answered in time."""
 
 
 class AdmissionService(ServiceProcess):
@@ -563,6 +569,13 @@ class AdmissionService(ServiceProcess):
             self.log.warning("reservation.release_failed", error=str(exc))
 
     async def _switch(self, old: str | None, new: str) -> None:
+        """Ask the substrate for a switch until it is done. The substrate says it has the
+        request at once (SwitchAccepted) and again with the model time the switch will be
+        done: a request it never acknowledged within `SWITCH_ACK_WALL_S`, or a result that
+        has not come `SWITCH_RESULT_MARGIN_WALL_S` after that time, was lost on the bus
+        (a NATS node died under it), and is asked again, which is safe (a switch to the
+        active model is a wake). Before, a lost request was waited out for 600 model
+        seconds plus 30 s of wall time (a chaos run stalled 33 s on one)."""
         # the switch starts when the scheduler decided it, not when the request lands
         requested_at = self.scheduler.switch_started_at
         # a switch can take a cold start's worth of model time; wait for it on the wall clock
@@ -571,17 +584,37 @@ class AdmissionService(ServiceProcess):
         while True:
             attempt += 1
             retry = self.switch_attempt[new] = asyncio.Event()
+            acks: asyncio.Queue = asyncio.Queue()
+            inbox = self.nc.new_inbox()
+
+            async def on_ack(msg: Msg) -> None:
+                with contextlib.suppress(Exception):
+                    acks.put_nowait(switch_accepted_decoder.decode(msg.data))
+
+            sub = await self.nc.subscribe(inbox, cb=on_ack)
+            req = again = None
             try:
                 req = asyncio.ensure_future(self.nc.request(self.subjects.substrate_switch(self.settings.server_id),
-                                                            encode(SwitchRequest(from_model=old, to_model=new, requested_at=requested_at)),
+                                                            encode(SwitchRequest(from_model=old, to_model=new,
+                                                                                 requested_at=requested_at, ack_to=inbox)),
                                                             timeout=timeout))
                 again = asyncio.ensure_future(retry.wait())
-                await asyncio.wait([req, again], return_when=asyncio.FIRST_COMPLETED)
-                if not req.done():
-                    req.cancel()
-                    again.cancel()
-                    raise RuntimeError("substrate restarted during the switch")
-                again.cancel()
+                deadline = time.monotonic() + SWITCH_ACK_WALL_S  # (until the substrate says it has it)
+                while not req.done():
+                    ack_wait = asyncio.ensure_future(acks.get())
+                    await asyncio.wait([req, again, ack_wait], timeout=max(0.0, deadline - time.monotonic()),
+                                       return_when=asyncio.FIRST_COMPLETED)
+                    if again.done():
+                        ack_wait.cancel()
+                        raise RuntimeError("substrate restarted during the switch")
+                    if ack_wait.done():
+                        done_at = ack_wait.result().done_at
+                        deadline = (time.monotonic() + timeout if done_at is None else time.monotonic() +
+                                    self.clock.wall_s(max(0.0, done_at - self.clock.now())) + SWITCH_RESULT_MARGIN_WALL_S)
+                        continue
+                    ack_wait.cancel()
+                    if not req.done() and time.monotonic() >= deadline:
+                        raise SwitchLost("no word from the substrate in time: the request or its result was lost")
                 resp = req.result()
                 out = switch_reply_decoder.decode(resp.data)
                 if isinstance(out, ApiError):
@@ -591,7 +624,14 @@ class AdmissionService(ServiceProcess):
                 return
             except Exception as exc:  # substrate down or restarting: keep trying, the calls stay queued
                 self.log.warning("admission.switch_retry", to_model=new, attempt=attempt, error=str(exc) or type(exc).__name__)
-                await asyncio.sleep(min(5.0, 0.5 * attempt))
+                if not isinstance(exc, SwitchLost):  # (a lost message is asked for again at once)
+                    await asyncio.sleep(min(5.0, 0.5 * attempt))
+            finally:
+                for f in (req, again):
+                    if f is not None and not f.done():
+                        f.cancel()
+                with contextlib.suppress(Exception):
+                    await sub.unsubscribe()
 
     async def timer(self) -> None:
         # a wake-up is stepped at its own model time, not at the (later) moment the timer fired

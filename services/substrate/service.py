@@ -19,7 +19,8 @@ from shared.bus import ServiceProcess, run_service
 from shared.clock import at_source
 from shared.state import SubstrateView, write_substrate_view
 from shared.schema import (
-    ApiError, ControlOk, EngineState, ForgetHostKv, ListCalls, Sleep, StageRequest, SubstrateAnnounce, SwitchRequest, SwitchResult, Wake,
+    ApiError, ControlOk, EngineState, ForgetHostKv, ListCalls, Sleep, StageRequest, SubstrateAnnounce, SwitchAccepted,
+    SwitchRequest, SwitchResult, Wake,
     control_reply_decoder, encode, engine_announce_decoder, engine_state_decoder, kv_spilled_decoder, session_released_decoder,
     substrate_decoder,
 )
@@ -153,7 +154,12 @@ class SubstrateManager(ServiceProcess):
             return out
         raise RuntimeError(f"engine {model} restarted {CONTROL_RESENDS_ON_RESTART} times during one command")
 
+    async def _accepted(self, req: SwitchRequest, done_at: float | None = None) -> None:
+        if req.ack_to:
+            await self.nc.publish(req.ack_to, encode(SwitchAccepted(to_model=req.to_model, done_at=done_at)))
+
     async def _switch(self, req: SwitchRequest, reply: str | None) -> None:
+        await self._accepted(req)  # (on receipt: the requester stops waiting for a lost request)
         if req.to_model not in self.ledger.models:
             await self.reply_error(reply, "unknown_model", f"{req.to_model} is not served on {self.settings.server_id}")
             return
@@ -198,6 +204,7 @@ class SubstrateManager(ServiceProcess):
             kv_out = (await self._control(req.from_model, Sleep())).kv_out
         plan = self.ledger.plan_switch(t0, req.to_model, kv_out)
         self.last_switch_end = t0 + plan.duration_s
+        await self._accepted(req, done_at=t0 + plan.duration_s)  # when to expect the result
         await self._mirror()  # the router sees the model moving in for the switch's duration
         self.ledger.check_bounds()
         self.log.info("substrate.switch", from_model=req.from_model, to_model=req.to_model,

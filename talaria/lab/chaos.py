@@ -12,9 +12,11 @@ it); `overlap` (two services killed within a second, no wait between);
 a NATS node (restarted by this command); Redis killed (restarted empty) or
 stalled (SIGSTOP); `nats-redis` (a NATS node killed while Redis is down).
 Faults are spread over 10-70 % of the reference's wall duration, in a seeded
-order, each after the previous one recovered, and each only while calls are
-in flight (one the replay outlives is reported as not injected, never
-injected into an idle stack). A watchdog ends a run in which no call
+order, each after the previous one recovered (healthy and a call completed
+since, waited for at most `RECOVERY_WAIT_S`; a service is healthy when it
+answers "ok", a NATS node when the call record's stream has a leader again),
+and each only while calls are in flight (one the replay outlives is reported
+as not injected, never injected into an idle stack). A watchdog ends a run in which no call
 completes for `--stall-s` and lists the stuck calls.
 
 Per fault: `at_s`, `in_flight`, `healthy_s` (wall seconds until the component
@@ -69,7 +71,8 @@ NATS_DOWN_S = 1.0    # wall seconds a killed NATS node stays down before it is s
 REDIS_DOWN_S = 0.5
 HANG_S = 8.0         # wall seconds a hung service stays stopped unless the stack's liveness watch replaces it first
 REDIS_STALL_S = 2.0  # wall seconds redis-server is stopped (SIGSTOP; DEBUG SLEEP is off in Redis 7)
-LIVENESS_GRACE_S = 3.0  # chaos runs are short: a service is judged hung this soon after its (re)start
+LIVENESS_GRACE_S = 0.5  # chaos runs are short: a service is judged hung this soon after its (re)start (and only
+                        # once it has answered since; a longer grace let a stop soon after a restart go unjudged)
 OVERLAP_WITHIN_S = 1.0  # the second fault of an `overlap` comes this soon after the first, with no wait between
 SWITCH_WAIT_S = 15.0    # wall seconds a `switch` fault waits for a model switch to start (then it kills anyway)
 RECOVERY_WAIT_S = 15.0  # wall seconds the next fault waits for the previous one's recovery at most

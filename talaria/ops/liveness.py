@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 
 LIVENESS_INTERVAL_S = 0.25  # wall seconds between two rounds of health pings
 LIVENESS_TIMEOUT_S = 0.3    # wall seconds a ping may take (a served ping takes about 1 ms)
-LIVENESS_MISSES = 3         # rounds in a row without an answer before a kill (about 1.6 s of silence)
+LIVENESS_MISSES = 3         # rounds in a row without an answer before a kill (about 1 s of silence: rounds
+                            # start every interval, each judged when its pings answer or time out)
 STARTUP_GRACE_S = 300.0     # wall seconds after a (re)start in which a child is never judged (a real engine loads its weights)
 
 

@@ -14,6 +14,7 @@ import secrets
 import sys
 import time
 import uuid
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -254,36 +255,47 @@ class EmbeddedStack:
                                     max_reconnect_attempts=-1, **self.nats_auth("operator"))
         except Exception:  # no NATS: nothing to judge by (the supervisor still restarts crashes)
             return
+        async def ping(name: str) -> bool:
+            try:
+                if name == "gateway":
+                    return await self._gateway_answers(LIVENESS_TIMEOUT_S)
+                await nc.request(subjects.health(name), b"", timeout=LIVENESS_TIMEOUT_S)
+                return True
+            except Exception:
+                return False
+
+        # a round starts every LIVENESS_INTERVAL_S whether or not the last one's pings have
+        # timed out yet (they run beside it), and rounds are judged in the order they began:
+        # a hang is judged misses x interval + timeout after it began, not misses x (both)
+        rounds: deque[tuple[asyncio.Future, list[str]]] = deque()
         try:
             while not self._stop_supervising.is_set():
                 await done_within(self._stop_supervising.wait(), LIVENESS_INTERVAL_S)
                 if nc.is_reconnecting or not nc.is_connected:
+                    for pending, _ in rounds:  # (their misses are our own disconnection's)
+                        pending.cancel()
+                    rounds.clear()
                     continue  # the bus is away, not the services: judge nobody
+                while rounds and rounds[0][0].done():
+                    done, asked = rounds.popleft()
+                    answers = dict(zip(asked, done.result()))
+                    for name, ok in answers.items():
+                        if ok:  # serving: a later death is not a crash loop
+                            self.group.mark_healthy(name)
+                    for name in watch.round(answers, time.monotonic()):
+                        print(f"[talaria] {name} stopped answering its health checks: killing it for a restart",
+                              file=sys.stderr, flush=True)
+                        self.group.kill(name)
                 now_pids = self.group.pids()
                 for name in names:
                     if now_pids.get(name) != pids.get(name):
                         watch.started(name, time.monotonic())
                 pids = now_pids
                 alive = [n for n in names if now_pids.get(n) is not None]
-
-                async def ping(name: str) -> bool:
-                    try:
-                        if name == "gateway":
-                            return await self._gateway_answers(LIVENESS_TIMEOUT_S)
-                        await nc.request(subjects.health(name), b"", timeout=LIVENESS_TIMEOUT_S)
-                        return True
-                    except Exception:
-                        return False
-
-                answers = dict(zip(alive, await asyncio.gather(*(ping(n) for n in alive))))
-                for name, ok in answers.items():
-                    if ok:  # serving: a later death is not a crash loop
-                        self.group.mark_healthy(name)
-                for name in watch.round(answers, time.monotonic()):
-                    print(f"[talaria] {name} stopped answering its health checks: killing it for a restart",
-                          file=sys.stderr, flush=True)
-                    self.group.kill(name)
+                rounds.append((asyncio.gather(*(ping(n) for n in alive)), alive))
         finally:
+            for pending, _ in rounds:
+                pending.cancel()
             await nc.close()
 
     async def wait_gateway(self, timeout_s: float) -> None:

@@ -31,6 +31,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import deque
 
 from shared.subjects import Subjects
 from talaria.argtypes import positive_float
@@ -99,33 +100,46 @@ class Watchdog:
         name = self.service
         watch.started(name, time.monotonic())
         nc = None
-        if self.service != "gateway":
-            async def quiet(_exc: Exception) -> None:
-                pass
+        s = self.settings
 
-            s = self.settings
-            with contextlib.suppress(Exception):  # no bus yet: connect on a later round
-                nc = await nats.connect(servers=s.nats_urls, name=f"talaria-watchdog-{name}", error_cb=quiet,
-                                        max_reconnect_attempts=-1, connect_timeout=2,
-                                        user=s.nats_user or None, password=s.nats_password or None)
+        async def quiet(_exc: Exception) -> None:
+            pass
+
+        async def connect() -> object | None:
+            with contextlib.suppress(Exception):  # no bus yet: tried again on a later round
+                return await nats.connect(servers=s.nats_urls, name=f"talaria-watchdog-{name}", error_cb=quiet,
+                                          max_reconnect_attempts=-1, connect_timeout=2,
+                                          user=s.nats_user or None, password=s.nats_password or None)
+            return None
+
+        # a round every LIVENESS_INTERVAL_S, its ping beside the ones before (as in the stack's watch)
+        rounds: deque[asyncio.Future] = deque()
         try:
             while child.poll() is None:
                 await asyncio.sleep(LIVENESS_INTERVAL_S)
-                if self.service != "gateway" and (nc is None or not nc.is_connected):
-                    continue  # the bus is away, not the service: judge nobody
-                ok = await self.ping(nc)
-                if child.poll() is not None:
-                    break
-                if watch.round({name: ok}, time.monotonic()):
-                    note("watchdog.hung", child_pid=child.pid, instance=name,
-                         exit_code=HUNG_EXIT_CODE, reason="stopped answering its health checks")
-                    self.kill()
-                    return HUNG_EXIT_CODE
+                if self.service != "gateway":
+                    if nc is None:
+                        nc = await connect()
+                    if nc is None or not nc.is_connected:  # type: ignore[attr-defined]
+                        for r in rounds:
+                            r.cancel()
+                        rounds.clear()
+                        continue  # the bus is away, not the service: judge nobody
+                while rounds and rounds[0].done():
+                    ok = rounds.popleft().result()
+                    if child.poll() is None and watch.round({name: ok}, time.monotonic()):
+                        note("watchdog.hung", child_pid=child.pid, instance=name,
+                             exit_code=HUNG_EXIT_CODE, reason="stopped answering its health checks")
+                        self.kill()
+                        return HUNG_EXIT_CODE
+                rounds.append(asyncio.ensure_future(self.ping(nc)))
             return child.returncode if child.returncode >= 0 else 128 - child.returncode
         finally:
+            for r in rounds:
+                r.cancel()
             if nc is not None:
                 with contextlib.suppress(Exception):
-                    await nc.close()
+                    await nc.close()  # type: ignore[attr-defined]
 
 
 def main(argv: list[str] | None = None) -> int:
