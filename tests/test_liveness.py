@@ -33,6 +33,15 @@ def test_a_child_is_judged_only_after_it_answered_and_its_grace() -> None:
     assert w.round({"a": False}, 30.0) == []            # re-armed: the restarted one must answer first
 
 
+def test_a_child_that_never_answers_is_judged_after_its_start_up_allowance() -> None:
+    """Hung before its first answer (stopped right after a restart): caught once its
+    start-up allowance is over, not left alone for ever."""
+    w = LivenessWatch(misses=2, grace_s=1.0, startup_s=5.0)
+    w.started("a", 0.0)
+    assert [w.round({"a": False}, t) for t in (1.0, 2.0, 4.0)] == [[]] * 3  # still starting
+    assert w.round({"a": False}, 5.0) == [] and w.round({"a": False}, 5.5) == ["a"]
+
+
 def test_an_answer_resets_the_count() -> None:
     w = LivenessWatch(misses=2, grace_s=0.0)
     w.started("a", 0.0)

@@ -73,6 +73,7 @@ HANG_S = 8.0         # wall seconds a hung service stays stopped unless the stac
 REDIS_STALL_S = 2.0  # wall seconds redis-server is stopped (SIGSTOP; DEBUG SLEEP is off in Redis 7)
 LIVENESS_GRACE_S = 0.5  # chaos runs are short: a service is judged hung this soon after its (re)start (and only
                         # once it has answered since; a longer grace let a stop soon after a restart go unjudged)
+LIVENESS_STARTUP_S = 2.0  # ... and, if it has not answered since, this soon (a sim service answers in about 0.5 s)
 OVERLAP_WITHIN_S = 1.0  # the second fault of an `overlap` comes this soon after the first, with no wait between
 SWITCH_WAIT_S = 15.0    # wall seconds a `switch` fault waits for a model switch to start (then it kills anyway)
 RECOVERY_WAIT_S = 15.0  # wall seconds the next fault waits for the previous one's recovery at most
@@ -450,7 +451,8 @@ def _stack_spec(sessions: list[TraceSession], base: Path, sub: str, *, policy: s
                 nats_cluster: int, servers: int) -> StackSpec:
     models = sorted({s.model for s in sessions})
     return StackSpec(policy=resolve_policy(policy), models=models, servers=servers, time_scale=time_scale,
-                     log_dir=base / sub, nats_cluster=nats_cluster, liveness=True, liveness_grace_s=LIVENESS_GRACE_S)
+                     log_dir=base / sub, nats_cluster=nats_cluster, liveness=True, liveness_grace_s=LIVENESS_GRACE_S,
+                     liveness_startup_s=LIVENESS_STARTUP_S)
 
 
 def _clear(base: Path) -> None:

@@ -3,10 +3,12 @@ endpoint (stopped by SIGSTOP, a stuck driver, a full disk) while its process
 still runs is killed, so the supervisor restarts it like a crashed one.
 
 `LivenessWatch` is the decision (pure; stepped by each round of health pings
-and the wall clock): a child is judged only once it has answered since its
-start and its start-up grace has passed (a real engine loading its weights
-blocks its loop for seconds), and only after `misses` rounds in a row without
-an answer. The embedded stack drives it (`talaria/ops/stack.py`).
+and the wall clock): a child is judged once it has answered since its start
+and its grace has passed (a real engine loading its weights blocks its loop
+for seconds), or, if it never answered, once its start-up allowance has
+passed (a process that hangs before its first answer is caught too), and only
+after `misses` rounds in a row without an answer. The embedded stack and the
+container watchdog drive it (`talaria/ops/stack.py`, `talaria/ops/watchdog.py`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ STARTUP_GRACE_S = 300.0     # wall seconds after a (re)start in which a child is
 class LivenessWatch:
     misses: int = LIVENESS_MISSES
     grace_s: float = STARTUP_GRACE_S
+    startup_s: float = STARTUP_GRACE_S  # a child that never answered is judged this long after its start
     started_at: dict[str, float] = field(default_factory=dict)
     answered: set[str] = field(default_factory=set)   # answered since its (re)start
     missed: dict[str, int] = field(default_factory=dict)
@@ -42,7 +45,8 @@ class LivenessWatch:
                 self.answered.add(name)
                 self.missed.pop(name, None)
                 continue
-            if name not in self.answered or now - self.started_at.get(name, now) < self.grace_s:
+            age = now - self.started_at.get(name, now)
+            if age < (self.grace_s if name in self.answered else max(self.grace_s, self.startup_s)):
                 continue
             self.missed[name] = self.missed.get(name, 0) + 1
             if self.missed[name] >= self.misses:

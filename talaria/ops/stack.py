@@ -58,6 +58,7 @@ class StackSpec:
     nats_cluster: int = 1  # embedded NATS nodes; 3 = a routed cluster on loopback, clients given every URL
     liveness: bool = False  # watch for hung services (`talaria up`, chaos); off for replays, whose driver shares this loop
     liveness_grace_s: float = STARTUP_GRACE_S  # a service is judged hung only this long after its (re)start
+    liveness_startup_s: float = STARTUP_GRACE_S  # ... and, if it never answered since, only this long after it
     gateway: bool = False  # the HTTP gateway (services/gateway) on a free loopback port (`talaria up` starts it)
     api_keys: dict[str, str] = field(default_factory=dict)  # tenant -> key beside the generated `default` one
 
@@ -244,7 +245,7 @@ class EmbeddedStack:
         async def quiet(e: Exception) -> None:
             pass
 
-        watch = LivenessWatch(grace_s=self.spec.liveness_grace_s)
+        watch = LivenessWatch(grace_s=self.spec.liveness_grace_s, startup_s=self.spec.liveness_startup_s)
         subjects = Subjects(self.subject_prefix)
         names = [name for name, _, _ in self.service_table()]
         if self.spec.gateway:

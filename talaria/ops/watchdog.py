@@ -96,7 +96,7 @@ class Watchdog:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.forward, sig)
         child = self.start()
-        watch = LivenessWatch(misses=self.misses, grace_s=self.grace_s)
+        watch = LivenessWatch(misses=self.misses, grace_s=self.grace_s, startup_s=self.grace_s)
         name = self.service
         watch.started(name, time.monotonic())
         nc = None
