@@ -49,7 +49,6 @@ from shared.subjects import AGENT_NAMESPACE, Subjects, inbox_prefix, is_namespac
 
 NO_RESPONDERS_STATUS = "503"  # NATS's status on a reply subject when nobody is subscribed to the request's subject
 NO_ROUTER_RETRY_S = 0.2       # wall seconds between two sends of a call while no router is subscribed
-ACCEPT_WAIT_S = 1.0           # wall seconds a call may go unacknowledged (no event at all) before it is sent again
 
 log = logging.getLogger("talaria.client")
 
@@ -319,21 +318,12 @@ class TalariaClient:
                 # with our inbox as its reply subject, NATS tells us at once when no router is
                 # subscribed (a 503 status there): sent again shortly, not after a silence
                 await self.nc.publish(self.subjects.api_call(self.namespace), data, headers=headers, reply=inbox)
-                heard = False  # anything from the service about this call yet (accepted, queued, ...)
-                unheard_wait = min(ACCEPT_WAIT_S, self.silence_s)
                 while True:
                     try:
-                        async with asyncio.timeout(self.silence_s if heard else unheard_wait):
+                        async with asyncio.timeout(self.silence_s):
                             msg = await inbox_msgs.get()
                     except TimeoutError:
-                        if heard or unheard_wait >= self.silence_s or time.monotonic() > give_up_at:
-                            break  # silence: retry under the same call id
-                        # a router acknowledges a call in milliseconds: one that hung or died holding
-                        # it never will; sent again (the same id: never run twice), waiting longer each time
-                        unheard_wait = min(unheard_wait * 2, self.silence_s)
-                        await self.nc.publish(self.subjects.api_call(self.namespace), data, headers=headers,
-                                              reply=inbox)
-                        continue
+                        break  # silence: retry under the same call id
                     if msg.headers and msg.headers.get("Status") == NO_RESPONDERS_STATUS:
                         if time.monotonic() > give_up_at:
                             break
@@ -345,7 +335,6 @@ class TalariaClient:
                         ev = call_event_decoder.decode(msg.data)
                     except msgspec.ValidationError:
                         continue
-                    heard = True
                     if on_event is not None:
                         on_event(ev)
                     match ev:

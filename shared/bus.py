@@ -87,6 +87,8 @@ async def connect_nats(urls: list[str], name: str, log: structlog.stdlib.BoundLo
     )
 
 
+REDIS_POOL_CONNECTIONS = 64  # Redis connections a service process keeps at most (a command waits for one)
+REDIS_POOL_WAIT_S = 30.0      # ... for at most this long (a Redis restart is waited out by the commands' retries)
 CONCURRENT_HANDLER_LIMIT = 256  # requests one subscription handles at once (concurrent_handler)
 LOOP_STALL_EXIT_CODE = 70  # EX_SOFTWARE: the process's own watchdog found its event loop stuck
 
@@ -226,10 +228,15 @@ class ServiceProcess:
         # a Redis restart (seconds) is waited out command by command, not turned into errors
         creds = {k: v for k, v in (("username", self.settings.redis_user),
                                     ("password", self.settings.redis_password)) if v}
-        self.redis = aioredis.Redis.from_url(
-            self.settings.redis_url, health_check_interval=10, **creds,
+        # a bounded pool that waits for a free connection: requests handled side by side
+        # (concurrent_handler) would otherwise open more than redis-py's default pool
+        # allows, and it refuses the rest (MaxConnectionsError, seen at 200 calls/s)
+        pool = aioredis.BlockingConnectionPool.from_url(
+            self.settings.redis_url, max_connections=REDIS_POOL_CONNECTIONS, timeout=REDIS_POOL_WAIT_S,
+            health_check_interval=10, **creds,
             retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), retries=30),
             retry_on_error=[RedisConnectionError, RedisTimeoutError])
+        self.redis = aioredis.Redis.from_pool(pool)  # (closing the client closes its pool)
         svc = await add_service(self.nc, ServiceConfig(name=f"talaria-{self.name}", version=VERSION,
                                                        description=f"Talaria {self.name}", metadata={"instance": self.instance}))
 

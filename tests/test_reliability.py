@@ -265,41 +265,6 @@ async def test_a_submit_lost_with_its_admission_holds_up_no_other_call(
         await svc.stop()
 
 
-async def test_a_call_taken_by_a_router_that_never_answers_is_sent_again(
-        nats_server: NatsServer, redis_server: RedisServer, subject_prefix: str, key_prefix: str,
-        tmp_path: Path) -> None:
-    """A black hole joins the routers' queue group and never answers (a router that
-    hung, or died holding calls): a call it takes is heard of by nobody. A router
-    acknowledges a call in milliseconds, so the client sends one it has heard nothing
-    of again after a second (the same id: never run twice), and every call is served
-    in moments, not after the agent's silence (60 s here)."""
-    from shared.subjects import AGENT_NAMESPACE
-
-    svc = Services(nats_server.url, redis_server.url, subject_prefix, key_prefix, tmp_path / "logs", models=[MODEL_A])
-    await svc.start()
-    taken: list[float] = []
-    hole = await black_hole(nats_server.url, svc.subjects.api_call(AGENT_NAMESPACE), "router", taken)
-    try:
-        async with await TalariaClient.connect(nats_server.url, subject_prefix=subject_prefix, silence_s=60.0) as c:
-            sess = await c.open_session(MODEL_A)
-            n = 0
-            while not taken and n < 30:
-                n += 1
-                t0 = time.monotonic()
-                call = asyncio.ensure_future(sess.call(prompt_tokens=400 + 50 * n, max_tokens=8, sim_output_tokens=2))
-                await until(lambda: call.done() or bool(taken), 10.0)
-                if taken:  # the hole has it: gone from the group now, so the resend finds the router
-                    await hole.close()
-                r = await asyncio.wait_for(call, 10.0)
-                assert r.output_tokens == 2
-                assert time.monotonic() - t0 < 5.0, f"served after {time.monotonic() - t0:.1f} s"
-        assert taken, "the black hole never took a call: the test proved nothing"
-        assert max(engine_counts(svc, "engine.started").values()) == 1  # each call ran once
-    finally:
-        await hole.close()
-        await svc.stop()
-
-
 async def test_a_switch_request_lost_on_the_bus_is_asked_again(
         nats_server: NatsServer, redis_server: RedisServer, subject_prefix: str, key_prefix: str,
         tmp_path: Path) -> None:

@@ -25,6 +25,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import statistics
 import sys
 import time
@@ -87,22 +88,21 @@ def start_profilers(stack: object, out_dir: Path, duration_s: float) -> list[tup
 
 
 def top_frames(path: Path, n: int = 8) -> list[tuple[str, float]]:
-    """The frames a process spent its samples in (inclusive share), from py-spy's collapsed stacks,
-    this project's own and the libraries' alike; idle samples (the event loop waiting) left out."""
-    inclusive: dict[str, int] = {}
+    """Where a process's busy samples were (self time: the innermost frame), from py-spy's
+    collapsed stacks; idle samples (the event loop waiting in its poll) left out."""
+    own: dict[str, int] = {}
     total = 0
     for line in path.read_text().splitlines():
         stack, _, count = line.rpartition(" ")
         if not stack or not count.isdigit():
             continue
-        frames = stack.split(";")
-        if any("select" in f and ("selectors" in f or "epoll" in f) for f in frames[-2:]):
+        leaf = stack.split(";")[-1]
+        if "select" in leaf or "epoll" in leaf or "_run_once" in leaf and "base_events" in leaf:
             continue  # waiting in the loop's poll: not work
         total += int(count)
-        for f in set(frames):
-            inclusive[f] = inclusive.get(f, 0) + int(count)
-    ranked = sorted(inclusive.items(), key=lambda kv: -kv[1])
-    return [(f, c / total) for f, c in ranked if c < total][:n] if total else []
+        own[leaf] = own.get(leaf, 0) + int(count)
+    ranked = sorted(own.items(), key=lambda kv: -kv[1])
+    return [(f, c / total) for f, c in ranked][:n] if total else []
 
 
 def cpu_by_kind(kinds: dict[str, list[int]]) -> dict[str, float]:
@@ -142,8 +142,10 @@ async def bench(rates: list[float], duration_s: float, servers: int, routers: in
     from shared.policy import resolve_policy
     from talaria.ops.stack import EmbeddedStack, StackSpec
 
+    run_dir = log_dir / f"cp-{servers}s-{routers}r"
+    shutil.rmtree(run_dir, ignore_errors=True)  # (logs are appended: an earlier run's would be counted too)
     spec = StackSpec(policy=resolve_policy("talaria"), models=[MODEL], servers=servers, routers=routers,
-                     time_scale=time_scale, log_dir=log_dir / f"cp-{servers}s-{routers}r")
+                     time_scale=time_scale, log_dir=run_dir)
     rows: list[dict[str, object]] = []
     async with EmbeddedStack(spec) as stack:
         print(f"[bench] stack up: {servers} server(s), {routers} router(s); logs in {stack.log_dir}",
