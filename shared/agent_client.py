@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 import uuid
@@ -309,15 +310,17 @@ class TalariaClient:
         headers = tracing.with_traceparent(None) or None
         try:
             attempts = 0
+            # with our inbox as its reply subject, NATS tells us at once when no router is
+            # subscribed (a 503 status there): sent again shortly, not after a silence
+            send = functools.partial(self.nc.publish, self.subjects.api_call(self.namespace), data,
+                                     headers=headers, reply=inbox)
             # the longest we wait: every attempt's silence (a router away meanwhile included)
             give_up_at = time.monotonic() + self.silence_s * (self.retries + 1)
             while attempts <= self.retries:
                 attempts += 1
                 if by_ref is not None and prompt_ref is not None:  # (again on a retry: the engine deletes it when done)
                     await self._put_prompt(prompt_ref, by_ref)
-                # with our inbox as its reply subject, NATS tells us at once when no router is
-                # subscribed (a 503 status there): sent again shortly, not after a silence
-                await self.nc.publish(self.subjects.api_call(self.namespace), data, headers=headers, reply=inbox)
+                await send()
                 while True:
                     try:
                         async with asyncio.timeout(self.silence_s):
@@ -328,8 +331,7 @@ class TalariaClient:
                         if time.monotonic() > give_up_at:
                             break
                         await asyncio.sleep(NO_ROUTER_RETRY_S)  # a router restarting: not an attempt
-                        await self.nc.publish(self.subjects.api_call(self.namespace), data, headers=headers,
-                                              reply=inbox)
+                        await send()
                         continue
                     try:
                         ev = call_event_decoder.decode(msg.data)

@@ -209,9 +209,7 @@ class ServiceProcess:
 
         async def cb(msg: Msg) -> None:
             await slots.acquire()
-            t = asyncio.ensure_future(run(msg))
-            self._tasks.add(t)
-            t.add_done_callback(self._tasks.discard)
+            self.spawn(run(msg), what)
 
         return cb
 

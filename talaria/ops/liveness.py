@@ -13,6 +13,9 @@ container watchdog drive it (`talaria/ops/stack.py`, `talaria/ops/watchdog.py`).
 
 from __future__ import annotations
 
+import asyncio
+from collections import deque
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 LIVENESS_INTERVAL_S = 0.25  # wall seconds between two rounds of health pings
@@ -53,3 +56,30 @@ class LivenessWatch:
                 kill.append(name)
                 self.started(name, now)  # judged again once the restarted one answers
         return kill
+
+
+class PingRounds:
+    """Rounds of health pings on a fixed cadence: a round begins every interval beside
+    the rounds whose pings are still out (a hung child's ping waits out its timeout),
+    and finished rounds come back in the order they began, so a hang is judged
+    misses x interval + timeout after it began, not misses x (interval + timeout)."""
+
+    def __init__(self) -> None:
+        self._rounds: deque[tuple[asyncio.Future, list[str]]] = deque()
+
+    def begin(self, names: list[str], ping: Callable[[str], Awaitable[bool]]) -> None:
+        self._rounds.append((asyncio.gather(*(ping(n) for n in names)), names))
+
+    def finished(self) -> list[dict[str, bool]]:
+        """The answers (name -> answered) of every round done, oldest first, until one is not."""
+        out = []
+        while self._rounds and self._rounds[0][0].done():
+            done, names = self._rounds.popleft()
+            out.append(dict(zip(names, done.result())))
+        return out
+
+    def drop(self) -> None:
+        """Forget the rounds still out (their misses are our own disconnection's)."""
+        for pending, _ in self._rounds:
+            pending.cancel()
+        self._rounds.clear()

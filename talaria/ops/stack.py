@@ -14,7 +14,6 @@ import secrets
 import sys
 import time
 import uuid
-from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,7 +26,7 @@ from shared.policy import PolicyConfig, encode_policy
 from shared.schema import HEALTH_OK
 from shared.subjects import Subjects
 from talaria.client import AgentLogin, Deployment
-from talaria.ops.liveness import LIVENESS_INTERVAL_S, LIVENESS_TIMEOUT_S, STARTUP_GRACE_S, LivenessWatch
+from talaria.ops.liveness import LIVENESS_INTERVAL_S, LIVENESS_TIMEOUT_S, STARTUP_GRACE_S, LivenessWatch, PingRounds
 from talaria.ops.nats_server import NatsServer, start_cluster
 from talaria.ops import prometheus
 from talaria.ops.processes import Child, ProcessGroup
@@ -265,21 +264,14 @@ class EmbeddedStack:
             except Exception:
                 return False
 
-        # a round starts every LIVENESS_INTERVAL_S whether or not the last one's pings have
-        # timed out yet (they run beside it), and rounds are judged in the order they began:
-        # a hang is judged misses x interval + timeout after it began, not misses x (both)
-        rounds: deque[tuple[asyncio.Future, list[str]]] = deque()
+        rounds = PingRounds()
         try:
             while not self._stop_supervising.is_set():
                 await done_within(self._stop_supervising.wait(), LIVENESS_INTERVAL_S)
                 if nc.is_reconnecting or not nc.is_connected:
-                    for pending, _ in rounds:  # (their misses are our own disconnection's)
-                        pending.cancel()
-                    rounds.clear()
+                    rounds.drop()
                     continue  # the bus is away, not the services: judge nobody
-                while rounds and rounds[0][0].done():
-                    done, asked = rounds.popleft()
-                    answers = dict(zip(asked, done.result()))
+                for answers in rounds.finished():
                     for name, ok in answers.items():
                         if ok:  # serving: a later death is not a crash loop
                             self.group.mark_healthy(name)
@@ -292,11 +284,9 @@ class EmbeddedStack:
                     if now_pids.get(name) != pids.get(name):
                         watch.started(name, time.monotonic())
                 pids = now_pids
-                alive = [n for n in names if now_pids.get(n) is not None]
-                rounds.append((asyncio.gather(*(ping(n) for n in alive)), alive))
+                rounds.begin([n for n in names if now_pids.get(n) is not None], ping)
         finally:
-            for pending, _ in rounds:
-                pending.cancel()
+            rounds.drop()
             await nc.close()
 
     async def wait_gateway(self, timeout_s: float) -> None:

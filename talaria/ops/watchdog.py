@@ -31,14 +31,13 @@ import signal
 import subprocess
 import sys
 import time
-from collections import deque
 
 from shared.subjects import Subjects
 from talaria.argtypes import positive_float
 from talaria.ops.healthcheck import SERVICES, http_check, instance_name, service_settings
 from talaria.argtypes import positive_int
 from talaria.ops.processes import set_pdeathsig
-from talaria.ops.liveness import LIVENESS_INTERVAL_S, LIVENESS_MISSES, LIVENESS_TIMEOUT_S, LivenessWatch
+from talaria.ops.liveness import LIVENESS_INTERVAL_S, LIVENESS_MISSES, LIVENESS_TIMEOUT_S, LivenessWatch, PingRounds
 
 HUNG_EXIT_CODE = 75  # EX_TEMPFAIL: the watched service was hung and killed; restart the container
 DEFAULT_GRACE_S = 30.0  # wall seconds after the start before a hang is judged (engines: set more, weights load)
@@ -112,8 +111,7 @@ class Watchdog:
                                           user=s.nats_user or None, password=s.nats_password or None)
             return None
 
-        # a round every LIVENESS_INTERVAL_S, its ping beside the ones before (as in the stack's watch)
-        rounds: deque[asyncio.Future] = deque()
+        rounds = PingRounds()  # (as in the stack's watch)
         try:
             while child.poll() is None:
                 await asyncio.sleep(LIVENESS_INTERVAL_S)
@@ -121,22 +119,18 @@ class Watchdog:
                     if nc is None:
                         nc = await connect()
                     if nc is None or not nc.is_connected:  # type: ignore[attr-defined]
-                        for r in rounds:
-                            r.cancel()
-                        rounds.clear()
+                        rounds.drop()
                         continue  # the bus is away, not the service: judge nobody
-                while rounds and rounds[0].done():
-                    ok = rounds.popleft().result()
-                    if child.poll() is None and watch.round({name: ok}, time.monotonic()):
+                for answers in rounds.finished():
+                    if child.poll() is None and watch.round(answers, time.monotonic()):
                         note("watchdog.hung", child_pid=child.pid, instance=name,
                              exit_code=HUNG_EXIT_CODE, reason="stopped answering its health checks")
                         self.kill()
                         return HUNG_EXIT_CODE
-                rounds.append(asyncio.ensure_future(self.ping(nc)))
+                rounds.begin([name], lambda _name: self.ping(nc))
             return child.returncode if child.returncode >= 0 else 128 - child.returncode
         finally:
-            for r in rounds:
-                r.cancel()
+            rounds.drop()
             if nc is not None:
                 with contextlib.suppress(Exception):
                     await nc.close()  # type: ignore[attr-defined]
