@@ -84,6 +84,9 @@ class Services:
             "TALARIA_MODELS": ",".join(self.models),
             "TALARIA_SERVER_ID": SERVER,
             "TALARIA_HEARTBEAT_WALL_S": "0.05",
+            # every Services of the session shares one test NATS: each prompt store reserves its
+            # bound there, and at the default 1 GiB each the server ran out of storage to reserve
+            "TALARIA_PROMPT_STORE_MAX_BYTES": str(64 * 2**20),
             "TALARIA_LOG_FORMAT": "json",
             "PYTHONUNBUFFERED": "1",
             "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p),
