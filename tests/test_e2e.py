@@ -208,11 +208,12 @@ def test_two_servers_live_placement_matches_sim(tmp_path: Path, routers: int) ->
     sessions = generate(settings, seed=3)
     path = tmp_path / "two-servers.jsonl"
     dump_trace(sessions, path)
-    # 5x: a finish and an arrival a few model milliseconds apart can reach the router in
+    # 2.5x: a finish and an arrival a few model milliseconds apart can reach the router in
     # either order, and on 8 sessions one call placed differently moves the mean by up to
-    # ~20% (measured at 10x with both cores loaded: 1 run in 21 off by 21%); at 5x the
-    # same wall latency is half the model time
-    p = replay(path, "talaria", 5, tmp_path / "r.json", tmp_path / "logs", servers=2, routers=routers)
+    # ~20% (measured at 10x with both cores loaded: 1 run in 21 off by 21%; at 5x a CI run
+    # on a fresh clone was off by 11% with two replicas); at 2.5x the same wall latency is
+    # a quarter of the model time it is at 10x
+    p = replay(path, "talaria", 2.5, tmp_path / "r.json", tmp_path / "logs", servers=2, routers=routers)
     assert p.returncode == 0, f"rc {p.returncode}\nstderr:\n{p.stderr[-3000:]}"
     run = json.loads((tmp_path / "r.json").read_text())["runs"][0]
     check_run(run, sessions)

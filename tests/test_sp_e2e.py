@@ -36,7 +36,7 @@ TRACE = [
 
 # a3 starts while AIR's slot is open (a2 keeps it busy, g1 waits): with
 # sp_new_sessions its first call joins the slot; without it, it waits a round.
-TRACE_NEW_SESSION = [*TRACE, TraceSession("a3", AIR, 8.0, [TraceCall(2000, 20, 0.0)])]
+TRACE_NEW_SESSION = [*TRACE, TraceSession("a3", AIR, 16.0, [TraceCall(2000, 20, 0.0)])]
 
 
 def second_call(records: list[CallRecord]) -> CallRecord:
