@@ -23,7 +23,15 @@ Redis that restarts empty does not turn an agent's open session into an
 unknown one: the router restores the session's Redis hash from it.
 
 Transient errors (a NATS node restarting, a stream leader being elected) are
-retried up to a deadline; past it `CallRecordUnavailable` is raised.
+retried up to a deadline; past it `CallRecordUnavailable` is raised. Each request
+waits `REQUEST_TIMEOUT_S`, not nats-py's 5 s: a request that went to a stream
+leader that died is asked again soon after the election, not 5 s later. Asking
+again is safe because every conditional write carries a message id of its own
+(`Nats-Msg-Id`): a retry of a write whose first try landed, its ack lost, is
+refused as a wrong revision (nats-server checks the expected revision before its
+duplicate window), and the refusal is then told apart from a lost race by
+reading the key from the stream's leader: if its newest message carries this
+write's id, the write landed and its revision is returned.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Literal
 
@@ -38,13 +47,15 @@ import msgspec
 import nats.errors
 import nats.js.errors
 from nats.aio.client import Client as NATS
-from nats.js.api import KeyValueConfig, StorageType
+from nats.js.api import Header, KeyValueConfig, StorageType
+from nats.js.client import JetStreamContext
 from nats.js.kv import KeyValue
 
 from shared.schema import CallRecord, OpenSessionRecord, call_record_decoder, encode, open_session_record_decoder
 from shared.subjects import Subjects
 
 RETRY_DEADLINE_S = 20.0   # wall seconds a step waits out a restarting node or a leader election
+REQUEST_TIMEOUT_S = 1.0   # one request's wait for the bucket's answer (then asked again)
 _BACKOFF_S = (0.02, 0.05, 0.1, 0.2, 0.5)
 # the JetStream error codes a conditional delete is refused with when the key moved on
 # (10071: wrong last sequence; 10164 is what the server answered for it in chaos runs)
@@ -108,15 +119,18 @@ async def retry_transient(what: str, step, deadline_s: float,  # type: ignore[no
 
 
 class CallRecords:
-    def __init__(self, kv: KeyValue, deadline_s: float = RETRY_DEADLINE_S) -> None:
+    def __init__(self, kv: KeyValue, js: JetStreamContext, bucket: str, deadline_s: float = RETRY_DEADLINE_S) -> None:
         self.kv = kv
+        self.js = js
+        self.subject_prefix = f"$KV.{bucket}."  # (JetStream KV's subject for a key, and its stream)
+        self.stream = f"KV_{bucket}"
         self.deadline_s = deadline_s
 
     @classmethod
     async def open(cls, nc: NATS, subject_prefix: str, *, replicas: int, ttl_s: float,
                    deadline_s: float = RETRY_DEADLINE_S) -> CallRecords:
         """Create the bucket, or bind to it if it exists (every service may be first)."""
-        js = nc.jetstream()
+        js = nc.jetstream(timeout=REQUEST_TIMEOUT_S)
         name = Subjects(subject_prefix).call_record_bucket
         config = KeyValueConfig(bucket=name, history=1, ttl=ttl_s, replicas=max(1, replicas), storage=StorageType.FILE)
         end = time.monotonic() + max(deadline_s, 30.0)
@@ -127,7 +141,7 @@ class CallRecords:
                     kv = await js.create_key_value(config)
                 except nats.js.errors.BadRequestError:  # exists with another config (e.g. other replicas)
                     kv = await js.key_value(name)
-                return cls(kv, deadline_s)
+                return cls(kv, js, name, deadline_s)
             except Exception as exc:
                 if not is_transient(exc) or time.monotonic() > end:
                     hint = (" (is JetStream enabled on the NATS server? the call record needs it: nats-server -js)"
@@ -140,6 +154,46 @@ class CallRecords:
         return await retry_transient(what, step, self.deadline_s, CallRecordUnavailable)
 
     # -- the primitive steps ------------------------------------------------------------
+    async def _write(self, what: str, key: str, data: bytes, last: int) -> int | None:
+        """Write `key` if it is at revision `last` (0: it has no value); its new revision,
+        or None when it moved on. One message id for every try (see the module's note)."""
+        write_id = uuid.uuid4().hex
+        subject = self.subject_prefix + key
+        tries = 0
+
+        async def publish(expected: int) -> int | None:
+            nonlocal tries
+            tries += 1
+            try:
+                ack = await self.js.publish(subject, data, headers={
+                    Header.MSG_ID.value: write_id, Header.EXPECTED_LAST_SUBJECT_SEQUENCE.value: str(expected)})
+            except nats.js.errors.APIError as exc:
+                if exc.err_code not in WRONG_LAST_SEQUENCE:
+                    raise
+                return await landed() if tries > 1 else None
+            return int(ack.seq)
+
+        async def landed() -> int | None:
+            """An earlier try's revision, if it is the key's newest message (its ack was lost)."""
+            try:
+                msg = await self.js.get_msg(self.stream, subject=subject)
+            except nats.js.errors.NotFoundError:
+                return None
+            return int(msg.seq) if msg.headers and msg.headers.get(Header.MSG_ID.value) == write_id else None
+
+        async def step() -> int | None:
+            rev = await publish(last)
+            if rev is None and last == 0:
+                # "no value" may be a deleted key, whose tombstone has a revision of its own
+                try:
+                    await self.kv.get(key)
+                except nats.js.errors.KeyNotFoundError as gone:  # (deleted: it carries the tombstone)
+                    if gone.entry is not None and gone.entry.revision:
+                        return await publish(int(gone.entry.revision))
+            return rev
+
+        return await self._retry(what, step)
+
     async def get(self, session_id: str, call_id: str) -> tuple[CallRecord | None, int]:
         """The record and its revision (None, 0 when there is none)."""
         key = record_key(session_id, call_id)
@@ -157,28 +211,11 @@ class CallRecords:
 
     async def create(self, session_id: str, call_id: str, record: CallRecord) -> int | None:
         """Write it if the key has no record; its revision, or None when one exists."""
-        key, data = record_key(session_id, call_id), encode(record)
-
-        async def step() -> int | None:
-            try:
-                return await self.kv.create(key, data)
-            except nats.js.errors.KeyWrongLastSequenceError:
-                return None
-
-        return await self._retry("create", step)
+        return await self._write("create", record_key(session_id, call_id), encode(record), 0)
 
     async def update(self, session_id: str, call_id: str, record: CallRecord, last: int) -> int | None:
         """Write it if the key is still at revision `last`; the new revision, or None."""
-        key, data = record_key(session_id, call_id), encode(record)
-
-        async def step() -> int | None:
-            try:
-                return await self.kv.update(key, data, last=last)
-            except nats.js.errors.KeyWrongLastSequenceError:
-                return None
-
-        # (a retried write whose first try landed reads as a wrong revision: None, and the caller reads again)
-        return await self._retry("update", step)
+        return await self._write("update", record_key(session_id, call_id), encode(record), last)
 
     async def release(self, session_id: str, call_id: str, last: int) -> None:
         """Forget a placement nothing took (a retry may place it again)."""
@@ -236,16 +273,8 @@ class CallRecords:
         key = epoch_key(role, scope)
         while True:
             current, revision = await self.current_epoch(role, scope)
-
-            async def step() -> int | None:
-                try:
-                    if revision == 0:
-                        return await self.kv.create(key, str(current + 1).encode())
-                    return await self.kv.update(key, str(current + 1).encode(), last=revision)
-                except nats.js.errors.KeyWrongLastSequenceError:
-                    return None  # another process took one meanwhile: read again
-
-            rev = await self._retry("take epoch", step)
+            # None: another process took one meanwhile: read again
+            rev = await self._write("take epoch", key, str(current + 1).encode(), revision)
             if rev is not None:
                 return current + 1, rev
 
@@ -268,15 +297,7 @@ class CallRecords:
     async def refresh_epoch(self, role: str, scope: str, epoch: int, revision: int) -> int | None:
         """Write our epoch again (the bucket's TTL would age it out under a long-lived
         holder); the new revision, or None when a newer holder has taken it."""
-        key = epoch_key(role, scope)
-
-        async def step() -> int | None:
-            try:
-                return await self.kv.update(key, str(epoch).encode(), last=revision)
-            except nats.js.errors.KeyWrongLastSequenceError:
-                return None
-
-        return await self._retry("refresh epoch", step)
+        return await self._write("refresh epoch", epoch_key(role, scope), str(epoch).encode(), revision)
 
     # -- open sessions (the router's) ---------------------------------------------------
     async def open_session(self, session_id: str, model: str, owner: str) -> None:

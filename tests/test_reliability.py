@@ -542,3 +542,54 @@ async def test_a_stopped_admission_that_resumes_after_its_replacement_stands_dow
             os.kill(old_pid, signal.SIGCONT)
         await nc.close()
         await svc.stop()
+
+
+async def test_a_call_record_write_whose_ack_is_lost_is_retried_to_its_own_revision(
+        nats_server: NatsServer, subject_prefix: str) -> None:
+    """The bucket stores a write but its ack never arrives (the stream leader died
+    after storing it, or answered after the client's short timeout). The retry is
+    answered with that write's revision — a create is not taken for another
+    router's, an update not for a lost race — and the record moves on once."""
+    import nats.errors
+    from nats.aio.client import Client as NATS
+
+    from shared.call_record import CallRecords
+    from shared.keys import CALL_TTL_S
+    from shared.schema import CallRecord
+
+    nc = NATS()
+    await nc.connect(nats_server.url)
+    try:
+        records = await CallRecords.open(nc, subject_prefix, replicas=1, ttl_s=CALL_TTL_S)
+        real_publish = records.js.publish
+        lost: list[str] = []
+
+        async def publish_ack_lost_once(subject: str, payload: bytes = b"", **kw: Any) -> Any:
+            ack = await real_publish(subject, payload, **kw)
+            if not lost:
+                lost.append(subject)
+                raise nats.errors.TimeoutError  # stored, but the client never hears it
+            return ack
+
+        records.js.publish = publish_ack_lost_once  # type: ignore[method-assign]
+        rev = await records.create("s-1", "c-1", CallRecord(state="placing"))
+        assert lost and rev is not None
+        record, current = await records.get("s-1", "c-1")
+        assert record is not None and record.state == "placing" and current == rev
+        # another writer's create is refused: the id is taken
+        assert await records.create("s-1", "c-1", CallRecord(state="placing")) is None
+        lost.clear()
+        rev2 = await records.update("s-1", "c-1", CallRecord(state="placed", server_id="s0"), rev)
+        assert lost and rev2 is not None and rev2 > rev
+        assert (await records.get("s-1", "c-1")) == (CallRecord(state="placed", server_id="s0"), rev2)
+        # a stale writer (at the first revision) is refused
+        assert await records.update("s-1", "c-1", CallRecord(state="placed", server_id="s1"), rev) is None
+        # a released (deleted) key can be created again: its tombstone's revision is the one to write on
+        await records.release("s-1", "c-1", rev2)
+        assert (await records.get("s-1", "c-1"))[0] is None
+        assert await records.create("s-1", "c-1", CallRecord(state="placing")) is not None
+        # epochs go through the same write
+        assert (await records.take_epoch("admission", "s0"))[0] == 1
+        assert (await records.take_epoch("admission", "s0"))[0] == 2
+    finally:
+        await nc.close()
