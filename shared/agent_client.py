@@ -14,7 +14,10 @@ Against `talaria up` (authentication on, a private subject prefix):
 A call waiting for its model's slot is alive: the services send `queued` and
 `running` heartbeats, and the client only gives up when it has heard nothing
 for `silence_s` (wall seconds). Then it retries the same call id (served at
-most once) up to `retries` times before raising `CallTimeout`.
+most once) up to `retries` times before raising `CallTimeout`. A call that has
+had no answer at all is sent again sooner, after a wait that follows the
+latency of this client's first answers (`shared/accept_timer.py`): a router
+that took it and then hung or died answers nothing.
 """
 
 from __future__ import annotations
@@ -39,14 +42,15 @@ from nats.errors import TimeoutError as NatsTimeout
 from opentelemetry.trace import SpanKind
 
 from shared.schema import (
-    ApiError, CallAccepted, CallEvent, CallQueued, CallReply, CallRequest, CallRunning, CallTokens, CancelCall, EngineHint,
+    ApiError, CallAccepted, CallEvent, CallQueued, CallReceived, CallReply, CallRequest, CallRunning, CallTokens, CancelCall, EngineHint,
     EndSession, Info,
     PROMPT_INLINE_MAX_BYTES, InfoRequest, OpenSession, PromptPayload, Sampling, SessionOpened, api_reply_decoder,
     call_event_decoder, encode,
 )
 from shared import tracing
+from shared.accept_timer import AcceptTimer
 from shared.prompt_store import PromptStore, PromptStoreUnavailable, encode_payload, object_name
-from shared.subjects import AGENT_NAMESPACE, Subjects, inbox_prefix, is_namespace
+from shared.subjects import AGENT_NAMESPACE, HEADER_RECEIPT, Subjects, inbox_prefix, is_namespace
 
 NO_RESPONDERS_STATUS = "503"  # NATS's status on a reply subject when nobody is subscribed to the request's subject
 NO_ROUTER_RETRY_S = 0.2       # wall seconds between two sends of a call while no router is subscribed
@@ -147,6 +151,8 @@ class TalariaClient:
         self.client_id = f"{namespace}.{uuid.uuid4().hex[:12]}"
         self.prompt_inline_max_bytes = PROMPT_INLINE_MAX_BYTES  # larger real prompts go by reference
         self._prompts: PromptStore | None = None
+        # a call nobody answers at all (taken by a router that hung or died) is sent again after this
+        self.accept_timer = AcceptTimer(ceiling_s=silence_s)
 
     @classmethod
     async def connect(cls, urls: list[str] | str, *, user: str | None = None, password: str | None = None,
@@ -307,7 +313,8 @@ class TalariaClient:
                                  attributes=tracing.call_attributes(model, session_id, cid, **{
                                      "gen_ai.request.max_tokens": max_tokens}))
         span_ = call_span.__enter__()
-        headers = tracing.with_traceparent(None) or None
+        # (a receipt asked for: a call nobody answers at all is sent again soon)
+        headers = {**(tracing.with_traceparent(None) or {}), HEADER_RECEIPT: "1"}
         try:
             attempts = 0
             # with our inbox as its reply subject, NATS tells us at once when no router is
@@ -321,22 +328,41 @@ class TalariaClient:
                 if by_ref is not None and prompt_ref is not None:  # (again on a retry: the engine deletes it when done)
                     await self._put_prompt(prompt_ref, by_ref)
                 await send()
+                sent_at = time.monotonic()
+                silent_until = sent_at + self.silence_s  # this attempt's end while nothing is heard
+                resends = 0
+                answered = False  # anything heard of the call since this attempt's send
+                resend_at = sent_at + self.accept_timer.wait_s()
                 while True:
+                    now = time.monotonic()
+                    wait = self.silence_s if answered else max(0.0, min(resend_at, silent_until) - now)
                     try:
-                        async with asyncio.timeout(self.silence_s):
+                        async with asyncio.timeout(wait):
                             msg = await inbox_msgs.get()
                     except TimeoutError:
-                        break  # silence: retry under the same call id
+                        if answered or time.monotonic() >= silent_until:
+                            break  # silence: retry under the same call id
+                        # no answer at all yet: the router that took it may have hung or died
+                        resends += 1
+                        await send()
+                        resend_at = time.monotonic() + self.accept_timer.wait_s(resends)
+                        continue
                     if msg.headers and msg.headers.get("Status") == NO_RESPONDERS_STATUS:
                         if time.monotonic() > give_up_at:
                             break
                         await asyncio.sleep(NO_ROUTER_RETRY_S)  # a router restarting: not an attempt
                         await send()
+                        resends += 1  # (which send an answer is for is unknown now: not sampled)
+                        resend_at = time.monotonic() + self.accept_timer.wait_s()
                         continue
                     try:
                         ev = call_event_decoder.decode(msg.data)
                     except msgspec.ValidationError:
                         continue
+                    if not answered:
+                        answered = True
+                        if resends == 0:  # Karn's rule: only a call sent once tells the latency
+                            self.accept_timer.observe(time.monotonic() - sent_at)
                     if on_event is not None:
                         on_event(ev)
                     match ev:
@@ -357,7 +383,7 @@ class TalariaClient:
                             del streamed[i:]
                             streamed.extend(t)
                             continue
-                        case CallAccepted() | CallQueued() | CallRunning():
+                        case CallReceived() | CallAccepted() | CallQueued() | CallRunning():
                             continue
             raise CallTimeout("timeout", f"call {cid}: no answer for {self.silence_s:.0f} s, {attempts} attempts")
         finally:

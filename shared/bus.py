@@ -16,6 +16,7 @@ import signal
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 
 import msgspec
@@ -39,7 +40,7 @@ from shared import tracing
 from shared.metrics import Metrics
 from shared.schema import HEALTH_OK, HEALTH_STARTING, ApiError, encode
 from shared.settings import Settings
-from shared.subjects import HEADER_CALL, HEADER_SESSION, Subjects
+from shared.subjects import HEADER_CALL, HEADER_RECEIPT, HEADER_SESSION, Subjects
 
 VERSION = "0.1.0"
 
@@ -90,6 +91,7 @@ async def connect_nats(urls: list[str], name: str, log: structlog.stdlib.BoundLo
 REDIS_POOL_CONNECTIONS = 64  # Redis connections a service process keeps at most (a command waits for one)
 REDIS_POOL_WAIT_S = 30.0      # ... for at most this long (a Redis restart is waited out by the commands' retries)
 CONCURRENT_HANDLER_LIMIT = 256  # requests one subscription handles at once (concurrent_handler)
+CONCURRENT_HANDLER_BACKLOG = 4096  # ... and takes to wait for a slot before the subscription waits
 LOOP_STALL_EXIT_CODE = 70  # EX_SOFTWARE: the process's own watchdog found its event loop stuck
 
 
@@ -192,24 +194,50 @@ class ServiceProcess:
         return cb
 
     def concurrent_handler(self, handler: Callable[[Msg], Awaitable[None]], what: str,
-                           limit: int = CONCURRENT_HANDLER_LIMIT) -> Callable[[Msg], Awaitable[None]]:
+                           limit: int = CONCURRENT_HANDLER_LIMIT,
+                           receipt: bytes | None = None) -> Callable[[Msg], Awaitable[None]]:
         """Like `guarded_handler`, but each message is handled in a task of its own:
         nats-py runs one subscription's callbacks one after another, so one request
         waiting on a dead peer (a submit to an admission killed mid-request waits out
         its timeout) held up every agent's call behind it. At most `limit` run at
-        once; beyond that the subscription waits, and NATS buffers (backpressure)."""
+        once; the next ones wait their turn in order, and beyond
+        `CONCURRENT_HANDLER_BACKLOG` of those the subscription waits and NATS
+        buffers (backpressure).
+        `receipt`: published to the reply subject of a request that asks for it
+        (`HEADER_RECEIPT`) as it is taken, before it waits for a slot: the agent's
+        sign that a live process has its call."""
         guarded = self.guarded_handler(handler, what)
-        slots = asyncio.Semaphore(limit)
+        free = limit
+        # taken and acknowledged, waiting for a slot: oldest first; beyond its bound the
+        # subscription itself waits (and NATS buffers), so a receipt is never held up by
+        # the slots until then
+        backlog: deque[Msg] = deque()
+        room = asyncio.Event()
+        room.set()
 
         async def run(msg: Msg) -> None:
+            nonlocal free
             try:
                 await guarded(msg)
             finally:
-                slots.release()
+                if backlog:
+                    self.spawn(run(backlog.popleft()), what)  # the slot goes to the oldest waiting
+                    room.set()
+                else:
+                    free += 1
 
         async def cb(msg: Msg) -> None:
-            await slots.acquire()
-            self.spawn(run(msg), what)
+            nonlocal free
+            if receipt is not None and msg.reply and msg.headers and msg.headers.get(HEADER_RECEIPT):
+                await self.nc.publish(msg.reply, receipt)
+            if free > 0:
+                free -= 1
+                self.spawn(run(msg), what)
+                return
+            backlog.append(msg)
+            if len(backlog) >= CONCURRENT_HANDLER_BACKLOG:
+                room.clear()
+                await room.wait()
 
         return cb
 

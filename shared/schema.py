@@ -149,6 +149,12 @@ class Info(Base, tag="info_reply"):
 
 
 # -- call events (to the agent's reply subject) -------------------------------------
+class CallReceived(Base, tag="received"):
+    """A router took the call: sent on receipt, before placement. An agent that hears
+    nothing at all after sending a call sends it again soon (`shared/accept_timer.py`):
+    the router that took it hung or died."""
+
+
 class CallAccepted(Base, tag="accepted"):
     call_id: str
     server_id: str
@@ -204,7 +210,7 @@ class CallTokens(Base, tag="tokens"):
     token_ids: list[int]
 
 
-CallEvent = CallAccepted | CallQueued | CallRunning | CallTokens | CallReply | ApiError
+CallEvent = CallReceived | CallAccepted | CallQueued | CallRunning | CallTokens | CallReply | ApiError
 
 
 class CancelCall(Base, tag="cancel"):

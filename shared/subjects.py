@@ -161,3 +161,6 @@ def _token(name: str) -> str:
 # NATS headers that carry the trace context across services
 HEADER_SESSION = "Talaria-Session"
 HEADER_CALL = "Talaria-Call"
+# on a call: the sender wants the router's receipt (`received`) first on the reply subject;
+# a plain NATS request without it sees the call's answer (or its error) first, as before
+HEADER_RECEIPT = "Talaria-Receipt"

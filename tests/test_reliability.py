@@ -593,3 +593,33 @@ async def test_a_call_record_write_whose_ack_is_lost_is_retried_to_its_own_revis
         assert (await records.take_epoch("admission", "s0"))[0] == 2
     finally:
         await nc.close()
+
+
+async def test_a_call_taken_by_a_router_that_never_answers_is_sent_again_soon(
+        nats_server: NatsServer, redis_server: RedisServer, subject_prefix: str, key_prefix: str,
+        tmp_path: Path) -> None:
+    """A black hole joins the routers' queue group on the call subject: a router that
+    took calls and then hung (SIGSTOP) or died. NATS delivered them, so no 503 comes
+    back; the client, having heard nothing at all, sends each again after about a
+    second (its accept timer) instead of after its whole silence (60 s here), and
+    every call is served once."""
+    svc = Services(nats_server.url, redis_server.url, subject_prefix, key_prefix, tmp_path / "logs", models=[MODEL_A])
+    await svc.start()
+    swallowed: list[float] = []
+    hole = await black_hole(nats_server.url, svc.subjects.api_call("agent"), "router", swallowed)
+    try:
+        async with await TalariaClient.connect(nats_server.url, subject_prefix=subject_prefix, silence_s=60.0) as c:
+            sess = await c.open_session(MODEL_A)
+            n, slowest = 0, 0.0
+            while len(swallowed) < 2 and n < 30:
+                n += 1
+                t0 = time.monotonic()
+                r = await asyncio.wait_for(sess.call(prompt_tokens=500 + n, max_tokens=16, sim_output_tokens=3), 30.0)
+                assert r.output_tokens == 3
+                slowest = max(slowest, time.monotonic() - t0)
+        assert len(swallowed) >= 2, "the black hole never took a call: the test proved nothing"
+        assert slowest < 8.0, f"a swallowed call was served {slowest:.1f} s after it was sent"
+        assert max(engine_counts(svc, "engine.started").values()) == 1  # each call ran once
+    finally:
+        await hole.close()
+        await svc.stop()

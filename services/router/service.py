@@ -29,7 +29,7 @@ from shared.policy import DECISION_HISTORY
 from shared.prompt_store import PromptStore
 from shared.subjects import AGENT_FACING_NAMESPACES
 from shared.schema import (
-    MAX_MESSAGE_BYTES, AdmissionCall, ApiError, CallAccepted, CallRecord, CallRequest, EndSession, Info, InfoRequest, Ok,
+    MAX_MESSAGE_BYTES, AdmissionCall, ApiError, CallAccepted, CallReceived, CallRecord, CallRequest, EndSession, Info, InfoRequest, Ok,
     EnginePayload, OpenSession, PromptRef, SessionOpened, SessionReleased, SubmitCall, api_request_decoder, encode, reply_decoder,
     submit_reply_decoder,
 )
@@ -63,9 +63,12 @@ class Router(ServiceProcess):
         await PromptStore(self.nc, self.settings.subject_prefix).create(
             list(AGENT_FACING_NAMESPACES), replicas=self.settings.call_record_replicas, ttl_s=CALL_TTL_S,
             max_bytes=self.settings.prompt_store_max_bytes)
+        received = encode(CallReceived())
         for subject in self.subjects.api_requests:
-            # each request in its own task: one waiting on a dead admission must not hold up the rest
-            await self.nc.subscribe(subject, queue="router", cb=self.concurrent_handler(self.on_api, "api"))
+            # each request in its own task: one waiting on a dead admission must not hold up the rest;
+            # a call is acknowledged as it is taken (its agent sends it again when nothing comes)
+            receipt = received if subject == self.subjects.api_call("*") else None
+            await self.nc.subscribe(subject, queue="router", cb=self.concurrent_handler(self.on_api, "api", receipt=receipt))
 
     async def on_api(self, msg: Msg) -> None:
         if len(msg.data) > MAX_MESSAGE_BYTES:
