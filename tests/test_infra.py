@@ -501,3 +501,24 @@ async def test_a_child_that_served_before_dying_restarts_without_crash_loop_back
         stop.set()
         await asyncio.wait_for(task, timeout=5)
         await group.astop_all(timeout=5)
+
+
+async def test_a_child_killed_as_hung_restarts_at_once_even_right_after_a_restart(tmp_path: Path) -> None:
+    """A child killed, restarted, then judged hung before its liveness watch heard it
+    answer: the hang kill restarts it at once, where a second crash would back off."""
+    group = ProcessGroup(backoff_initial=2.0, backoff_max=5.0, stable_after=100.0, poll_interval=0.05)
+    child = group.add("steady", [sys.executable, "-c", FOREVER], {}, tmp_path / "steady.log")
+    group.start_all()
+    stop = asyncio.Event()
+    task = asyncio.create_task(group.supervise(stop))
+    try:
+        group.kill("steady")  # a crash: the first restart is immediate
+        await until(lambda: child.restarts == 1 and child.running, DEADLINE_S)
+        t0 = time.monotonic()
+        group.kill_hung("steady")  # never marked healthy since: a plain kill would wait 2 s
+        await until(lambda: child.restarts == 2 and child.running, DEADLINE_S)
+        assert time.monotonic() - t0 < 1.5, f"restarted {time.monotonic() - t0:.1f} s after the hang kill"
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, timeout=5)
+        await group.astop_all(timeout=5)

@@ -580,7 +580,7 @@ class AdmissionService(ServiceProcess):
         requested_at = self.scheduler.switch_started_at
         # a switch can take a cold start's worth of model time; wait for it on the wall clock
         timeout = self.clock.wall_s(600.0) + 30.0
-        attempt = 0
+        attempt = failures = 0  # failures: the substrate down or refusing (lost messages are not)
         while True:
             attempt += 1
             retry = self.switch_attempt[new] = asyncio.Event()
@@ -625,7 +625,8 @@ class AdmissionService(ServiceProcess):
             except Exception as exc:  # substrate down or restarting: keep trying, the calls stay queued
                 self.log.warning("admission.switch_retry", to_model=new, attempt=attempt, error=str(exc) or type(exc).__name__)
                 if not isinstance(exc, SwitchLost):  # (a lost message is asked for again at once)
-                    await asyncio.sleep(min(5.0, 0.5 * attempt))
+                    failures += 1
+                    await asyncio.sleep(min(5.0, 0.5 * failures))
             finally:
                 for f in (req, again):
                     if f is not None and not f.done():

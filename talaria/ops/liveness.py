@@ -68,7 +68,10 @@ class PingRounds:
         self._rounds: deque[tuple[asyncio.Future, list[str]]] = deque()
 
     def begin(self, names: list[str], ping: Callable[[str], Awaitable[bool]]) -> None:
-        self._rounds.append((asyncio.gather(*(ping(n) for n in names)), names))
+        pings = asyncio.gather(*(ping(n) for n in names))
+        # a round cut short at shutdown (its pings cancelled) is nobody's error to log
+        pings.add_done_callback(lambda f: f.cancelled() or f.exception())
+        self._rounds.append((pings, names))
 
     def finished(self) -> list[dict[str, bool]]:
         """The answers (name -> answered) of every round done, oldest first, until one is not."""

@@ -278,7 +278,7 @@ class EmbeddedStack:
                     for name in watch.round(answers, time.monotonic()):
                         print(f"[talaria] {name} stopped answering its health checks: killing it for a restart",
                               file=sys.stderr, flush=True)
-                        self.group.kill(name)
+                        self.group.kill_hung(name)
                 now_pids = self.group.pids()
                 for name in names:
                     if now_pids.get(name) != pids.get(name):
