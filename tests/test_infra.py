@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import signal
@@ -11,7 +12,7 @@ import sys
 import textwrap
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -480,15 +481,26 @@ async def test_shared_fixtures(nats_server: NatsServer, redis_server: RedisServe
     await nc.jetstream().add_stream(name=subject_prefix, subjects=[f"{subject_prefix}.js.>"])
 
 
-async def test_a_child_that_served_before_dying_restarts_without_crash_loop_backoff(tmp_path: Path) -> None:
-    """Back-off grows for a child that keeps dying (a crash loop), not for one that
-    answered its health check in between (killed again and again, as chaos does)."""
-    group = ProcessGroup(backoff_initial=0.1, backoff_max=5.0, stable_after=100.0, poll_interval=0.05)
+@contextlib.asynccontextmanager
+async def supervised_child(tmp_path: Path, backoff_initial: float) -> AsyncIterator[tuple[ProcessGroup, Any]]:
+    """One long-running child under a supervising ProcessGroup (stopped after)."""
+    group = ProcessGroup(backoff_initial=backoff_initial, backoff_max=5.0, stable_after=100.0, poll_interval=0.05)
     child = group.add("steady", [sys.executable, "-c", FOREVER], {}, tmp_path / "steady.log")
     group.start_all()
     stop = asyncio.Event()
     task = asyncio.create_task(group.supervise(stop))
     try:
+        yield group, child
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, timeout=5)
+        await group.astop_all(timeout=5)
+
+
+async def test_a_child_that_served_before_dying_restarts_without_crash_loop_backoff(tmp_path: Path) -> None:
+    """Back-off grows for a child that keeps dying (a crash loop), not for one that
+    answered its health check in between (killed again and again, as chaos does)."""
+    async with supervised_child(tmp_path, backoff_initial=0.1) as (group, child):
         for n in (1, 2):  # killed twice, never marked healthy: a crash loop
             group.kill("steady")
             await until(lambda n=n: child.restarts == n and child.running, DEADLINE_S)
@@ -497,28 +509,15 @@ async def test_a_child_that_served_before_dying_restarts_without_crash_loop_back
         group.kill("steady")
         await until(lambda: child.restarts == 3 and child.running, DEADLINE_S)
         assert child.failures == 1  # back to the first back-off
-    finally:
-        stop.set()
-        await asyncio.wait_for(task, timeout=5)
-        await group.astop_all(timeout=5)
 
 
 async def test_a_child_killed_as_hung_restarts_at_once_even_right_after_a_restart(tmp_path: Path) -> None:
     """A child killed, restarted, then judged hung before its liveness watch heard it
     answer: the hang kill restarts it at once, where a second crash would back off."""
-    group = ProcessGroup(backoff_initial=2.0, backoff_max=5.0, stable_after=100.0, poll_interval=0.05)
-    child = group.add("steady", [sys.executable, "-c", FOREVER], {}, tmp_path / "steady.log")
-    group.start_all()
-    stop = asyncio.Event()
-    task = asyncio.create_task(group.supervise(stop))
-    try:
+    async with supervised_child(tmp_path, backoff_initial=2.0) as (group, child):
         group.kill("steady")  # a crash: the first restart is immediate
         await until(lambda: child.restarts == 1 and child.running, DEADLINE_S)
         t0 = time.monotonic()
         group.kill_hung("steady")  # never marked healthy since: a plain kill would wait 2 s
         await until(lambda: child.restarts == 2 and child.running, DEADLINE_S)
         assert time.monotonic() - t0 < 1.5, f"restarted {time.monotonic() - t0:.1f} s after the hang kill"
-    finally:
-        stop.set()
-        await asyncio.wait_for(task, timeout=5)
-        await group.astop_all(timeout=5)
