@@ -334,13 +334,22 @@ class OpenSessionRecord(Base, tag="session_record"):
 
 
 class Sleep(Base, tag="sleep"):
-    pass
+    # where the engine-worker says it has the command, on receipt (ControlAccepted):
+    # the substrate asks again when it hears nothing (a command lost on the bus)
+    ack_to: str | None = None
 
 
 class Wake(Base, tag="wake"):
     kv_capacity_tokens: Count
     host_kv: dict[str, Count] = {}
     at: float | None = None  # model time the switch completes (the message may land later)
+    ack_to: str | None = None  # (as Sleep's)
+
+
+class ControlAccepted(Base, tag="control_accepted"):
+    """An engine-worker has a Sleep or Wake (sent to its `ack_to` on receipt). Asking
+    again is safe: a repeated Wake refreshes the budget, a repeated Sleep answers
+    the first one's KV report."""
 
 
 class Abort(Base, tag="abort"):

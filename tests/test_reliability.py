@@ -623,3 +623,36 @@ async def test_a_call_taken_by_a_router_that_never_answers_is_sent_again_soon(
     finally:
         await hole.close()
         await svc.stop()
+
+
+async def test_a_sleep_or_wake_lost_on_the_bus_is_sent_again(
+        nats_server: NatsServer, redis_server: RedisServer, subject_prefix: str, key_prefix: str,
+        tmp_path: Path) -> None:
+    """A black hole joins an engine-worker's queue group on its control subject and
+    drops what it gets: a Sleep or Wake lost on the bus (a NATS node died under it).
+    The worker acknowledges a command on receipt, so the substrate sends it again
+    after a second instead of waiting out its control timeout (30 s here), and calls
+    for both models, which need a switch each time, are served in moments."""
+    svc = Services(nats_server.url, redis_server.url, subject_prefix, key_prefix, tmp_path / "logs",
+                   models=[MODEL_A, MODEL_B], extra_env={"TALARIA_CONTROL_TIMEOUT_S": "30"})
+    await svc.start()
+    dropped: list[float] = []
+    hole = await black_hole(nats_server.url, svc.subjects.engine_control(SERVER, MODEL_B), "engine", dropped)
+    try:
+        async with await TalariaClient.connect(nats_server.url, subject_prefix=subject_prefix, silence_s=60.0) as c:
+            a, b = await c.open_session(MODEL_A), await c.open_session(MODEL_B)
+            n = 0
+            while len(dropped) < 2 and n < 20:
+                n += 1
+                for sess in (a, b):
+                    t0 = time.monotonic()
+                    r = await asyncio.wait_for(sess.call(prompt_tokens=300 + 100 * n, max_tokens=8, sim_output_tokens=2),
+                                               40.0)
+                    assert r.output_tokens == 2
+                    assert time.monotonic() - t0 < 10.0, f"served after {time.monotonic() - t0:.1f} s"
+        assert len(dropped) >= 2, "the black hole never took a control command: the test proved nothing"
+        resent = [d for d in svc.log_lines(svc.substrate) if d.get("event") == "substrate.control_resent"]
+        assert any(d["reason"] == "no acknowledgement" for d in resent), resent
+    finally:
+        await hole.close()
+        await svc.stop()

@@ -39,7 +39,7 @@ from shared.bus import ServiceProcess, trace_headers
 from shared.call_record import Claim
 from shared.prompt_store import PromptStore
 from shared.schema import (
-    Abort, CallFinished, CallReply, CallTokens, ControlOk, EngineAnnounce, EngineState, ForgetHostKv, ListCalls,
+    Abort, CallFinished, CallReply, CallTokens, ControlAccepted, ControlOk, EngineAnnounce, EngineState, ForgetHostKv, ListCalls,
     ProtectKv, RunAccepted, RunCall, Sleep, Wake, cancel_decoder, control_decoder, encode, reply_decoder, run_decoder,
     session_released_decoder,
 )
@@ -138,6 +138,7 @@ class EngineWorker(ServiceProcess):
         self.backend = backend(self)
         self.pending: dict[str, RunCall] = {}  # runs that arrived while the engine slept or started
         self.claims: dict[str, Claim] = {}     # the call record's claim of each run taken (answered on it)
+        self.slept_kv: dict[str, int] | None = None  # the last Sleep's KV report (a repeated Sleep answers it)
         self.asked_by: dict[str, str] = {}     # each run taken -> its reply subject (whose cancel counts)
         self.started_wall: dict[str, float] = {}  # each run started -> its wall start (its span)
         self.epoch = uuid.uuid4().hex          # this process: a restarted worker takes its old claims over
@@ -357,10 +358,15 @@ class EngineWorker(ServiceProcess):
     # -- the substrate's and admission's control -----------------------------------------
     async def on_control(self, msg: Msg) -> None:
         cmd = control_decoder.decode(msg.data)
+        if isinstance(cmd, Sleep | Wake) and cmd.ack_to:
+            await self.nc.publish(cmd.ack_to, encode(ControlAccepted()))
         out = ControlOk()
         match cmd:
             case Sleep():
-                out = ControlOk(kv_out=await self.backend.sleep())
+                # asked again (its answer was lost): asleep already, the first one's report
+                if self.backend.awake or self.slept_kv is None:
+                    self.slept_kv = await self.backend.sleep()
+                out = ControlOk(kv_out=self.slept_kv)
             case Wake():
                 await self.backend.wake(cmd)
                 await self.start_pending()
