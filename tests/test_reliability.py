@@ -183,20 +183,40 @@ async def test_idle_session_releases_reservation_and_kv(nats_server: NatsServer,
         await svc.stop()
 
 
-async def black_hole(url: str, subject: str, queue: str, taken: list[float]) -> Any:
+async def black_hole(url: str, subject: str, queue: str, taken: list[float], leave_after: int | None = None) -> Any:
     """A NATS client in `queue`'s group on `subject` that takes its share of the
-    messages and never answers them (a peer that died holding them); it notes when."""
+    messages and never answers them (a peer that died holding them); it notes when.
+    `leave_after`: it leaves the group once it has taken that many (messages lost with
+    a node, not a member that eats half of them forever: NATS picks a member at random,
+    so a command sent again once a second can meet it several times in a row)."""
     from nats.aio.client import Client as NATS
 
     hole = NATS()
     await hole.connect(url)
+    sub: Any = None
 
     async def take(msg: Any) -> None:
         taken.append(time.monotonic())
+        if leave_after is not None and len(taken) >= leave_after and sub is not None:
+            await sub.unsubscribe()
 
-    await hole.subscribe(subject, queue=queue, cb=take)
+    sub = await hole.subscribe(subject, queue=queue, cb=take)
     await hole.flush()
     return hole
+
+
+async def switch_until_dropped(c: TalariaClient, dropped: list[float], *, bound_s: float, wait_s: float) -> None:
+    """Calls for MODEL_A and MODEL_B in turn (a model switch each time) until a black hole
+    has dropped two messages; each call served within `bound_s` wall seconds."""
+    a, b = await c.open_session(MODEL_A), await c.open_session(MODEL_B)
+    n = 0
+    while len(dropped) < 2 and n < 20:
+        n += 1
+        for sess in (a, b):
+            t0 = time.monotonic()
+            r = await asyncio.wait_for(sess.call(prompt_tokens=300 + 100 * n, max_tokens=8, sim_output_tokens=2), wait_s)
+            assert r.output_tokens == 2
+            assert time.monotonic() - t0 < bound_s, f"served after {time.monotonic() - t0:.1f} s"
 
 
 async def test_a_dispatch_lost_on_the_bus_is_sent_again(nats_server: NatsServer, redis_server: RedisServer,
@@ -277,19 +297,10 @@ async def test_a_switch_request_lost_on_the_bus_is_asked_again(
                    models=[MODEL_A, MODEL_B])
     await svc.start()
     dropped: list[float] = []
-    hole = await black_hole(nats_server.url, svc.subjects.substrate_switch(SERVER), "substrate", dropped)
+    hole = await black_hole(nats_server.url, svc.subjects.substrate_switch(SERVER), "substrate", dropped, leave_after=2)
     try:
         async with await TalariaClient.connect(nats_server.url, subject_prefix=subject_prefix, silence_s=60.0) as c:
-            a, b = await c.open_session(MODEL_A), await c.open_session(MODEL_B)
-            n = 0
-            while len(dropped) < 2 and n < 20:
-                n += 1
-                for sess in (a, b):
-                    t0 = time.monotonic()
-                    r = await asyncio.wait_for(sess.call(prompt_tokens=300 + 100 * n, max_tokens=8, sim_output_tokens=2),
-                                               20.0)
-                    assert r.output_tokens == 2
-                    assert time.monotonic() - t0 < 6.0, f"served after {time.monotonic() - t0:.1f} s"
+            await switch_until_dropped(c, dropped, bound_s=6.0, wait_s=20.0)
         assert len(dropped) >= 2, "the black hole never took a switch request: the test proved nothing"
         assert "no word from the substrate" in svc.log_tail(svc.admission, 400)
     finally:
@@ -637,19 +648,10 @@ async def test_a_sleep_or_wake_lost_on_the_bus_is_sent_again(
                    models=[MODEL_A, MODEL_B], extra_env={"TALARIA_CONTROL_TIMEOUT_S": "30"})
     await svc.start()
     dropped: list[float] = []
-    hole = await black_hole(nats_server.url, svc.subjects.engine_control(SERVER, MODEL_B), "engine", dropped)
+    hole = await black_hole(nats_server.url, svc.subjects.engine_control(SERVER, MODEL_B), "engine", dropped, leave_after=2)
     try:
         async with await TalariaClient.connect(nats_server.url, subject_prefix=subject_prefix, silence_s=60.0) as c:
-            a, b = await c.open_session(MODEL_A), await c.open_session(MODEL_B)
-            n = 0
-            while len(dropped) < 2 and n < 20:
-                n += 1
-                for sess in (a, b):
-                    t0 = time.monotonic()
-                    r = await asyncio.wait_for(sess.call(prompt_tokens=300 + 100 * n, max_tokens=8, sim_output_tokens=2),
-                                               40.0)
-                    assert r.output_tokens == 2
-                    assert time.monotonic() - t0 < 10.0, f"served after {time.monotonic() - t0:.1f} s"
+            await switch_until_dropped(c, dropped, bound_s=10.0, wait_s=40.0)
         assert len(dropped) >= 2, "the black hole never took a control command: the test proved nothing"
         resent = [d for d in svc.log_lines(svc.substrate) if d.get("event") == "substrate.control_resent"]
         assert any(d["reason"] == "no acknowledgement" for d in resent), resent
