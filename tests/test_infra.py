@@ -407,6 +407,62 @@ async def test_supervisor_restarts_crashing_child(tmp_path: Path) -> None:
     assert not steady.running
 
 
+# A package whose __main__ reports the environment it runs with (a warm spare's child).
+SPARE_PACKAGE_MAIN = textwrap.dedent("""
+    import os, time
+    if __name__ == "__main__":
+        print("running", os.getpid(), os.environ.get("INCARNATION"), flush=True)
+        while True:
+            time.sleep(1)
+""")
+
+
+async def test_a_restart_takes_the_warm_spare_with_the_environment_of_its_launch(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from talaria.ops import processes
+
+    monkeypatch.setattr(processes, "SPARE_DELAY_S", 0.1)
+    (tmp_path / "sparepkg").mkdir()
+    (tmp_path / "sparepkg" / "__init__.py").write_text("")
+    (tmp_path / "sparepkg" / "__main__.py").write_text(SPARE_PACKAGE_MAIN)
+    group = ProcessGroup(poll_interval=0.05, spares=True)
+    child = group.add("svc", [sys.executable, "-m", "sparepkg"], {"PYTHONPATH": str(tmp_path)},
+                      tmp_path / "svc.log")
+    launches = 0
+
+    def on_launch(c: Any) -> None:  # decided at each launch, as the stack's metrics port is
+        nonlocal launches
+        launches += 1
+        c.env["INCARNATION"] = str(launches)
+
+    child.on_launch = on_launch
+    group.start_all()
+    stop = asyncio.Event()
+    task = asyncio.create_task(group.supervise(stop))
+    pids: list[int] = []
+    try:
+        await until(lambda: child.spare is not None, DEADLINE_S)
+        assert child.spare is not None
+        spare_pid = child.spare.pid
+        first = child.pid
+        assert first is not None
+        pids += [first, spare_pid]
+        await until(lambda: f"running {first} 1" in child.log_path.read_text(), DEADLINE_S)
+        assert "running" not in child.log_path.read_text().replace(f"running {first} 1", "")  # the spare waits
+
+        group.kill("svc")
+        await until(lambda: child.running and child.pid == spare_pid, DEADLINE_S)
+        await until(lambda: f"running {spare_pid} 2" in child.log_path.read_text(), DEADLINE_S)
+        await until(lambda: child.spare is not None, DEADLINE_S)  # and a new spare behind it
+        assert child.spare is not None and child.spare.pid not in (first, spare_pid)
+        pids.append(child.spare.pid)
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, timeout=5)
+        await group.astop_all(timeout=5)
+    assert not any(pid_alive(p) for p in pids)  # the spare too: nothing outlives the group
+
+
 async def test_stop_all_kills_whole_process_group(tmp_path: Path) -> None:
     group = ProcessGroup()
     child = group.add("stubborn", [sys.executable, "-c", STUBBORN], {}, tmp_path / "s.log")

@@ -1,3 +1,4 @@
 from services.gateway.service import main
 
-main()
+if __name__ == "__main__":
+    main()

@@ -22,6 +22,7 @@ LIVENESS_INTERVAL_S = 0.25  # wall seconds between two rounds of health pings
 LIVENESS_TIMEOUT_S = 0.3    # wall seconds a ping may take (a served ping takes about 1 ms)
 LIVENESS_MISSES = 3         # rounds in a row without an answer before a kill (about 1 s of silence: rounds
                             # start every interval, each judged when its pings answer or time out)
+LIVENESS_TICK_S = 0.05      # wall seconds between two looks at the rounds out (a finished one is judged then)
 STARTUP_GRACE_S = 300.0     # wall seconds after a (re)start in which a child is never judged (a real engine loads its weights)
 
 

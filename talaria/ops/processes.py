@@ -17,6 +17,7 @@ import atexit
 import contextlib
 import ctypes
 import ctypes.util
+import json
 import logging
 import os
 import shutil
@@ -39,6 +40,7 @@ from shared.net import LOOPBACK
 log = logging.getLogger("talaria.ops.processes")
 
 POLL_S = 0.05
+SPARE_DELAY_S = 2.0  # wall seconds after a child's (re)start before its next warm spare starts
 
 
 class InfraError(RuntimeError):
@@ -124,6 +126,7 @@ def spawn(
     log_path: Path,
     env: Mapping[str, str] | None = None,
     cwd: str | Path | None = None,
+    stdin: int = subprocess.DEVNULL,
 ) -> subprocess.Popen[bytes]:
     """Start argv in its own session (so killpg reaches grandchildren), output appended to log."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -133,7 +136,7 @@ def spawn(
     with open(log_path, "ab", buffering=0) as logf:
         return subprocess.Popen(
             list(argv),
-            stdin=subprocess.DEVNULL,
+            stdin=stdin,
             stdout=logf,
             stderr=subprocess.STDOUT,
             env=dict(env) if env is not None else None,
@@ -385,6 +388,8 @@ class Child:
     next_start: float | None = None  # pending supervised restart time (monotonic)
     exit_codes: list[int] = field(default_factory=list)
     on_launch: Callable[["Child"], None] | None = None  # called before every (re)start, e.g. to pick a port
+    spare: subprocess.Popen[bytes] | None = None  # its warm spare, imports done, waiting on stdin (talaria/ops/spare.py)
+    spare_due: float | None = None  # when to start the next spare (monotonic)
 
     @property
     def pid(self) -> int | None:
@@ -393,6 +398,13 @@ class Child:
     @property
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
+
+
+def _spare_argv(argv: Sequence[str]) -> list[str] | None:
+    """`python -m <module> args` as a warm spare of itself; None for anything else."""
+    if len(argv) >= 3 and argv[1] == "-m" and argv[2] != "talaria.ops.spare":
+        return [argv[0], "-m", "talaria.ops.spare", *argv[2:]]
+    return None
 
 
 class ProcessGroup:
@@ -405,8 +417,12 @@ class ProcessGroup:
         backoff_max: float = 10.0,
         stable_after: float = 10.0,
         poll_interval: float = 0.1,
+        spares: bool = False,
     ) -> None:
         self.children: dict[str, Child] = {}
+        # Keep a warm spare of each `python -m <module>` child, so a restart skips
+        # Python's start-up and the service's imports (talaria/ops/spare.py).
+        self.spares = spares
         self.backoff_initial = backoff_initial
         self.backoff_max = backoff_max
         # A child that ran this long before dying is considered healthy: reset its back-off.
@@ -449,11 +465,46 @@ class ProcessGroup:
     def _launch(self, child: Child) -> None:
         if child.on_launch is not None:
             child.on_launch(child)
-        child.proc = spawn(child.argv, log_path=child.log_path, env=child.env)
+        child.proc = self._activate_spare(child) or spawn(child.argv, log_path=child.log_path, env=child.env)
         child.started_at = time.monotonic()
         child.stopping = False
         child.next_start = None
+        if self.spares and _spare_argv(child.argv) is not None:
+            # not at once: the new spare's imports would compete for the CPU with the
+            # child just (re)started, whose recovery is what the spare is for
+            child.spare_due = child.started_at + SPARE_DELAY_S
         register(self)
+
+    def _activate_spare(self, child: Child) -> subprocess.Popen[bytes] | None:
+        """The child's spare, told to run with the child's environment now; None if it has none alive."""
+        spare, child.spare = child.spare, None
+        if spare is None:
+            return None
+        if spare.poll() is None and spare.stdin is not None:
+            try:
+                spare.stdin.write(json.dumps({"env": child.env if child.env is not None else dict(os.environ)}).encode()
+                                  + b"\n")
+                spare.stdin.close()
+                return spare
+            except OSError:  # it died just now: start a fresh one
+                pass
+        _kill(spare)
+        return None
+
+    def _start_spares(self, now: float) -> None:
+        for child in self.children.values():
+            if child.spare_due is None or now < child.spare_due or child.stopping:
+                continue
+            child.spare_due = None
+            argv = _spare_argv(child.argv)
+            if argv is not None and (child.spare is None or child.spare.poll() is not None):
+                child.spare = spawn(argv, log_path=child.log_path, env=child.env, stdin=subprocess.PIPE)
+
+    def _stop_spare(self, child: Child) -> None:
+        child.spare_due = None
+        spare, child.spare = child.spare, None
+        if spare is not None:
+            _kill(spare)
 
     def start(self, name: str) -> None:
         with self._lock:
@@ -471,6 +522,7 @@ class ProcessGroup:
             child = self.children[name]
             child.stopping = True  # before signalling, so supervise never sees a "crash"
             child.next_start = None
+            self._stop_spare(child)
             if child.proc is not None:
                 _terminate(child.proc, timeout)
 
@@ -481,6 +533,7 @@ class ProcessGroup:
             for c in self.children.values():
                 c.stopping = True
                 c.next_start = None
+                self._stop_spare(c)
             deadline = time.monotonic() + timeout
             try:
                 # Signal everyone first so they shut down in parallel, then collect.
@@ -570,7 +623,7 @@ class ProcessGroup:
                     log.warning("infra: %s (pid %s) exited with code %s; restarting in %.1fs",
                                 child.name, child.proc.pid, code, delay)
                     self._note(child, f"exited with code {code}; restart in {delay:.1f}s")
-                elif now >= child.next_start:
+                if now >= child.next_start:  # a restart due now is done in this step, not the next poll
                     # Leftover grandchildren of the dead leader must not linger.
                     if _group_alive(child.proc.pid):
                         with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -580,6 +633,8 @@ class ProcessGroup:
                     log.warning("infra: restarted %s (restart #%d, pid %s)",
                                 child.name, child.restarts, child.proc.pid)
                     self._note(child, f"restart #{child.restarts}, pid {child.proc.pid}")
+            if self.spares:
+                self._start_spares(now)
 
     async def supervise(self, stop_event: asyncio.Event) -> None:
         """Restart children that exit unexpectedly until stop_event is set.
@@ -591,7 +646,7 @@ class ProcessGroup:
             await done_within(stop_event.wait(), self.poll_interval)
 
     def _procs(self) -> list[subprocess.Popen[bytes]]:
-        return [c.proc for c in self.children.values() if c.proc is not None]
+        return [p for c in self.children.values() for p in (c.proc, c.spare) if p is not None]
 
     def _atexit_stop(self) -> None:
         self.stop_all(timeout=3.0)

@@ -26,7 +26,7 @@ from shared.policy import PolicyConfig, encode_policy
 from shared.schema import HEALTH_OK
 from shared.subjects import Subjects
 from talaria.client import AgentLogin, Deployment
-from talaria.ops.liveness import LIVENESS_INTERVAL_S, LIVENESS_TIMEOUT_S, STARTUP_GRACE_S, LivenessWatch, PingRounds
+from talaria.ops.liveness import LIVENESS_INTERVAL_S, LIVENESS_TICK_S, LIVENESS_TIMEOUT_S, STARTUP_GRACE_S, LivenessWatch, PingRounds
 from talaria.ops.nats_server import NatsServer, start_cluster
 from talaria.ops import prometheus
 from talaria.ops.processes import Child, ProcessGroup
@@ -72,7 +72,9 @@ class EmbeddedStack:
         self.nats: NatsServer | None = None
         self.nats_nodes: list[NatsServer] = []  # every embedded node (one, or the cluster's)
         self.redis: RedisServer | None = None
-        self.group = ProcessGroup()
+        # a supervised stack (`talaria up`, chaos) keeps a warm spare of each service, so a
+        # restart does not wait for Python's start-up and imports (talaria/ops/spare.py)
+        self.group = ProcessGroup(spares=spec.liveness)
         self.metrics_ports: dict[str, int] = {}  # process -> its metrics port now
         self.clock_epoch = time.time()
         self.log_dir = Path(spec.log_dir)
@@ -265,9 +267,12 @@ class EmbeddedStack:
                 return False
 
         rounds = PingRounds()
+        next_round = time.monotonic()
         try:
             while not self._stop_supervising.is_set():
-                await done_within(self._stop_supervising.wait(), LIVENESS_INTERVAL_S)
+                # ticks shorter than the rounds' cadence: a round is judged as soon as its
+                # pings are in, not up to an interval later
+                await done_within(self._stop_supervising.wait(), LIVENESS_TICK_S)
                 if nc.is_reconnecting or not nc.is_connected:
                     rounds.drop()
                     continue  # the bus is away, not the services: judge nobody
@@ -284,7 +289,9 @@ class EmbeddedStack:
                     if now_pids.get(name) != pids.get(name):
                         watch.started(name, time.monotonic())
                 pids = now_pids
-                rounds.begin([n for n in names if now_pids.get(n) is not None], ping)
+                if time.monotonic() >= next_round:
+                    next_round = time.monotonic() + LIVENESS_INTERVAL_S
+                    rounds.begin([n for n in names if now_pids.get(n) is not None], ping)
         finally:
             rounds.drop()
             await nc.close()
