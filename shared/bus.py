@@ -117,6 +117,15 @@ def start_loop_watchdog(lag: LagMonitor, stall_s: float, instance: str) -> threa
     return t
 
 
+class RequestLost(RuntimeError):
+    """An acknowledged request (`ServiceProcess.acked_request`) whose acknowledgement, or
+    whose answer after it, is overdue: lost on the bus, and safe to send again."""
+
+
+class RequestInterrupted(RuntimeError):
+    """The caller's event was set while its acknowledged request was out."""
+
+
 class ServiceProcess:
     name = "service"
 
@@ -195,7 +204,9 @@ class ServiceProcess:
 
     def concurrent_handler(self, handler: Callable[[Msg], Awaitable[None]], what: str,
                            limit: int = CONCURRENT_HANDLER_LIMIT,
-                           receipt: bytes | None = None) -> Callable[[Msg], Awaitable[None]]:
+                           receipt: bytes | None = None,
+                           on_taken: Callable[[Msg], Awaitable[None]] | None = None,
+                           ) -> Callable[[Msg], Awaitable[None]]:
         """Like `guarded_handler`, but each message is handled in a task of its own:
         nats-py runs one subscription's callbacks one after another, so one request
         waiting on a dead peer (a submit to an admission killed mid-request waits out
@@ -205,7 +216,9 @@ class ServiceProcess:
         buffers (backpressure).
         `receipt`: published to the reply subject of a request that asks for it
         (`HEADER_RECEIPT`) as it is taken, before it waits for a slot: the agent's
-        sign that a live process has its call."""
+        sign that a live process has its call. `on_taken`: called likewise for each
+        message as it is taken (a command's own acknowledgement, say); with `limit=1`
+        the messages are still handled one at a time, in order."""
         guarded = self.guarded_handler(handler, what)
         free = limit
         # taken and acknowledged, waiting for a slot: oldest first; beyond its bound the
@@ -230,6 +243,9 @@ class ServiceProcess:
             nonlocal free
             if receipt is not None and msg.reply and msg.headers and msg.headers.get(HEADER_RECEIPT):
                 await self.nc.publish(msg.reply, receipt)
+            if on_taken is not None:
+                with contextlib.suppress(Exception):  # (the handler answers a bad message)
+                    await on_taken(msg)
             if free > 0:
                 free -= 1
                 self.spawn(run(msg), what)
@@ -240,6 +256,49 @@ class ServiceProcess:
                 await room.wait()
 
         return cb
+
+    async def acked_request(self, subject: str, payload: Callable[[str], bytes], *, timeout_s: float,
+                            ack_wall_s: float, interrupt: asyncio.Event | None = None,
+                            answer_within: Callable[[bytes], float | None] | None = None) -> Msg:
+        """A request whose receiver says it has it on receipt, to the inbox that
+        `payload(inbox)` names (its `ack_to`). Waits `ack_wall_s` wall seconds for that
+        acknowledgement, then for the answer: `answer_within(ack)` wall seconds after
+        each acknowledgement (None, or no `answer_within`: the rest of `timeout_s`).
+        Returns the answer (the request's own error, a timeout or no responders, is
+        raised as it is); raises `RequestLost` when an acknowledgement or an answer is
+        overdue, `RequestInterrupted` when `interrupt` is set first. A request lost
+        with a NATS node is so noticed within a second, not at its timeout. The
+        admission's switch requests and the substrate's Sleep/Wake use it."""
+        acks: asyncio.Queue[bytes] = asyncio.Queue()
+        inbox = self.nc.new_inbox()
+
+        async def on_ack(msg: Msg) -> None:
+            acks.put_nowait(msg.data)
+
+        sub = await self.nc.subscribe(inbox, cb=on_ack)
+        ask = asyncio.ensure_future(self.nc.request(subject, payload(inbox), timeout=timeout_s))
+        stop = asyncio.ensure_future(interrupt.wait()) if interrupt is not None else None
+        heard: asyncio.Future[bytes] | None = None
+        deadline = time.monotonic() + ack_wall_s
+        try:
+            while True:
+                heard = asyncio.ensure_future(acks.get())
+                await asyncio.wait([f for f in (ask, stop, heard) if f is not None],
+                                   timeout=max(0.0, deadline - time.monotonic()), return_when=asyncio.FIRST_COMPLETED)
+                if ask.done():
+                    return ask.result()
+                if stop is not None and stop.done():
+                    raise RequestInterrupted(f"interrupted while waiting on {subject}")
+                if not heard.done():
+                    raise RequestLost(f"no word on {subject} in time: the request or its answer was lost")
+                within = answer_within(heard.result()) if answer_within is not None else None
+                deadline = time.monotonic() + (timeout_s if within is None else within)
+        finally:
+            for f in (ask, stop, heard):
+                if f is not None and not f.done():
+                    f.cancel()
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
 
     async def _lag_reporter(self) -> None:
         while True:

@@ -21,7 +21,7 @@ from nats.aio.msg import Msg
 from services.admission import scheduler as sch
 from shared import tracing
 from shared.costmodel import CostModel
-from shared.bus import ServiceProcess, run_service, trace_headers
+from shared.bus import RequestInterrupted, RequestLost, ServiceProcess, run_service, trace_headers
 from shared.call_record import CallRecordUnavailable
 from shared.clock import at_source, done_within, drive_timer
 from shared.keys import CALL_TTL_S
@@ -44,10 +44,6 @@ PERSIST_WAIT_WALL_S = 0.5  # wall seconds a submit waits for its durable write b
 DISPATCH_ACK_WALL_S = 1.0  # wall seconds a dispatch may go unacknowledged before it is sent again
 DISPATCH_RETRY_MAX_WALL_S = 10.0  # the longest wait between two sends of a dispatch an engine refused
 MIRROR_COALESCE_S = 0.005  # wall seconds between two writes of the scheduler's mirror
-
-
-class SwitchLost(RuntimeError):
-    """A switch request, or its result, that the substrate never answered in time."""
 
 
 class AdmissionService(ServiceProcess):
@@ -580,59 +576,42 @@ class AdmissionService(ServiceProcess):
         requested_at = self.scheduler.switch_started_at
         # a switch can take a cold start's worth of model time; wait for it on the wall clock
         timeout = self.clock.wall_s(600.0) + 30.0
+        subject = self.subjects.substrate_switch(self.settings.server_id)
         attempt = failures = 0  # failures: the substrate down or refusing (lost messages are not)
         while True:
             attempt += 1
             retry = self.switch_attempt[new] = asyncio.Event()
-            acks: asyncio.Queue = asyncio.Queue()
-            inbox = self.nc.new_inbox()
-
-            async def on_ack(msg: Msg) -> None:
-                with contextlib.suppress(Exception):
-                    acks.put_nowait(switch_accepted_decoder.decode(msg.data))
-
-            sub = await self.nc.subscribe(inbox, cb=on_ack)
-            req = again = None
             try:
-                req = asyncio.ensure_future(self.nc.request(self.subjects.substrate_switch(self.settings.server_id),
-                                                            encode(SwitchRequest(from_model=old, to_model=new,
-                                                                                 requested_at=requested_at, ack_to=inbox)),
-                                                            timeout=timeout))
-                again = asyncio.ensure_future(retry.wait())
-                deadline = time.monotonic() + SWITCH_ACK_WALL_S  # (until the substrate says it has it)
-                while not req.done():
-                    ack_wait = asyncio.ensure_future(acks.get())
-                    await asyncio.wait([req, again, ack_wait], timeout=max(0.0, deadline - time.monotonic()),
-                                       return_when=asyncio.FIRST_COMPLETED)
-                    if again.done():
-                        ack_wait.cancel()
-                        raise RuntimeError("substrate restarted during the switch")
-                    if ack_wait.done():
-                        done_at = ack_wait.result().done_at
-                        deadline = (time.monotonic() + timeout if done_at is None else time.monotonic() +
-                                    self.clock.wall_s(max(0.0, done_at - self.clock.now())) + SWITCH_RESULT_MARGIN_WALL_S)
-                        continue
-                    ack_wait.cancel()
-                    if not req.done() and time.monotonic() >= deadline:
-                        raise SwitchLost("no word from the substrate in time: the request or its result was lost")
-                resp = req.result()
+                resp = await self.acked_request(
+                    subject, lambda inbox: encode(SwitchRequest(from_model=old, to_model=new,
+                                                                requested_at=requested_at, ack_to=inbox)),
+                    timeout_s=timeout, ack_wall_s=SWITCH_ACK_WALL_S, interrupt=retry,
+                    answer_within=self._switch_result_within)
                 out = switch_reply_decoder.decode(resp.data)
                 if isinstance(out, ApiError):
                     raise RuntimeError(out.message)
                 self.switch_attempt.pop(new, None)
                 await self.step(sch.SwitchDone(out.to_model, out.kv_capacity_tokens), at=out.done_at)
                 return
-            except Exception as exc:  # substrate down or restarting: keep trying, the calls stay queued
-                self.log.warning("admission.switch_retry", to_model=new, attempt=attempt, error=str(exc) or type(exc).__name__)
-                if not isinstance(exc, SwitchLost):  # (a lost message is asked for again at once)
-                    failures += 1
-                    await asyncio.sleep(min(5.0, 0.5 * failures))
-            finally:
-                for f in (req, again):
-                    if f is not None and not f.done():
-                        f.cancel()
-                with contextlib.suppress(Exception):
-                    await sub.unsubscribe()
+            except RequestLost:  # (a lost message is asked for again at once)
+                self.log.warning("admission.switch_retry", to_model=new, attempt=attempt,
+                                 error="no word from the substrate in time: the request or its result was lost")
+            except Exception as exc:  # substrate down, restarting or refusing: keep trying, the calls stay queued
+                error = "substrate restarted during the switch" if isinstance(exc, RequestInterrupted) else str(exc)
+                self.log.warning("admission.switch_retry", to_model=new, attempt=attempt, error=error or type(exc).__name__)
+                failures += 1
+                await asyncio.sleep(min(5.0, 0.5 * failures))
+
+    def _switch_result_within(self, ack: bytes) -> float | None:
+        """Wall seconds the substrate's switch result may take after this acknowledgement:
+        until the model time it says the switch is done, plus a margin (None: unknown yet)."""
+        try:
+            done_at = switch_accepted_decoder.decode(ack).done_at
+        except msgspec.MsgspecError:
+            return None
+        if done_at is None:
+            return None
+        return self.clock.wall_s(max(0.0, done_at - self.clock.now())) + SWITCH_RESULT_MARGIN_WALL_S
 
     async def timer(self) -> None:
         # a wake-up is stepped at its own model time, not at the (later) moment the timer fired

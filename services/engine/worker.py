@@ -156,8 +156,11 @@ class EngineWorker(ServiceProcess):
         await self.backend.start()
         await self.nc.subscribe(self.subjects.engine_run(s.server_id, s.model), queue="engine",
                                 cb=self.guarded_handler(self.on_run, "run"))
+        # one command at a time, in order; each acknowledged as it arrives, not when the
+        # ones before it are done (a Sleep of a real engine takes seconds)
         await self.nc.subscribe(self.subjects.engine_control(s.server_id, s.model), queue="engine",
-                                cb=self.guarded_handler(self.on_control, "control"))
+                                cb=self.concurrent_handler(self.on_control, "control", limit=1,
+                                                           on_taken=self.acknowledge_control))
         await self.nc.subscribe(self.subjects.call_cancel_any, cb=self.guarded_handler(self.on_cancel, "cancel"))
         await self.nc.subscribe(self.subjects.session_released,
                                 cb=self.guarded_handler(self.on_session_released, "session_released"))
@@ -356,10 +359,15 @@ class EngineWorker(ServiceProcess):
             await self.backend.cancel(c.call_id)  # the backend logs `engine.cancel`
 
     # -- the substrate's and admission's control -----------------------------------------
-    async def on_control(self, msg: Msg) -> None:
+    async def acknowledge_control(self, msg: Msg) -> None:
+        """A Sleep or Wake says it is here on receipt: the substrate sends one it never
+        heard of again after a second (a message lost with a NATS node)."""
         cmd = control_decoder.decode(msg.data)
         if isinstance(cmd, Sleep | Wake) and cmd.ack_to:
             await self.nc.publish(cmd.ack_to, encode(ControlAccepted()))
+
+    async def on_control(self, msg: Msg) -> None:
+        cmd = control_decoder.decode(msg.data)
         out = ControlOk()
         match cmd:
             case Sleep():

@@ -10,7 +10,6 @@ ledger is mirrored into Redis for the router; the engines only report.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 
 import msgspec
@@ -18,7 +17,7 @@ from nats.aio.msg import Msg
 
 from shared.costmodel import CostModel
 from services.substrate.ledger import SubstrateLedger
-from shared.bus import ServiceProcess, run_service
+from shared.bus import RequestInterrupted, RequestLost, ServiceProcess, run_service
 from shared.clock import at_source
 from shared.state import SubstrateView, write_substrate_view
 from shared.schema import (
@@ -145,51 +144,29 @@ class SubstrateManager(ServiceProcess):
         the whole control timeout (10 s in a 200x chaos run)."""
         subject = self.subjects.engine_control(self.settings.server_id, model)
         restarted = self.engine_restarted.setdefault(model, asyncio.Event())
-        acked = asyncio.Event()
-        inbox = self.nc.new_inbox()
-
-        async def on_ack(msg: Msg) -> None:
-            acked.set()
-
-        sub = await self.nc.subscribe(inbox, cb=on_ack)
-        data = encode(msgspec.structs.replace(cmd, ack_to=inbox))
         give_up_at = time.monotonic() + self.settings.control_timeout_s
         restarts = 0
-        try:
-            while True:
-                restarted.clear()
-                acked.clear()
-                ask = asyncio.ensure_future(self.nc.request(subject, data, timeout=self.settings.control_timeout_s))
-                again = asyncio.ensure_future(restarted.wait())
-                heard = asyncio.ensure_future(acked.wait())
-                try:
-                    await asyncio.wait((ask, again, heard), timeout=CONTROL_ACK_WALL_S,
-                                       return_when=asyncio.FIRST_COMPLETED)
-                    if heard.done() and not ask.done():
-                        await asyncio.wait((ask, again), return_when=asyncio.FIRST_COMPLETED)
-                finally:
-                    for f in (again, heard):
-                        f.cancel()
-                if ask.done():
-                    out = control_reply_decoder.decode(ask.result().data)
-                    if isinstance(out, ApiError):
-                        raise RuntimeError(f"engine {model}: {out.message}")
-                    return out
-                ask.cancel()
-                if restarted.is_set():
-                    restarts += 1
-                    if restarts > CONTROL_RESENDS_ON_RESTART:
-                        raise RuntimeError(f"engine {model} restarted {CONTROL_RESENDS_ON_RESTART} times during one command")
-                    reason = "engine-worker restarted"
-                elif time.monotonic() >= give_up_at:
+        while True:
+            restarted.clear()
+            try:
+                resp = await self.acked_request(subject, lambda inbox: encode(msgspec.structs.replace(cmd, ack_to=inbox)),
+                                                timeout_s=self.settings.control_timeout_s,
+                                                ack_wall_s=CONTROL_ACK_WALL_S, interrupt=restarted)
+                out = control_reply_decoder.decode(resp.data)
+                if isinstance(out, ApiError):
+                    raise RuntimeError(f"engine {model}: {out.message}")
+                return out
+            except RequestInterrupted:
+                restarts += 1
+                if restarts > CONTROL_RESENDS_ON_RESTART:
+                    raise RuntimeError(f"engine {model} restarted {CONTROL_RESENDS_ON_RESTART} times during one command")
+                reason = "engine-worker restarted"
+            except RequestLost:
+                if time.monotonic() >= give_up_at:
                     raise RuntimeError(f"engine {model}: no answer to {type(cmd).__name__} in "
-                                       f"{self.settings.control_timeout_s:g} s")
-                else:
-                    reason = "no acknowledgement"
-                self.log.warning("substrate.control_resent", model=model, command=type(cmd).__name__, reason=reason)
-        finally:
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
+                                       f"{self.settings.control_timeout_s:g} s") from None
+                reason = "no acknowledgement"
+            self.log.warning("substrate.control_resent", model=model, command=type(cmd).__name__, reason=reason)
 
     async def _accepted(self, req: SwitchRequest, done_at: float | None = None) -> None:
         if req.ack_to:
