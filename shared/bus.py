@@ -38,7 +38,7 @@ from shared.keys import CALL_TTL_S, Keys
 from shared.logs import configure_logging
 from shared import tracing
 from shared.metrics import Metrics
-from shared.schema import HEALTH_OK, HEALTH_STARTING, ApiError, encode
+from shared.schema import HEALTH_OK, HEALTH_STARTING, ApiError, EngineState, ListCalls, encode, engine_state_decoder
 from shared.settings import Settings
 from shared.subjects import HEADER_CALL, HEADER_RECEIPT, HEADER_SESSION, Subjects
 
@@ -92,6 +92,7 @@ REDIS_POOL_CONNECTIONS = 64  # Redis connections a service process keeps at most
 REDIS_POOL_WAIT_S = 30.0      # ... for at most this long (a Redis restart is waited out by the commands' retries)
 CONCURRENT_HANDLER_LIMIT = 256  # requests one subscription handles at once (concurrent_handler)
 CONCURRENT_HANDLER_BACKLOG = 4096  # ... and takes to wait for a slot before the subscription waits
+LIST_CALLS_TIMEOUT_WALL_S = 2.0  # wall seconds a recovering service waits for each engine's state
 LOOP_STALL_EXIT_CODE = 70  # EX_SOFTWARE: the process's own watchdog found its event loop stuck
 
 
@@ -299,6 +300,22 @@ class ServiceProcess:
                     f.cancel()
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
+
+    async def engine_states(self, models: list[str], query: ListCalls) -> dict[str, EngineState | str]:
+        """Each of this server's engine-workers' state (ListCalls), asked all at once, so
+        a hung engine costs one timeout, not one per model after it: model -> its
+        EngineState, or why there is none (down, hung, refusing). What a restarted
+        admission or substrate rebuilds from (awake or not, the calls it runs)."""
+        async def ask(m: str) -> EngineState | str:
+            try:
+                resp = await self.nc.request(self.subjects.engine_control(self.settings.server_id, m), encode(query),
+                                             timeout=LIST_CALLS_TIMEOUT_WALL_S)
+                st = engine_state_decoder.decode(resp.data)
+            except Exception as exc:  # down or hung: it announces itself when back
+                return type(exc).__name__
+            return st if isinstance(st, EngineState) else f"{st.code}: {st.message}"
+
+        return dict(zip(models, await asyncio.gather(*(ask(m) for m in models))))
 
     async def _lag_reporter(self) -> None:
         while True:

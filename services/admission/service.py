@@ -29,11 +29,10 @@ from shared.state import CounterMirror, ServerLoad, add_counters, write_server_l
 from shared.schema import (
     Abort, AdmissionCall, ApiError, CallQueued, EngineState, CallRunning, ListCalls, ProtectKv, RunCall, SessionReleased,
     StageRequest, Submitted, SubmitCall, SwitchRequest, admission_decoder, encode, engine_announce_decoder,
-    dispatch_ack_decoder, engine_state_decoder, finished_decoder, reply_decoder, session_released_decoder,
+    dispatch_ack_decoder, finished_decoder, reply_decoder, session_released_decoder,
     stored_submit_decoder, switch_accepted_decoder, switch_reply_decoder,
 )
 
-LIST_CALLS_TIMEOUT_WALL_S = 2.0
 RECONCILE_WALL_S = 3.0  # wall seconds a confirmed run may go without CallFinished before its record is read
 EPOCH_CHECK_WALL_S = 1.0  # wall seconds between two checks that no newer admission of this server exists
 EPOCH_REFRESH_WALL_S = CALL_TTL_S / 4  # our epoch is rewritten this often (the bucket's TTL)
@@ -133,21 +132,11 @@ class AdmissionService(ServiceProcess):
         awake: tuple[str, int] | None = None
         running: list[RunCall] = []
 
-        async def engine_state(m: str) -> object:
-            try:
-                resp = await self.nc.request(self.subjects.engine_control(s.server_id, m), encode(ListCalls(admission_epoch=self.epoch)),
-                                             timeout=LIST_CALLS_TIMEOUT_WALL_S)
-                return engine_state_decoder.decode(resp.data)
-            except Exception as exc:  # engine down: it announces when back, and we re-send then
-                self.log.warning("admission.recover_engine_unknown", model=m, error=type(exc).__name__)
-                return None
-
-        # asked together: a hung engine costs one timeout, not one per model after it
-        states = await asyncio.gather(*(engine_state(m) for m in self.scheduler.models))
-        for m, st in zip(self.scheduler.models, states):
-            if st is None or isinstance(st, ApiError):
+        states = await self.engine_states(self.scheduler.models, ListCalls(admission_epoch=self.epoch))
+        for m, st in states.items():
+            if not isinstance(st, EngineState):  # engine down: it announces when back, and we re-send then
+                self.log.warning("admission.recover_engine_unknown", model=m, error=st)
                 continue
-            assert isinstance(st, EngineState)
             if st.awake and (awake is None or st.running):
                 awake = (m, st.kv_capacity_tokens)
             if st.awake:

@@ -23,12 +23,11 @@ from shared.state import SubstrateView, write_substrate_view
 from shared.schema import (
     ApiError, ControlOk, EngineState, ForgetHostKv, ListCalls, Sleep, StageRequest, SubstrateAnnounce, SwitchAccepted,
     SwitchRequest, SwitchResult, Wake,
-    control_reply_decoder, encode, engine_announce_decoder, engine_state_decoder, kv_spilled_decoder, session_released_decoder,
+    control_reply_decoder, encode, engine_announce_decoder, kv_spilled_decoder, session_released_decoder,
     substrate_decoder,
 )
 
 
-LIST_CALLS_TIMEOUT_WALL_S = 2.0  # wall seconds a recovering substrate waits for each engine's state
 CONTROL_RESENDS_ON_RESTART = 3  # a worker that restarts more often than this during one command fails the switch
 CONTROL_ACK_WALL_S = 1.0  # wall seconds a Sleep/Wake may go unacknowledged before it is sent again
 
@@ -67,20 +66,11 @@ class SubstrateManager(ServiceProcess):
         restart: ask each (ListCalls, all at once). Without it, a worker of the active
         model that restarted after us was never woken again (we did not know its model
         was active), and its open slot waited for ever (a chaos run stalled 15 s so)."""
-        s = self.settings
-
-        async def awake(m: str) -> bool:
-            try:
-                resp = await self.nc.request(self.subjects.engine_control(s.server_id, m), encode(ListCalls()),
-                                             timeout=LIST_CALLS_TIMEOUT_WALL_S)
-                st = engine_state_decoder.decode(resp.data)
-            except Exception:  # down or hung: it announces itself when back
-                return False
-            return isinstance(st, EngineState) and st.awake
-
         models = sorted(self.ledger.models)
         async with self.switch_lock:  # (a switch asked meanwhile waits for what we learn)
-            up = [m for m, ok in zip(models, await asyncio.gather(*(awake(m) for m in models))) if ok]
+            states = await self.engine_states(models, ListCalls())
+        # (one down or hung announces itself when back)
+        up = [m for m, st in states.items() if isinstance(st, EngineState) and st.awake]
         if up and self.ledger.active is None:
             if len(up) > 1:
                 self.log.warning("substrate.several_awake", models=up)

@@ -233,12 +233,17 @@ class EmbeddedStack:
         return self.log_dir / prometheus.CONFIG_FILE
 
     async def _gateway_answers(self, timeout_s: float) -> bool:
-        """The gateway's GET /health answered 200 within `timeout_s`."""
+        """The gateway's GET /health answered 200 within `timeout_s` (HTTP: it has no
+        NATS health endpoint, being an agent); the start-up wait and the liveness watch
+        both ask it so."""
         import aiohttp
 
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as http:
-            async with http.get(f"{self.gateway_url}/health") as r:
-                return r.status == 200
+        try:
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as http:
+                async with http.get(f"{self.gateway_url}/health") as r:
+                    return r.status == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            return False
 
     async def watch_liveness(self) -> None:
         """Kill a service that stopped answering its health endpoint while its process
@@ -297,22 +302,13 @@ class EmbeddedStack:
             await nc.close()
 
     async def wait_gateway(self, timeout_s: float) -> None:
-        """The gateway answers GET /health (HTTP: it has no NATS health endpoint, being an agent)."""
-        import aiohttp
-
+        """The gateway answers GET /health."""
         deadline = time.monotonic() + timeout_s
-        async with aiohttp.ClientSession() as http:
-            while True:
-                try:
-                    async with http.get(f"{self.gateway_url}/health", timeout=aiohttp.ClientTimeout(total=1)) as r:
-                        if r.status == 200:
-                            return
-                except (aiohttp.ClientError, asyncio.TimeoutError):
-                    pass
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"the gateway did not become healthy in {timeout_s:.0f} s; "
-                                       f"see {self.log_dir}/gateway.log")
-                await asyncio.sleep(0.2)
+        while not await self._gateway_answers(1.0):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the gateway did not become healthy in {timeout_s:.0f} s; "
+                                   f"see {self.log_dir}/gateway.log")
+            await asyncio.sleep(0.2)
 
     async def wait_healthy(self, timeout_s: float) -> None:
         """Every service answers its health endpoint (NATS micro) "ok", i.e. is set up and
