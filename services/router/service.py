@@ -34,7 +34,11 @@ from shared.schema import (
     submit_reply_decoder,
 )
 
-SUBMIT_TIMEOUT_WALL_S = 5.0
+# wall seconds a submit may go unanswered: admission answers within its durable write's
+# 0.5-s bound, so more means the process is gone (a submit delivered to an admission that
+# was just killed waited out 5 s, and its agent's call 6 s, in a 200x chaos run); the
+# agent is told no_capacity and asks again, which the call record makes safe
+SUBMIT_TIMEOUT_WALL_S = 1.5
 NO_CAPACITY_RETRY_AFTER_S = 1.0  # wall seconds an agent should wait before asking again
 PLACEMENT_ATTEMPTS = 4  # snapshots a placement may take when other replicas keep placing; the last one lands anyway
 # KEYS: the placement sequence, the chosen server's in-flight hash; ARGV: the sequence

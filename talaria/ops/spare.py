@@ -46,6 +46,7 @@ def main(argv: list[str]) -> int:
     os.environ.clear()
     os.environ.update(order["env"])
     sys.argv = [module, *args]
+    sys.modules.pop(f"{module}.__main__", None)  # run afresh as __main__ (what it imported stays loaded)
     runpy.run_module(module, run_name="__main__", alter_sys=True)
     return 0
 
