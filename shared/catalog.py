@@ -7,7 +7,7 @@ in the TOML file; this module only gives it types.
 from __future__ import annotations
 
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, MISSING
 from functools import lru_cache
 from pathlib import Path
 
@@ -35,6 +35,7 @@ class ModelSpec:
     attn_flops_per_pair: float
     decode_itl_scale: float
     sources: str
+    tool_call_format: str = "none"  # how the model writes a tool call (shared/tool_calls.py: hermes, glm45, none)
 
     @property
     def weights_bytes(self) -> float:
@@ -98,10 +99,10 @@ class Catalog:
 
 def _build(cls: type, name: str, table: dict) -> object:
     fields = [f for f in cls.__dataclass_fields__ if f != "name"]
-    missing = [f for f in fields if f not in table]
+    missing = [f for f in fields if f not in table and cls.__dataclass_fields__[f].default is MISSING]
     if missing:
         raise CatalogError(f"{cls.__name__} {name!r} lacks {missing}")
-    return cls(name=name, **{f: table[f] for f in fields})
+    return cls(name=name, **{f: table[f] for f in fields if f in table})
 
 
 @lru_cache(maxsize=8)

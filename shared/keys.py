@@ -103,6 +103,29 @@ class Keys:
         """String: worst event-loop lag (wall seconds) a service has seen."""
         return f"{self.prefix}lag:{service}"
 
+    # -- the gateway's (services/gateway/prefix.py): any replica finds a session's prefix
+    def gateway_chain(self, session_id: str) -> str:
+        """String: the chained block hashes (8 bytes each) of what the session's engine
+        holds after its last call: that call's prompt and its reply."""
+        return f"{self.prefix}gw:chain:{session_id}"
+
+    def gateway_open(self, tenant: str, model: str) -> str:
+        """Hash: session id -> `blocks:tail-hash:updated_at`, the tenant's header-less
+        sessions of a model, which a request naming no session is matched against."""
+        return f"{self.prefix}gw:open:{tenant}:{model}"
+
+    def gateway_busy(self, session_id: str) -> str:
+        """String: the call id a header-less session runs now (set NX: one call at a time)."""
+        return f"{self.prefix}gw:busy:{session_id}"
+
+    def gateway_request(self, scope: str, request_hash: str) -> str:
+        """String: the call id of a header-less request's latest first attempt (its SDK retries land there)."""
+        return f"{self.prefix}gw:req:{scope}:{request_hash}"
+
+    def gateway_call(self, call_id: str) -> str:
+        """String: the session a header-less call was given, so its HTTP retry lands there too."""
+        return f"{self.prefix}gw:call:{call_id}"
+
 
 Durability = Literal["soft", "must-survive"]
 
@@ -121,4 +144,11 @@ DURABILITY: dict[str, Durability] = {
     "session_outputs": "soft",
     "servers": "soft",                 # re-added by each admission at start-up
     "lag": "soft",
+    # lost: the next call's prefix is taken as empty (the engine's own cache still
+    # reuses what it holds) and a header-less conversation starts a new session
+    "gateway_chain": "soft",
+    "gateway_open": "soft",
+    "gateway_busy": "soft",
+    "gateway_request": "soft",         # (lost: an SDK retry becomes a call of its own)
+    "gateway_call": "soft",            # (a retry after its loss is answered by the call record if its session matches again)
 }

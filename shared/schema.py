@@ -69,9 +69,15 @@ class EngineHint(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, 
     """What a client may tell the engine and nothing else. `sim_output_tokens`:
     where the sim engine stops (a replayed trace's true output length; a real
     model decides by itself). It travels nested in the engine payload, so no
-    decision (placement, admission) can read it."""
+    decision (placement, admission) can read it. `tools_json` (a JSON list of
+    {name, description, parameters}) and `tool_choice` (None: the model decides;
+    "none"; or a tool's name): the request's tools, already rendered in a real
+    prompt, and what the sim engine's synthetic tool calls are made of
+    (shared/tool_calls.py)."""
 
     sim_output_tokens: Tokens | None = None
+    tools_json: Annotated[str, Meta(max_length=1_000_000)] | None = None
+    tool_choice: Annotated[str, Meta(max_length=256)] | None = None
 
 
 class Sampling(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, forbid_unknown_fields=False):
@@ -249,7 +255,6 @@ class EnginePayload(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tru
     hint: EngineHint | None = None
     stream: bool = False
     sampling: Sampling | None = None
-
     @property
     def sim_output_tokens(self) -> int | None:
         return self.hint.sim_output_tokens if self.hint is not None else None

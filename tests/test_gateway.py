@@ -17,7 +17,9 @@ import openai
 import pytest
 
 from services.gateway import translate as tr
+from services.gateway import prefix as px
 from services.gateway.service import start_gateway
+from shared.keys import Keys
 from shared.agent_client import TalariaClient
 from shared.logs import read_log_events
 from shared.policy import resolve_policy
@@ -67,7 +69,10 @@ def test_keys_and_token_estimate() -> None:
     assert tr.estimate_tokens("abcd") == 1 and tr.estimate_tokens("abcde") == 2
     p = tr.chat_prompt([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"},
                         {"role": "user", "content": [{"type": "text", "text": "again"}]}])
-    assert p.tokens == 3 * tr.MESSAGE_FRAME_TOKENS + 1 + 1 + 2 and p.prefix_tokens == 2 * tr.MESSAGE_FRAME_TOKENS + 2
+    assert p.tokens == 3 * tr.MESSAGE_FRAME_TOKENS + 1 + 1 + 2
+    # a message's ids depend on it alone: the first two messages' ids open the conversation's
+    two = tr.chat_prompt([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}])
+    assert p.ids[:two.tokens] == two.ids and p.continued("")[:p.tokens] == p.ids
     with pytest.raises(tr.BadRequest):
         tr.chat_prompt([{"role": "wizard", "content": "x"}])
 
@@ -382,7 +387,7 @@ async def test_a_100k_token_conversation_is_served(stack: EmbeddedStack) -> None
 
 
 @pytest.mark.timeout(120)
-async def test_a_retry_without_a_session_header_is_the_same_one_call_session(stack: EmbeddedStack) -> None:
+async def test_a_retry_without_a_session_header_is_the_same_call(stack: EmbeddedStack) -> None:
     client = oai(stack)
     msgs = [{"role": "user", "content": "no header here " * 10}]
     first = await client.chat.completions.create(model=MODEL, max_tokens=6, messages=msgs)
@@ -457,3 +462,149 @@ async def test_a_thousand_hostile_requests_leave_the_stack_healthy_and_redis_unt
                                 "huge-body", "raw-bytes", "vanishing", "slow"}
     assert rep.by_status[400] > 300 and rep.by_status[401] > 0 and rep.by_status[413] > 0
     assert rep.served < rep.requests // 4
+
+
+# --------------------------------------------------------------------------- sessions without a header
+async def open_headerless(stack: EmbeddedStack, tenant: str = "default") -> dict[str, px.OpenChain]:
+    """The tenant's header-less sessions of MODEL as the gateway keeps them in Redis."""
+    import redis.asyncio as aioredis
+
+    r = aioredis.Redis.from_url(stack.redis_url)
+    try:
+        raw = await r.hgetall(Keys(stack.key_prefix).gateway_open(tenant, MODEL))
+    finally:
+        await r.aclose()
+    return {k.decode(): o for k, v in raw.items() if (o := px.OpenChain.decode(k.decode(), v.decode())) is not None}
+
+
+@pytest.mark.timeout(120)
+async def test_a_header_less_conversation_joins_its_session_and_a_diverging_one_forks(stack: EmbeddedStack) -> None:
+    client = oai(stack, OTHER_KEY)  # a tenant of its own: the other tests' header-less calls are not its sessions
+    before = await open_headerless(stack, "tenant-b")
+    turn1 = [{"role": "system", "content": "you are a coding agent " * 20}, {"role": "user", "content": "task 7: fix it " * 40}]
+    r1 = await client.chat.completions.create(model=MODEL, max_tokens=8, messages=turn1)
+    assert r1.usage.prompt_tokens_details.cached_tokens == 0
+    turn2 = [*turn1, {"role": "assistant", "content": r1.choices[0].message.content or ""},
+             {"role": "user", "content": "tool output " * 60}]
+    r2 = await client.chat.completions.create(model=MODEL, max_tokens=8, messages=turn2)
+    # joined: the engine of its session held the first call (its own count, block-rounded)
+    assert r2.usage.prompt_tokens_details.cached_tokens >= (r1.usage.prompt_tokens // px.BLOCK_TOKENS) * px.BLOCK_TOKENS
+    opened = {k: v for k, v in (await open_headerless(stack, "tenant-b")).items() if k not in before}
+    assert len(opened) == 1
+    # another task (its first turn differs) is a session of its own, with nothing cached
+    other = [turn1[0], {"role": "user", "content": "task 8: something else " * 40}]
+    r3 = await client.chat.completions.create(model=MODEL, max_tokens=8, messages=other)
+    assert r3.usage.prompt_tokens_details.cached_tokens == 0
+    opened = {k: v for k, v in (await open_headerless(stack, "tenant-b")).items() if k not in before}
+    assert len(opened) == 2
+
+
+@pytest.mark.timeout(120)
+async def test_a_rewritten_history_keeps_only_the_prefix_before_the_change(stack: EmbeddedStack) -> None:
+    client, hdr = oai(stack), {"x-session-id": "rewrite-1"}
+    system = {"role": "system", "content": "you are a coding agent " * 20}
+    r1 = await client.chat.completions.create(model=MODEL, max_tokens=8, extra_headers=hdr,
+                                              messages=[system, {"role": "user", "content": "task 7: fix it " * 40}])
+    edited = "task 7: fix it " * 39 + "task 7: FIX it "
+    rewritten = [system, {"role": "user", "content": edited}, {"role": "assistant", "content": ""},
+                 {"role": "user", "content": "more " * 30}]
+    r2 = await client.chat.completions.create(model=MODEL, max_tokens=8, extra_headers=hdr, messages=rewritten)
+    first_change = tr.chat_prompt([system]).tokens + tr.MESSAGE_FRAME_TOKENS + edited.index("FIX") // 4
+    # the engine's own count: what it held of the session, up to the block the change falls in
+    assert r2.usage.prompt_tokens_details.cached_tokens == (first_change // px.BLOCK_TOKENS) * px.BLOCK_TOKENS
+    assert 0 < r2.usage.prompt_tokens_details.cached_tokens < r1.usage.prompt_tokens
+
+
+@pytest.mark.timeout(180)
+async def test_two_concurrent_runs_of_one_task_stay_two_sessions_each_reusing_its_prefix(stack: EmbeddedStack) -> None:
+    client = oai(stack, OTHER_KEY)
+    before = await open_headerless(stack, "tenant-b")
+    task = [{"role": "system", "content": "agent " * 50}, {"role": "user", "content": "task 9: the same for both " * 30}]
+
+    async def run() -> list[Any]:
+        msgs, replies = list(task), []
+        for turn in range(4):
+            r = await client.chat.completions.create(model=MODEL, max_tokens=8, messages=msgs)
+            replies.append(r)
+            msgs += [{"role": "assistant", "content": r.choices[0].message.content or ""},
+                     {"role": "user", "content": f"tool output {turn} " * 40}]
+        return replies
+
+    a, b = await asyncio.gather(run(), run())
+    assert a[0].id != b[0].id  # the same first request from two runs: two calls
+    opened = {k: v for k, v in (await open_headerless(stack, "tenant-b")).items() if k not in before}
+    assert len(opened) == 2, opened
+    for replies in (a, b):
+        for prev, r in zip(replies, replies[1:]):
+            reusable = (prev.usage.prompt_tokens // px.BLOCK_TOKENS) * px.BLOCK_TOKENS
+            assert r.usage.prompt_tokens_details.cached_tokens >= 0.9 * reusable, r.usage
+
+
+# --------------------------------------------------------------------------- tool calls (the sim engine's synthetic mode)
+READ_FILE = {"name": "read_file", "description": "read a file of the repository",
+             "parameters": {"type": "object", "properties": {"path": {"type": "string"}, "limit": {"type": "integer"}},
+                            "required": ["path", "limit"]}}
+
+
+@pytest.mark.timeout(120)
+async def test_tool_calls_round_trip_through_the_openai_sdk_keeping_the_prefix(stack: EmbeddedStack) -> None:
+    client, hdr = oai(stack), {"x-session-id": "tools-openai-1"}
+    tools = [{"type": "function", "function": READ_FILE}]
+    msgs: list[dict[str, Any]] = [{"role": "user", "content": "find the bug in the parser " * 20}]
+    r1 = await client.chat.completions.create(model=MODEL, max_tokens=300, messages=msgs, tools=tools, extra_headers=hdr)
+    c1 = r1.choices[0]
+    assert c1.finish_reason == "tool_calls" and c1.message.content is None
+    call = c1.message.tool_calls[0]
+    args = json.loads(call.function.arguments)
+    assert call.type == "function" and call.function.name == "read_file" and set(args) == {"path", "limit"}
+    assert isinstance(args["path"], str) and isinstance(args["limit"], int)
+    assert r1.usage.completion_tokens < 300  # a call is short: the model stopped after it
+    # the result goes back as a `tool` message; the re-sent call is written as the model wrote it
+    msgs += [c1.message.model_dump(exclude_none=True), {"role": "tool", "tool_call_id": call.id, "content": "x = 1\n" * 50}]
+    r2 = await client.chat.completions.create(model=MODEL, max_tokens=300, messages=msgs, tools=tools, extra_headers=hdr)
+    held = r1.usage.prompt_tokens + r1.usage.completion_tokens
+    assert r2.usage.prompt_tokens_details.cached_tokens >= (r1.usage.prompt_tokens // px.BLOCK_TOKENS) * px.BLOCK_TOKENS
+    assert r2.usage.prompt_tokens_details.cached_tokens <= held
+    # tool_choice none: plain text, no call
+    r3 = await client.chat.completions.create(model=MODEL, max_tokens=5, messages=msgs, tools=tools, tool_choice="none",
+                                              extra_headers=hdr)
+    assert r3.choices[0].finish_reason == "length" and not r3.choices[0].message.tool_calls
+    # streamed: the call comes as a tool_calls delta, then finish_reason tool_calls
+    chunks = [c async for c in await client.chat.completions.create(
+        model=MODEL, max_tokens=300, messages=msgs[:1], tools=tools, stream=True, extra_headers={"x-session-id": "tools-s"})]
+    deltas = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert [d.function.name for d in deltas] == ["read_file"] and json.loads(deltas[0].function.arguments)["path"]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+@pytest.mark.timeout(120)
+async def test_tool_use_round_trips_through_the_anthropic_sdk(stack: EmbeddedStack) -> None:
+    client = ant(stack)
+    hdr = {"x-claude-code-session-id": "tools-cc-1", "anthropic-version": "2023-06-01"}
+    tools = [{"name": READ_FILE["name"], "description": READ_FILE["description"], "input_schema": READ_FILE["parameters"]}]
+    msgs: list[dict[str, Any]] = [{"role": "user", "content": "look at the failing test " * 20}]
+    m1 = await client.messages.create(model=MODEL, max_tokens=300, messages=msgs, tools=tools, extra_headers=hdr)
+    assert m1.stop_reason == "tool_use"
+    use = [b for b in m1.content if b.type == "tool_use"]
+    assert len(use) == 1 and use[0].name == "read_file" and set(use[0].input) == {"path", "limit"}
+    msgs += [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in m1.content]},
+             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use[0].id, "content": "def f(): ..."}]}]
+    async with client.messages.stream(model=MODEL, max_tokens=300, messages=msgs, tools=tools, extra_headers=hdr) as s:
+        final = await s.get_final_message()
+    # (a stream opens its text block before the model has written anything: it stays empty)
+    assert final.stop_reason == "tool_use" and [b.type for b in final.content if b.type != "text" or b.text] == ["tool_use"]
+    assert final.usage.cache_read_input_tokens >= (m1.usage.input_tokens // px.BLOCK_TOKENS) * px.BLOCK_TOKENS
+
+
+@pytest.mark.timeout(60)
+async def test_tools_a_model_has_no_parser_for_or_that_are_malformed_are_400_by_name(stack: EmbeddedStack) -> None:
+    client = oai(stack)
+    with pytest.raises(openai.BadRequestError) as e:
+        await client.chat.completions.create(model=MODEL, max_tokens=5, messages=[{"role": "user", "content": "x"}],
+                                             tools=[{"type": "function", "function": {"description": "no name"}}])
+    assert e.value.body["param"] == "tools[0]"
+    with pytest.raises(openai.BadRequestError) as e:
+        await client.chat.completions.create(model=MODEL, max_tokens=5, messages=[{"role": "user", "content": "x"}],
+                                             tools=[{"type": "function", "function": READ_FILE}],
+                                             tool_choice={"type": "function", "function": {"name": "rm_rf"}})
+    assert e.value.body["param"] == "tool_choice"

@@ -4,7 +4,11 @@ A timer task sleeps until the engine's next event, advances it and finishes
 what ended (through the worker, which owns the call protocol). A call that
 asked to stream gets its tokens at the cost model's decode pace, so streaming
 and cancel behave as on a real engine; the token ids are placeholders (the
-sim has no vocabulary) and the reply has no text.
+sim has no vocabulary) and the reply has no text, except in its synthetic tool
+mode: a call whose hint carries tools (and a tool choice other than "none")
+answers one well-formed call of one of them, written in the model's own format
+(`shared/tool_calls.py`), as short as such a call is, so an agent's loop runs
+on tool calls and the gateway's parsers read them.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import structlog
 
 from services.engine.sim_engine import CallResult, EngineCall, SimEngine
 from services.engine.worker import EngineBackend, EngineWorker
-from shared import state
+from shared import state, tool_calls
 from shared.clock import at_source, drive_timer
 from shared.costmodel import CostModel
 from shared.schema import CallReply, CallRunning, KvSpilled, RunCall, Wake, encode
@@ -24,9 +28,26 @@ from shared.schema import CallReply, CallRunning, KvSpilled, RunCall, Wake, enco
 STREAM_WALL_S = 0.05  # wall seconds between two token batches of a streamed call
 
 
-def stop_tokens(rc: RunCall) -> int:
-    """Where the sim engine stops: the hint's true output length, else the call's bound."""
-    return rc.engine.sim_output_tokens or rc.call.max_tokens
+def synthetic_tool_text(rc: RunCall, fmt: str) -> str | None:
+    """The synthetic tool mode's reply: one call of the hint's tools, in the model's format."""
+    hint = rc.engine.hint
+    if hint is None or not hint.tools_json or fmt == "none":
+        return None
+    try:
+        tools = tool_calls.tools_from_json(hint.tools_json)
+    except ValueError:
+        return None
+    call = tool_calls.synthetic_call(tools, hint.tool_choice, rc.call.call_id)
+    return tool_calls.render([call], fmt) if call is not None else None
+
+
+def stop_tokens(rc: RunCall, fmt: str = "none") -> int:
+    """Where the sim engine stops: the hint's true output length, else the length of its
+    synthetic tool call, else the call's bound."""
+    if rc.engine.sim_output_tokens:
+        return rc.engine.sim_output_tokens
+    text = synthetic_tool_text(rc, fmt)
+    return max(1, len(text.encode()) // 4) if text is not None else rc.call.max_tokens
 
 
 def placeholder_tokens(start: int, stop: int) -> list[int]:
@@ -43,6 +64,7 @@ class SimBackend(EngineBackend):
         cat = worker.catalog
         cost = CostModel(cat, cat.server(s.server_profile), s.switch_cost_scale, s.prefill_speed_scale)
         self.engine = SimEngine(cat.model(s.model), cost, spill_to_host=s.policy.host_kv)
+        self.tool_format = cat.model(s.model).tool_call_format  # how the model writes a tool call
         self.calls: dict[str, RunCall] = {}
         self.streamed: dict[str, int] = {}  # streamed call -> tokens sent so far
         self.busy = state.CounterMirror()
@@ -80,7 +102,7 @@ class SimBackend(EngineBackend):
             now = at_source(rc.dispatched_at, w.clock.now(), self.engine.t)
             self.engine.submit(
                 EngineCall(c.call_id, c.session_id, c.model, c.prompt_tokens, c.prefix_tokens,
-                           c.max_tokens, stop_tokens(rc), rc.reserved_tokens),
+                           c.max_tokens, stop_tokens(rc, self.tool_format), rc.reserved_tokens),
                 now,
             )
             self.calls[c.call_id] = rc
@@ -238,6 +260,7 @@ class SimBackend(EngineBackend):
             reprefill_tokens=r.reprefill_tokens, output_tokens=r.output_tokens, arrived_at=c.arrived_at,
             finished_at=r.finished_at, waited_s=rc.waited_s, switch_wait_s=rc.switch_wait_s,
             round_wait=rc.round_wait, restore_s=r.restore_s, prefill_s=r.prefill_s, decode_s=r.decode_s,
+            text=synthetic_tool_text(rc, self.tool_format),
         )
         busy = self.busy.pending({state.BUSY_PREFIX + s.model: round(self.engine.busy_s, 3)})
 

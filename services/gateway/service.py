@@ -32,18 +32,23 @@ import sys
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
+import redis.asyncio as aioredis
 import structlog
 from aiohttp import web
 from opentelemetry.trace import SpanKind
 
+from services.gateway import prefix as px
 from services.gateway import translate as tr
 from services.gateway.translate import BadRequest, Prompt
+from shared import tool_calls as tc
 from shared.bus import run_loop
 from shared.agent_client import Session, TalariaClient, TalariaError
 from shared.catalog import Catalog, load_catalog
+from shared.keys import SESSION_TTL_S, Keys
 from shared.logs import configure_logging
 from shared.schema import CallReply, CallRunning, CallTokens, Sampling
 from shared import tracing
@@ -54,6 +59,7 @@ from shared.subjects import GATEWAY_NAMESPACE
 DEFAULT_MAX_TOKENS = 4096      # a request naming no bound gets this much, capped by the context left
 SESSIONS_KEPT = 50_000         # opened sessions remembered (a forgotten one is just opened again)
 MODELS_TTL_S = 5.0             # how long the served-model list is reused
+BUSY_TTL_S = 3600.0            # a header-less session's in-flight mark outlives any call (and is deleted after it)
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 OPENAI, ANTHROPIC = "openai", "anthropic"
@@ -87,10 +93,28 @@ def sse(data: Any, event: str | None = None) -> bytes:
     return f"{head}data: {payload}\n\n".encode()
 
 
+@dataclass(frozen=True)
+class CallIds:
+    session_id: str
+    call_id: str
+    named: bool          # the agent named its session (a header); else matched by its prefix
+    prefix_tokens: int   # what the session's engine holds of this prompt (block-rounded)
+    chain: list[bytes]   # the prompt's block hashes
+
+
+# delete a header-less session's in-flight mark only if it is this call's
+_RELEASE = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
+
+
 class Gateway:
-    def __init__(self, settings: Settings, client: TalariaClient, catalog: Catalog | None = None) -> None:
+    def __init__(self, settings: Settings, client: TalariaClient, catalog: Catalog | None = None,
+                 redis: aioredis.Redis | None = None) -> None:
         self.settings = settings
         self.client = client
+        # where sessions' prefix chains live (shared by every replica); None: not kept,
+        # so every prefix is taken as empty and a header-less request is a session of its own
+        self.redis = redis
+        self.rkeys = Keys(settings.key_prefix)
         self.catalog = catalog or load_catalog(settings.catalog_path)
         self.keys = tr.parse_keys(settings.api_keys)
         self.log = structlog.get_logger("gateway")
@@ -202,6 +226,20 @@ class Gateway:
             raise HttpError("malformed", "only n=1 is served", "n")
         return stream
 
+    def _tools(self, body: dict[str, Any], api: str, model: str) -> tuple[list[tc.Tool], str | None, str]:
+        """The request's tools, its tool choice and the model's tool-call format; a 400
+        that names the field for tools that are malformed or that the model has no parser for."""
+        try:
+            tools, choice = tc.anthropic_tools(body) if api == ANTHROPIC else tc.openai_tools(body)
+        except tc.ToolsError as exc:
+            raise HttpError("malformed", str(exc), exc.param) from None
+        fmt = self.catalog.model(model).tool_call_format
+        if tools and fmt == "none":
+            raise HttpError("malformed", f"tool calls are not served for {model} yet (no parser for its format)", "tools")
+        if choice not in (None, "none") and choice not in {t.name for t in tools}:
+            raise HttpError("malformed", f"tool_choice names {choice!r}, which is not among the tools", "tool_choice")
+        return tools, choice, fmt
+
     @staticmethod
     def _sampling(body: dict[str, Any], api: str) -> Sampling:
         try:
@@ -220,32 +258,135 @@ class Gateway:
             self.sessions.move_to_end(sid)
         return s
 
-    def _ids(self, request: web.Request, tenant: str, raw: bytes, body: dict[str, Any], model: str
-             ) -> tuple[str, str, bool]:
-        """(session id, call id, one-call session?)"""
+    async def _ids(self, request: web.Request, tenant: str, raw: bytes, body: dict[str, Any], model: str,
+                   prompt: Prompt) -> CallIds:
+        """The call's session and id, and how much of its prompt the session holds: the
+        longest run of blocks it shares with what the session's last call sent and got
+        back. A request that names no session joins the open one of its tenant and model
+        whose chain it extends and that has no call in flight, or starts a new one."""
         rhash = tr.request_hash(request.path, raw)
+        idem = request.headers.get(tr.IDEMPOTENCY_HEADER) or None
+        chain = px.block_hashes(prompt.ids)
         named = tr.session_name(request.headers, body)
-        if named is None:
-            sid = tr.one_call_session_id(tenant, rhash)
-        else:
+        if named is not None:
             sid = tr.talaria_session_id(tenant, named[1], request.headers.get(tr.AGENT_ID_HEADER, ""), model)
-        cid = tr.call_id_for(tenant, sid, rhash, request.headers.get(tr.IDEMPOTENCY_HEADER) or None)
-        return sid, cid, named is None
+            cid = tr.call_id_for(tenant, sid, rhash, idem)
+            held = await self._soft(lambda: self._held_blocks(sid, chain), 0)
+            return CallIds(sid, cid, True, self._prefix_tokens(held, prompt), chain)
+        # the call id comes before the session, so an HTTP retry is the same call wherever it lands
+        scope = tr.headerless_scope(tenant, model)
+        if idem is not None:
+            cid = tr.call_id_for(tenant, scope, rhash, idem)
+        else:
+            cid = await self._soft(lambda: self._headerless_call_id(scope, rhash, tr.retry_count(request.headers)),
+                                   tr.fresh_call_id())
+        sid, held = await self._soft(lambda: self._join_or_fork(tenant, model, cid, chain),
+                                     (tr.forked_session_id(tenant, model, cid), 0))
+        return CallIds(sid, cid, False, self._prefix_tokens(held, prompt), chain)
+
+    async def _headerless_call_id(self, scope: str, rhash: str, retry: int) -> str:
+        """Two runs of one task send the same first request, and must be two calls: a
+        first attempt is a new call; an SDK's retry (`x-stainless-retry-count` > 0) is the
+        latest first attempt of the same request. (A client that retries without saying
+        so gets a second call: generated twice, each delivered once.)"""
+        assert self.redis is not None
+        key = self.rkeys.gateway_request(scope, rhash)
+        if retry > 0:
+            known = await self.redis.get(key)
+            if known is not None:
+                return known.decode()
+        cid = tr.fresh_call_id()
+        await self.redis.set(key, cid, ex=SESSION_TTL_S)
+        return cid
+
+    @staticmethod
+    def _prefix_tokens(blocks: int, prompt: Prompt) -> int:
+        return min(blocks * px.BLOCK_TOKENS, prompt.tokens - 1)
+
+    async def _soft(self, op: Callable[[], Awaitable[Any]], fallback: Any) -> Any:
+        """A step on the gateway's soft state: without Redis (or with it away) the call
+        goes on as if nothing were known (its engine's own cache still reuses what it holds)."""
+        if self.redis is None:
+            return fallback
+        try:
+            return await op()
+        except Exception as exc:  # noqa: BLE001 - soft state: log, do without
+            self.log.warning("gateway.prefix_state_unavailable", error=type(exc).__name__)
+            return fallback
+
+    async def _held_blocks(self, sid: str, chain: list[bytes]) -> int:
+        assert self.redis is not None
+        return px.common_blocks(px.unpack(await self.redis.get(self.rkeys.gateway_chain(sid))), chain)
+
+    async def _join_or_fork(self, tenant: str, model: str, cid: str, chain: list[bytes]) -> tuple[str, int]:
+        assert self.redis is not None
+        r, k = self.redis, self.rkeys
+        known = await r.get(k.gateway_call(cid))
+        if known is not None:  # a retry of a call already given a session
+            sid = known.decode()
+            return sid, await self._held_blocks(sid, chain)
+        now = time.time()
+        idle_wall_s = self.settings.session_idle_s / max(self.settings.time_scale, 1e-9)
+        entries = await r.hgetall(k.gateway_open(tenant, model))
+        opens = [o for f, v in entries.items() if (o := px.OpenChain.decode(f.decode(), v.decode())) is not None]
+        stale = [o.session_id for o in opens if now - o.updated_at > idle_wall_s]
+        if stale:
+            await r.hdel(k.gateway_open(tenant, model), *stale)
+        sid, held = tr.forked_session_id(tenant, model, cid), 0
+        for o in px.extended_by(chain, opens, now, idle_wall_s):
+            if await r.set(k.gateway_busy(o.session_id), cid, nx=True, ex=int(BUSY_TTL_S)):
+                sid, held = o.session_id, o.blocks
+                break
+        else:
+            await r.set(k.gateway_busy(sid), cid, ex=int(BUSY_TTL_S))
+        if not await r.set(k.gateway_call(cid), sid, nx=True, ex=SESSION_TTL_S):
+            # another replica gave this very call a session first: take that one
+            await r.eval(_RELEASE, 1, k.gateway_busy(sid), cid)
+            sid = (await r.get(k.gateway_call(cid)) or sid.encode()).decode()
+            held = await self._held_blocks(sid, chain)
+        return sid, held
+
+    async def _remember(self, tenant: str, model: str, ids: CallIds, prompt: Prompt, reply: CallReply) -> None:
+        """After a reply: the session's engine now holds the prompt and what it returned."""
+        assert self.redis is not None
+        held = prompt.continued(reply.text or "")
+        if prompt.chat:  # the prompt's blocks are unchanged: hash only what the reply added
+            chain = ids.chain + px.block_hashes(held[len(ids.chain) * px.BLOCK_TOKENS:],
+                                                ids.chain[-1] if ids.chain else px.CHAIN_ROOT)
+        else:
+            chain = px.block_hashes(held)
+        async with self.redis.pipeline(transaction=False) as p:
+            p.set(self.rkeys.gateway_chain(ids.session_id), px.pack(chain), ex=SESSION_TTL_S)
+            if not ids.named and chain:
+                p.hset(self.rkeys.gateway_open(tenant, model), ids.session_id,
+                       px.OpenChain(ids.session_id, len(chain), chain[-1], time.time()).encode())
+                p.expire(self.rkeys.gateway_open(tenant, model), SESSION_TTL_S)
+            await p.execute()
+
+    async def _forget(self, sid: str) -> None:
+        assert self.redis is not None
+        await self.redis.delete(self.rkeys.gateway_chain(sid))
+
+    async def _release(self, ids: CallIds) -> None:
+        assert self.redis is not None
+        await self.redis.eval(_RELEASE, 1, self.rkeys.gateway_busy(ids.session_id), ids.call_id)
 
     async def _end(self, sid: str) -> None:
         self.sessions.pop(sid, None)
         with contextlib.suppress(TalariaError):
             await self.client.end_session(sid)
+        await self._soft(lambda: self._forget(sid), None)
 
     # -- one call, whole or streamed ----------------------------------------------------------------
-    async def _call(self, request: web.Request, api: str, tenant: str, raw: bytes, body: dict[str, Any],
+    async def _call(self, request: web.Request, api: str, tenant: str, ids: CallIds,
                     model: str, prompt: Prompt, max_tokens: int, stream: bool, sampling: Sampling,
+                    tools: list[tc.Tool] | None = None, tool_choice: str | None = None,
                     streamer: "Callable[[web.Request, asyncio.Task[CallReply], asyncio.Queue[Any]], Awaitable[web.StreamResponse]] | None" = None,
                     whole: "Callable[[CallReply], dict[str, Any]] | None" = None) -> web.StreamResponse:
         # (a conversation of any size the body limit lets in: a large one goes by reference, off the bus)
-        sid, cid, one_call = self._ids(request, tenant, raw, body, model)
-        final = one_call or tr.is_final(request.headers)
         t0 = time.monotonic()
+        sid, cid = ids.session_id, ids.call_id
+        final = tr.is_final(request.headers)
         status = 200
         with structlog.contextvars.bound_contextvars(tenant=tenant, session_id=sid, call_id=cid), tracing.span(
                 f"chat {model}", tracing.traceparent_of(request.headers), kind=SpanKind.SERVER,
@@ -254,10 +395,17 @@ class Gateway:
             try:
                 session = await self._session(sid, model)
                 events: asyncio.Queue[Any] = asyncio.Queue()
-                task = asyncio.ensure_future(session.call(
-                    prompt_tokens=prompt.tokens, prefix_tokens=prompt.prefix_tokens, max_tokens=max_tokens,
-                    call_id=cid, prompt_text=prompt.text, stream=stream, on_event=events.put_nowait,
-                    sampling=sampling))
+
+                async def call_and_remember() -> CallReply:
+                    reply = await session.call(
+                        prompt_tokens=prompt.tokens, prefix_tokens=ids.prefix_tokens, max_tokens=max_tokens,
+                        call_id=cid, prompt_text=prompt.text, stream=stream, on_event=events.put_nowait,
+                        sampling=sampling, tools_json=tc.tools_text(tools) if tools else None, tool_choice=tool_choice)
+                    # before the agent hears the reply, so its next call finds what the engine holds
+                    await self._soft(lambda: self._remember(tenant, model, ids, prompt, reply), None)
+                    return reply
+
+                task = asyncio.ensure_future(call_and_remember())
                 try:
                     if stream and streamer is not None:
                         return await streamer(request, task, events)
@@ -280,8 +428,10 @@ class Gateway:
                 self.metrics.http_requests.labels(api=api, status=str(status)).inc()
                 self.metrics.http_duration.labels(api=api).observe(time.monotonic() - t0)
                 self.log.info("gateway.call", api=api, path=request.path, model=model, stream=stream, status=status,
-                              prompt_tokens=prompt.tokens, prefix_tokens=prompt.prefix_tokens,
+                              prompt_tokens=prompt.tokens, prefix_tokens=ids.prefix_tokens, named_session=ids.named,
                               retry=tr.retry_count(request.headers), ms=round((time.monotonic() - t0) * 1000, 2))
+                if not ids.named:
+                    await self._soft(lambda: self._release(ids), None)
                 if final:
                     await self._end(sid)
 
@@ -354,8 +504,10 @@ class Gateway:
         raw, body = await self._body(request)
         model = await self._model(body)
         stream = self._check_common(body)
+        tools, choice, fmt = self._tools(body, OPENAI, model)
         try:
-            prompt = tr.chat_prompt(body.get("messages"))
+            prompt = tr.chat_prompt(body.get("messages"), tool_format=fmt,
+                                    tools_json=tc.tools_text(tools) if tools else None)
         except BadRequest as exc:
             raise HttpError("malformed", str(exc), exc.param) from None
         max_tokens = self._max_tokens(body, ("max_completion_tokens", "max_tokens"), prompt, model)
@@ -365,7 +517,7 @@ class Gateway:
         cid_box: list[str] = []
 
         def whole(reply: CallReply) -> dict[str, Any]:
-            return tr.chat_completion(reply.call_id, model, reply, max_tokens)
+            return tr.chat_completion(reply.call_id, model, reply, max_tokens, tr.answer_of(reply, fmt, tools))
 
         async def streamer(req: web.Request, task: "asyncio.Task[CallReply]", events: "asyncio.Queue[Any]"
                            ) -> web.StreamResponse:
@@ -375,7 +527,11 @@ class Gateway:
                 return sse(tr.chat_chunk(cid, model, created, delta, finish, None, include_usage))
 
             def on_reply(reply: CallReply) -> list[bytes]:
-                out = [chunk({}, tr.finish_reason(reply, max_tokens))]
+                answer = tr.answer_of(reply, fmt, tools)
+                out = [chunk({"content": answer.content})] if answer.content else []
+                if answer.calls:
+                    out.append(chunk({"tool_calls": [c.openai(i) for i, c in enumerate(answer.calls)]}))
+                out.append(chunk({}, tr.finish_reason(reply, max_tokens, answer)))
                 if include_usage:
                     out.append(sse(tr.usage_chunk(cid, model, created, tr.usage_of(reply).openai())))
                 return [*out, sse("[DONE]")]
@@ -388,9 +544,11 @@ class Gateway:
                 req, task, events, on_start=lambda: [chunk({"role": "assistant", "content": ""})],
                 on_tokens=lambda n: [chunk({"content": ""})], on_reply=on_reply, on_error=on_error)
 
-        cid_box.append(self._ids(request, tenant, raw, body, model)[1])
-        return await self._call(request, OPENAI, tenant, raw, body, model, prompt, max_tokens, stream,
-                                self._sampling(body, OPENAI), streamer=streamer, whole=whole)
+        sampling = self._sampling(body, OPENAI)
+        ids = await self._ids(request, tenant, raw, body, model, prompt)
+        cid_box.append(ids.call_id)
+        return await self._call(request, OPENAI, tenant, ids, model, prompt, max_tokens, stream,
+                                sampling, tools, choice, streamer=streamer, whole=whole)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         tenant = self._tenant(request)
@@ -403,7 +561,9 @@ class Gateway:
             raise HttpError("malformed", str(exc), exc.param) from None
         max_tokens = self._max_tokens(body, ("max_tokens",), prompt, model)
         created = int(time.time())
-        cid = self._ids(request, tenant, raw, body, model)[1]
+        sampling = self._sampling(body, OPENAI)
+        ids = await self._ids(request, tenant, raw, body, model, prompt)
+        cid = ids.call_id
 
         def whole(reply: CallReply) -> dict[str, Any]:
             return tr.text_completion(reply.call_id, model, reply, max_tokens)
@@ -422,8 +582,8 @@ class Gateway:
                                              on_tokens=lambda n: [sse(tr.text_chunk(cid, model, created, ""))],
                                              on_reply=on_reply, on_error=on_error)
 
-        return await self._call(request, OPENAI, tenant, raw, body, model, prompt, max_tokens, stream,
-                                self._sampling(body, OPENAI), streamer=streamer, whole=whole)
+        return await self._call(request, OPENAI, tenant, ids, model, prompt, max_tokens, stream,
+                                sampling, streamer=streamer, whole=whole)
 
     async def models(self, request: web.Request) -> web.Response:
         self._tenant(request)
@@ -438,16 +598,20 @@ class Gateway:
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise HttpError("malformed", "stream must be a boolean", "stream")
+        tools, choice, fmt = self._tools(body, ANTHROPIC, model)
         try:
-            prompt = tr.chat_prompt(body.get("messages"), body.get("system"), roles=("user", "assistant"))
+            prompt = tr.chat_prompt(body.get("messages"), body.get("system"), roles=("user", "assistant"),
+                                    tool_format=fmt, tools_json=tc.tools_text(tools) if tools else None)
         except BadRequest as exc:
             raise HttpError("malformed", str(exc), exc.param) from None
         max_tokens = self._max_tokens(body, ("max_tokens",), prompt, model, required=True)
-        cid = self._ids(request, tenant, raw, body, model)[1]
+        sampling = self._sampling(body, ANTHROPIC)
+        ids = await self._ids(request, tenant, raw, body, model, prompt)
+        cid = ids.call_id
         produced = [0]
 
         def whole(reply: CallReply) -> dict[str, Any]:
-            return tr.anthropic_message(reply.call_id, model, reply, max_tokens)
+            return tr.anthropic_message(reply.call_id, model, reply, max_tokens, tr.answer_of(reply, fmt, tools))
 
         async def streamer(req: web.Request, task: "asyncio.Task[CallReply]", events: "asyncio.Queue[Any]"
                            ) -> web.StreamResponse:
@@ -467,8 +631,22 @@ class Gateway:
 
             def on_reply(reply: CallReply) -> list[bytes]:
                 usage = tr.usage_of(reply).anthropic()
-                return [sse({"type": "content_block_stop", "index": 0}, "content_block_stop"),
-                        sse({"type": "message_delta", "delta": {"stop_reason": tr.anthropic_stop_reason(reply, max_tokens),
+                answer = tr.answer_of(reply, fmt, tools)
+                out = []
+                if answer.content:
+                    out.append(sse({"type": "content_block_delta", "index": 0,
+                                    "delta": {"type": "text_delta", "text": answer.content}}, "content_block_delta"))
+                out.append(sse({"type": "content_block_stop", "index": 0}, "content_block_stop"))
+                for i, c in enumerate(answer.calls, start=1):  # each call a block of its own, its input as JSON deltas
+                    out += [sse({"type": "content_block_start", "index": i,
+                                 "content_block": {"type": "tool_use", "id": c.id, "name": c.name, "input": {}}},
+                                "content_block_start"),
+                            sse({"type": "content_block_delta", "index": i,
+                                 "delta": {"type": "input_json_delta", "partial_json": json.dumps(c.arguments)}},
+                                "content_block_delta"),
+                            sse({"type": "content_block_stop", "index": i}, "content_block_stop")]
+                return [*out,
+                        sse({"type": "message_delta", "delta": {"stop_reason": tr.anthropic_stop_reason(reply, max_tokens, answer),
                                                                 "stop_sequence": None}, "usage": usage}, "message_delta"),
                         sse({"type": "message_stop"}, "message_stop")]
 
@@ -478,13 +656,15 @@ class Gateway:
             return await self._stream_events(req, task, events, on_start=on_start, on_tokens=on_tokens,
                                              on_reply=on_reply, on_error=on_error)
 
-        return await self._call(request, ANTHROPIC, tenant, raw, body, model, prompt, max_tokens, stream,
-                                self._sampling(body, ANTHROPIC), streamer=streamer, whole=whole)
+        return await self._call(request, ANTHROPIC, tenant, ids, model, prompt, max_tokens, stream,
+                                sampling, tools, choice, streamer=streamer, whole=whole)
 
 
-async def start_gateway(settings: Settings, client: TalariaClient) -> tuple[web.AppRunner, int]:
-    """Serve the gateway on the settings' address; (runner, the bound port)."""
-    gw = Gateway(settings, client)
+async def start_gateway(settings: Settings, client: TalariaClient, redis: aioredis.Redis | None = None
+                        ) -> tuple[web.AppRunner, int]:
+    """Serve the gateway on the settings' address; (runner, the bound port). `redis`:
+    where sessions' prefix chains are kept (None: not kept, see `Gateway`)."""
+    gw = Gateway(settings, client, redis=redis)
     gw.metrics.serve(settings.metrics_port, settings.metrics_host)
     if not gw.keys:
         gw.log.warning("gateway.no_keys", reason="TALARIA_API_KEYS is empty: every API request gets 401")
@@ -505,7 +685,9 @@ async def serve(settings: Settings) -> None:
     client = await TalariaClient.connect(settings.nats_urls, user=settings.nats_user, password=settings.nats_password,
                                          subject_prefix=settings.subject_prefix, connect_timeout_s=30.0,
                                          namespace=GATEWAY_NAMESPACE)
-    runner, port = await start_gateway(settings, client)
+    creds = {k: v for k, v in (("username", settings.redis_user), ("password", settings.redis_password)) if v}
+    redis = aioredis.Redis.from_url(settings.redis_url, socket_timeout=2.0, socket_connect_timeout=2.0, **creds)
+    runner, port = await start_gateway(settings, client, redis)
     log.info("gateway.listening", instance=settings.instance_name("gateway"), host=settings.gateway_host, port=port,
              url=f"http://{settings.gateway_host}:{port}/v1")
     stop = asyncio.Event()
@@ -516,6 +698,7 @@ async def serve(settings: Settings) -> None:
     log.info("gateway.stopping")
     await runner.cleanup()  # stops taking requests and lets in-flight ones finish
     await client.close()
+    await redis.aclose()
     tracing.shutdown()
 
 

@@ -7,9 +7,10 @@ each API's own shapes (no I/O; the service around it does the HTTP and NATS).
   tenant, agent id and model, so two tenants' `x-session-id: 1` never meet.
 - calls: `call_id_for` gives an HTTP retry the first attempt's call id, so the
   router answers it from the call record instead of running a second call.
-- tokens: `estimate_tokens` stands in for a tokenizer (part 1 has none): about
-  four UTF-8 bytes a token plus four per message for the role framing; the
-  same text always gives the same count.
+- tokens: a prompt's stand-in token ids (`services/gateway/prefix.py`: about
+  four UTF-8 bytes a token plus four per message for the role framing, the
+  models' own tokenizers not being at hand); `estimate_tokens` is their count
+  for one text.
 - errors: `openai_error` / `anthropic_error` turn a Talaria error code into the
   API's status and body.
 """
@@ -19,12 +20,17 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+import uuid
+from array import array
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 
+from services.gateway import prefix as px
+from services.gateway.prefix import MESSAGE_FRAME_TOKENS
+from shared import tool_calls
 from shared.schema import Sampling
 
 # The agents' own session headers, first match wins (docs/front-door.md lists who sends which).
@@ -42,8 +48,6 @@ SESSION_FINAL_HEADER = "x-dynamo-session-final"
 IDEMPOTENCY_HEADER = "idempotency-key"
 RETRY_COUNT_HEADER = "x-stainless-retry-count"  # the official SDKs' attempt number (0 = first)
 
-MESSAGE_FRAME_TOKENS = 4  # a message's role and separators, as chat templates add them
-BYTES_PER_TOKEN = 4
 
 
 # -- keys and tenants ---------------------------------------------------------------------
@@ -118,10 +122,22 @@ def talaria_session_id(tenant: str, name: str, agent_id: str, model: str) -> str
     return "gw-" + _digest("session", tenant, name, agent_id, model)
 
 
-def one_call_session_id(tenant: str, request_hash: str) -> str:
-    """A request with no session name: a session of its own, named by the request so an
-    HTTP retry of it lands on the same session (and call)."""
-    return "gw1-" + _digest("one-call", tenant, request_hash)
+def headerless_scope(tenant: str, model: str) -> str:
+    """What a header-less request's call id is scoped by: its tenant and model, not its
+    session, which is found by matching and must not change an HTTP retry's call id."""
+    return "gwh-" + _digest("headerless", tenant, model)
+
+
+def fresh_call_id() -> str:
+    """A header-less first attempt's own call id (two identical first requests are two runs)."""
+    return "gwc-" + uuid.uuid4().hex
+
+
+def forked_session_id(tenant: str, model: str, call_id: str) -> str:
+    """A header-less request that joins no open session starts this one, named by its
+    call so a retry of it (its call id the same) is given the same session even without
+    the gateway's soft state."""
+    return "gwf-" + _digest("fork", tenant, model, call_id)
 
 
 def request_hash(path: str, body: bytes) -> str:
@@ -149,13 +165,15 @@ def retry_count(headers: Mapping[str, str]) -> int:
 
 # -- prompts ------------------------------------------------------------------------------------
 def estimate_tokens(text: str) -> int:
-    """The stand-in tokenizer: ceil(UTF-8 bytes / 4), at least 1."""
-    return max(1, -(-len(text.encode("utf-8", "surrogatepass")) // BYTES_PER_TOKEN))
+    """The stand-in tokenizer's count: ceil(UTF-8 bytes / 4), at least 1."""
+    return len(px.text_ids(text))
 
 
-def content_text(content: Any, where: str) -> str:
+def content_text(content: Any, where: str, tool_format: str = "none") -> str:
     """A message's content: a string, or a list of parts whose text parts are kept
-    (OpenAI `{"type":"text","text":...}`, Anthropic the same). Other parts count by their JSON."""
+    (OpenAI `{"type":"text","text":...}`, Anthropic the same). An Anthropic `tool_use`
+    part is written as the model writes a call (`tool_format`), a `tool_result` by its
+    content; other parts count by their JSON."""
     if content is None:
         return ""
     if isinstance(content, str):
@@ -165,12 +183,37 @@ def content_text(content: Any, where: str) -> str:
         for part in content:
             if isinstance(part, Mapping) and isinstance(part.get("text"), str):
                 out.append(part["text"])
+            elif isinstance(part, Mapping) and part.get("type") == "tool_use" and tool_format != "none" \
+                    and isinstance(part.get("name"), str) and isinstance(part.get("input"), Mapping):
+                out.append(tool_calls.render([(part["name"], part["input"])], tool_format))
+            elif isinstance(part, Mapping) and part.get("type") == "tool_result" and part.get("content") is not None:
+                out.append(content_text(part["content"], where, tool_format))
             elif isinstance(part, Mapping):
-                out.append(json.dumps(part, sort_keys=True))  # tool use / results: counted, not read
+                out.append(json.dumps(part, sort_keys=True))  # other parts: counted, not read
             else:
                 raise BadRequest(f"{where}: a content part must be an object", where)
         return "\n".join(out)
     raise BadRequest(f"{where}: content must be a string or a list of parts", where)
+
+
+def _openai_tool_calls_text(raw: Any, tool_format: str) -> str:
+    """An assistant message's `tool_calls`, written back as the model wrote them (so a
+    conversation re-sent verbatim keeps its prefix through them); as JSON where the
+    model's format is unknown or a call is not well formed."""
+    if tool_format != "none" and isinstance(raw, list):
+        calls = []
+        for c in raw:
+            f = c.get("function") if isinstance(c, Mapping) else None
+            try:
+                args = json.loads(f["arguments"]) if isinstance(f, Mapping) and isinstance(f.get("arguments"), str) else None
+            except ValueError:
+                args = None
+            if not isinstance(f, Mapping) or not isinstance(f.get("name"), str) or not isinstance(args, dict):
+                break
+            calls.append((f["name"], args))
+        else:
+            return tool_calls.render(calls, tool_format)
+    return json.dumps(raw, sort_keys=True)
 
 
 class BadRequest(ValueError):
@@ -184,39 +227,51 @@ class BadRequest(ValueError):
 @dataclass(frozen=True)
 class Prompt:
     text: str
-    tokens: int
-    prefix_tokens: int  # tokens up to the last assistant turn: what the session held after its last call
+    ids: array  # stand-in token ids, what the engine's KV is reckoned by (services/gateway/prefix.py)
+    chat: bool  # a conversation (messages), not one prompt string
+
+    @property
+    def tokens(self) -> int:
+        return len(self.ids)
+
+    def continued(self, output: str) -> array:
+        """The ids the session's engine holds once it answered `output`: a conversation's
+        next turn re-sends it as an assistant message, a completion as more text."""
+        if self.chat:
+            return self.ids + px.message_ids("assistant", output)
+        return px.text_ids(self.text + output)
 
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 
 
-def chat_prompt(messages: Any, system: Any = None, *, roles: tuple[str, ...] = CHAT_ROLES) -> Prompt:
-    """The conversation as one text, its token estimate and the prefix the session
-    already holds (everything up to and including the last assistant message)."""
+def chat_prompt(messages: Any, system: Any = None, *, roles: tuple[str, ...] = CHAT_ROLES,
+                tool_format: str = "none", tools_json: str | None = None) -> Prompt:
+    """The conversation as one text and its stand-in token ids, message by message; the
+    tools (if any) after the system part, and past tool calls as the model writes them."""
     if not isinstance(messages, list) or not messages:
         raise BadRequest("messages must be a non-empty list", "messages")
     parts: list[str] = []
-    tokens = 0
-    prefix = 0
+    turns: list[tuple[str, str]] = []
     if system is not None:
         text = content_text(system, "system")
         parts.append(f"<|system|>\n{text}\n")
-        tokens += MESSAGE_FRAME_TOKENS + estimate_tokens(text)
+        turns.append(("system", text))
+    if tools_json:
+        parts.append(f"<|tools|>\n{tools_json}\n")
+        turns.append(("tools", tools_json))
     for i, m in enumerate(messages):
         if not isinstance(m, Mapping):
             raise BadRequest(f"messages[{i}] must be an object", f"messages[{i}]")
         role = m.get("role")
         if role not in roles:
             raise BadRequest(f"messages[{i}].role must be one of {', '.join(roles)}", f"messages[{i}].role")
-        text = content_text(m.get("content"), f"messages[{i}].content")
+        text = content_text(m.get("content"), f"messages[{i}].content", tool_format)
         if m.get("tool_calls") is not None:
-            text += json.dumps(m["tool_calls"], sort_keys=True)
+            text += _openai_tool_calls_text(m["tool_calls"], tool_format)
         parts.append(f"<|{role}|>\n{text}\n")
-        tokens += MESSAGE_FRAME_TOKENS + estimate_tokens(text)
-        if role == "assistant":
-            prefix = tokens
-    return Prompt("".join(parts), tokens, min(prefix, tokens - 1))
+        turns.append((role, text))
+    return Prompt("".join(parts), px.conversation_ids(turns), chat=True)
 
 
 def text_prompt(prompt: Any) -> Prompt:
@@ -224,7 +279,7 @@ def text_prompt(prompt: Any) -> Prompt:
         prompt = prompt[0]
     if not isinstance(prompt, str) or not prompt:
         raise BadRequest("prompt must be a non-empty string (one prompt per request)", "prompt")
-    return Prompt(prompt, estimate_tokens(prompt), 0)
+    return Prompt(prompt, px.text_ids(prompt), chat=False)
 
 
 # -- sampling ----------------------------------------------------------------------------------
@@ -285,14 +340,38 @@ def usage_of(reply: Any) -> Usage:
     return Usage(reply.prompt_tokens, cached, reply.output_tokens)
 
 
-def finish_reason(reply: Any, max_tokens: int) -> str:
+@dataclass(frozen=True)
+class Answer:
+    """What the model said: its text outside any tool call, and the calls its format's parser found."""
+
+    content: str
+    calls: list[tool_calls.ToolCall]
+
+
+def answer_of(reply: Any, tool_format: str = "none", tools: list[tool_calls.Tool] | None = None) -> Answer:
+    """A reply read as the model wrote it: tool calls are looked for only when the request offered tools."""
+    text = reply.text or ""
+    if not tools:
+        return Answer(text, [])
+    content, calls = tool_calls.parse(text, tool_format, tools, reply.call_id)
+    return Answer(content, calls)
+
+
+def finish_reason(reply: Any, max_tokens: int, answer: Answer | None = None) -> str:
+    if answer is not None and answer.calls:
+        return "tool_calls"
     return "length" if reply.output_tokens >= max_tokens else "stop"
 
 
-def chat_completion(call_id: str, model: str, reply: Any, max_tokens: int) -> dict[str, Any]:
+def chat_completion(call_id: str, model: str, reply: Any, max_tokens: int, answer: Answer | None = None
+                    ) -> dict[str, Any]:
+    answer = answer or answer_of(reply)
+    message: dict[str, Any] = {"role": "assistant", "content": answer.content if answer.content or not answer.calls else None}
+    if answer.calls:
+        message["tool_calls"] = [{k: v for k, v in c.openai(i).items() if k != "index"} for i, c in enumerate(answer.calls)]
     return {"id": f"chatcmpl-{call_id}", "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": reply.text or ""},
-                         "logprobs": None, "finish_reason": finish_reason(reply, max_tokens)}],
+            "choices": [{"index": 0, "message": message,
+                         "logprobs": None, "finish_reason": finish_reason(reply, max_tokens, answer)}],
             "usage": usage_of(reply).openai(), "system_fingerprint": f"talaria-{reply.server_id}"}
 
 
@@ -323,14 +402,23 @@ def text_chunk(call_id: str, model: str, created: int, text: str, finish: str | 
             "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}
 
 
-def anthropic_stop_reason(reply: Any, max_tokens: int) -> str:
+def anthropic_stop_reason(reply: Any, max_tokens: int, answer: Answer | None = None) -> str:
+    if answer is not None and answer.calls:
+        return "tool_use"
     return "max_tokens" if reply.output_tokens >= max_tokens else "end_turn"
 
 
-def anthropic_message(call_id: str, model: str, reply: Any, max_tokens: int) -> dict[str, Any]:
+def anthropic_blocks(answer: Answer) -> list[dict[str, Any]]:
+    blocks: list[dict[str, Any]] = [{"type": "text", "text": answer.content}] if answer.content or not answer.calls else []
+    return blocks + [c.anthropic() for c in answer.calls]
+
+
+def anthropic_message(call_id: str, model: str, reply: Any, max_tokens: int, answer: Answer | None = None
+                      ) -> dict[str, Any]:
+    answer = answer or answer_of(reply)
     return {"id": f"msg_{call_id}", "type": "message", "role": "assistant", "model": model,
-            "content": [{"type": "text", "text": reply.text or ""}],
-            "stop_reason": anthropic_stop_reason(reply, max_tokens), "stop_sequence": None,
+            "content": anthropic_blocks(answer),
+            "stop_reason": anthropic_stop_reason(reply, max_tokens, answer), "stop_sequence": None,
             "usage": usage_of(reply).anthropic()}
 
 

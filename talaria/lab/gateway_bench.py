@@ -94,8 +94,46 @@ async def bench(sizes: list[int], calls: int, rate: float, log_dir: Path) -> lis
     return rows
 
 
+def prefix_cost(sizes: list[int], repeats: int = 30) -> list[dict[str, float]]:
+    """The gateway's own work per call for prefix identity (pure, no I/O), per conversation
+    size: render the conversation into token ids, hash its blocks, and compare the chain
+    with the session's stored one (unpacked from its Redis bytes). Median wall ms."""
+    from services.gateway import prefix as px
+    from services.gateway import translate as tr
+
+    rows = []
+    for size in sizes:
+        turn = "tool output line, with some code: x = f(y) + 1\n" * 32  # ~400 tokens a message
+        messages = [{"role": "system", "content": "you are a coding agent"}]
+        while tr.chat_prompt(messages).tokens < size:
+            messages += [{"role": "assistant", "content": turn[:200]}, {"role": "user", "content": turn}]
+        stored = px.pack(px.block_hashes(tr.chat_prompt(messages[:-2]).ids))
+        render, chain, compare = [], [], []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            prompt = tr.chat_prompt(messages)
+            t1 = time.perf_counter()
+            hashes = px.block_hashes(prompt.ids)
+            t2 = time.perf_counter()
+            px.common_blocks(px.unpack(stored), hashes)
+            t3 = time.perf_counter()
+            render.append(t1 - t0)
+            chain.append(t2 - t1)
+            compare.append(t3 - t2)
+        rows.append({"tokens": tr.chat_prompt(messages).tokens, "render_ms": statistics.median(render) * 1e3,
+                     "hash_ms": statistics.median(chain) * 1e3, "compare_ms": statistics.median(compare) * 1e3,
+                     "chain_kb": len(stored) / 1024})
+    return rows
+
+
 def run(a: argparse.Namespace) -> int:
     sizes = [int(x) for x in a.sizes.split(",") if x.strip()]
+    print(f"{'tokens':>8} {'ids ms':>7} {'hash ms':>8} {'compare ms':>11} {'chain KB':>9}   "
+          "(prefix identity, the gateway's pure work per call, median wall ms)")
+    for r in prefix_cost(sizes):
+        print(f"{r['tokens']:>8} {r['render_ms']:>7.2f} {r['hash_ms']:>8.2f} {r['compare_ms']:>11.3f} {r['chain_kb']:>9.1f}")
+    if a.prefix_only:
+        return 0
     rows = asyncio.run(bench(sizes, a.calls, a.rate, Path(a.log_dir)))
     print(f"{'tokens':>8} {'direct p50':>11} {'direct p99':>11} {'http p50':>9} {'http p99':>9} "
           f"{'overhead p50':>13} {'overhead p99':>13}   (wall ms per call, {a.calls} calls a path, {a.rate:g}/s in all, alternating)")
@@ -111,4 +149,5 @@ def configure_parser(p: argparse.ArgumentParser, default_log_dir: Path) -> None:
     p.add_argument("--rate", type=positive_float, default=100.0,
                    help="calls started per second, both paths together (alternating)")
     p.add_argument("--log-dir", default=str(default_log_dir), help="the embedded stack's logs")
+    p.add_argument("--prefix-only", action="store_true", help="only the prefix-identity table (no stack)")
     p.set_defaults(fn=run)

@@ -1,0 +1,133 @@
+"""Prefix identity by token blocks (pure; no I/O).
+
+What a session's engine can reuse on its next call is the longest common prefix of
+the token ids it received last time plus what it returned, and the ids it receives
+now. Comparing ids would cost the whole history per call; instead, as vLLM's
+prefix cache and llm-d's precise prefix scorer do, the ids are cut into blocks of
+`BLOCK_TOKENS` and each full block is named by a hash chained to the one before
+it, so one equal hash at block k means the first k+1 blocks are equal. A
+session's chain is 8 bytes a block: 50 KB for a 100k-token session.
+
+Token ids. The gateway does not yet run the models' own tokenizers (the catalog's
+models are not on this machine): `conversation_ids` renders a conversation into
+stand-in ids, four per message for its role framing (as a chat template adds
+them) and one per four UTF-8 bytes of its text, the counts the gateway has
+always estimated. Each message's ids depend on that message alone, so a history
+re-sent verbatim gives the same ids, and one re-serialised differently (a tool
+call's JSON in another order, a thinking block stripped) diverges exactly there.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+BLOCK_TOKENS = 16        # tokens a block (vLLM's default KV block size)
+HASH_BYTES = 8           # bytes of each block's chained hash
+BYTES_PER_TOKEN = 4      # the stand-in tokenizer: one id per four UTF-8 bytes
+MESSAGE_FRAME_TOKENS = 4  # a message's role and separators, as chat templates add them
+# framing ids lie above any four bytes of UTF-8 (which never holds 0xFF), so text never forges them
+_FRAME_BASE = 0xFFFFFF00
+_ROLES = ("system", "developer", "user", "assistant", "tool", "function", "text", "tools")
+CHAIN_ROOT = b"talaria-prefix-v1"  # the parent of a chain's first block
+
+
+def text_ids(text: str) -> array:
+    """The stand-in ids of a text: its UTF-8 bytes four at a time (the last padded), at least one."""
+    data = text.encode("utf-8", "surrogatepass")
+    if not data:
+        return array("I", [0])
+    data += b"\0" * (-len(data) % BYTES_PER_TOKEN)
+    ids = array("I")
+    ids.frombytes(data)
+    return ids
+
+
+def frame_ids(role: str) -> array:
+    r = _ROLES.index(role) if role in _ROLES else len(_ROLES)
+    return array("I", [_FRAME_BASE + r, _FRAME_BASE + 0x80, _FRAME_BASE + 0x81, _FRAME_BASE + 0x82])
+
+
+def message_ids(role: str, text: str) -> array:
+    return frame_ids(role) + text_ids(text)
+
+
+def conversation_ids(messages: Sequence[tuple[str, str]]) -> array:
+    """A conversation's stand-in ids, message after message ((role, text) each)."""
+    out = array("I")
+    for role, text in messages:
+        out += message_ids(role, text)
+    return out
+
+
+def block_hashes(ids: array, parent: bytes = CHAIN_ROOT) -> list[bytes]:
+    """The chained hash of each full block of `ids` (a partial last block has none:
+    the engine cannot reuse a block it has not filled either)."""
+    data = memoryview(ids.tobytes())
+    step = BLOCK_TOKENS * ids.itemsize
+    out = []
+    h = parent[:HASH_BYTES]
+    blake2b = hashlib.blake2b
+    for start in range(0, len(data) - step + 1, step):
+        h = blake2b(h + data[start:start + step], digest_size=HASH_BYTES).digest()
+        out.append(h)
+    return out
+
+
+def common_blocks(a: Sequence[bytes], b: Sequence[bytes]) -> int:
+    """How many leading blocks two chains share (chained: the first difference ends it).
+    Binary search: equal at block k means equal up to k."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[mid - 1] == b[mid - 1]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def pack(chain: Sequence[bytes]) -> bytes:
+    return b"".join(chain)
+
+
+def unpack(data: bytes | None) -> list[bytes]:
+    if not data:
+        return []
+    return [data[i:i + HASH_BYTES] for i in range(0, len(data) - HASH_BYTES + 1, HASH_BYTES)]
+
+
+# -- sessions without a header ----------------------------------------------------------------------
+@dataclass(frozen=True)
+class OpenChain:
+    """A header-less session's chain as last left: its length in blocks and its last block's hash."""
+
+    session_id: str
+    blocks: int
+    tail: bytes
+    updated_at: float  # wall seconds
+
+    def encode(self) -> str:
+        return f"{self.blocks}:{self.tail.hex()}:{self.updated_at:.3f}"
+
+    @classmethod
+    def decode(cls, session_id: str, value: str) -> OpenChain | None:
+        try:
+            blocks, tail, at = value.split(":")
+            return cls(session_id, int(blocks), bytes.fromhex(tail), float(at))
+        except ValueError:
+            return None
+
+
+def extended_by(chain: Sequence[bytes], open_chains: Sequence[OpenChain], now: float, idle_s: float) -> list[OpenChain]:
+    """The open sessions whose chain `chain` extends (its block at their length has their
+    tail's hash), longest first: the one to join is the first that has no call in
+    flight; none (or all busy) means a new session. Two runs of one task start alike,
+    and the second, finding the first busy, forks. Sessions idle past `idle_s` are
+    released by the router and not joined."""
+    out = [o for o in open_chains
+           if 0 < o.blocks <= len(chain) and chain[o.blocks - 1] == o.tail and now - o.updated_at <= idle_s]
+    out.sort(key=lambda o: (-o.blocks, -o.updated_at, o.session_id))
+    return out

@@ -1,0 +1,254 @@
+"""Tool calls: from a model's text to each API's shape, and back (pure; no I/O).
+
+An engine returns tokens, not tool calls: a model that calls a tool writes the
+call in its own format, and a per-model parser finds it (as vLLM's
+`--tool-call-parser` does). The catalog names each model's format
+(`tool_call_format`):
+
+- `hermes` (Qwen3): one JSON object per call between tags,
+  `<tool_call>\\n{"name": "read_file", "arguments": {"path": "a.py"}}\\n</tool_call>`;
+- `glm45` (GLM-4.5, GLM-4.5-Air): the name, then each argument as a key/value
+  pair, `<tool_call>read_file\\n<arg_key>path</arg_key>\\n<arg_value>a.py</arg_value>\\n</tool_call>`;
+  a value is the string itself, or JSON where the tool's schema says the
+  parameter is not a string;
+- `none`: no parser yet; a request with tools is refused by name (400).
+
+`render` writes calls in a format (what a model would have written): the sim
+engine's synthetic mode uses it, and it is the inverse the parsers are tested
+against. `synthetic_call` picks a tool and fills its required arguments from
+the tool's JSON schema, so an agent's loop runs on well-formed calls on the sim
+engine (docs/front-door.md).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+FORMATS = ("hermes", "glm45", "none")
+
+_HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+_GLM_CALL = re.compile(r"<tool_call>\s*([^\n<]*?)\s*(?:\n|(?=<arg_key>)|(?=</tool_call>))(.*?)</tool_call>", re.DOTALL)
+_GLM_ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
+
+
+class ToolsError(ValueError):
+    """A request's tools or tool choice the gateway refuses (400), naming the field."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    id: str
+    name: str
+    arguments: dict[str, Any]
+
+    def openai(self, index: int) -> dict[str, Any]:
+        return {"index": index, "id": self.id, "type": "function",
+                "function": {"name": self.name, "arguments": json.dumps(self.arguments)}}
+
+    def anthropic(self) -> dict[str, Any]:
+        return {"type": "tool_use", "id": self.id, "name": self.name, "input": self.arguments}
+
+
+@dataclass(frozen=True)
+class Tool:
+    name: str
+    description: str
+    parameters: dict[str, Any]  # JSON schema of the arguments
+
+
+def _call_id(call_key: str, i: int) -> str:
+    return "call_" + hashlib.sha256(f"{call_key}:{i}".encode()).hexdigest()[:24]
+
+
+# -- requests ----------------------------------------------------------------------------------------
+def openai_tools(body: Mapping[str, Any]) -> tuple[list[Tool], str | None]:
+    """The request's tools and its tool choice (None: the model decides; `none`; or a tool's name)."""
+    return _tools(body.get("tools"), "tools", lambda t: (t.get("function") if t.get("type") == "function" else None),
+                  "parameters"), _openai_choice(body.get("tool_choice"))
+
+
+def anthropic_tools(body: Mapping[str, Any]) -> tuple[list[Tool], str | None]:
+    return _tools(body.get("tools"), "tools", lambda t: t, "input_schema"), _anthropic_choice(body.get("tool_choice"))
+
+
+def _tools(raw: Any, param: str, inner: Any, schema_field: str) -> list[Tool]:
+    if raw is None:
+        return []
+    if not isinstance(raw, list):
+        raise ToolsError(f"{param} must be a list", param)
+    out = []
+    for i, t in enumerate(raw):
+        f = inner(t) if isinstance(t, Mapping) else None
+        if not isinstance(f, Mapping) or not isinstance(f.get("name"), str) or not f["name"]:
+            raise ToolsError(f"{param}[{i}] must be a function tool with a name", f"{param}[{i}]")
+        schema = f.get(schema_field) or {"type": "object", "properties": {}}
+        if not isinstance(schema, Mapping):
+            raise ToolsError(f"{param}[{i}].{schema_field} must be a JSON schema object", f"{param}[{i}]")
+        desc = f.get("description") or ""
+        out.append(Tool(f["name"], desc if isinstance(desc, str) else "", dict(schema)))
+    return out
+
+
+def _openai_choice(choice: Any) -> str | None:
+    if choice in (None, "auto", "required"):
+        return None
+    if choice == "none":
+        return "none"
+    if isinstance(choice, Mapping) and isinstance(choice.get("function"), Mapping) \
+            and isinstance(choice["function"].get("name"), str):
+        return choice["function"]["name"]
+    raise ToolsError("tool_choice must be none, auto, required or a function", "tool_choice")
+
+
+def _anthropic_choice(choice: Any) -> str | None:
+    if choice is None:
+        return None
+    if isinstance(choice, Mapping):
+        kind = choice.get("type")
+        if kind in ("auto", "any"):
+            return None
+        if kind == "none":
+            return "none"
+        if kind == "tool" and isinstance(choice.get("name"), str):
+            return choice["name"]
+    raise ToolsError("tool_choice must be auto, any, none or a tool", "tool_choice")
+
+
+def tools_text(tools: Sequence[Tool]) -> str:
+    """The tools as JSON: what the prompt carries (a chat template puts them in its
+    system part) and the engine hint's `tools_json`."""
+    return json.dumps([{"name": t.name, "description": t.description, "parameters": t.parameters} for t in tools],
+                      sort_keys=True)
+
+
+def tools_from_json(text: str) -> list[Tool]:
+    """`tools_text`'s inverse (ValueError on anything else)."""
+    raw = json.loads(text)
+    if not isinstance(raw, list):
+        raise ValueError("tools_json must be a list")
+    return _tools(raw, "tools_json", lambda t: t, "parameters")
+
+
+# -- the engine's text -> calls ------------------------------------------------------------------------
+def parse(text: str, fmt: str, tools: Sequence[Tool], call_key: str) -> tuple[str, list[ToolCall]]:
+    """(the text outside the calls, the calls) found in a model's output. A call that does
+    not parse (bad JSON, an unknown tool) stays in the text: the agent sees what the model wrote."""
+    if fmt == "hermes":
+        return _parse_hermes(text, tools, call_key)
+    if fmt == "glm45":
+        return _parse_glm45(text, tools, call_key)
+    return text, []
+
+
+def _parse_hermes(text: str, tools: Sequence[Tool], call_key: str) -> tuple[str, list[ToolCall]]:
+    known = {t.name for t in tools}
+    calls: list[ToolCall] = []
+    kept: list[str] = []
+    last = 0
+    for m in _HERMES.finditer(text):
+        try:
+            obj = json.loads(m.group(1))
+        except ValueError:
+            continue
+        if not isinstance(obj, dict) or obj.get("name") not in known:
+            continue
+        args = obj.get("arguments", {})
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except ValueError:
+                continue
+        if not isinstance(args, dict):
+            continue
+        kept.append(text[last:m.start()])
+        last = m.end()
+        calls.append(ToolCall(_call_id(call_key, len(calls)), obj["name"], args))
+    kept.append(text[last:])
+    return "".join(kept).strip(), calls
+
+
+def _parse_glm45(text: str, tools: Sequence[Tool], call_key: str) -> tuple[str, list[ToolCall]]:
+    by_name = {t.name: t for t in tools}
+    calls: list[ToolCall] = []
+    kept: list[str] = []
+    last = 0
+    for m in _GLM_CALL.finditer(text):
+        name = m.group(1).strip()
+        tool = by_name.get(name)
+        if tool is None:
+            continue
+        props = tool.parameters.get("properties") or {}
+        args: dict[str, Any] = {}
+        for k, v in _GLM_ARG.findall(m.group(2)):
+            k = k.strip()
+            typ = (props.get(k) or {}).get("type") if isinstance(props.get(k), Mapping) else None
+            if typ == "string" or typ is None and not _looks_json(v):
+                args[k] = v.strip("\n")
+            else:
+                try:
+                    args[k] = json.loads(v)
+                except ValueError:
+                    args[k] = v.strip("\n")
+        kept.append(text[last:m.start()])
+        last = m.end()
+        calls.append(ToolCall(_call_id(call_key, len(calls)), name, args))
+    kept.append(text[last:])
+    return "".join(kept).strip(), calls
+
+
+def _looks_json(v: str) -> bool:
+    v = v.strip()
+    return v[:1] in ("{", "[") or v in ("true", "false", "null") or bool(re.fullmatch(r"-?\d+(\.\d+)?([eE][-+]?\d+)?", v))
+
+
+# -- calls -> a model's text (the inverse; the sim engine's synthetic mode) ------------------------------
+def render(calls: Sequence[tuple[str, Mapping[str, Any]]], fmt: str) -> str:
+    out = []
+    for name, args in calls:
+        if fmt == "glm45":
+            pairs = "".join(f"<arg_key>{k}</arg_key>\n<arg_value>{v if isinstance(v, str) else json.dumps(v)}</arg_value>\n"
+                            for k, v in args.items())
+            out.append(f"<tool_call>{name}\n{pairs}</tool_call>")
+        else:
+            out.append(f"<tool_call>\n{json.dumps({'name': name, 'arguments': dict(args)})}\n</tool_call>")
+    return "\n".join(out)
+
+
+def synthetic_call(tools: Sequence[Tool], choice: str | None, seed: str) -> tuple[str, dict[str, Any]] | None:
+    """A well-formed call the sim engine makes: the chosen tool, or one picked by `seed`,
+    with every required argument filled from its schema. None when tools are off."""
+    if not tools or choice == "none":
+        return None
+    pick = next((t for t in tools if t.name == choice), None) if choice else None
+    if pick is None:
+        pick = tools[int(hashlib.sha256(seed.encode()).hexdigest(), 16) % len(tools)]
+    props = pick.parameters.get("properties") or {}
+    required = pick.parameters.get("required") or list(props)
+    return pick.name, {k: _example(props.get(k) or {}, f"{seed}:{k}") for k in required if isinstance(k, str)}
+
+
+def _example(schema: Mapping[str, Any], seed: str) -> Any:
+    if isinstance(schema.get("enum"), list) and schema["enum"]:
+        return schema["enum"][0]
+    match schema.get("type"):
+        case "integer":
+            return int(hashlib.sha256(seed.encode()).hexdigest()[:4], 16) % 100
+        case "number":
+            return 0.5
+        case "boolean":
+            return True
+        case "array":
+            return []
+        case "object":
+            return {}
+        case _:
+            return "synthetic-" + hashlib.sha256(seed.encode()).hexdigest()[:8]

@@ -1,0 +1,88 @@
+"""Tool calls in the catalog models' own formats (shared/tool_calls.py: pure)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from shared import tool_calls as tc
+
+TOOLS = [tc.Tool("read_file", "read a file", {"type": "object", "properties": {"path": {"type": "string"},
+                                                                              "limit": {"type": "integer"}},
+                                               "required": ["path"]}),
+         tc.Tool("run_tests", "run the tests", {"type": "object", "properties": {"verbose": {"type": "boolean"},
+                                                                                "only": {"type": "array"}}})]
+
+
+def test_hermes_as_qwen3_writes_it() -> None:
+    # Qwen3's chat template: a JSON object per call between <tool_call> tags, after any text
+    text = ('I will look at the file first.\n<tool_call>\n{"name": "read_file", "arguments": {"path": "src/a.py", '
+            '"limit": 40}}\n</tool_call>\n<tool_call>\n{"name": "run_tests", "arguments": {"verbose": true}}\n</tool_call>')
+    content, calls = tc.parse(text, "hermes", TOOLS, "c1")
+    assert content == "I will look at the file first."
+    assert [(c.name, c.arguments) for c in calls] == [("read_file", {"path": "src/a.py", "limit": 40}),
+                                                     ("run_tests", {"verbose": True})]
+    assert len({c.id for c in calls}) == 2 and all(c.id.startswith("call_") for c in calls)
+    assert tc.parse(text, "hermes", TOOLS, "c1")[1] == calls  # ids are stable for a call (a retry's reply is the same)
+
+
+def test_glm45_as_glm_writes_it() -> None:
+    # GLM-4.5's format: the name on the first line, then <arg_key>/<arg_value> pairs; a
+    # value is the string itself, or JSON where the schema says it is not a string
+    text = ("<think>the path is known</think>Reading it.\n<tool_call>read_file\n<arg_key>path</arg_key>\n"
+            "<arg_value>src/a.py</arg_value>\n<arg_key>limit</arg_key>\n<arg_value>40</arg_value>\n</tool_call>"
+            "<tool_call>run_tests\n<arg_key>only</arg_key>\n<arg_value>[\"test_a\"]</arg_value>\n</tool_call>")
+    content, calls = tc.parse(text, "glm45", TOOLS, "c2")
+    assert content == "<think>the path is known</think>Reading it."
+    assert [(c.name, c.arguments) for c in calls] == [("read_file", {"path": "src/a.py", "limit": 40}),
+                                                     ("run_tests", {"only": ["test_a"]})]
+    # a string parameter stays a string even when it looks like a number
+    _, calls = tc.parse("<tool_call>read_file\n<arg_key>path</arg_key>\n<arg_value>42</arg_value>\n</tool_call>",
+                        "glm45", TOOLS, "c3")
+    assert calls[0].arguments == {"path": "42"}
+    # a call with no arguments
+    _, calls = tc.parse("<tool_call>run_tests\n</tool_call>", "glm45", TOOLS, "c4")
+    assert [(c.name, c.arguments) for c in calls] == [("run_tests", {})]
+
+
+@pytest.mark.parametrize("fmt", ["hermes", "glm45"])
+def test_what_does_not_parse_stays_text(fmt: str) -> None:
+    for text in ["no call at all", "<tool_call>\n{not json}\n</tool_call>", "<tool_call>\n{\"name\": \"rm_rf\"}\n</tool_call>",
+                 "<tool_call>unknown_tool\n<arg_key>a</arg_key>\n<arg_value>b</arg_value>\n</tool_call>",
+                 "<tool_call>read_file\n<arg_key>path</arg_key>"]:  # cut off by max_tokens
+        content, calls = tc.parse(text, fmt, TOOLS, "x")
+        assert calls == [] and content == text.strip()
+
+
+@pytest.mark.parametrize("fmt", ["hermes", "glm45"])
+def test_render_is_what_parse_reads(fmt: str) -> None:
+    calls = [("read_file", {"path": "a b/c.py", "limit": 7}), ("run_tests", {"verbose": False, "only": ["x", "y"]})]
+    content, parsed = tc.parse(tc.render(calls, fmt), fmt, TOOLS, "r")
+    assert content == "" and [(c.name, c.arguments) for c in parsed] == calls
+
+
+def test_synthetic_calls_fill_the_schema_and_follow_the_choice() -> None:
+    name, args = tc.synthetic_call(TOOLS, "read_file", "call-1")  # type: ignore[misc]
+    assert name == "read_file" and set(args) == {"path"} and isinstance(args["path"], str)
+    picked = {tc.synthetic_call(TOOLS, None, f"call-{i}")[0] for i in range(40)}  # type: ignore[index]
+    assert picked == {"read_file", "run_tests"}
+    assert tc.synthetic_call(TOOLS, "none", "c") is None and tc.synthetic_call([], None, "c") is None
+    assert tc.synthetic_call(TOOLS, None, "same") == tc.synthetic_call(TOOLS, None, "same")
+
+
+def test_requests_tools_in_each_apis_shape_and_refusals_by_name() -> None:
+    body = {"tools": [{"type": "function", "function": {"name": "read_file", "parameters": TOOLS[0].parameters}}],
+            "tool_choice": {"type": "function", "function": {"name": "read_file"}}}
+    tools, choice = tc.openai_tools(body)
+    assert [t.name for t in tools] == ["read_file"] and choice == "read_file"
+    assert tc.openai_tools({"tools": body["tools"], "tool_choice": "none"})[1] == "none"
+    tools, choice = tc.anthropic_tools({"tools": [{"name": "read_file", "input_schema": TOOLS[0].parameters}],
+                                        "tool_choice": {"type": "any"}})
+    assert [t.name for t in tools] == ["read_file"] and choice is None
+    for bad in ({"tools": "x"}, {"tools": [{"type": "function"}]}, {"tools": [], "tool_choice": 3}):
+        with pytest.raises(tc.ToolsError):
+            tc.openai_tools(bad)
+    assert tc.tools_from_json(tc.tools_text(TOOLS)) == TOOLS
+    with pytest.raises(ValueError):
+        tc.tools_from_json(json.dumps({"not": "a list"}))
