@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -608,3 +609,23 @@ async def test_tools_a_model_has_no_parser_for_or_that_are_malformed_are_400_by_
                                              tools=[{"type": "function", "function": READ_FILE}],
                                              tool_choice={"type": "function", "function": {"name": "rm_rf"}})
     assert e.value.body["param"] == "tool_choice"
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("api", ["openai", "anthropic"])
+async def test_the_example_sdk_agent_runs_its_tool_loop_end_to_end(stack: EmbeddedStack, api: str) -> None:
+    """examples/sdk_agent.py (official SDK only) against the stack: every call a tool call,
+    and each later call's cached tokens at least 90% of what the one before sent."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, str(Path(__file__).resolve().parents[1] / "examples" / "sdk_agent.py"), "--api", api,
+        "--base-url", stack.openai_base_url, "--api-key", stack.api_key, "--calls", "6", "--max-tokens", "200",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await asyncio.wait_for(proc.communicate(), 150)
+    assert proc.returncode == 0, err.decode()[-2000:]
+    rows = [line.split() for line in out.decode().splitlines() if line.split() and line.split()[0].isdigit()]
+    assert len(rows) == 6 and all(r[5] in ("list_files", "read_file", "search") for r in rows), out.decode()
+    prompts, cached = [int(r[2]) for r in rows], [int(r[3]) for r in rows]
+    assert cached[0] == 0 and all(b > a for a, b in zip(prompts, prompts[1:]))  # the conversation grows
+    for before, now in zip(prompts, cached[1:]):
+        assert now >= 0.9 * (before // px.BLOCK_TOKENS) * px.BLOCK_TOKENS, out.decode()
+    assert "SCT" in out.decode()

@@ -1,0 +1,172 @@
+"""A small tool-using agent written only with an official SDK (OpenAI or Anthropic):
+nothing of Talaria is imported. Point it at any OpenAI- or Anthropic-compatible
+endpoint; against `talaria up` it shows what Talaria does for an agent's session.
+
+    talaria up --policy talaria                                   # one terminal
+    python examples/sdk_agent.py                                  # another: the OpenAI SDK
+    python examples/sdk_agent.py --api anthropic                  # the same loop, the Anthropic SDK
+    python examples/sdk_agent.py --base-url URL --api-key KEY     # another deployment
+
+Each turn the model is offered three tools that run here, on a folder of files
+(`--root`, default this checkout): `list_files`, `read_file` and `search`. The
+agent runs every call the model makes, appends the call and its result to the
+conversation and asks again, `--calls` times; the conversation only grows, as a
+coding agent's does. It sends no session header (`--session NAME` sends
+`x-session-id`): Talaria finds the session by the conversation's prefix.
+
+Per call it prints the wall seconds the call took, the prompt's tokens, how many
+of them the server reported as cached (the engine's own count), and the tool
+the model called; at the end the session's completion time (SCT: first call
+sent to last answer, wall seconds). On Talaria's sim engine the model is
+synthetic: it always calls one of the tools, with made-up arguments (the tool
+then answers with an error, which the agent sends back like any result).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+TOOLS = [
+    {"name": "list_files", "description": "List the files under a folder of the repository.",
+     "parameters": {"type": "object", "properties": {"path": {"type": "string", "description": "a folder"}},
+                    "required": ["path"]}},
+    {"name": "read_file", "description": "Read the first lines of a file of the repository.",
+     "parameters": {"type": "object", "properties": {"path": {"type": "string"}, "limit": {"type": "integer"}},
+                    "required": ["path", "limit"]}},
+    {"name": "search", "description": "Find the lines of the repository's files that contain a text.",
+     "parameters": {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}},
+]
+TASK = ("The test suite of this repository fails on a parser edge case. Find the parser, read it, "
+        "and explain the bug. Use the tools; answer when you know.")
+
+
+class Tools:
+    """The tools, confined to one folder."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root.resolve()
+
+    def _path(self, rel: Any) -> Path:
+        p = (self.root / str(rel)).resolve()
+        if self.root not in (p, *p.parents):
+            raise ValueError(f"{rel} is outside the repository")
+        return p
+
+    def run(self, name: str, args: dict[str, Any]) -> str:
+        try:
+            if name == "list_files":
+                p = self._path(args.get("path", "."))
+                return "\n".join(sorted(x.name + ("/" if x.is_dir() else "") for x in p.iterdir())[:200])
+            if name == "read_file":
+                limit = max(1, min(int(args.get("limit", 40)), 400))
+                return "".join(self._path(args["path"]).read_text(errors="replace").splitlines(True)[:limit])
+            if name == "search":
+                text, hits = str(args["text"]), []
+                for f in sorted(self.root.rglob("*.py"))[:2000]:
+                    for i, line in enumerate(f.read_text(errors="replace").splitlines(), 1):
+                        if text in line:
+                            hits.append(f"{f.relative_to(self.root)}:{i}: {line.strip()}")
+                return "\n".join(hits[:50]) or "no match"
+            return f"error: no tool named {name}"
+        except (OSError, ValueError, KeyError) as exc:
+            return f"error: {type(exc).__name__}: {exc}"
+
+
+def openai_loop(a: argparse.Namespace, tools: Tools, headers: dict[str, str]) -> list[tuple[float, int, int, str]]:
+    from openai import OpenAI
+
+    client = OpenAI(base_url=a.base_url, api_key=a.api_key, default_headers=headers)
+    offered = [{"type": "function", "function": t} for t in TOOLS]
+    messages: list[dict[str, Any]] = [{"role": "system", "content": "You are a careful coding agent."},
+                                      {"role": "user", "content": TASK}]
+    rows = []
+    for _ in range(a.calls):
+        t0 = time.monotonic()
+        r = client.chat.completions.create(model=a.model, messages=messages, tools=offered, max_tokens=a.max_tokens)
+        wait = time.monotonic() - t0
+        msg = r.choices[0].message
+        details = r.usage.prompt_tokens_details
+        cached = (details.cached_tokens or 0) if details is not None else 0
+        messages.append(msg.model_dump(exclude_none=True))
+        called = [c.function.name for c in msg.tool_calls or []]
+        for c in msg.tool_calls or []:
+            try:
+                args = json.loads(c.function.arguments)
+            except ValueError:
+                args = {}
+            messages.append({"role": "tool", "tool_call_id": c.id, "content": tools.run(c.function.name, args)})
+        rows.append((wait, r.usage.prompt_tokens, cached, ",".join(called) or "(answered)"))
+        if not called:
+            messages.append({"role": "user", "content": "Go on: check it with the tools."})
+    return rows
+
+
+def anthropic_loop(a: argparse.Namespace, tools: Tools, headers: dict[str, str]) -> list[tuple[float, int, int, str]]:
+    import anthropic
+
+    client = anthropic.Anthropic(base_url=a.base_url.removesuffix("/v1"), api_key=a.api_key, default_headers=headers)
+    offered = [{"name": t["name"], "description": t["description"], "input_schema": t["parameters"]} for t in TOOLS]
+    messages: list[dict[str, Any]] = [{"role": "user", "content": TASK}]
+    rows = []
+    for _ in range(a.calls):
+        t0 = time.monotonic()
+        m = client.messages.create(model=a.model, system="You are a careful coding agent.", messages=messages,
+                                   tools=offered, max_tokens=a.max_tokens)
+        wait = time.monotonic() - t0
+        messages.append({"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in m.content]})
+        uses = [b for b in m.content if b.type == "tool_use"]
+        results = [{"type": "tool_result", "tool_use_id": b.id, "content": tools.run(b.name, dict(b.input))} for b in uses]
+        messages.append({"role": "user", "content": results or "Go on: check it with the tools."})
+        prompt = m.usage.input_tokens + (m.usage.cache_read_input_tokens or 0)
+        rows.append((wait, prompt, m.usage.cache_read_input_tokens or 0, ",".join(b.name for b in uses) or "(answered)"))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--api", choices=("openai", "anthropic"), default="openai")
+    p.add_argument("--credentials", default=".talaria/logs/up/credentials.json",
+                   help="`talaria up`'s credentials file (base URL and key), used when --base-url is not given")
+    p.add_argument("--base-url", help="the OpenAI-style base URL, ending in /v1 (default: OPENAI_BASE_URL, else the credentials file)")
+    p.add_argument("--api-key", help="the API key (default: OPENAI_API_KEY, else the credentials file)")
+    p.add_argument("--model", default="glm-4.5-air-fp8")
+    p.add_argument("--calls", type=int, default=20, help="calls the agent makes (default 20)")
+    p.add_argument("--max-tokens", type=int, default=512)
+    p.add_argument("--session", help="name the session (x-session-id); by default none is sent")
+    p.add_argument("--root", default=str(Path(__file__).resolve().parents[1]), help="the folder the tools work on")
+    a = p.parse_args(argv)
+    a.base_url = a.base_url or os.environ.get("OPENAI_BASE_URL")
+    a.api_key = a.api_key or os.environ.get("OPENAI_API_KEY")
+    if not (a.base_url and a.api_key):
+        try:
+            creds = json.loads(Path(a.credentials).read_text())
+        except (OSError, ValueError) as exc:
+            print(f"no endpoint: give --base-url and --api-key, or start `talaria up` ({exc})", file=sys.stderr)
+            return 2
+        a.base_url, a.api_key = a.base_url or creds["openai_base_url"], a.api_key or creds["api_key"]
+    headers = {"x-session-id": a.session} if a.session else {}
+    t0 = time.monotonic()
+    try:
+        rows = (anthropic_loop if a.api == "anthropic" else openai_loop)(a, Tools(Path(a.root)), headers)
+    except Exception as exc:  # the SDK's own errors (status, type, message) say what went wrong
+        print(f"the call failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    sct = time.monotonic() - t0
+    print(f"{'call':>4} {'wait s':>7} {'prompt':>7} {'cached':>7} {'cached %':>8}  tool")
+    for i, (wait, prompt, cached, tool) in enumerate(rows, 1):
+        print(f"{i:>4} {wait:>7.2f} {prompt:>7} {cached:>7} {100 * cached / max(prompt, 1):>7.0f}%  {tool}")
+    later = rows[1:]
+    share = sum(c for _, _, c, _ in later) / max(1, sum(p for _, p, _, _ in later))
+    print(f"SCT {sct:.2f} s wall for {len(rows)} calls ({a.api} SDK, model {a.model}); "
+          f"cached {100 * share:.0f}% of the later calls' prompts")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
