@@ -107,6 +107,7 @@ async def test_two_vllm_cpu_engine_workers_prefix_hits_and_kv_events(tmp_path: P
     for policy in ("talaria", "least-loaded"):
         spec = vb.vllm_spec(policy, tmp_path / policy)
         spec.auth = False  # the test publishes the reset hook as itself
+        spec.gateway = policy == "talaria"  # (the SDK agent's run below)
         stack = EmbeddedStack(spec)
         await stack.start(timeout_s=300)
         try:
@@ -145,6 +146,7 @@ async def test_two_vllm_cpu_engine_workers_prefix_hits_and_kv_events(tmp_path: P
                 await _sleep_wake_and_cancel(client, stack, probe, tmp_path / policy)
                 await _real_prompts_must_fit_the_engine(client, probe)
                 _vllm_metrics_are_reexported(stack)
+                await _the_sdk_agent_reuses_its_prefix(stack)
             finally:
                 await client.close()
                 await r.aclose()
@@ -163,6 +165,26 @@ async def test_two_vllm_cpu_engine_workers_prefix_hits_and_kv_events(tmp_path: P
             if c.reusable_tokens and fresh:
                 assert c.cached_tokens < c.reusable_tokens, (policy, c)  # a server that never saw the session
             seen[c.session].add(c.server)
+
+
+async def _the_sdk_agent_reuses_its_prefix(stack) -> None:  # type: ignore[no-untyped-def]
+    """examples/sdk_agent.py (the official OpenAI SDK, no session header) through the gateway
+    on the real engines: each later call's cached tokens, vLLM's own count, at least 90% of
+    the prompt the engine received before it, rounded down to whole KV blocks."""
+    import sys
+
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, str(Path(__file__).resolve().parents[1] / "examples" / "sdk_agent.py"),
+        "--base-url", stack.openai_base_url, "--api-key", stack.api_key, "--model", vb.MODEL,
+        "--calls", "6", "--max-tokens", "16", stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await asyncio.wait_for(proc.communicate(), 240)
+    assert proc.returncode == 0, err.decode()[-2000:]
+    rows = [line.split() for line in out.decode().splitlines() if line.split() and line.split()[0].isdigit()]
+    prompts, cached = [int(r[2]) for r in rows], [int(r[3]) for r in rows]
+    assert len(rows) == 6 and cached[0] == 0, out.decode()
+    for before, now in zip(prompts, cached[1:]):
+        assert now >= 0.9 * (before // vb.BLOCK) * vb.BLOCK, out.decode()
+    print("\n" + out.decode())
 
 
 def _vllm_metrics_are_reexported(stack) -> None:  # type: ignore[no-untyped-def]
