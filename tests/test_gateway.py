@@ -629,3 +629,10 @@ async def test_the_example_sdk_agent_runs_its_tool_loop_end_to_end(stack: Embedd
     for before, now in zip(prompts, cached[1:]):
         assert now >= 0.9 * (before // px.BLOCK_TOKENS) * px.BLOCK_TOKENS, out.decode()
     assert "SCT" in out.decode()
+
+
+@pytest.mark.timeout(60)
+async def test_the_sim_engines_text_is_labelled_synthetic_and_of_the_replys_length(stack: EmbeddedStack) -> None:
+    r = await oai(stack).chat.completions.create(model=MODEL, max_tokens=12, messages=[{"role": "user", "content": "hi"}])
+    text = r.choices[0].message.content
+    assert text.startswith("[synthetic text") and tr.estimate_tokens(text) == r.usage.completion_tokens == 12

@@ -4,11 +4,13 @@ A timer task sleeps until the engine's next event, advances it and finishes
 what ended (through the worker, which owns the call protocol). A call that
 asked to stream gets its tokens at the cost model's decode pace, so streaming
 and cancel behave as on a real engine; the token ids are placeholders (the
-sim has no vocabulary) and the reply has no text, except in its synthetic tool
-mode: a call whose hint carries tools (and a tool choice other than "none")
-answers one well-formed call of one of them, written in the model's own format
-(`shared/tool_calls.py`), as short as such a call is, so an agent's loop runs
-on tool calls and the gateway's parsers read them.
+sim has no vocabulary). A replayed trace's call gets no text; a call from the
+front door (it carries sampling fields) gets labelled synthetic filler of its
+length (`SYNTHETIC_LABEL`); and in the synthetic tool mode, a call whose hint
+carries tools (and a tool choice other than "none") answers one well-formed
+call of one of them, written in the model's own format (`shared/tool_calls.py`),
+as short as such a call is, so an agent's loop runs on tool calls and the
+gateway's parsers read them.
 """
 
 from __future__ import annotations
@@ -39,6 +41,25 @@ def synthetic_tool_text(rc: RunCall, fmt: str) -> str | None:
         return None
     call = tool_calls.synthetic_call(tools, hint.tool_choice, rc.call.call_id)
     return tool_calls.render([call], fmt) if call is not None else None
+
+
+SYNTHETIC_LABEL = "[synthetic text from Talaria's sim engine] "
+
+
+def synthetic_text(output_tokens: int) -> str:
+    """A front-door call's reply on the sim engine, which has no model: labelled filler of
+    the reply's length (four bytes a token, the gateway's stand-in count)."""
+    size = 4 * max(1, output_tokens)
+    return (SYNTHETIC_LABEL + "lorem ipsum dolor sit amet " * (size // 27 + 1))[:size]
+
+
+def reply_text(rc: RunCall, fmt: str, output_tokens: int) -> str | None:
+    """The sim reply's text: its synthetic tool call, else labelled filler for a call from
+    the front door (it carries sampling fields), else none (a replayed trace's call)."""
+    tool = synthetic_tool_text(rc, fmt)
+    if tool is not None:
+        return tool
+    return synthetic_text(output_tokens) if rc.engine.sampling is not None else None
 
 
 def stop_tokens(rc: RunCall, fmt: str = "none") -> int:
@@ -260,7 +281,7 @@ class SimBackend(EngineBackend):
             reprefill_tokens=r.reprefill_tokens, output_tokens=r.output_tokens, arrived_at=c.arrived_at,
             finished_at=r.finished_at, waited_s=rc.waited_s, switch_wait_s=rc.switch_wait_s,
             round_wait=rc.round_wait, restore_s=r.restore_s, prefill_s=r.prefill_s, decode_s=r.decode_s,
-            text=synthetic_tool_text(rc, self.tool_format),
+            text=reply_text(rc, self.tool_format, r.output_tokens),
         )
         busy = self.busy.pending({state.BUSY_PREFIX + s.model: round(self.engine.busy_s, 3)})
 
