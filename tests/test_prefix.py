@@ -81,3 +81,26 @@ def test_stand_in_ids_count_as_the_estimate_and_frames_never_collide_with_text()
         assert len(ids) == max(1, -(-len(text.encode("utf-8", "surrogatepass")) // 4))
         assert not set(ids) & set(px.frame_ids("user"))
     assert px.frame_ids("user") != px.frame_ids("assistant")
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["extend", "edit", "other", "shrink"]), st.integers(0, 3 * B),
+                          st.integers(0, 2**32 - 1)), min_size=1, max_size=12))
+def test_the_chain_cache_gives_exactly_the_full_hash_whatever_the_conversation_does(
+        steps: list[tuple[str, int, int]]) -> None:
+    from array import array
+
+    cache = px.ChainCache(max_bytes=4 * 40 * B)  # small: evictions happen too
+    ids = array("I", range(2 * B + 3))
+    for op, n, v in steps:
+        if op == "extend":
+            ids = ids + array("I", [v] * n)
+        elif op == "edit" and len(ids):
+            ids = array("I", ids)
+            ids[n % len(ids)] = v
+        elif op == "shrink":
+            ids = ids[: max(1, len(ids) - n)]
+        else:
+            ids = array("I", [v]) + ids[1:]  # another conversation, another first block
+        assert cache.chain("t\0m", ids) == px.block_hashes(ids)
+        cache.remember("t\0m", ids + array("I", [7] * (n % 20)), px.block_hashes(ids + array("I", [7] * (n % 20))))

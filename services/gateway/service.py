@@ -115,6 +115,7 @@ class Gateway:
         # so every prefix is taken as empty and a header-less request is a session of its own
         self.redis = redis
         self.rkeys = Keys(settings.key_prefix)
+        self.chains = px.ChainCache()
         self.catalog = catalog or load_catalog(settings.catalog_path)
         self.keys = tr.parse_keys(settings.api_keys)
         self.log = structlog.get_logger("gateway")
@@ -266,7 +267,7 @@ class Gateway:
         whose chain it extends and that has no call in flight, or starts a new one."""
         rhash = tr.request_hash(request.path, raw)
         idem = request.headers.get(tr.IDEMPOTENCY_HEADER) or None
-        chain = px.block_hashes(prompt.ids)
+        chain = self.chains.chain(f"{tenant}\0{model}", prompt.ids)  # (hashes only what the conversation appended)
         named = tr.session_name(request.headers, body)
         if named is not None:
             sid = tr.talaria_session_id(tenant, named[1], request.headers.get(tr.AGENT_ID_HEADER, ""), model)
@@ -355,6 +356,7 @@ class Gateway:
                                                 ids.chain[-1] if ids.chain else px.CHAIN_ROOT)
         else:
             chain = px.block_hashes(held)
+        self.chains.remember(f"{tenant}\0{model}", held, chain)
         async with self.redis.pipeline(transaction=False) as p:
             p.set(self.rkeys.gateway_chain(ids.session_id), px.pack(chain), ex=SESSION_TTL_S)
             if not ids.named and chain:
