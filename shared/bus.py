@@ -328,14 +328,12 @@ class ServiceProcess:
         self.nc = await connect_nats(self.settings.nats_urls, self.instance, self.log,
                                      self.settings.nats_user, self.settings.nats_password)
         # a Redis restart (seconds) is waited out command by command, not turned into errors
-        creds = {k: v for k, v in (("username", self.settings.redis_user),
-                                    ("password", self.settings.redis_password)) if v}
         # a bounded pool that waits for a free connection: requests handled side by side
         # (concurrent_handler) would otherwise open more than redis-py's default pool
         # allows, and it refuses the rest (MaxConnectionsError, seen at 200 calls/s)
         pool = aioredis.BlockingConnectionPool.from_url(
             self.settings.redis_url, max_connections=REDIS_POOL_CONNECTIONS, timeout=REDIS_POOL_WAIT_S,
-            health_check_interval=10, **creds,
+            health_check_interval=10, **self.settings.redis_credentials(),
             retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), retries=30),
             retry_on_error=[RedisConnectionError, RedisTimeoutError])
         self.redis = aioredis.Redis.from_pool(pool)  # (closing the client closes its pool)

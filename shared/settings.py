@@ -135,6 +135,10 @@ class Settings:
     metrics_host: str = "0.0.0.0"   # the address it listens on
     otlp_endpoint: str | None = None  # OpenTelemetry traces go here over OTLP/HTTP (None = off)
 
+    def redis_credentials(self) -> dict[str, str]:
+        """redis-py's `username`/`password` keywords, those that are set (the URL may carry them instead)."""
+        return {k: v for k, v in (("username", self.redis_user), ("password", self.redis_password)) if v}
+
     def instance_name(self, kind: str) -> str:
         """A service process's instance: its name in logs, in NATS and on its health subject."""
         if kind == "router":

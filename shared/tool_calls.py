@@ -50,9 +50,10 @@ class ToolCall:
     name: str
     arguments: dict[str, Any]
 
-    def openai(self, index: int) -> dict[str, Any]:
-        return {"index": index, "id": self.id, "type": "function",
-                "function": {"name": self.name, "arguments": json.dumps(self.arguments)}}
+    def openai(self, index: int | None = None) -> dict[str, Any]:
+        """OpenAI's shape: a message's `tool_calls` entry, or with `index` a streamed delta's."""
+        out = {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": json.dumps(self.arguments)}}
+        return out if index is None else {"index": index, **out}
 
     def anthropic(self) -> dict[str, Any]:
         return {"type": "tool_use", "id": self.id, "name": self.name, "input": self.arguments}

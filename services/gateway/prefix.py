@@ -109,10 +109,10 @@ class ChainCache:
             old, old_chain = hit
             k = _equal_blocks(old, data, step, len(old_chain))
             chain = old_chain[:k] + _hash_blocks(data, k * step, old_chain[k - 1] if k else CHAIN_ROOT)
-        self.put(key, data, chain)
+        self._put(key, data, chain)
         return chain
 
-    def put(self, key: bytes, data: bytes, chain: list[bytes]) -> None:
+    def _put(self, key: bytes, data: bytes, chain: list[bytes]) -> None:
         if len(data) > self.max_bytes:
             return
         old = self._entries.pop(key, None)
@@ -123,12 +123,6 @@ class ChainCache:
         while self._bytes > self.max_bytes:
             _, (gone, _) = self._entries.popitem(last=False)
             self._bytes -= len(gone)
-
-    def remember(self, scope: str, ids: array, chain: list[bytes]) -> None:
-        """What the session's engine holds now (its prompt and reply), and its chain: the
-        next call of the conversation extends it."""
-        data = ids.tobytes()
-        self.put(scope.encode() + b"\0" + data[:BLOCK_TOKENS * ID_BYTES], data, chain)
 
 
 def _equal_blocks(a: bytes, b: bytes, step: int, most: int) -> int:

@@ -99,7 +99,11 @@ class CallIds:
     call_id: str
     named: bool          # the agent named its session (a header); else matched by its prefix
     prefix_tokens: int   # what the session's engine holds of this prompt (block-rounded)
-    chain: list[bytes]   # the prompt's block hashes
+
+
+def _cache_scope(tenant: str, model: str) -> str:
+    """Whose prompts the chain cache may reuse for one another."""
+    return f"{tenant}\0{model}"
 
 
 # delete a header-less session's in-flight mark only if it is this call's
@@ -267,13 +271,13 @@ class Gateway:
         whose chain it extends and that has no call in flight, or starts a new one."""
         rhash = tr.request_hash(request.path, raw)
         idem = request.headers.get(tr.IDEMPOTENCY_HEADER) or None
-        chain = self.chains.chain(f"{tenant}\0{model}", prompt.ids)  # (hashes only what the conversation appended)
+        chain = self.chains.chain(_cache_scope(tenant, model), prompt.ids)  # (hashes only what was appended)
         named = tr.session_name(request.headers, body)
         if named is not None:
             sid = tr.talaria_session_id(tenant, named[1], request.headers.get(tr.AGENT_ID_HEADER, ""), model)
             cid = tr.call_id_for(tenant, sid, rhash, idem)
             held = await self._soft(lambda: self._held_blocks(sid, chain), 0)
-            return CallIds(sid, cid, True, self._prefix_tokens(held, prompt), chain)
+            return CallIds(sid, cid, True, self._prefix_tokens(held, prompt))
         # the call id comes before the session, so an HTTP retry is the same call wherever it lands
         scope = tr.headerless_scope(tenant, model)
         if idem is not None:
@@ -283,7 +287,7 @@ class Gateway:
                                    tr.fresh_call_id())
         sid, held = await self._soft(lambda: self._join_or_fork(tenant, model, cid, chain),
                                      (tr.forked_session_id(tenant, model, cid), 0))
-        return CallIds(sid, cid, False, self._prefix_tokens(held, prompt), chain)
+        return CallIds(sid, cid, False, self._prefix_tokens(held, prompt))
 
     async def _headerless_call_id(self, scope: str, rhash: str, retry: int) -> str:
         """Two runs of one task send the same first request, and must be two calls: a
@@ -350,13 +354,8 @@ class Gateway:
     async def _remember(self, tenant: str, model: str, ids: CallIds, prompt: Prompt, reply: CallReply) -> None:
         """After a reply: the session's engine now holds the prompt and what it returned."""
         assert self.redis is not None
-        held = prompt.continued(reply.text or "")
-        if prompt.chat:  # the prompt's blocks are unchanged: hash only what the reply added
-            chain = ids.chain + px.block_hashes(held[len(ids.chain) * px.BLOCK_TOKENS:],
-                                                ids.chain[-1] if ids.chain else px.CHAIN_ROOT)
-        else:
-            chain = px.block_hashes(held)
-        self.chains.remember(f"{tenant}\0{model}", held, chain)
+        # (from the cache, which holds this prompt's chain: only what the reply added is hashed)
+        chain = self.chains.chain(_cache_scope(tenant, model), prompt.continued(reply.text or ""))
         async with self.redis.pipeline(transaction=False) as p:
             p.set(self.rkeys.gateway_chain(ids.session_id), px.pack(chain), ex=SESSION_TTL_S)
             if not ids.named and chain:
@@ -382,7 +381,7 @@ class Gateway:
     # -- one call, whole or streamed ----------------------------------------------------------------
     async def _call(self, request: web.Request, api: str, tenant: str, ids: CallIds,
                     model: str, prompt: Prompt, max_tokens: int, stream: bool, sampling: Sampling,
-                    tools: list[tc.Tool] | None = None, tool_choice: str | None = None,
+                    tools_json: str | None = None, tool_choice: str | None = None,
                     streamer: "Callable[[web.Request, asyncio.Task[CallReply], asyncio.Queue[Any]], Awaitable[web.StreamResponse]] | None" = None,
                     whole: "Callable[[CallReply], dict[str, Any]] | None" = None) -> web.StreamResponse:
         # (a conversation of any size the body limit lets in: a large one goes by reference, off the bus)
@@ -402,7 +401,7 @@ class Gateway:
                     reply = await session.call(
                         prompt_tokens=prompt.tokens, prefix_tokens=ids.prefix_tokens, max_tokens=max_tokens,
                         call_id=cid, prompt_text=prompt.text, stream=stream, on_event=events.put_nowait,
-                        sampling=sampling, tools_json=tc.tools_text(tools) if tools else None, tool_choice=tool_choice)
+                        sampling=sampling, tools_json=tools_json, tool_choice=tool_choice)
                     # before the agent hears the reply, so its next call finds what the engine holds
                     await self._soft(lambda: self._remember(tenant, model, ids, prompt, reply), None)
                     return reply
@@ -507,9 +506,9 @@ class Gateway:
         model = await self._model(body)
         stream = self._check_common(body)
         tools, choice, fmt = self._tools(body, OPENAI, model)
+        tools_json = tc.tools_text(tools) if tools else None
         try:
-            prompt = tr.chat_prompt(body.get("messages"), tool_format=fmt,
-                                    tools_json=tc.tools_text(tools) if tools else None)
+            prompt = tr.chat_prompt(body.get("messages"), tool_format=fmt, tools_json=tools_json)
         except BadRequest as exc:
             raise HttpError("malformed", str(exc), exc.param) from None
         max_tokens = self._max_tokens(body, ("max_completion_tokens", "max_tokens"), prompt, model)
@@ -550,7 +549,7 @@ class Gateway:
         ids = await self._ids(request, tenant, raw, body, model, prompt)
         cid_box.append(ids.call_id)
         return await self._call(request, OPENAI, tenant, ids, model, prompt, max_tokens, stream,
-                                sampling, tools, choice, streamer=streamer, whole=whole)
+                                sampling, tools_json, choice, streamer=streamer, whole=whole)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         tenant = self._tenant(request)
@@ -601,9 +600,10 @@ class Gateway:
         if not isinstance(stream, bool):
             raise HttpError("malformed", "stream must be a boolean", "stream")
         tools, choice, fmt = self._tools(body, ANTHROPIC, model)
+        tools_json = tc.tools_text(tools) if tools else None
         try:
             prompt = tr.chat_prompt(body.get("messages"), body.get("system"), roles=("user", "assistant"),
-                                    tool_format=fmt, tools_json=tc.tools_text(tools) if tools else None)
+                                    tool_format=fmt, tools_json=tools_json)
         except BadRequest as exc:
             raise HttpError("malformed", str(exc), exc.param) from None
         max_tokens = self._max_tokens(body, ("max_tokens",), prompt, model, required=True)
@@ -659,7 +659,7 @@ class Gateway:
                                              on_reply=on_reply, on_error=on_error)
 
         return await self._call(request, ANTHROPIC, tenant, ids, model, prompt, max_tokens, stream,
-                                sampling, tools, choice, streamer=streamer, whole=whole)
+                                sampling, tools_json, choice, streamer=streamer, whole=whole)
 
 
 async def start_gateway(settings: Settings, client: TalariaClient, redis: aioredis.Redis | None = None
@@ -687,8 +687,9 @@ async def serve(settings: Settings) -> None:
     client = await TalariaClient.connect(settings.nats_urls, user=settings.nats_user, password=settings.nats_password,
                                          subject_prefix=settings.subject_prefix, connect_timeout_s=30.0,
                                          namespace=GATEWAY_NAMESPACE)
-    creds = {k: v for k, v in (("username", settings.redis_user), ("password", settings.redis_password)) if v}
-    redis = aioredis.Redis.from_url(settings.redis_url, socket_timeout=2.0, socket_connect_timeout=2.0, **creds)
+    # soft state: fail fast rather than wait out a Redis restart as the services' pools do
+    redis = aioredis.Redis.from_url(settings.redis_url, socket_timeout=2.0, socket_connect_timeout=2.0,
+                                    **settings.redis_credentials())
     runner, port = await start_gateway(settings, client, redis)
     log.info("gateway.listening", instance=settings.instance_name("gateway"), host=settings.gateway_host, port=port,
              url=f"http://{settings.gateway_host}:{port}/v1")

@@ -368,7 +368,7 @@ def chat_completion(call_id: str, model: str, reply: Any, max_tokens: int, answe
     answer = answer or answer_of(reply)
     message: dict[str, Any] = {"role": "assistant", "content": answer.content if answer.content or not answer.calls else None}
     if answer.calls:
-        message["tool_calls"] = [{k: v for k, v in c.openai(i).items() if k != "index"} for i, c in enumerate(answer.calls)]
+        message["tool_calls"] = [c.openai() for c in answer.calls]
     return {"id": f"chatcmpl-{call_id}", "object": "chat.completion", "created": int(time.time()), "model": model,
             "choices": [{"index": 0, "message": message,
                          "logprobs": None, "finish_reason": finish_reason(reply, max_tokens, answer)}],
