@@ -78,6 +78,9 @@ class EngineHint(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, 
     sim_output_tokens: Tokens | None = None
     tools_json: Annotated[str, Meta(max_length=1_000_000)] | None = None
     tool_choice: Annotated[str, Meta(max_length=256)] | None = None
+    # the format the front door parses calls in (its tool-call parser), so the sim engine's
+    # synthetic calls are written in it; None: the catalog's for the model
+    tool_call_format: Annotated[str, Meta(max_length=32)] | None = None
 
 
 class Sampling(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, forbid_unknown_fields=False):

@@ -128,6 +128,8 @@ class Settings:
     api_keys: str = ""              # the gateway's API keys, `tenant:key,...` (a bare key: its own tenant)
     gateway_keepalive_s: float = 10.0  # wall seconds between SSE keep-alive comments while a call waits
     gateway_max_body: int = 4 * 1024 * 1024  # bytes of an HTTP request body above which the gateway answers 413
+    gateway_tokenizers: str = ""    # `model=FOLDER,...` (`*` every model): chat template and tokenizer per model; else stand-in ids
+    gateway_tool_parsers: str = ""  # `model=FORMAT,...` (`*` every model): a tool-call format over the catalog's
     call_record_replicas: int = 1   # JetStream replicas of the at-most-once call record and the prompt store (3 on a 3-node cluster)
     prompt_store_max_bytes: int = 1024 ** 3  # bytes each namespace's prompt store may hold (prompts sent by reference)
     loop_stall_exit_s: float = 0.0  # wall seconds of a stuck event loop after which the process exits (0 = off)
@@ -200,6 +202,12 @@ class Settings:
                        help="wall seconds between SSE keep-alive comments while a streamed call waits")
         p.add_argument("--gateway-max-body", type=int, default=_int(src, "TALARIA_GATEWAY_MAX_BODY", 4 * 1024 * 1024),
                        help="largest HTTP request body in bytes (larger: 413)")
+        p.add_argument("--gateway-tokenizers", default=_env("TALARIA_GATEWAY_TOKENIZERS", ""),
+                       help="model=FOLDER,... (* for every model): render and tokenize with that folder's chat "
+                            "template and tokenizer and send the engine token ids (else stand-in ids)")
+        p.add_argument("--gateway-tool-parsers", default=_env("TALARIA_GATEWAY_TOOL_PARSERS", ""),
+                       help="model=FORMAT,... (* for every model; hermes, glm45): the tool-call format over the "
+                            "catalog's, as vLLM's --tool-call-parser (a stand-in model's template)")
         p.add_argument("--call-record-replicas", type=int, default=_int(src, "TALARIA_CALL_RECORD_REPLICAS", 1),
                        help="JetStream replicas of the at-most-once call record (1-5; 3 on a three-node NATS cluster)")
         p.add_argument("--prompt-store-max-bytes", type=int,
@@ -261,6 +269,8 @@ class Settings:
             api_keys=src.get("TALARIA_API_KEYS", ""),
             gateway_keepalive_s=max(0.05, a.gateway_keepalive_s),
             gateway_max_body=max(1024, a.gateway_max_body),
+            gateway_tokenizers=a.gateway_tokenizers,
+            gateway_tool_parsers=a.gateway_tool_parsers,
             call_record_replicas=min(5, max(1, a.call_record_replicas)),
             prompt_store_max_bytes=max(1024 * 1024, a.prompt_store_max_bytes),
             loop_stall_exit_s=max(0.0, a.loop_stall_exit_s),

@@ -33,7 +33,10 @@ STREAM_WALL_S = 0.05  # wall seconds between two token batches of a streamed cal
 def synthetic_tool_text(rc: RunCall, fmt: str) -> str | None:
     """The synthetic tool mode's reply: one call of the hint's tools, in the model's format."""
     hint = rc.engine.hint
-    if hint is None or not hint.tools_json or fmt == "none":
+    if hint is None or not hint.tools_json:
+        return None
+    fmt = hint.tool_call_format or fmt  # the front door's parser, where it names one
+    if fmt not in tool_calls.FORMATS or fmt == "none":
         return None
     try:
         tools = tool_calls.tools_from_json(hint.tools_json)

@@ -42,6 +42,7 @@ from aiohttp import web
 from opentelemetry.trace import SpanKind
 
 from services.gateway import prefix as px
+from services.gateway import tokens as tk
 from services.gateway import translate as tr
 from services.gateway.translate import BadRequest, Prompt
 from shared import tool_calls as tc
@@ -122,6 +123,14 @@ class Gateway:
         self.chains = px.ChainCache()
         self.catalog = catalog or load_catalog(settings.catalog_path)
         self.keys = tr.parse_keys(settings.api_keys)
+        # each model's own chat template and tokenizer where the deployment names its folder
+        # (loaded now, so a bad folder stops the gateway at start, not a call)
+        self.tokenizers = tk.Tokenizers(settings.gateway_tokenizers)
+        self.tokenizers.load_all()
+        self.tool_parsers = tk.parse_model_map(settings.gateway_tool_parsers, "TALARIA_GATEWAY_TOOL_PARSERS")
+        for m, fmt in self.tool_parsers.items():
+            if fmt not in tc.FORMATS:
+                raise tk.TokenizerError(f"TALARIA_GATEWAY_TOOL_PARSERS: {m}={fmt}: not a format ({', '.join(tc.FORMATS)})")
         self.log = structlog.get_logger("gateway")
         self.sessions: OrderedDict[str, Session] = OrderedDict()
         self._models: tuple[float, list[str]] | None = None
@@ -238,12 +247,51 @@ class Gateway:
             tools, choice = tc.anthropic_tools(body) if api == ANTHROPIC else tc.openai_tools(body)
         except tc.ToolsError as exc:
             raise HttpError("malformed", str(exc), exc.param) from None
-        fmt = self.catalog.model(model).tool_call_format
+        fmt = tk.for_model(self.tool_parsers, model) or self.catalog.model(model).tool_call_format
         if tools and fmt == "none":
             raise HttpError("malformed", f"tool calls are not served for {model} yet (no parser for its format)", "tools")
         if choice not in (None, "none") and choice not in {t.name for t in tools}:
             raise HttpError("malformed", f"tool_choice names {choice!r}, which is not among the tools", "tool_choice")
         return tools, choice, fmt
+
+    async def _chat_prompt(self, tenant: str, model: str, body: dict[str, Any], api: str, fmt: str,
+                           tools: list[tc.Tool], tools_json: str | None) -> Prompt:
+        """The conversation as the engine will see it: rendered by the model's own chat
+        template and tokenized (only what changed since this replica's last call of it),
+        or, for a model without a tokenizer here, in stand-in ids."""
+        system = body.get("system") if api == ANTHROPIC else None
+        tok = self.tokenizers.get(model)
+        try:
+            if tok is None:
+                roles = ("user", "assistant") if api == ANTHROPIC else tr.CHAT_ROLES
+                return tr.chat_prompt(body.get("messages"), system, roles=roles, tool_format=fmt, tools_json=tools_json)
+            messages = tr.template_messages(body.get("messages"), system, api=api)
+        except BadRequest as exc:
+            raise HttpError("malformed", str(exc), exc.param) from None
+        schemas = [{"type": "function", "function": {"name": t.name, "description": t.description,
+                                                     "parameters": t.parameters}} for t in tools]
+
+        def render_and_encode() -> tuple[str, Any]:
+            text = tok.render(messages, schemas)
+            return text, tok.encode(_cache_scope(tenant, model), text)
+
+        try:  # (off the event loop: a long conversation's render and encode take milliseconds)
+            text, ids = await asyncio.to_thread(render_and_encode)
+        except Exception as exc:  # noqa: BLE001 - the template's own refusal (raise_exception), named for the agent
+            raise HttpError("malformed", f"the model's chat template refused the conversation: {exc}"[:500],
+                            "messages") from None
+        return tr.tokenized_prompt(text, ids, tok)
+
+    async def _text_prompt(self, tenant: str, model: str, body: dict[str, Any]) -> Prompt:
+        try:
+            prompt = tr.text_prompt(body.get("prompt"))
+        except BadRequest as exc:
+            raise HttpError("malformed", str(exc), exc.param) from None
+        tok = self.tokenizers.get(model)
+        if tok is None:
+            return prompt
+        ids = await asyncio.to_thread(tok.encode, _cache_scope(tenant, model), prompt.text)
+        return Prompt(prompt.text, ids, chat=False, tokenizer=tok)
 
     @staticmethod
     def _sampling(body: dict[str, Any], api: str) -> Sampling:
@@ -355,7 +403,8 @@ class Gateway:
         """After a reply: the session's engine now holds the prompt and what it returned."""
         assert self.redis is not None
         # (from the cache, which holds this prompt's chain: only what the reply added is hashed)
-        chain = self.chains.chain(_cache_scope(tenant, model), prompt.continued(reply.text or ""))
+        out_ids = list(reply.token_ids) if reply.token_ids and reply.engine != "sim" else None  # a real engine's own
+        chain = self.chains.chain(_cache_scope(tenant, model), prompt.continued(reply.text or "", out_ids))
         async with self.redis.pipeline(transaction=False) as p:
             p.set(self.rkeys.gateway_chain(ids.session_id), px.pack(chain), ex=SESSION_TTL_S)
             if not ids.named and chain:
@@ -381,7 +430,7 @@ class Gateway:
     # -- one call, whole or streamed ----------------------------------------------------------------
     async def _call(self, request: web.Request, api: str, tenant: str, ids: CallIds,
                     model: str, prompt: Prompt, max_tokens: int, stream: bool, sampling: Sampling,
-                    tools_json: str | None = None, tool_choice: str | None = None,
+                    tools_json: str | None = None, tool_choice: str | None = None, tool_format: str | None = None,
                     streamer: "Callable[[web.Request, asyncio.Task[CallReply], asyncio.Queue[Any]], Awaitable[web.StreamResponse]] | None" = None,
                     whole: "Callable[[CallReply], dict[str, Any]] | None" = None) -> web.StreamResponse:
         # (a conversation of any size the body limit lets in: a large one goes by reference, off the bus)
@@ -400,8 +449,11 @@ class Gateway:
                 async def call_and_remember() -> CallReply:
                     reply = await session.call(
                         prompt_tokens=prompt.tokens, prefix_tokens=ids.prefix_tokens, max_tokens=max_tokens,
-                        call_id=cid, prompt_text=prompt.text, stream=stream, on_event=events.put_nowait,
-                        sampling=sampling, tools_json=tools_json, tool_choice=tool_choice)
+                        call_id=cid, stream=stream, on_event=events.put_nowait,
+                        # the model's own ids where the gateway has its tokenizer, else the text
+                        prompt_token_ids=list(prompt.ids) if prompt.real else None,
+                        prompt_text=None if prompt.real else prompt.text,
+                        sampling=sampling, tools_json=tools_json, tool_choice=tool_choice, tool_call_format=tool_format)
                     # before the agent hears the reply, so its next call finds what the engine holds
                     await self._soft(lambda: self._remember(tenant, model, ids, prompt, reply), None)
                     return reply
@@ -507,10 +559,7 @@ class Gateway:
         stream = self._check_common(body)
         tools, choice, fmt = self._tools(body, OPENAI, model)
         tools_json = tc.tools_text(tools) if tools else None
-        try:
-            prompt = tr.chat_prompt(body.get("messages"), tool_format=fmt, tools_json=tools_json)
-        except BadRequest as exc:
-            raise HttpError("malformed", str(exc), exc.param) from None
+        prompt = await self._chat_prompt(tenant, model, body, OPENAI, fmt, tools, tools_json)
         max_tokens = self._max_tokens(body, ("max_completion_tokens", "max_tokens"), prompt, model)
         opts = body.get("stream_options") or {}
         include_usage = isinstance(opts, dict) and opts.get("include_usage") is True
@@ -549,17 +598,14 @@ class Gateway:
         ids = await self._ids(request, tenant, raw, body, model, prompt)
         cid_box.append(ids.call_id)
         return await self._call(request, OPENAI, tenant, ids, model, prompt, max_tokens, stream,
-                                sampling, tools_json, choice, streamer=streamer, whole=whole)
+                                sampling, tools_json, choice, fmt, streamer=streamer, whole=whole)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         tenant = self._tenant(request)
         raw, body = await self._body(request)
         model = await self._model(body)
         stream = self._check_common(body)
-        try:
-            prompt = tr.text_prompt(body.get("prompt"))
-        except BadRequest as exc:
-            raise HttpError("malformed", str(exc), exc.param) from None
+        prompt = await self._text_prompt(tenant, model, body)
         max_tokens = self._max_tokens(body, ("max_tokens",), prompt, model)
         created = int(time.time())
         sampling = self._sampling(body, OPENAI)
@@ -601,11 +647,7 @@ class Gateway:
             raise HttpError("malformed", "stream must be a boolean", "stream")
         tools, choice, fmt = self._tools(body, ANTHROPIC, model)
         tools_json = tc.tools_text(tools) if tools else None
-        try:
-            prompt = tr.chat_prompt(body.get("messages"), body.get("system"), roles=("user", "assistant"),
-                                    tool_format=fmt, tools_json=tools_json)
-        except BadRequest as exc:
-            raise HttpError("malformed", str(exc), exc.param) from None
+        prompt = await self._chat_prompt(tenant, model, body, ANTHROPIC, fmt, tools, tools_json)
         max_tokens = self._max_tokens(body, ("max_tokens",), prompt, model, required=True)
         sampling = self._sampling(body, ANTHROPIC)
         ids = await self._ids(request, tenant, raw, body, model, prompt)
@@ -659,7 +701,7 @@ class Gateway:
                                              on_reply=on_reply, on_error=on_error)
 
         return await self._call(request, ANTHROPIC, tenant, ids, model, prompt, max_tokens, stream,
-                                sampling, tools_json, choice, streamer=streamer, whole=whole)
+                                sampling, tools_json, choice, fmt, streamer=streamer, whole=whole)
 
 
 async def start_gateway(settings: Settings, client: TalariaClient, redis: aioredis.Redis | None = None
@@ -690,7 +732,13 @@ async def serve(settings: Settings) -> None:
     # soft state: fail fast rather than wait out a Redis restart as the services' pools do
     redis = aioredis.Redis.from_url(settings.redis_url, socket_timeout=2.0, socket_connect_timeout=2.0,
                                     **settings.redis_credentials())
-    runner, port = await start_gateway(settings, client, redis)
+    try:
+        runner, port = await start_gateway(settings, client, redis)
+    except tk.TokenizerError as exc:  # a deployment error: say which, and stay down (a restart would not mend it)
+        log.error("gateway.bad_tokenizer", error=str(exc))
+        await client.close()
+        await redis.aclose()
+        raise SystemExit(78) from None
     log.info("gateway.listening", instance=settings.instance_name("gateway"), host=settings.gateway_host, port=port,
              url=f"http://{settings.gateway_host}:{port}/v1")
     stop = asyncio.Event()

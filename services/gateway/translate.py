@@ -22,7 +22,7 @@ import json
 import time
 import uuid
 from array import array
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -227,16 +227,25 @@ class BadRequest(ValueError):
 @dataclass(frozen=True)
 class Prompt:
     text: str
-    ids: array  # stand-in token ids, what the engine's KV is reckoned by (services/gateway/prefix.py)
+    ids: array  # token ids, what the engine's KV is reckoned by: the model's own, or stand-ins (prefix.py)
     chat: bool  # a conversation (messages), not one prompt string
+    tokenizer: Any = None  # the model's ChatTokenizer (real ids, sent to the engine); None: stand-in ids
 
     @property
     def tokens(self) -> int:
         return len(self.ids)
 
-    def continued(self, output: str) -> array:
-        """The ids the session's engine holds once it answered `output`: a conversation's
-        next turn re-sends it as an assistant message, a completion as more text."""
+    @property
+    def real(self) -> bool:
+        return self.tokenizer is not None
+
+    def continued(self, output: str, output_ids: list[int] | None = None) -> array:
+        """The ids the session's engine holds once it answered `output`: with real tokens the
+        prompt's ids and the engine's own output ids (or, from an engine that returns none,
+        the output's encoding); with stand-ins a conversation's next turn re-sends it as an
+        assistant message, a completion as more text."""
+        if self.tokenizer is not None:
+            return self.ids + array("I", output_ids if output_ids else self.tokenizer.encode_whole(output))
         if self.chat:
             return self.ids + px.message_ids("assistant", output)
         return px.text_ids(self.text + output)
@@ -260,18 +269,99 @@ def chat_prompt(messages: Any, system: Any = None, *, roles: tuple[str, ...] = C
     if tools_json:
         parts.append(f"<|tools|>\n{tools_json}\n")
         turns.append(("tools", tools_json))
-    for i, m in enumerate(messages):
-        if not isinstance(m, Mapping):
-            raise BadRequest(f"messages[{i}] must be an object", f"messages[{i}]")
-        role = m.get("role")
-        if role not in roles:
-            raise BadRequest(f"messages[{i}].role must be one of {', '.join(roles)}", f"messages[{i}].role")
+    for i, m, role in _checked(messages, roles):
         text = content_text(m.get("content"), f"messages[{i}].content", tool_format)
         if m.get("tool_calls") is not None:
             text += _openai_tool_calls_text(m["tool_calls"], tool_format)
         parts.append(f"<|{role}|>\n{text}\n")
         turns.append((role, text))
     return Prompt("".join(parts), px.conversation_ids(turns), chat=True)
+
+
+def _checked(messages: Any, roles: tuple[str, ...]) -> Iterator[tuple[int, Mapping[str, Any], str]]:
+    """Each message with its index and role, or a BadRequest naming the one that is not a message."""
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("messages must be a non-empty list", "messages")
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping):
+            raise BadRequest(f"messages[{i}] must be an object", f"messages[{i}]")
+        role = m.get("role")
+        if role not in roles:
+            raise BadRequest(f"messages[{i}].role must be one of {', '.join(roles)}", f"messages[{i}].role")
+        yield i, m, role
+
+
+def template_messages(messages: Any, system: Any = None, *, api: str = "openai") -> list[dict[str, Any]]:
+    """The conversation in the shape chat templates take (as vLLM's OpenAI server hands
+    it to one): each message's role and text, an assistant's `tool_calls` with their
+    arguments as an object where they parse as one, a tool result as a `tool` message.
+    Anthropic content blocks are split so: `tool_use` blocks become the assistant's
+    calls, each `tool_result` a `tool` message before the user's own text."""
+    roles = ("user", "assistant") if api == "anthropic" else CHAT_ROLES
+    out: list[dict[str, Any]] = []
+    if system is not None:
+        out.append({"role": "system", "content": content_text(system, "system")})
+    for i, m, role in _checked(messages, roles):
+        where = f"messages[{i}].content"
+        content = m.get("content")
+        if api == "anthropic" and isinstance(content, list):
+            out += _anthropic_turn(role, content, where)
+            continue
+        msg: dict[str, Any] = {"role": role, "content": content_text(content, where)}
+        if isinstance(m.get("tool_calls"), list):
+            msg["tool_calls"] = [_template_call(c, f"messages[{i}].tool_calls[{j}]") for j, c in enumerate(m["tool_calls"])]
+        for k in ("tool_call_id", "name"):
+            if isinstance(m.get(k), str):
+                msg[k] = m[k]
+        out.append(msg)
+    return out
+
+
+def _template_call(c: Any, where: str) -> dict[str, Any]:
+    f = c.get("function") if isinstance(c, Mapping) else None
+    if not isinstance(f, Mapping) or not isinstance(f.get("name"), str):
+        raise BadRequest(f"{where} must be a function call with a name", where)
+    args = f.get("arguments")
+    if isinstance(args, str):
+        try:
+            parsed = json.loads(args)
+        except ValueError:
+            parsed = None
+        args = parsed if isinstance(parsed, dict) else args  # as the model wrote it, where it is not an object
+    call: dict[str, Any] = {"type": "function", "function": {"name": f["name"], "arguments": args if args is not None else {}}}
+    if isinstance(c.get("id"), str):
+        call["id"] = c["id"]
+    return call
+
+
+def _anthropic_turn(role: str, blocks: list[Any], where: str) -> list[dict[str, Any]]:
+    texts: list[str] = []
+    calls: list[dict[str, Any]] = []
+    results: list[dict[str, Any]] = []
+    for j, b in enumerate(blocks):
+        if not isinstance(b, Mapping):
+            raise BadRequest(f"{where}: a content part must be an object", where)
+        kind = b.get("type")
+        if kind == "tool_use" and isinstance(b.get("name"), str):
+            calls.append({"type": "function", "id": str(b.get("id", "")),
+                          "function": {"name": b["name"], "arguments": b.get("input") if isinstance(b.get("input"), Mapping) else {}}})
+        elif kind == "tool_result":
+            results.append({"role": "tool", "tool_call_id": str(b.get("tool_use_id", "")),
+                            "content": content_text(b.get("content"), f"{where}[{j}].content")})
+        else:
+            texts.append(content_text([b], where))
+    out: list[dict[str, Any]] = list(results)
+    if texts or calls or not results:
+        msg: dict[str, Any] = {"role": role, "content": "\n".join(texts)}
+        if calls:
+            msg["tool_calls"] = calls
+        out.append(msg)
+    return out
+
+
+def tokenized_prompt(text: str, ids: array, tokenizer: Any) -> Prompt:
+    """A conversation rendered by the model's own chat template (`services/gateway/tokens.py`)."""
+    return Prompt(text, ids, chat=True, tokenizer=tokenizer)
 
 
 def text_prompt(prompt: Any) -> Prompt:

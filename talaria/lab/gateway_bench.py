@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import statistics
 import time
 import uuid
@@ -133,6 +134,49 @@ def prefix_cost(sizes: list[int], repeats: int = 30) -> list[dict[str, float]]:
     return rows
 
 
+def tokenizer_cost(sizes: list[int], folder: str | None, repeats: int = 10) -> list[dict[str, float]]:
+    """With a model's own chat template and tokenizer (services/gateway/tokens.py): render the
+    conversation, encode it whole, and encode it incrementally from the replica's encoder,
+    which holds the last call's text (an agent's next turn appends two messages). Median
+    wall ms. `folder`: a model folder; None: the tiny local model's tokenizer."""
+    import tempfile
+
+    from services.gateway import tokens as tk
+
+    with tempfile.TemporaryDirectory() as tmp:
+        if folder is None:
+            from talaria.ops.tinymodel import TinySpec, build_tokenizer
+
+            build_tokenizer(TinySpec(), Path(tmp))
+            folder = tmp
+        tok = tk.ChatTokenizer(folder)
+        rows = []
+        for size in sizes:
+            turn = "tool output line, with some code: x = f(y) + 1\n" * 32
+            messages = [{"role": "system", "content": "you are a coding agent"}, {"role": "user", "content": turn[:200]}]
+            while len(messages) < 4 or len(tok.encode_whole(tok.render(messages, None))) < size:
+                messages += [{"role": "assistant", "content": turn[:200]}, {"role": "user", "content": turn}]
+            before, text = tok.render(messages[:-2], None), tok.render(messages, None)
+            render, whole, appended = [], [], []
+            for i in range(repeats):
+                enc = tk.IncrementalEncoder(tok.encoder._encode, tok.encoder.added_ids)
+                enc.encode("t", before)
+                t0 = time.perf_counter()
+                tok.render(messages, None)
+                t1 = time.perf_counter()
+                ids = tok.encode_whole(text)
+                t2 = time.perf_counter()
+                inc = enc.encode("t", text)
+                t3 = time.perf_counter()
+                assert list(inc) == ids
+                render.append(t1 - t0)
+                whole.append(t2 - t1)
+                appended.append(t3 - t2)
+            rows.append({"tokens": len(ids), "render_ms": statistics.median(render) * 1e3,
+                         "encode_ms": statistics.median(whole) * 1e3, "appended_ms": statistics.median(appended) * 1e3})
+    return rows
+
+
 def run(a: argparse.Namespace) -> int:
     sizes = [int(x) for x in a.sizes.split(",") if x.strip()]
     print(f"{'tokens':>8} {'ids ms':>7} {'hash ms':>8} {'cached ms':>10} {'compare ms':>11} {'chain KB':>9}   "
@@ -141,6 +185,12 @@ def run(a: argparse.Namespace) -> int:
     for r in prefix_cost(sizes):
         print(f"{r['tokens']:>8} {r['render_ms']:>7.2f} {r['hash_ms']:>8.2f} {r['cached_hash_ms']:>10.3f} "
               f"{r['compare_ms']:>11.3f} {r['chain_kb']:>9.1f}")
+    if a.tokenizer is not None or importlib.util.find_spec("transformers") is not None:
+        print(f"{'tokens':>8} {'render ms':>10} {'encode whole ms':>16} {'encode appended ms':>19}   "
+              "(the model's own chat template and tokenizer: "
+              f"{a.tokenizer or 'the tiny local model'}; median wall ms)")
+        for r in tokenizer_cost(sizes, a.tokenizer):
+            print(f"{r['tokens']:>8} {r['render_ms']:>10.2f} {r['encode_ms']:>16.2f} {r['appended_ms']:>19.2f}")
     if a.prefix_only:
         return 0
     rows = asyncio.run(bench(sizes, a.calls, a.rate, Path(a.log_dir)))
@@ -158,5 +208,8 @@ def configure_parser(p: argparse.ArgumentParser, default_log_dir: Path) -> None:
     p.add_argument("--rate", type=positive_float, default=100.0,
                    help="calls started per second, both paths together (alternating)")
     p.add_argument("--log-dir", default=str(default_log_dir), help="the embedded stack's logs")
-    p.add_argument("--prefix-only", action="store_true", help="only the prefix-identity table (no stack)")
+    p.add_argument("--prefix-only", action="store_true", help="only the prefix-identity tables (no stack)")
+    p.add_argument("--tokenizer", default=None,
+                   help="a model folder whose chat template and tokenizer to time (default: the tiny local model's, "
+                        "when transformers is installed)")
     p.set_defaults(fn=run)

