@@ -519,6 +519,8 @@ async def test_compose_services_start_outside_docker_and_serve_a_call(tmp_path: 
             env["TALARIA_REDIS_URL"] = f"redis://127.0.0.1:{redis.port}/0"  # user and password from the env file
             if env.get("TALARIA_ENGINE") == "vllm":
                 env["TALARIA_ENGINE"] = "sim"  # no GPU here: the sim backend in the GPU worker's place
+            # no weights volume here either: the gateway keeps stand-in ids, as for the sim engine
+            env.pop("TALARIA_GATEWAY_TOKENIZERS", None)
             if service_module(svc) == "services.gateway":
                 env["TALARIA_GATEWAY_PORT"] = str(free_port())  # the host's 8080 may be taken; the health check reads the same
             env["TALARIA_METRICS_PORT"] = str(free_port())  # each container has its own 9464; here, one host
