@@ -78,6 +78,14 @@ class Tools:
             return f"error: {type(exc).__name__}: {exc}"
 
 
+def record(a: argparse.Namespace, messages: list[dict[str, Any]], tools: list[dict[str, Any]],
+           usage: dict[str, Any]) -> None:
+    """With --transcript: what this call sent and the usage it got, one JSON line a call."""
+    if a.transcript:
+        with open(a.transcript, "a") as f:
+            f.write(json.dumps({"messages": messages, "tools": tools, "usage": usage}) + "\n")
+
+
 def openai_loop(a: argparse.Namespace, tools: Tools, headers: dict[str, str]) -> list[tuple[float, int, int, str]]:
     from openai import OpenAI
 
@@ -90,6 +98,7 @@ def openai_loop(a: argparse.Namespace, tools: Tools, headers: dict[str, str]) ->
         t0 = time.monotonic()
         r = client.chat.completions.create(model=a.model, messages=messages, tools=offered, max_tokens=a.max_tokens)
         wait = time.monotonic() - t0
+        record(a, messages, offered, r.usage.model_dump())
         msg = r.choices[0].message
         details = r.usage.prompt_tokens_details
         cached = (details.cached_tokens or 0) if details is not None else 0
@@ -119,6 +128,7 @@ def anthropic_loop(a: argparse.Namespace, tools: Tools, headers: dict[str, str])
         m = client.messages.create(model=a.model, system="You are a careful coding agent.", messages=messages,
                                    tools=offered, max_tokens=a.max_tokens)
         wait = time.monotonic() - t0
+        record(a, messages, offered, m.usage.model_dump())
         messages.append({"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in m.content]})
         uses = [b for b in m.content if b.type == "tool_use"]
         results = [{"type": "tool_result", "tool_use_id": b.id, "content": tools.run(b.name, dict(b.input))} for b in uses]
@@ -139,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--calls", type=int, default=20, help="calls the agent makes (default 20)")
     p.add_argument("--max-tokens", type=int, default=512)
     p.add_argument("--session", help="name the session (x-session-id); by default none is sent")
+    p.add_argument("--transcript", help="append each call's messages, tools and usage to this file (JSON lines)")
     p.add_argument("--root", default=str(Path(__file__).resolve().parents[1]), help="the folder the tools work on")
     a = p.parse_args(argv)
     a.base_url = a.base_url or os.environ.get("OPENAI_BASE_URL")

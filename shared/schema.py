@@ -211,12 +211,14 @@ class CallReply(Base, tag="reply"):
 
 
 class CallTokens(Base, tag="tokens"):
-    """Tokens streamed by a real engine (the `vllm` backend) before the final reply;
-    `index` is the position of the first one in the call's output."""
+    """Tokens streamed by an engine before the final reply (the `vllm` backend always, the
+    sim engine when asked); `index` is the position of the first one in the call's output,
+    `text` what they read as where the engine knows (the gateway streams it on)."""
 
     call_id: str
     index: int
     token_ids: list[int]
+    text: str | None = None
 
 
 CallEvent = CallReceived | CallAccepted | CallQueued | CallRunning | CallTokens | CallReply | ApiError

@@ -224,6 +224,25 @@ def render(calls: Sequence[tuple[str, Mapping[str, Any]]], fmt: str) -> str:
     return "\n".join(out)
 
 
+# A call forced by `tool_choice` naming a tool: its text before and after the JSON object
+# {"name": ..., "arguments": ...} (formats whose calls are one JSON object only)
+_JSON_CALL_TAGS = {"hermes": ("<tool_call>\n", "\n</tool_call>")}
+
+
+def forced_call(tools: Sequence[Tool], choice: str | None, fmt: str) -> tuple[str, dict[str, Any], str] | None:
+    """What a real engine's structured output must produce when the request names the tool
+    to call (as vLLM's OpenAI server constrains a named `tool_choice`): the format's text
+    before the call, the JSON schema of `{"name": <that tool>, "arguments": <its schema>}`,
+    the text after. None when nothing is forced or the format's calls are not one JSON object."""
+    tool = next((t for t in tools if t.name == choice), None) if choice not in (None, "none") else None
+    tags = _JSON_CALL_TAGS.get(fmt)
+    if tool is None or tags is None:
+        return None
+    schema = {"type": "object", "properties": {"name": {"const": tool.name}, "arguments": tool.parameters},
+              "required": ["name", "arguments"], "additionalProperties": False}
+    return tags[0], schema, tags[1]
+
+
 def synthetic_call(tools: Sequence[Tool], choice: str | None, seed: str) -> tuple[str, dict[str, Any]] | None:
     """A well-formed call the sim engine makes: the chosen tool, or one picked by `seed`,
     with every required argument filled from its schema. None when tools are off."""

@@ -522,16 +522,18 @@ async def test_two_concurrent_runs_of_one_task_stay_two_sessions_each_reusing_it
     before = await open_headerless(stack, "tenant-b")
     task = [{"role": "system", "content": "agent " * 50}, {"role": "user", "content": "task 9: the same for both " * 30}]
 
-    async def run() -> list[Any]:
+    async def run(name: str) -> list[Any]:
         msgs, replies = list(task), []
         for turn in range(4):
             r = await client.chat.completions.create(model=MODEL, max_tokens=8, messages=msgs)
             replies.append(r)
+            # the same first request; then each run's tools answer with its own results, as real
+            # runs' do (runs identical to the end may trade sessions: docs/front-door.md)
             msgs += [{"role": "assistant", "content": r.choices[0].message.content or ""},
-                     {"role": "user", "content": f"tool output {turn} " * 40}]
+                     {"role": "user", "content": f"tool output {turn} of run {name} " * 40}]
         return replies
 
-    a, b = await asyncio.gather(run(), run())
+    a, b = await asyncio.gather(run("a"), run("b"))
     assert a[0].id != b[0].id  # the same first request from two runs: two calls
     opened = {k: v for k, v in (await open_headerless(stack, "tenant-b")).items() if k not in before}
     assert len(opened) == 2, opened
@@ -636,3 +638,22 @@ async def test_the_sim_engines_text_is_labelled_synthetic_and_of_the_replys_leng
     r = await oai(stack).chat.completions.create(model=MODEL, max_tokens=12, messages=[{"role": "user", "content": "hi"}])
     text = r.choices[0].message.content
     assert text.startswith("[synthetic text") and tr.estimate_tokens(text) == r.usage.completion_tokens == 12
+
+
+@pytest.mark.timeout(60)
+async def test_a_streamed_reply_comes_as_text_deltas_at_the_decode_pace(stack: EmbeddedStack) -> None:
+    """The sim engine's text is streamed as its tokens are produced (the cost model's decode
+    pace), in each API's deltas; the deltas add up to the reply's whole text."""
+    chunks = [c async for c in await oai(stack).chat.completions.create(
+        model=MODEL, max_tokens=2000, stream=True, messages=[{"role": "user", "content": "stream a long answer"}])]
+    parts = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+    text = "".join(parts)
+    assert len(parts) >= 3 and text.startswith("[synthetic text") and tr.estimate_tokens(text) == 2000
+    async with ant(stack).messages.stream(model=MODEL, max_tokens=2000,
+                                          messages=[{"role": "user", "content": "stream it"}]) as s:
+        deltas = [t async for t in s.text_stream if t]
+        final = await s.get_final_message()
+    assert len(deltas) >= 3 and "".join(deltas) == final.content[0].text and final.usage.output_tokens == 2000
+    pieces = [c.choices[0].text async for c in await oai(stack).completions.create(
+        model=MODEL, prompt="def f():", max_tokens=2000, stream=True) if c.choices]
+    assert len([p for p in pieces if p]) >= 3 and tr.estimate_tokens("".join(pieces)) == 2000

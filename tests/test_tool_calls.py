@@ -86,3 +86,29 @@ def test_requests_tools_in_each_apis_shape_and_refusals_by_name() -> None:
     assert tc.tools_from_json(tc.tools_text(TOOLS)) == TOOLS
     with pytest.raises(ValueError):
         tc.tools_from_json(json.dumps({"not": "a list"}))
+
+
+def test_a_named_tool_choice_forces_a_call_the_parser_reads() -> None:
+    """What a real engine's structured output is held to when the request names the tool:
+    every text the regex admits is a hermes call of that tool with arguments its schema allows."""
+    import re
+
+    tools = [tc.Tool("read_file", "", {"type": "object", "properties": {"path": {"enum": ["a.py", "b.py"]},
+                                                                        "whole": {"type": "boolean"}},
+                                       "required": ["path", "whole"]}), tc.Tool("ls", "", {})]
+    begin, schema, end = tc.forced_call(tools, "read_file", "hermes")
+    assert (begin, end) == ("<tool_call>\n", "\n</tool_call>") and schema["properties"]["name"] == {"const": "read_file"}
+    assert tc.forced_call(tools, None, "hermes") is None and tc.forced_call(tools, "none", "hermes") is None
+    assert tc.forced_call(tools, "read_file", "glm45") is None  # not one JSON object: the model decides
+    pytest.importorskip("outlines_core", reason="the regex is written by outlines-core, which vLLM brings")
+    from services.engine.vllm_backend import forced_tool_call
+    from shared.schema import EngineHint
+
+    so = forced_tool_call(EngineHint(tools_json=tc.tools_text(tools), tool_choice="read_file",
+                                     tool_call_format="hermes"), "glm45")
+    text = tc.render([("read_file", {"path": "b.py", "whole": False})], "hermes")
+    assert re.fullmatch(so.regex, text)
+    assert not re.fullmatch(so.regex, tc.render([("read_file", {"path": "c.py", "whole": False})], "hermes"))
+    assert not re.fullmatch(so.regex, tc.render([("ls", {})], "hermes"))
+    _, calls = tc.parse(text, "hermes", tools, "k")
+    assert [(c.name, c.arguments) for c in calls] == [("read_file", {"path": "b.py", "whole": False})]

@@ -146,7 +146,8 @@ async def test_two_vllm_cpu_engine_workers_prefix_hits_and_kv_events(tmp_path: P
                 await _sleep_wake_and_cancel(client, stack, probe, tmp_path / policy)
                 await _real_prompts_must_fit_the_engine(client, probe)
                 _vllm_metrics_are_reexported(stack)
-                await _the_sdk_agent_reuses_its_prefix(stack)
+                await _the_sdk_agent_reuses_its_prefix(stack, tmp_path / "transcript.jsonl")
+                await _a_named_tool_choice_is_a_well_formed_call(stack)
             finally:
                 await client.close()
                 await r.aclose()
@@ -167,24 +168,66 @@ async def test_two_vllm_cpu_engine_workers_prefix_hits_and_kv_events(tmp_path: P
             seen[c.session].add(c.server)
 
 
-async def _the_sdk_agent_reuses_its_prefix(stack) -> None:  # type: ignore[no-untyped-def]
-    """examples/sdk_agent.py (the official OpenAI SDK, no session header) through the gateway
-    on the real engines: each later call's cached tokens, vLLM's own count, at least 90% of
-    the prompt the engine received before it, rounded down to whole KV blocks."""
+async def _the_sdk_agent_reuses_its_prefix(stack, transcript: Path) -> None:  # type: ignore[no-untyped-def]
+    """examples/sdk_agent.py (the official OpenAI SDK, no session header) through the gateway,
+    which renders with the tiny model's chat template and sends its token ids, on the real
+    engines: each call's prompt is exactly the template's ids (computed here with
+    transformers alone, from the agent's own transcript), and each later call's cached
+    tokens, vLLM's own count, are at least 90% of the reusable prefix: the longest common
+    prefix of the ids of this call and the one before, rounded down to whole KV blocks."""
+    import json
     import sys
+
+    from transformers import AutoTokenizer
+
+    from talaria.ops.tinymodel import ensure_tiny_model
 
     proc = await asyncio.create_subprocess_exec(
         sys.executable, str(Path(__file__).resolve().parents[1] / "examples" / "sdk_agent.py"),
         "--base-url", stack.openai_base_url, "--api-key", stack.api_key, "--model", vb.MODEL,
-        "--calls", "6", "--max-tokens", "16", stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        "--calls", "6", "--max-tokens", "16", "--transcript", str(transcript),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     out, err = await asyncio.wait_for(proc.communicate(), 240)
     assert proc.returncode == 0, err.decode()[-2000:]
     rows = [line.split() for line in out.decode().splitlines() if line.split() and line.split()[0].isdigit()]
     prompts, cached = [int(r[2]) for r in rows], [int(r[3]) for r in rows]
     assert len(rows) == 6 and cached[0] == 0, out.decode()
-    for before, now in zip(prompts, cached[1:]):
-        assert now >= 0.9 * (before // vb.BLOCK) * vb.BLOCK, out.decode()
+    tok = AutoTokenizer.from_pretrained(str(ensure_tiny_model()))
+    sent = []
+    for line in transcript.read_text().splitlines():
+        call = json.loads(line)
+        text = tok.apply_chat_template(call["messages"], tools=call["tools"], tokenize=False, add_generation_prompt=True)
+        sent.append(tok(text, add_special_tokens=False)["input_ids"])
+    assert [len(ids) for ids in sent] == prompts, (prompts, [len(ids) for ids in sent])
+    for i in range(1, len(sent)):
+        same = next((k for k, (x, y) in enumerate(zip(sent[i - 1], sent[i])) if x != y), min(len(sent[i - 1]), len(sent[i])))
+        reusable = (same // vb.BLOCK) * vb.BLOCK
+        print(f"call {i + 1}: prompt {prompts[i]}, reusable {reusable} ({100 * reusable / prompts[i]:.0f}%), "
+              f"cached {cached[i]} ({100 * cached[i] / max(1, reusable):.0f}% of reusable)")
+        assert cached[i] >= 0.9 * reusable, out.decode()
     print("\n" + out.decode())
+
+
+async def _a_named_tool_choice_is_a_well_formed_call(stack) -> None:  # type: ignore[no-untyped-def]
+    """The tiny model's weights are random, so it calls no tool by itself; a request that
+    names the tool (tool_choice) gets vLLM's structured output, and the call it writes in
+    the template's hermes format comes back parsed, with arguments its schema allows."""
+    import json
+
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=stack.openai_base_url, api_key=stack.api_key)
+    tool = {"type": "function", "function": {"name": "read_file", "description": "read a file", "parameters": {
+        "type": "object", "properties": {"path": {"enum": ["a.py", "src/b.py"]}, "whole": {"type": "boolean"}},
+        "required": ["path", "whole"]}}}
+    r = await client.chat.completions.create(
+        model=vb.MODEL, max_tokens=64, messages=[{"role": "user", "content": "read the parser"}], tools=[tool],
+        tool_choice={"type": "function", "function": {"name": "read_file"}}, extra_headers={"x-session-id": "forced"})
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls" and c.message.tool_calls, c
+    args = json.loads(c.message.tool_calls[0].function.arguments)
+    assert c.message.tool_calls[0].function.name == "read_file" and args["path"] in ("a.py", "src/b.py") \
+        and isinstance(args["whole"], bool), args
 
 
 def _vllm_metrics_are_reexported(stack) -> None:  # type: ignore[no-untyped-def]

@@ -74,6 +74,16 @@ def stop_tokens(rc: RunCall, fmt: str = "none") -> int:
     return max(1, len(text.encode()) // 4) if text is not None else rc.call.max_tokens
 
 
+def text_between(rc: RunCall, fmt: str, start: int, stop: int) -> str | None:
+    """The reply text's share of output positions [start, stop), so a streamed sim call's
+    text comes at the cost model's decode pace (its slices add up to the reply's text)."""
+    total = max(1, min(stop_tokens(rc, fmt), rc.call.max_tokens))
+    text = reply_text(rc, fmt, total)
+    if text is None:
+        return None
+    return text[len(text) * start // total:len(text) * min(stop, total) // total]
+
+
 def placeholder_tokens(start: int, stop: int) -> list[int]:
     """Token ids for a sim call's output positions [start, stop): the same at the same position."""
     return [3 + i % 997 for i in range(start, stop)]
@@ -237,7 +247,8 @@ class SimBackend(EngineBackend):
                 now_at = self.engine.produced_tokens(cid)
                 if now_at > sent:
                     self.streamed[cid] = now_at
-                    await self.worker.stream_tokens(rc, sent, placeholder_tokens(sent, now_at))
+                    await self.worker.stream_tokens(rc, sent, placeholder_tokens(sent, now_at),
+                                                    text_between(rc, self.tool_format, sent, now_at))
 
     async def _report_spills(self) -> None:
         """KV pushed out of HBM to host for room: the locality view says `host`
@@ -276,7 +287,8 @@ class SimBackend(EngineBackend):
             return
         sent = self.streamed.pop(r.call_id, None)
         if sent is not None and r.output_tokens > sent:
-            await w.stream_tokens(rc, sent, placeholder_tokens(sent, r.output_tokens))
+            await w.stream_tokens(rc, sent, placeholder_tokens(sent, r.output_tokens),
+                                  text_between(rc, self.tool_format, sent, r.output_tokens))
         c = rc.call
         reply = CallReply(
             call_id=r.call_id, session_id=r.session_id, server_id=s.server_id, model=r.model,

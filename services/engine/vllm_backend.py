@@ -38,8 +38,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import json
 import logging
 import os
+import re
 import threading
 import time
 import uuid
@@ -53,8 +55,10 @@ from services.engine.worker import EngineBackend, EngineWorker
 from shared.clock import done_within
 from shared.net import free_port
 from shared.schema import (
-    CallReply, CallRunning, KvAllCleared, KvBlocksRemoved, KvBlocksStored, KvEvent, RunCall, Sampling, Wake, encode,
+    CallReply, CallRunning, EngineHint, KvAllCleared, KvBlocksRemoved, KvBlocksStored, KvEvent, RunCall, Sampling, Wake,
+    encode,
 )
+from shared import tool_calls
 from shared.metrics import CONTRACT_NAMES
 from shared.settings import VllmSettings
 
@@ -82,6 +86,7 @@ class Live:
     task: asyncio.Task | None = None
     finished_by_agent: bool = False
     tokens: list[int] = field(default_factory=list)
+    text_sent: int = 0        # characters of vLLM's detokenized text already streamed
     generating: bool = False  # inside vLLM's generate loop: the only place a cancel may land
 
     def stop_generating(self) -> None:
@@ -117,6 +122,30 @@ def sampling_kwargs(sampling: Sampling | None, max_tokens: int) -> dict[str, Any
     if sampling.stop:
         out["stop"] = list(sampling.stop)
     return out
+
+
+def forced_tool_call(hint: EngineHint | None, fmt: str) -> Any:
+    """vLLM's structured output for a call whose `tool_choice` names a tool: a regex of the
+    model's call format around the JSON the tool's schema allows (outlines-core, which vLLM
+    brings, writes the JSON part; at most one space where JSON allows whitespace, which a
+    model could otherwise repeat to its bound). None: the model decides."""
+    if hint is None or not hint.tools_json:
+        return None
+    forced = tool_calls.forced_call(tool_calls.tools_from_json(hint.tools_json), hint.tool_choice,
+                                    hint.tool_call_format or fmt)
+    if forced is None:
+        return None
+    from outlines_core.json_schema import build_regex_from_schema
+    from vllm.sampling_params import StructuredOutputsParams
+
+    begin, schema, end = forced
+    body = build_regex_from_schema(json.dumps(schema), whitespace_pattern=" ?")
+    return StructuredOutputsParams(regex=_literal(begin) + body + _literal(end))
+
+
+def _literal(text: str) -> str:
+    """`text` as a regex that matches it alone (a newline written as the escape \\n)."""
+    return re.escape(text).replace("\\\n", "\\n")
 
 
 class VllmBackend(EngineBackend):
@@ -382,7 +411,9 @@ class VllmBackend(EngineBackend):
                 await w.refuse(rc, "context_limit", prompt)
                 return
             ids, source, max_tokens = prompt
-            sp = SamplingParams(**sampling_kwargs(rc.engine.sampling, max_tokens))
+            # a named tool_choice is enforced by structured output, as vLLM's own server does
+            forced = forced_tool_call(rc.engine.hint, w.catalog.model(s.model).tool_call_format)
+            sp = SamplingParams(**sampling_kwargs(rc.engine.sampling, max_tokens), structured_outputs=forced)
             self.matcher.track(live.request_id, rc.session_id, ids)
             await w.nc.publish(rc.reply_to, encode(CallRunning(call_id=rc.call_id, server_id=s.server_id)))
             self.log.info("engine.started", prompt_tokens=len(ids), prompt_source=source, max_tokens=max_tokens)
@@ -398,8 +429,9 @@ class VllmBackend(EngineBackend):
                     if got and t_first is None:
                         t_first = time.monotonic()
                     if len(got) > len(live.tokens):
-                        await w.stream_tokens(rc, len(live.tokens), got[len(live.tokens):])
-                        live.tokens = got
+                        text = o.text or ""  # vLLM's incremental detokenization, cumulative
+                        await w.stream_tokens(rc, len(live.tokens), got[len(live.tokens):], text[live.text_sent:])
+                        live.tokens, live.text_sent = got, len(text)
                     last = out
             except asyncio.CancelledError:
                 aborted = True

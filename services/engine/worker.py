@@ -244,9 +244,10 @@ class EngineWorker(ServiceProcess):
             self.started_wall[rc.call_id] = time.time()
             await self.backend.run(rc)
 
-    async def stream_tokens(self, rc: RunCall, index: int, token_ids: list[int]) -> None:
-        """Tokens of `rc` from position `index` of its output, to the agent."""
-        await self.nc.publish(rc.reply_to, encode(CallTokens(call_id=rc.call_id, index=index, token_ids=token_ids)))
+    async def stream_tokens(self, rc: RunCall, index: int, token_ids: list[int], text: str | None = None) -> None:
+        """Tokens of `rc` from position `index` of its output (and their text), to the agent."""
+        await self.nc.publish(rc.reply_to, encode(CallTokens(call_id=rc.call_id, index=index, token_ids=token_ids,
+                                                             text=text)))
 
     async def finish(self, rc: RunCall, reply: CallReply, context_tokens: int,
                      writes: FinishWrites | None = None) -> None:

@@ -489,7 +489,7 @@ class Gateway:
                     await self._end(sid)
 
     async def _stream_events(self, request: web.Request, task: "asyncio.Task[CallReply]", events: "asyncio.Queue[Any]",
-                             on_start: Callable[[], list[bytes]], on_tokens: Callable[[int], list[bytes]],
+                             on_start: Callable[[], list[bytes]], on_tokens: Callable[[CallTokens], list[bytes]],
                              on_reply: Callable[[CallReply], list[bytes]], on_error: Callable[[TalariaError], list[bytes]]
                              ) -> web.StreamResponse:
         """Relay a streamed call as SSE. The response is committed (200) only when the call
@@ -517,7 +517,7 @@ class Gateway:
                     getter = None
                     if isinstance(ev, CallTokens):
                         await start()
-                        for chunk in on_tokens(len(ev.token_ids)):
+                        for chunk in on_tokens(ev):
                             await resp.write(chunk)
                     elif isinstance(ev, CallRunning):
                         await start()
@@ -526,7 +526,7 @@ class Gateway:
                     while not events.empty():  # tokens that came just before the reply
                         ev = events.get_nowait()
                         if isinstance(ev, CallTokens) and started:
-                            for chunk in on_tokens(len(ev.token_ids)):
+                            for chunk in on_tokens(ev):
                                 await resp.write(chunk)
                     try:
                         reply = task.result()
@@ -572,13 +572,15 @@ class Gateway:
         async def streamer(req: web.Request, task: "asyncio.Task[CallReply]", events: "asyncio.Queue[Any]"
                            ) -> web.StreamResponse:
             cid = cid_box[0] if cid_box else ""
+            text = tr.TextStream(held=bool(tools))
 
             def chunk(delta: dict[str, Any], finish: str | None = None) -> bytes:
                 return sse(tr.chat_chunk(cid, model, created, delta, finish, None, include_usage))
 
             def on_reply(reply: CallReply) -> list[bytes]:
                 answer = tr.answer_of(reply, fmt, tools)
-                out = [chunk({"content": answer.content})] if answer.content else []
+                rest = text.rest(answer.content)
+                out = [chunk({"content": rest})] if rest else []
                 if answer.calls:
                     out.append(chunk({"tool_calls": [c.openai(i) for i, c in enumerate(answer.calls)]}))
                 out.append(chunk({}, tr.finish_reason(reply, max_tokens, answer)))
@@ -592,7 +594,7 @@ class Gateway:
 
             return await self._stream_events(
                 req, task, events, on_start=lambda: [chunk({"role": "assistant", "content": ""})],
-                on_tokens=lambda n: [chunk({"content": ""})], on_reply=on_reply, on_error=on_error)
+                on_tokens=lambda ev: [chunk({"content": text.delta(ev.text)})], on_reply=on_reply, on_error=on_error)
 
         sampling = self._sampling(body, OPENAI)
         ids = await self._ids(request, tenant, raw, body, model, prompt)
@@ -617,8 +619,10 @@ class Gateway:
 
         async def streamer(req: web.Request, task: "asyncio.Task[CallReply]", events: "asyncio.Queue[Any]"
                            ) -> web.StreamResponse:
+            text = tr.TextStream(held=False)
+
             def on_reply(reply: CallReply) -> list[bytes]:
-                last = tr.text_chunk(cid, model, created, "", tr.finish_reason(reply, max_tokens))
+                last = tr.text_chunk(cid, model, created, text.rest(reply.text or ""), tr.finish_reason(reply, max_tokens))
                 last["usage"] = tr.usage_of(reply).openai()
                 return [sse(last), sse("[DONE]")]
 
@@ -626,7 +630,8 @@ class Gateway:
                 return [sse(tr.openai_error(exc.code, exc.message)[1]), sse("[DONE]")]
 
             return await self._stream_events(req, task, events, on_start=lambda: [],
-                                             on_tokens=lambda n: [sse(tr.text_chunk(cid, model, created, ""))],
+                                             on_tokens=lambda ev: [sse(tr.text_chunk(cid, model, created,
+                                                                                     text.delta(ev.text)))],
                                              on_reply=on_reply, on_error=on_error)
 
         return await self._call(request, OPENAI, tenant, ids, model, prompt, max_tokens, stream,
@@ -668,18 +673,21 @@ class Gateway:
                             "content_block_start"),
                         sse({"type": "ping"}, "ping")]
 
-            def on_tokens(n: int) -> list[bytes]:
-                produced[0] += n
-                return [sse({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": ""}},
-                            "content_block_delta")]
+            text = tr.TextStream(held=bool(tools))
+
+            def on_tokens(ev: CallTokens) -> list[bytes]:
+                produced[0] += len(ev.token_ids)
+                return [sse({"type": "content_block_delta", "index": 0,
+                             "delta": {"type": "text_delta", "text": text.delta(ev.text)}}, "content_block_delta")]
 
             def on_reply(reply: CallReply) -> list[bytes]:
                 usage = tr.usage_of(reply).anthropic()
                 answer = tr.answer_of(reply, fmt, tools)
                 out = []
-                if answer.content:
+                rest = text.rest(answer.content)
+                if rest:
                     out.append(sse({"type": "content_block_delta", "index": 0,
-                                    "delta": {"type": "text_delta", "text": answer.content}}, "content_block_delta"))
+                                    "delta": {"type": "text_delta", "text": rest}}, "content_block_delta"))
                 out.append(sse({"type": "content_block_stop", "index": 0}, "content_block_stop"))
                 for i, c in enumerate(answer.calls, start=1):  # each call a block of its own, its input as JSON deltas
                     out += [sse({"type": "content_block_start", "index": i,

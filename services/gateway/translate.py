@@ -430,6 +430,27 @@ def usage_of(reply: Any) -> Usage:
     return Usage(reply.prompt_tokens, cached, reply.output_tokens)
 
 
+class TextStream:
+    """A streamed reply's text: each token batch's text as it comes, and at the reply what
+    of the final content was not sent yet. `held`: the request offered tools, so the text
+    may be a tool call the parser must see whole: nothing is sent before the reply."""
+
+    def __init__(self, held: bool) -> None:
+        self.held = held
+        self.sent = ""
+
+    def delta(self, text: str | None) -> str:
+        if self.held or not text:
+            return ""
+        self.sent += text
+        return text
+
+    def rest(self, final: str) -> str:
+        if final.startswith(self.sent):
+            return final[len(self.sent):]
+        return ""  # the engine's final detokenisation differs from its stream: what was sent stands
+
+
 @dataclass(frozen=True)
 class Answer:
     """What the model said: its text outside any tool call, and the calls its format's parser found."""
