@@ -154,6 +154,9 @@ def cmd_replay(a: argparse.Namespace) -> int:
         target = _deployment(a)
     except ValueError as exc:  # an unreadable or malformed credentials file
         return _fail(str(exc))
+    if target is not None and a.via_gateway:
+        return _fail("--via-gateway replays through the embedded stack's gateway; against a running deployment, "
+                     "point an agent at its gateway (docs/front-door.md)")
     if target is not None:
         # a running deployment replays under its own policy and time scale (it reports both)
         if a.policy is not None:
@@ -170,7 +173,7 @@ def cmd_replay(a: argparse.Namespace) -> int:
             spec = StackSpec(policy=pol, models=_models_of(sessions), servers=a.servers, routers=a.routers,
                              server_profile=a.server_profile, time_scale=a.time_scale, log_dir=run_dir / pol.name,
                              switch_cost_scale=a.switch_cost_scale, prefill_speed_scale=a.prefill_speed_scale)
-            outcomes.append(asyncio.run(replay_embedded(sessions, pol, spec)))
+            outcomes.append(asyncio.run(replay_embedded(sessions, pol, spec, via_gateway=a.via_gateway)))
     runs = []
     lag_bad = []
     for out in outcomes:
@@ -327,6 +330,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"where each run gets a folder of its own for the services' logs (default {default_log_dir()})")
     r.add_argument("--max-lag-s", type=positive_float, default=5.0, help="exit 3 when a service's or this replay's own event-loop lag exceeds this many model seconds (lower --time-scale then)")
     r.add_argument("--routers", type=positive_int, default=1, help="router replicas in the embedded stack (default 1)")
+    r.add_argument("--via-gateway", action="store_true",
+                   help="the agents call the embedded stack's HTTP gateway (OpenAI chat completions, a session "
+                        "header, the trace's output lengths through the talaria extension field) instead of NATS")
     common(r)
     r.set_defaults(fn=cmd_replay)
 

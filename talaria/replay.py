@@ -31,6 +31,7 @@ from shared.schema import CallReply
 from talaria.workload.trace import TraceSession
 from talaria.workload.agent import DEFAULT_MAX_TOKENS, call_id_for, plan_session
 from talaria.client import Deployment, LoginRefused, TalariaClient, TalariaError
+from talaria.gateway_agent import GatewayAgents
 from talaria.results.records import CallRecord
 from talaria.ops.stack import EmbeddedStack, StackSpec
 
@@ -76,7 +77,7 @@ class Progress:
 
 
 async def drive(
-    client: TalariaClient,
+    client: TalariaClient | GatewayAgents,
     clock: ScaledClock,
     sessions: list[TraceSession],
     policy_name: str,
@@ -88,7 +89,8 @@ async def drive(
     on_issue: Callable[[str], None] | None = None,
     error_retries: int = 0,
 ) -> ReplayOutcome:
-    """`error_retries` > 0 (the chaos run): an agent that gets no_capacity, an
+    """`client`: the NATS agent client, or `GatewayAgents` (each session a conversation over
+    HTTP through the gateway). `error_retries` > 0 (the chaos run): an agent that gets no_capacity, an
     internal error or a timeout waits `retry_after_s` (or 1 s) and tries again
     under the same call id, that many times. `on_issue(call_id)` / `on_reply`:
     a call is sent / answered (the chaos run's in-flight count and watchdog)."""
@@ -234,15 +236,27 @@ async def server_stats(redis_url: str, key_prefix: str, server_ids: list[str]) -
     return out
 
 
-async def replay_embedded(sessions: list[TraceSession], policy: PolicyConfig, spec: StackSpec) -> ReplayOutcome:
+async def replay_embedded(sessions: list[TraceSession], policy: PolicyConfig, spec: StackSpec,
+                          via_gateway: bool = False) -> ReplayOutcome:
+    """`via_gateway`: the agents speak HTTP to the stack's gateway (talaria/gateway_agent.py)
+    instead of NATS to the router."""
     spec.policy = policy
+    spec.gateway = spec.gateway or via_gateway
     print(f"[{policy.name}] starting the embedded stack (NATS, Redis, {len(spec.models) + 3} service processes) ...", file=sys.stderr, flush=True)
     async with EmbeddedStack(spec) as stack:
         print(f"[{policy.name}] stack up; logs in {stack.log_dir}; replaying at {spec.time_scale:g}x", file=sys.stderr, flush=True)
         client = await TalariaClient.from_deployment(stack.deployment())
         try:
             clock = ScaledClock(spec.time_scale, stack.clock_epoch)
-            out = await drive(client, clock, sessions, policy.name)
+            if via_gateway:
+                assert stack.openai_base_url is not None
+                agents = GatewayAgents(stack.openai_base_url, stack.api_key, dict((await client.info()).context_limits))
+                try:
+                    out = await drive(agents, clock, sessions, policy.name)
+                finally:
+                    await agents.close()
+            else:
+                out = await drive(client, clock, sessions, policy.name)
         finally:
             await client.close()
         await asyncio.sleep(0.3)  # let the last mirror land

@@ -657,3 +657,41 @@ async def test_a_streamed_reply_comes_as_text_deltas_at_the_decode_pace(stack: E
     pieces = [c.choices[0].text async for c in await oai(stack).completions.create(
         model=MODEL, prompt="def f():", max_tokens=2000, stream=True) if c.choices]
     assert len([p for p in pieces if p]) >= 3 and tr.estimate_tokens("".join(pieces)) == 2000
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+async def test_a_trace_replays_through_the_gateway_with_its_output_lengths(tmp_path: Path) -> None:
+    """`talaria replay --via-gateway`: each session a conversation over HTTP under its session
+    header, sized to the trace's prompts; the trace's output lengths reach the sim engine
+    through the extension field; continuations reuse the gateway's prefix."""
+    from talaria.replay import replay_embedded
+    from talaria.workload.agent import plan_session
+    from talaria.workload.trace import load_trace
+
+    sessions = load_trace(Path(__file__).resolve().parents[1] / "traces" / "smoke-4.jsonl")
+    spec = StackSpec(policy=resolve_policy("talaria"), models=sorted({s.model for s in sessions}), time_scale=20.0,
+                     log_dir=tmp_path / "logs")
+    out = await replay_embedded(sessions, resolve_policy("talaria"), spec, via_gateway=True)
+    assert not out.failures and len(out.sct) == len(sessions)
+    assert len(out.records) == sum(len(plan_session(s)) for s in sessions)
+    by_call = {(r.session_id, r.index): r for r in out.records}
+    for s in sessions:
+        for pc in plan_session(s):
+            r = by_call[(s.session_id, pc.index)]
+            assert r.output_tokens == min(pc.sim_stop_tokens, pc.max_tokens), (r, pc)
+            assert abs(r.prompt_tokens - pc.prompt_tokens) <= tr.MESSAGE_FRAME_TOKENS + 1, (r, pc)
+            if pc.index and not pc.compact:  # the engine held the conversation so far, block-rounded
+                assert r.cached_tokens + r.restored_tokens >= 0.9 * (pc.prefix_tokens // px.BLOCK_TOKENS) * px.BLOCK_TOKENS
+
+
+@pytest.mark.timeout(60)
+async def test_the_extension_field_is_checked_by_name(stack: EmbeddedStack) -> None:
+    client = oai(stack)
+    with pytest.raises(openai.BadRequestError) as e:
+        await client.chat.completions.create(model=MODEL, max_tokens=5, messages=[{"role": "user", "content": "x"}],
+                                             extra_body={"talaria": {"sim_output_tokens": 9}})
+    assert e.value.body["param"] == "talaria.sim_output_tokens"
+    r = await client.chat.completions.create(model=MODEL, max_tokens=50, messages=[{"role": "user", "content": "x"}],
+                                             extra_body={"talaria": {"sim_output_tokens": 7}})
+    assert r.usage.completion_tokens == 7 and r.choices[0].finish_reason == "stop"

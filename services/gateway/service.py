@@ -294,6 +294,13 @@ class Gateway:
         return Prompt(prompt.text, ids, chat=False, tokenizer=tok)
 
     @staticmethod
+    def _sim_output(body: dict[str, Any], max_tokens: int) -> int | None:
+        try:
+            return tr.sim_output_tokens(body, max_tokens)
+        except BadRequest as exc:
+            raise HttpError("malformed", str(exc), exc.param) from None
+
+    @staticmethod
     def _sampling(body: dict[str, Any], api: str) -> Sampling:
         try:
             return tr.sampling_of(body, api)
@@ -431,6 +438,7 @@ class Gateway:
     async def _call(self, request: web.Request, api: str, tenant: str, ids: CallIds,
                     model: str, prompt: Prompt, max_tokens: int, stream: bool, sampling: Sampling,
                     tools_json: str | None = None, tool_choice: str | None = None, tool_format: str | None = None,
+                    sim_output: int | None = None,
                     streamer: "Callable[[web.Request, asyncio.Task[CallReply], asyncio.Queue[Any]], Awaitable[web.StreamResponse]] | None" = None,
                     whole: "Callable[[CallReply], dict[str, Any]] | None" = None) -> web.StreamResponse:
         # (a conversation of any size the body limit lets in: a large one goes by reference, off the bus)
@@ -453,7 +461,8 @@ class Gateway:
                         # the model's own ids where the gateway has its tokenizer, else the text
                         prompt_token_ids=list(prompt.ids) if prompt.real else None,
                         prompt_text=None if prompt.real else prompt.text,
-                        sampling=sampling, tools_json=tools_json, tool_choice=tool_choice, tool_call_format=tool_format)
+                        sampling=sampling, tools_json=tools_json, tool_choice=tool_choice, tool_call_format=tool_format,
+                        sim_output_tokens=sim_output)
                     # before the agent hears the reply, so its next call finds what the engine holds
                     await self._soft(lambda: self._remember(tenant, model, ids, prompt, reply), None)
                     return reply
@@ -561,6 +570,7 @@ class Gateway:
         tools_json = tc.tools_text(tools) if tools else None
         prompt = await self._chat_prompt(tenant, model, body, OPENAI, fmt, tools, tools_json)
         max_tokens = self._max_tokens(body, ("max_completion_tokens", "max_tokens"), prompt, model)
+        sim_output = self._sim_output(body, max_tokens)
         opts = body.get("stream_options") or {}
         include_usage = isinstance(opts, dict) and opts.get("include_usage") is True
         created = int(time.time())
@@ -600,7 +610,8 @@ class Gateway:
         ids = await self._ids(request, tenant, raw, body, model, prompt)
         cid_box.append(ids.call_id)
         return await self._call(request, OPENAI, tenant, ids, model, prompt, max_tokens, stream,
-                                sampling, tools_json, choice, fmt, streamer=streamer, whole=whole)
+                                sampling, tools_json, choice, fmt, sim_output,
+                                streamer=streamer, whole=whole)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         tenant = self._tenant(request)
@@ -609,6 +620,7 @@ class Gateway:
         stream = self._check_common(body)
         prompt = await self._text_prompt(tenant, model, body)
         max_tokens = self._max_tokens(body, ("max_tokens",), prompt, model)
+        sim_output = self._sim_output(body, max_tokens)
         created = int(time.time())
         sampling = self._sampling(body, OPENAI)
         ids = await self._ids(request, tenant, raw, body, model, prompt)
@@ -635,7 +647,7 @@ class Gateway:
                                              on_reply=on_reply, on_error=on_error)
 
         return await self._call(request, OPENAI, tenant, ids, model, prompt, max_tokens, stream,
-                                sampling, streamer=streamer, whole=whole)
+                                sampling, sim_output=sim_output, streamer=streamer, whole=whole)
 
     async def models(self, request: web.Request) -> web.Response:
         self._tenant(request)
@@ -654,6 +666,7 @@ class Gateway:
         tools_json = tc.tools_text(tools) if tools else None
         prompt = await self._chat_prompt(tenant, model, body, ANTHROPIC, fmt, tools, tools_json)
         max_tokens = self._max_tokens(body, ("max_tokens",), prompt, model, required=True)
+        sim_output = self._sim_output(body, max_tokens)
         sampling = self._sampling(body, ANTHROPIC)
         ids = await self._ids(request, tenant, raw, body, model, prompt)
         cid = ids.call_id
@@ -709,7 +722,8 @@ class Gateway:
                                              on_reply=on_reply, on_error=on_error)
 
         return await self._call(request, ANTHROPIC, tenant, ids, model, prompt, max_tokens, stream,
-                                sampling, tools_json, choice, fmt, streamer=streamer, whole=whole)
+                                sampling, tools_json, choice, fmt, sim_output,
+                                streamer=streamer, whole=whole)
 
 
 async def start_gateway(settings: Settings, client: TalariaClient, redis: aioredis.Redis | None = None

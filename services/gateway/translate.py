@@ -372,6 +372,28 @@ def text_prompt(prompt: Any) -> Prompt:
     return Prompt(prompt, px.text_ids(prompt), chat=False)
 
 
+# -- Talaria's own extension field -------------------------------------------------------------------
+EXTENSION_FIELD = "talaria"  # {"sim_output_tokens": N}: where the sim engine stops (a replayed trace's output)
+
+
+def sim_output_tokens(body: Mapping[str, Any], max_tokens: int) -> int | None:
+    """The extension's `sim_output_tokens`: the output length the sim engine gives the reply
+    (a replayed trace's own, sent as an engine hint no decision reads; a real model decides
+    by itself). At most `max_tokens`; a BadRequest names a bad value."""
+    ext = body.get(EXTENSION_FIELD)
+    if ext is None:
+        return None
+    where = f"{EXTENSION_FIELD}.sim_output_tokens"
+    if not isinstance(ext, Mapping) or set(ext) - {"sim_output_tokens"}:
+        raise BadRequest(f"{EXTENSION_FIELD} must be an object with sim_output_tokens only", EXTENSION_FIELD)
+    n = ext.get("sim_output_tokens")
+    if n is None:
+        return None
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= max_tokens:
+        raise BadRequest(f"{where} must be an integer from 1 to max_tokens ({max_tokens})", where)
+    return n
+
+
 # -- sampling ----------------------------------------------------------------------------------
 # what the engine honours (shared/schema.py Sampling), by the API's own field names
 _OPENAI_SAMPLING = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "stop": "stop", "seed": "seed",

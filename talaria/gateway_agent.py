@@ -1,0 +1,87 @@
+"""A replayed trace's agents speaking HTTP to the gateway (`talaria replay --via-gateway`).
+
+The same driver as the NATS replay (`talaria.replay.drive`) through the front door an
+agent in use calls: each session is a conversation sent to `POST /v1/chat/completions`
+under its `x-session-id`, each call's `Idempotency-Key` its call id. A trace carries
+token counts, not text, so each call appends a user message of filler sized to bring
+the conversation to the trace's prompt tokens (the gateway's stand-in count: four per
+message and one per four bytes), and asks for the trace's output length through the
+gateway's extension field (`talaria.sim_output_tokens`, an engine hint only the sim
+engine reads). The reply is re-sent as the assistant's turn, as an agent does, so the
+gateway's prefix identity, not the trace, says what the session's engine holds. A
+compacted context (a prompt smaller than the conversation) starts a new conversation.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import aiohttp
+
+from services.gateway import translate as tr
+from shared.schema import CallReply
+from talaria.client import TalariaError
+
+
+class GatewaySession:
+    def __init__(self, http: aiohttp.ClientSession, base_url: str, api_key: str, model: str, session_id: str,
+                 context_limit: int) -> None:
+        self.http = http
+        self.url = base_url.rstrip("/") + "/chat/completions"
+        self.headers = {"Authorization": f"Bearer {api_key}", "x-session-id": session_id}
+        self.model = model
+        self.session_id = session_id
+        self.context_limit = context_limit
+        self.messages: list[dict[str, Any]] = []
+
+    def _grow_to(self, prompt_tokens: int, label: str) -> None:
+        """Append a user message so the conversation counts `prompt_tokens` (or as close as the
+        message framing allows); a prompt smaller than what is there starts anew (compaction)."""
+        have = tr.chat_prompt(self.messages).tokens if self.messages else 0
+        if prompt_tokens < have + tr.MESSAGE_FRAME_TOKENS + 1:
+            self.messages, have = [], 0
+        size = 4 * max(1, prompt_tokens - have - tr.MESSAGE_FRAME_TOKENS)
+        self.messages.append({"role": "user", "content": (label + " " + "tool output " * (size // 12 + 1))[:size]})
+
+    async def call(self, *, prompt_tokens: int, prefix_tokens: int, max_tokens: int, call_id: str,
+                   sim_output_tokens: int | None = None) -> CallReply:
+        del prefix_tokens  # the gateway finds it from the conversation itself
+        self._grow_to(prompt_tokens, call_id)
+        body: dict[str, Any] = {"model": self.model, "max_tokens": max_tokens, "messages": self.messages}
+        if sim_output_tokens is not None:
+            body[tr.EXTENSION_FIELD] = {"sim_output_tokens": min(sim_output_tokens, max_tokens)}
+        async with self.http.post(self.url, json=body, headers={**self.headers, "Idempotency-Key": call_id}) as r:
+            answer = await r.json(content_type=None)
+        if r.status != 200:
+            err = answer.get("error", {}) if isinstance(answer, dict) else {}
+            raise TalariaError(str(err.get("code") or err.get("type") or r.status), str(err.get("message") or answer))
+        text = answer["choices"][0]["message"].get("content") or ""
+        self.messages.append({"role": "assistant", "content": text})
+        usage = answer["usage"]
+        return CallReply(
+            call_id=call_id, session_id=self.session_id,
+            server_id=str(answer.get("system_fingerprint", "")).removeprefix("talaria-"), model=self.model,
+            prompt_tokens=usage["prompt_tokens"], cached_tokens=usage["prompt_tokens_details"]["cached_tokens"],
+            restored_tokens=0, reprefill_tokens=0, output_tokens=usage["completion_tokens"], arrived_at=0.0,
+            finished_at=0.0, waited_s=0.0, switch_wait_s=0.0, round_wait=False, restore_s=0.0, prefill_s=0.0,
+            decode_s=0.0, text=text)
+
+    async def end(self) -> None:
+        """Nothing to send: an agent in use just stops calling (the router releases the idle session)."""
+
+
+class GatewayAgents:
+    """Opens each replayed session as a gateway conversation (what `drive` asks of a client)."""
+
+    def __init__(self, base_url: str, api_key: str, context_limits: dict[str, int]) -> None:
+        self.base_url = base_url
+        self.api_key = api_key
+        self.context_limits = context_limits
+        self.http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
+
+    async def open_session(self, model: str, session_id: str) -> GatewaySession:
+        return GatewaySession(self.http, self.base_url, self.api_key, model, session_id,
+                              self.context_limits.get(model, 128_000))
+
+    async def close(self) -> None:
+        await self.http.close()
