@@ -221,7 +221,7 @@ async def _a_named_tool_choice_is_a_well_formed_call(stack) -> None:  # type: ig
         "type": "object", "properties": {"path": {"enum": ["a.py", "src/b.py"]}, "whole": {"type": "boolean"}},
         "required": ["path", "whole"]}}}
     r = await client.chat.completions.create(
-        model=vb.MODEL, max_tokens=64, messages=[{"role": "user", "content": "read the parser"}], tools=[tool],
+        model=vb.MODEL, max_tokens=256, messages=[{"role": "user", "content": "read the parser"}], tools=[tool],
         tool_choice={"type": "function", "function": {"name": "read_file"}}, extra_headers={"x-session-id": "forced"})
     c = r.choices[0]
     assert c.finish_reason == "tool_calls" and c.message.tool_calls, c
