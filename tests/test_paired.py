@@ -138,3 +138,15 @@ def test_trace_bound_is_below_what_the_simulator_measures() -> None:
     assert 0 < b.p50_s <= percentile(sct, 50)
     tiny = [TraceSession("s", "glm-4.5-fp8", 0.0, [TraceCall(100, 10, 1.0), TraceCall(100, 10, 0.0)])]
     assert trace_bound(tiny, cat).p50_s > 1.0  # at least the tool gap
+
+
+def test_variant_is_a_preset_with_fields_changed() -> None:
+    from talaria.lab.paired import _resolve, variant
+
+    label, spec = variant("short=talaria:hold_factor=1.0,hold_min_s=0,retention=ttl")
+    assert label == "short" and spec == ("talaria", {"hold_factor": 1.0, "hold_min_s": 0, "retention": "ttl"})
+    p = _resolve("short", {label: spec})
+    assert p.name == "short" and p.hold_factor == 1.0 and p.retention == "ttl"
+    for bad in ("x=nosuch:", "x=talaria:nosuch=1", "=talaria:"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            variant(bad)

@@ -23,6 +23,8 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from shared.catalog import load_catalog
 from shared.policy import PolicyError, resolve_policy
 from talaria.argtypes import positive_int
@@ -52,13 +54,43 @@ def seed_list(text: str) -> tuple[int, ...]:
     return tuple(out)
 
 
-def _seed_job(args: tuple[str, int, tuple[str, ...]]) -> tuple[str, int, dict[str, dict[str, float]]]:
-    path, seed, policies = args
+Variants = dict[str, tuple[str, dict[str, Any]]]  # label -> (preset, field overrides)
+
+
+def variant(text: str) -> tuple[str, tuple[str, dict[str, Any]]]:
+    """`LABEL=PRESET:field=value,field=value`: a preset with its tuned parameters and these changed."""
+    label, _, rest = text.partition("=")
+    base, _, fields = rest.partition(":")
+    overrides: dict[str, Any] = {}
+    for item in filter(None, (f.strip() for f in fields.split(","))):
+        key, _, value = item.partition("=")
+        try:
+            overrides[key] = json.loads(value)
+        except ValueError:
+            overrides[key] = value  # a bare word: a string field (e.g. retention=ttl)
+    try:
+        resolve_policy(base, overrides)
+    except (PolicyError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(f"bad variant {text!r}: {exc}") from None
+    if not label or not base:
+        raise argparse.ArgumentTypeError(f"bad variant {text!r}: want LABEL=PRESET:field=value,...")
+    return label, (base, overrides)
+
+
+def _resolve(name: str, variants: Variants) -> Any:
+    if name in variants:
+        base, overrides = variants[name]
+        return msgspec.structs.replace(resolve_policy(base, overrides), name=name)
+    return resolve_policy(name)
+
+
+def _seed_job(args: tuple[str, int, tuple[str, ...], Variants]) -> tuple[str, int, dict[str, dict[str, float]]]:
+    path, seed, policies, variants = args
     sc = load_scenario(path)
     sessions = trace_of(sc, seed)
     figures = {}
     for name in policies:
-        run = run_policy(sc, sessions, name)
+        run = run_policy(sc, sessions, _resolve(name, variants))
         if run["calls_completed"] != run["calls_total"]:
             raise RuntimeError(f"{sc.name} seed {seed} {name}: {run['calls_completed']}/{run['calls_total']} calls completed")
         figures[name] = {k: run[k] for k in (*METRICS, "sct_mean_s")}
@@ -66,9 +98,9 @@ def _seed_job(args: tuple[str, int, tuple[str, ...]]) -> tuple[str, int, dict[st
 
 
 def run_paired(paths: list[str], seeds: tuple[int, ...], policies: tuple[str, ...], *, jobs: int = 1,
-               progress: bool = True) -> dict[str, Any]:
+               variants: Variants | None = None, progress: bool = True) -> dict[str, Any]:
     """Every policy on every (setting, seed): the raw figures the table is computed from."""
-    work = [(p, s, policies) for p in paths for s in seeds]
+    work = [(p, s, policies, variants or {}) for p in paths for s in seeds]
     runs: dict[str, dict[str, dict[str, dict[str, float]]]] = {p: {} for p in paths}
     t0 = time.perf_counter()
 
@@ -87,6 +119,7 @@ def run_paired(paths: list[str], seeds: tuple[int, ...], policies: tuple[str, ..
         for w in work:
             keep(*_seed_job(w))
     return {"seeds": list(seeds), "policies": list(policies), "reference": REFERENCE,
+            "variants": {k: {"preset": b, "overrides": o} for k, (b, o) in (variants or {}).items()},
             "runs": runs, "wall_s": time.perf_counter() - t0}
 
 
@@ -138,16 +171,17 @@ def cmd_paired(a: argparse.Namespace) -> int:
         if tuned_on:
             print(f"talaria paired: error: seeds {tuned_on} tuned the policies and cannot be scored", file=sys.stderr)
             return 2
-        policies = tuple(dict.fromkeys([REFERENCE, *a.policies.split(",")]))
+        variants = dict(a.variant or [])
+        policies = tuple(dict.fromkeys([REFERENCE, *a.policies.split(","), *variants]))
         try:
             for name in policies:
-                resolve_policy(name)
+                _resolve(name, variants)
             for path in a.scenarios:
                 load_scenario(path)
         except (PolicyError, ScenarioError) as exc:
             print(f"talaria paired: error: {exc}", file=sys.stderr)
             return 2
-        result = run_paired(a.scenarios, a.seeds, policies, jobs=a.jobs)
+        result = run_paired(a.scenarios, a.seeds, policies, jobs=a.jobs, variants=variants)
     text = markdown(result)
     print(text)
     if a.out:
@@ -162,6 +196,9 @@ def configure_paired(p: argparse.ArgumentParser) -> None:
                    help="seeds to score, e.g. 2001-2020 (default; never the tuning seeds)")
     p.add_argument("--policies", default=",".join(PEER_POLICIES),
                    help=f"comma-separated policies to pair against {REFERENCE} (default: {','.join(PEER_POLICIES)})")
+    p.add_argument("--variant", type=variant, action="append",
+                   help="also pair a variant: LABEL=PRESET:field=value,... (repeatable), e.g. "
+                        "short-hold=talaria:hold_factor=1.0,hold_min_s=0")
     p.add_argument("--jobs", type=positive_int, default=1, help="seeds in parallel (processes; default 1)")
     p.add_argument("--out", help="write every run's figures as JSON (re-print with --load)")
     p.add_argument("--load", help="print the table from a JSON written by --out instead of running")
