@@ -57,7 +57,7 @@ def test_paired_rows_pair_by_seed() -> None:
     runs = {str(s): {"talaria": {"sct_p50_s": 100.0, "sct_p95_s": 200.0},
                      "kv-ttl": {"sct_p50_s": 100.0 + s, "sct_p95_s": 200.0}} for s in (1, 2, 3)}
     rows = paired_rows({"reference": "talaria", "policies": ["talaria", "kv-ttl"], "runs": {"x/a.toml": runs}})
-    assert len(rows) == 1 and rows[0]["setting"] == "a" and rows[0]["policy"] == "kv-ttl"
+    assert len(rows) == 1 and rows[0]["setting"] == "a" and rows[0]["policy"] == "kv-ttl" and rows[0]["seeds"] == [1, 2, 3]
     assert rows[0]["sct_p50_s"].median == pytest.approx(100 / 102 - 1)
     assert rows[0]["sct_p95_s"].median == 0.0 and rows[0]["met"]
 
@@ -150,3 +150,21 @@ def test_variant_is_a_preset_with_fields_changed() -> None:
     for bad in ("x=nosuch:", "x=talaria:nosuch=1", "=talaria:"):
         with pytest.raises(argparse.ArgumentTypeError):
             variant(bad)
+
+
+def test_merge_keeps_each_setting_with_its_own_seeds_and_policies() -> None:
+    from talaria.lab.paired import markdown, merge
+
+    def fig(p50: float) -> dict[str, float]:
+        return {"sct_p50_s": p50, "sct_p95_s": 2 * p50}
+
+    small = {"reference": "talaria", "policies": ["talaria", "kv-ttl", "baseline"], "seeds": [1, 2], "wall_s": 1.0,
+             "runs": {"s.toml": {str(k): {"talaria": fig(100), "kv-ttl": fig(101), "baseline": fig(500)} for k in (1, 2)}}}
+    big = {"reference": "talaria", "policies": ["talaria", "kv-ttl"], "seeds": [1], "wall_s": 2.0,
+           "runs": {"b.toml": {"1": {"talaria": fig(100), "kv-ttl": fig(99)}}}}
+    m = merge([small, big])
+    rows = paired_rows(m)
+    assert [(r["setting"], r["policy"], r["seeds"]) for r in rows] == [
+        ("s", "kv-ttl", [1, 2]), ("s", "baseline", [1, 2]), ("b", "kv-ttl", [1])]
+    assert not rows[2]["met"]  # talaria 1% behind there
+    assert "| b | kv-ttl | 1 |" in markdown(m)

@@ -130,9 +130,9 @@ def paired_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
     for path, by_seed in result["runs"].items():
         seeds = sorted(by_seed, key=int)
         for name in result["policies"]:
-            if name == ref:
-                continue
-            row: dict[str, Any] = {"setting": Path(path).stem, "policy": name, "seeds": len(seeds)}
+            if name == ref or any(name not in by_seed[s] for s in seeds):
+                continue  # a merged table: not every setting ran every policy
+            row: dict[str, Any] = {"setting": Path(path).stem, "policy": name, "seeds": [int(s) for s in seeds]}
             for m in METRICS:
                 row[m] = paired([by_seed[s][ref][m] for s in seeds], [by_seed[s][name][m] for s in seeds])
             row["met"] = all(meets(row[m]) for m in METRICS)
@@ -148,24 +148,42 @@ def markdown(result: dict[str, Any]) -> str:
     head = ["setting", f"{result['reference']} against", "seeds", "p50 difference", "p95 difference", "target met"]
     lines = ["| " + " | ".join(head) + " |", "| --- | --- | ---: | ---: | ---: | --- |"]
     for r in paired_rows(result):
-        lines.append(f"| {r['setting']} | {r['policy']} | {r['seeds']} | {_pct(r['sct_p50_s'])} | "
+        lines.append(f"| {r['setting']} | {r['policy']} | {_seeds_text(r['seeds'])} | {_pct(r['sct_p50_s'])} | "
                      f"{_pct(r['sct_p95_s'])} | {'yes' if r['met'] else 'no'} |")
     lines.append("")
-    lines.append(f"_Median over seeds {_seeds_text(result['seeds'])} of ({result['reference']} - policy) / policy "
+    lines.append(f"_Median over the row's seeds of ({result['reference']} - policy) / policy "
                  f"per seed, [95% percentile-bootstrap interval over seeds]; negative: {result['reference']} faster. "
                  f"Target: median <= 0 and upper end <= +1%. Model seconds from the sim engine's cost model; "
                  f"{result['wall_s']:.0f} s of wall time._")
     return "\n".join(lines)
 
 
+def merge(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """Several runs' JSON as one table (e.g. a big setting run on fewer seeds apart)."""
+    if len({r["reference"] for r in results}) != 1:
+        raise ValueError("the results pair against different references")
+    out: dict[str, Any] = {"reference": results[0]["reference"], "policies": [], "seeds": [], "runs": {},
+                           "variants": {}, "wall_s": sum(r["wall_s"] for r in results)}
+    for r in results:
+        out["policies"] = list(dict.fromkeys([*out["policies"], *r["policies"]]))
+        out["seeds"] = sorted(set(out["seeds"]) | set(r["seeds"]))
+        out["variants"] |= r.get("variants", {})
+        for path, by_seed in r["runs"].items():
+            for seed, figures in by_seed.items():
+                out["runs"].setdefault(path, {}).setdefault(seed, {}).update(figures)
+    return out
+
+
 def _seeds_text(seeds: list[int]) -> str:
     s = sorted(seeds)
-    return f"{s[0]}-{s[-1]}" if s == list(range(s[0], s[-1] + 1)) else ",".join(map(str, s))
+    if len(s) > 1 and s == list(range(s[0], s[-1] + 1)):
+        return f"{s[0]}-{s[-1]}"
+    return ",".join(map(str, s))
 
 
 def cmd_paired(a: argparse.Namespace) -> int:
     if a.load:
-        result = json.loads(Path(a.load).read_text())
+        result = merge([json.loads(Path(f).read_text()) for f in a.load])
     else:
         tuned_on = sorted(set(a.seeds) & set(TUNE_SEEDS))
         if tuned_on:
@@ -201,7 +219,7 @@ def configure_paired(p: argparse.ArgumentParser) -> None:
                         "short-hold=talaria:hold_factor=1.0,hold_min_s=0")
     p.add_argument("--jobs", type=positive_int, default=1, help="seeds in parallel (processes; default 1)")
     p.add_argument("--out", help="write every run's figures as JSON (re-print with --load)")
-    p.add_argument("--load", help="print the table from a JSON written by --out instead of running")
+    p.add_argument("--load", nargs="+", help="print the table from JSONs written by --out (merged) instead of running")
     p.set_defaults(fn=cmd_paired)
 
 
