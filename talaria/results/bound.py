@@ -49,7 +49,8 @@ def decode_token_share_s(cost: CostModel, model: ModelSpec, max_batch: int) -> f
     """The least batch-wide decode time one output token can cost the server:
     a step of b calls takes base ITL(b) (plus each call's own KV read, counted
     apart), so per token min over b <= max_batch of ITL_base(b) * scale / b."""
-    return min(cost.base_itl_s(b) * model.decode_itl_scale / b for b in range(1, max(1, max_batch) + 1))
+    best = min(cost.base_itl_s(b) * model.decode_itl_scale / b for b in range(1, max(1, max_batch) + 1))
+    return best / cost.decode_speed_scale
 
 
 def call_work_s(cost: CostModel, model: ModelSpec, prompt: int, prefix: int, output: int, token_share_s: float) -> float:
@@ -58,6 +59,7 @@ def call_work_s(cost: CostModel, model: ModelSpec, prompt: int, prefix: int, out
     a lower bound on the growing context)."""
     kv_read = (prompt * model.kv_bytes_per_token + model.kv_bytes_per_seq) / cost.server.gpus / (
         cost.server.hbm_tb_s_per_gpu * 1e12)
+    # the prefill is least with the whole prefix reused (a restore or a shorter reuse only adds)
     return cost.prefill_s(model, prompt - prefix, prefix) + output * (token_share_s + kv_read / cost.decode_speed_scale)
 
 
