@@ -168,3 +168,11 @@ def test_merge_keeps_each_setting_with_its_own_seeds_and_policies() -> None:
         ("s", "kv-ttl", [1, 2]), ("s", "baseline", [1, 2]), ("b", "kv-ttl", [1])]
     assert not rows[2]["met"]  # talaria 1% behind there
     assert "| b | kv-ttl | 1 |" in markdown(m)
+
+
+def test_tuning_table_is_the_mean_over_seeds() -> None:
+    from talaria.lab.paired import tuning_table
+
+    runs = {"s.toml": {str(k): {"talaria": {"sct_mean_s": 10.0 * k, "sct_p50_s": 1.0, "sct_p95_s": 2.0}} for k in (1, 2)}}
+    text = tuning_table({"policies": ["talaria"], "seeds": [1001, 1002], "runs": runs})
+    assert "| s | talaria | 15.0 | 1.0 | 2.0 |" in text and "1001-1002" in text
