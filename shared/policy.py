@@ -22,9 +22,8 @@ NextModel = Literal["round-robin", "oldest-first", "most-waiting"]
 # systems' placement rules (docs/peers.md), all inside services/router/placement.rank
 Placement = Literal["load", "talaria", "least-loaded", "session-affinity", "kv-overlap", "cache-aware"]
 # what keeps a finished call's KV for its session's return (docs/peers.md):
-# Talaria's soft reservation, a Continuum-style TTL pin that never holds a slot, or
-# "cover": the longer of the two while the model's queue has KV to spare, the reservation while it has not
-Retention = Literal["reservation", "ttl", "cover"]
+# Talaria's soft reservation, or a Continuum-style TTL pin that never holds a slot
+Retention = Literal["reservation", "ttl"]
 # order of admission within a model's queue: per call (FIFO) or per program (Continuum)
 AdmissionOrder = Literal["call", "program", "auto"]  # auto: program-level FCFS only while KV-bound
 
@@ -61,7 +60,6 @@ class PolicyConfig(msgspec.Struct, frozen=True, kw_only=True):
     ttl_quantile: float = 0.9              # kv-ttl: TTL = this quantile of the session's past tool gaps,
     ttl_default_s: float = 2.0             # ... this before any history,
     ttl_max_s: float = 120.0               # ... at most this
-    cover_gap_s: float = 20.0              # cover: the TTL for sessions whose gap quantile is at least this
     affinity_load_factor: float = 1.25     # session-affinity: bounded-load consistent hashing (c)
     affinity_vnodes: int = 64              # session-affinity: virtual nodes per server on the ring
     overlap_weight: float = 1.0            # kv-overlap: Dynamo's kv_overlap_score_weight
@@ -99,9 +97,6 @@ PRESETS: dict[str, PolicyConfig] = {
     "talaria-no-stable": msgspec.structs.replace(TALARIA, name="talaria-no-stable", stable_addresses=False),
     "talaria-no-reservations": msgspec.structs.replace(TALARIA, name="talaria-no-reservations", reservations=False),
     "talaria-load-only": msgspec.structs.replace(TALARIA, name="talaria-load-only", placement="load"),
-    # a candidate retention rule covering kv-ttl's (docs/scheduler.md, "Covering retention");
-    # not Talaria's default: it lost on the tuning seeds (docs/results.md)
-    "talaria-cover": msgspec.structs.replace(TALARIA, name="talaria-cover", retention="cover"),
 }
 
 # Peer policies (docs/peers.md): each runs on Talaria's admission and substrate

@@ -31,9 +31,7 @@ Rules (docs/scheduler.md states them for users; keep the two in step):
    never blocks an admission, and it is dropped when its model's slot closes.
    With `retention="ttl"` (the kv-ttl peer, Continuum-style) the claim is a
    TTL pin instead: its hold is the TTL (`ttl_s`), and it never holds an idle
-   slot open. With `retention="cover"` the hold is the longer of the two
-   unless the model's queued calls need more KV than is free (then the
-   reservation's). With `admission_order="program"` a model's queue is ordered by
+   slot open. With `admission_order="program"` a model's queue is ordered by
    the session's (program's) first arrival, then the call's (program-level FCFS).
 """
 
@@ -231,8 +229,8 @@ class RoundScheduler:
                     # crossed): its reply is out, so the requeued copy must not run again
                     self._drop_queued(cid)
                 if run is not None and self.policy.reservations and run.call.model == self.active:
-                    hold = self.retention_hold_s(run.call.gap_history)
                     ttl = self.policy.retention == "ttl"
+                    hold = self.ttl_s(run.call.gap_history) if ttl else self.hold_s(run.call.gap_history)
                     self.reservations[sid] = Reservation(sid, run.call.model, now, now + hold, ctx, holds_slot=not ttl)
                     self.stats.reservations_made += 1
                     actions.append(Protect(sid, run.call.model, on=True))
@@ -304,18 +302,6 @@ class RoundScheduler:
         ordered = sorted(gaps)
         q = ordered[min(len(ordered) - 1, int(p.ttl_quantile * len(ordered)))]
         return max(0.0, min(p.ttl_max_s, q))
-
-    def retention_hold_s(self, gaps: tuple[float, ...]) -> float:
-        """How long a finished call's claim lasts under the policy's retention rule."""
-        p = self.policy
-        if p.retention == "ttl":
-            return self.ttl_s(gaps)
-        if p.retention == "cover":
-            m = self.active
-            kv_bound = m is not None and bool(self.queues[m]) and self._demand_exceeds_budget(self.queues[m])
-            long_gaps = bool(gaps) and _quantile(gaps, p.ttl_quantile) >= p.cover_gap_s
-            return cover_hold_s(self.hold_s(gaps), self.ttl_s(gaps), long_gaps=long_gaps, kv_bound=kv_bound)
-        return self.hold_s(gaps)
 
     def forget(self, call_id: str, now: float) -> list[Action]:
         """A call that can no longer run here (its payload is gone): drop it,
@@ -596,21 +582,6 @@ class RoundScheduler:
             if held and now < self.slot_deadline and now < idle_hold_until - 1e-9:
                 return
             self._close(now, actions, "drained" if now < self.slot_deadline else "quantum")
-
-
-def cover_hold_s(reservation_s: float, ttl_s: float, *, long_gaps: bool, kv_bound: bool) -> float:
-    """Covering retention (`retention="cover"`): Continuum's TTL for a session
-    whose tool gaps are long (its gap quantile at least `cover_gap_s`) while the
-    model's queue has KV to spare; the reservation hold otherwise: for short
-    gaps, and while the queued calls need more KV than is free (then the KV a
-    hold keeps is what they wait for)."""
-    return ttl_s if long_gaps and not kv_bound else reservation_s
-
-
-def _quantile(values: tuple[float, ...], q: float) -> float:
-    """The q-quantile as the reservation and the TTL read it (no interpolation)."""
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def _program_key(call: AdmissionCall) -> tuple[float, float]:
