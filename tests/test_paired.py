@@ -176,3 +176,13 @@ def test_tuning_table_is_the_mean_over_seeds() -> None:
     runs = {"s.toml": {str(k): {"talaria": {"sct_mean_s": 10.0 * k, "sct_p50_s": 1.0, "sct_p95_s": 2.0}} for k in (1, 2)}}
     text = tuning_table({"policies": ["talaria"], "seeds": [1001, 1002], "runs": runs})
     assert "| s | talaria | 15.0 | 1.0 | 2.0 |" in text and "1001-1002" in text
+
+
+def test_paired_refuses_the_tuning_seeds_unless_asked_for_the_tuning_view(capsys: pytest.CaptureFixture[str]) -> None:
+    from talaria.cli import main
+    from talaria.workload.scenarios import ROOT
+
+    scenario = str(ROOT / "scenarios" / "1x30x3.toml")
+    assert main(["paired", scenario, "--seeds", "1001,5"]) == 2
+    assert "tuned the policies" in capsys.readouterr().err
+    assert main(["paired", scenario, "--seeds", "5", "--policies", "nosuch"]) == 2
