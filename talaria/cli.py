@@ -1,4 +1,4 @@
-"""The `talaria` command: sim, replay, up, status, study, fidelity, chaos, compare, bench-sim, bench-gateway, demo, bench-vllm, logs, generate."""
+"""The `talaria` command: sim, replay, up, status, study, fidelity, chaos, compare, paired, bound, bench-sim, bench-gateway, demo, bench-vllm, logs, generate."""
 
 from __future__ import annotations
 
@@ -377,6 +377,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     cp = sub.add_parser("compare", help="run every policy of a scenario file over its seeds on the simulator; print the table")
     scenarios.configure_compare(cp)
+    from talaria.lab import paired
+
+    pp = sub.add_parser("paired", help="every policy against Talaria on the same traces: median paired p50/p95 "
+                        "differences over seeds with 95%% bootstrap intervals")
+    paired.configure_paired(pp)
+    bd = sub.add_parser("bound", help="a lower bound on mean and p50 SCT (one model at a time per server) "
+                        "beside the baseline's and Talaria's figures")
+    paired.configure_bound(bd)
     bp = sub.add_parser("bench-sim", help="time the simulator: the default trace (< 5 s) and ~100,000 calls (< 2 min)")
     scenarios.configure_bench(bp)
     from talaria.lab import gateway_bench
