@@ -323,14 +323,21 @@ class Router(ServiceProcess):
         # optimistic concurrency between router replicas: the placement lands only if
         # no other replica placed a call since this snapshot; else read again and rank again.
         # This router's own placements go one at a time, each ranked knowing every one
-        # before it, so they never refuse each other (under load they did, three times in four)
+        # before it, so they never refuse each other (under load they did, three times in
+        # four); a snapshot read again is read under the lock, so only another replica's
+        # placement (or one this router has forgotten, from a snapshot that waited over
+        # IN_FLIGHT_MAX_WALL_S) refuses it
         attempt, raw = 0, server_raw
         ranked: list[Any] = []
-        for attempt in range(1, PLACEMENT_ATTEMPTS + 1):
-            async with self._placing:
+        async with self._placing:
+            for attempt in range(1, PLACEMENT_ATTEMPTS + 1):
+                if attempt > 1:
+                    pipe = self.redis.pipeline(transaction=False)
+                    self._queue_server_reads(pipe)  # the only reads in this pipeline: no count needed
+                    read, raw = await self._execute_read(pipe)
+                seq, views, counted = self._server_views(raw, read, kv, reserved_on)
                 # placed now (its age is the in-flight entry's: one that waited for the lock is not stale)
                 placement = InFlight(req.call_id, req.model, req.prompt_tokens, time.time())
-                seq, views, counted = self._server_views(raw, read, kv, reserved_on)
                 ranked = rank(req.model, views, self.settings.policy, session_id=req.session_id,
                               call_id=req.call_id, prompt_tokens=req.prompt_tokens, prefix_tokens=req.prefix_tokens)
                 if pinned is not None:
@@ -342,9 +349,6 @@ class Router(ServiceProcess):
                 if not ranked or await self.mark_in_flight(ranked[0].server_id, placement,
                                                            expect_seq=None if last else seq, counted=counted):
                     break
-            pipe = self.redis.pipeline(transaction=False)
-            self._queue_server_reads(pipe)  # the only reads in this pipeline: no count needed
-            read, raw = await self._execute_read(pipe)
         self.log.info("router.placed", model=req.model, at=round(now, 3), attempts=attempt,
                       candidates=[{"server": c.server_id, "score": round(c.score, 3), "residency": c.residency,
                                    "kv": c.kv, "pressure": round(c.pressure, 2), "contention": c.contention}
