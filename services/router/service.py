@@ -314,6 +314,7 @@ class Router(ServiceProcess):
         # every server's mirrored state in the same round trip: fewer hops, less
         # wall latency, which a scaled clock multiplies
         n = self._queue_server_reads(pipe)
+        read_wall = time.time()
         read, results = await self._execute_read(pipe)
         server_raw = results[len(results) - n:]
         results = results[: len(results) - n]
@@ -326,12 +327,17 @@ class Router(ServiceProcess):
         # before it, so they never refuse each other (under load they did, three times in
         # four); a snapshot read again is read under the lock, so only another replica's
         # placement (or one this router has forgotten, from a snapshot that waited over
-        # IN_FLIGHT_MAX_WALL_S) refuses it
+        # IN_FLIGHT_MAX_WALL_S) refuses it; a first snapshot that old is read again before
+        # ranking (past saturation nearly every call waited that long, and its write was refused)
         attempt, raw = 0, server_raw
         ranked: list[Any] = []
         async with self._placing:
             for attempt in range(1, PLACEMENT_ATTEMPTS + 1):
-                if attempt > 1:
+                reread = attempt > 1
+                if not reread and time.time() - read_wall >= IN_FLIGHT_MAX_WALL_S:
+                    self.in_flight.end_read(read)  # (that snapshot is never ranked on)
+                    reread = True
+                if reread:
                     pipe = self.redis.pipeline(transaction=False)
                     self._queue_server_reads(pipe)  # the only reads in this pipeline: no count needed
                     read, raw = await self._execute_read(pipe)
