@@ -331,30 +331,33 @@ class Router(ServiceProcess):
         # ranking (past saturation nearly every call waited that long, and its write was refused)
         attempt, raw = 0, server_raw
         ranked: list[Any] = []
-        async with self._placing:
-            for attempt in range(1, PLACEMENT_ATTEMPTS + 1):
-                reread = attempt > 1
-                if not reread and time.time() - read_wall >= IN_FLIGHT_MAX_WALL_S:
-                    self.in_flight.end_read(read)  # (that snapshot is never ranked on)
-                    reread = True
-                if reread:
-                    pipe = self.redis.pipeline(transaction=False)
-                    self._queue_server_reads(pipe)  # the only reads in this pipeline: no count needed
-                    read, raw = await self._execute_read(pipe)
-                seq, views, counted = self._server_views(raw, read, kv, reserved_on)
-                # placed now (its age is the in-flight entry's: one that waited for the lock is not stale)
-                placement = InFlight(req.call_id, req.model, req.prompt_tokens, time.time())
-                ranked = rank(req.model, views, self.settings.policy, session_id=req.session_id,
-                              call_id=req.call_id, prompt_tokens=req.prompt_tokens, prefix_tokens=req.prefix_tokens)
-                if pinned is not None:
-                    ranked = [c for c in ranked if c.server_id == pinned]
-                    if ranked:
-                        await self.mark_in_flight(pinned, placement)
-                    break
-                last = attempt == PLACEMENT_ATTEMPTS
-                if not ranked or await self.mark_in_flight(ranked[0].server_id, placement,
-                                                           expect_seq=None if last else seq, counted=counted):
-                    break
+        try:
+            async with self._placing:
+                for attempt in range(1, PLACEMENT_ATTEMPTS + 1):
+                    reread = attempt > 1
+                    if not reread and time.time() - read_wall >= IN_FLIGHT_MAX_WALL_S:
+                        self.in_flight.end_read(read)  # (that snapshot is never ranked on)
+                        reread = True
+                    if reread:
+                        pipe = self.redis.pipeline(transaction=False)
+                        self._queue_server_reads(pipe)  # the only reads in this pipeline: no count needed
+                        read, raw = await self._execute_read(pipe)
+                    seq, views, counted = self._server_views(raw, read, kv, reserved_on)
+                    # placed now (its age is the in-flight entry's: one that waited for the lock is not stale)
+                    placement = InFlight(req.call_id, req.model, req.prompt_tokens, time.time())
+                    ranked = rank(req.model, views, self.settings.policy, session_id=req.session_id,
+                                  call_id=req.call_id, prompt_tokens=req.prompt_tokens, prefix_tokens=req.prefix_tokens)
+                    if pinned is not None:
+                        ranked = [c for c in ranked if c.server_id == pinned]
+                        if ranked:
+                            await self.mark_in_flight(pinned, placement)
+                        break
+                    last = attempt == PLACEMENT_ATTEMPTS
+                    if not ranked or await self.mark_in_flight(ranked[0].server_id, placement,
+                                                               expect_seq=None if last else seq, counted=counted):
+                        break
+        finally:  # (a call cancelled while it waited for the lock leaves no snapshot open)
+            self.in_flight.end_read(read)
         self.log.info("router.placed", model=req.model, at=round(now, 3), attempts=attempt,
                       candidates=[{"server": c.server_id, "score": round(c.score, 3), "residency": c.residency,
                                    "kv": c.kv, "pressure": round(c.pressure, 2), "contention": c.contention}
