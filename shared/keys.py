@@ -67,6 +67,13 @@ class Keys:
         so two replicas never place on the same stale snapshot."""
         return f"{self.prefix}{PLACEMENT_SLOT}placements"
 
+    def placement_log(self) -> str:
+        """List: who made each of the most recent placements (router instance and call id),
+        pushed by the same compare-and-set that advances `placements`. A replica's placement
+        still lands when every placement since its snapshot is one its ranking already
+        counted (its own), so a router's concurrent calls never make each other read again."""
+        return f"{self.prefix}{PLACEMENT_SLOT}placement-log"
+
     def in_flight(self, server_id: str) -> str:
         """Hash: call id -> "model|prompt_tokens|placed_at" (wall seconds), every call
         a router replica placed on the server and the server's mirror does not count

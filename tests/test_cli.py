@@ -207,3 +207,6 @@ def test_bench_control_plane_prints_a_row_per_rate_with_cpu_by_kind(tmp_path: Pa
     assert rows[0]["served_per_s"] > 5 and rows[0]["added_ms_p50"] > 0
     assert {"router", "admission", "substrate", "engine", "nats", "redis", "client"} <= set(rows[0]["cpu_ms_per_call"])
     assert rows[0]["stack_cpu_ms_per_call"] > 0
+    # the hops: messages into NATS and Redis commands per call, and which commands
+    assert rows[0]["nats_msgs_per_call"] > 1 and rows[0]["redis_cmds_per_call"] > 1
+    assert rows[0]["redis_by_command_per_call"].get("evalsha", 0) > 0  # (the placement's compare-and-set)

@@ -250,3 +250,21 @@ def test_two_calls_closer_than_the_mirror_do_not_both_take_the_idle_server() -> 
     assert rank(M, [seen, busy], TALARIA)[0].server_id == "s0"
     assert rank(OTHER, [seen, busy], TALARIA)[0].server_id == "s1"
     assert with_in_flight(idle, []) is idle
+
+
+def test_an_older_snapshot_still_counts_a_placement_a_newer_one_found_counted() -> None:
+    """Snapshots can come back out of order: one begun earlier, ranked on later, has a
+    mirror that may not count a placement a newer snapshot's mirror already does."""
+    inf = InFlightPlacements(max_age=2.0)
+    a = InFlight("c1", M, 1_000, 0.0)
+    inf.placed("s0", a)
+    assert inf.unsettled(inf.reads + 1) == ["c1"]  # being written: any snapshot may miss it
+    older = inf.begin_read()
+    inf.written("c1")
+    newer = inf.begin_read()
+    assert inf.unsettled(older) == ["c1"] and inf.unsettled(newer) == []
+    assert inf.pending("s0", {}, newer, now=0.001) == []  # gone from the hash: counted there
+    inf.end_read(newer)
+    assert inf.pending("s0", {}, older, now=0.002) == [a]  # not in that snapshot's mirror
+    inf.end_read(older)
+    assert inf.own["s0"] == {} and not inf.counted_at_read and not inf.written_at_read

@@ -345,8 +345,10 @@ async def test_router_replicas_never_place_on_the_same_snapshot(redis_client: ai
     place = redis_client.register_script(PLACE_SCRIPT)
     first, second = InFlight("c1", MODEL_A, 1_000, time.time()), InFlight("c2", MODEL_A, 2_000, time.time())
 
-    async def land(call: InFlight, seq: str) -> int:
-        return int(await place(keys=[keys.placements(), keys.in_flight(SERVER)], args=[seq, call.call_id, call.encode(), 60]))
+    async def land(call: InFlight, seq: str, router: str = "router-0", counted: tuple[str, ...] = ()) -> int:
+        return int(await place(keys=[keys.placements(), keys.in_flight(SERVER), keys.placement_log()],
+                               args=[seq, call.call_id, call.encode(), 60, f"{router} {call.call_id}",
+                                     *(f"{router} {c}" for c in counted)]))
 
     seq = (await redis_client.get(keys.placements()) or b"0").decode()
     assert sorted(await asyncio.gather(land(first, seq), land(second, seq))) == [0, 1]
@@ -365,6 +367,15 @@ async def test_router_replicas_never_place_on_the_same_snapshot(redis_client: ai
     assert await land(third, "") == 1
     assert (await redis_client.get(keys.placements())) == b"3"
     assert await redis_client.ttl(keys.in_flight(SERVER)) > 0
+    # placements since the snapshot that the ranking counted (the router's own) do not refuse
+    # it; one it did not count (another replica's, or its own it did not know of) does
+    own, other = InFlight("c4", MODEL_A, 10, time.time()), InFlight("c5", MODEL_A, 10, time.time())
+    assert await land(own, "3") == 1
+    assert await land(InFlight("c6", MODEL_A, 10, time.time()), "3", counted=("c4",)) == 1
+    assert await land(other, "5", router="router-1") == 1
+    assert await land(InFlight("c7", MODEL_A, 10, time.time()), "3", counted=("c4", "c6")) == 0
+    assert await land(InFlight("c8", MODEL_A, 10, time.time()), "5", counted=("c4", "c6")) == 0
+    assert await land(InFlight("c9", MODEL_A, 10, time.time()), "6") == 1
 
 
 async def test_bad_input_gets_typed_error_and_never_crashes(stack: Services, nc: NATS) -> None:

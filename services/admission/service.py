@@ -284,9 +284,10 @@ class AdmissionService(ServiceProcess):
 
     async def _finished(self, call_id: str, session_id: str, context_tokens: int, finished_at: float | None) -> None:
         if self.payloads.pop(call_id, None) is not None:
-            self.persist_dirty.set()
             # not awaited: a restarting Redis must not hold up the finishes behind this one (an
-            # entry left behind is dropped by a recovering admission, whose call record says answered)
+            # entry left behind is dropped by a recovering admission, whose call record says answered,
+            # or by the persister's check within a second; not woken for it: its HKEYS per finish
+            # was one Redis round trip a call)
             self.spawn(self.redis.hdel(self.keys.admission_calls(self.settings.server_id), call_id), "unpersist")
         self._forget_dispatch(call_id)
         self.last_seen[session_id] = self.clock.now()

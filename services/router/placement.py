@@ -102,7 +102,9 @@ class InFlightPlacements:
     mirror write that counts the call), and this router's own placements,
     which it knows before its write of them has reached Redis. An own placement
     is dropped once a read that began after its write finds it gone from the
-    hash: the mirror counts it. Entries older than `max_age` go either way (a
+    hash: the mirror counts it (for that read and later ones at once; the entry
+    itself stays while an earlier read is still open, since that read's mirror
+    may not count it, and a ranking on it must). Entries older than `max_age` go either way (a
     router that died between its write and its forward, an admission that
     restarted). The reader fetches the hash before the mirror, so a call is
     counted twice for a moment at worst, never missed."""
@@ -111,11 +113,30 @@ class InFlightPlacements:
     own: dict[str, dict[str, InFlight]] = dataclasses.field(default_factory=dict)
     written_at_read: dict[str, int] = dataclasses.field(default_factory=dict)  # call id -> reads begun when its write landed
     reads: int = 0
+    counted_at_read: dict[str, int] = dataclasses.field(default_factory=dict)  # call id -> first read whose mirror counts it
+    open_reads: set[int] = dataclasses.field(default_factory=set)  # snapshots begun and not yet ranked on
 
     def begin_read(self) -> int:
         """A snapshot of the shared hashes is about to be fetched: its number."""
         self.reads += 1
+        self.open_reads.add(self.reads)
         return self.reads
+
+    def end_read(self, read: int) -> None:
+        """Snapshot `read` is ranked on (or failed): own placements counted by a read
+        no open snapshot precedes are dropped."""
+        self.open_reads.discard(read)
+        oldest = min(self.open_reads, default=self.reads + 1)
+        done = [cid for cid, at in self.counted_at_read.items() if at <= oldest]
+        for calls in self.own.values():
+            for cid in done:
+                calls.pop(cid, None)
+        for cid in done:
+            self._forget(cid)
+
+    def _forget(self, call_id: str) -> None:
+        self.written_at_read.pop(call_id, None)
+        self.counted_at_read.pop(call_id, None)
 
     def placed(self, server_id: str, call: InFlight) -> None:
         self.own.setdefault(server_id, {})[call.call_id] = call
@@ -124,22 +145,31 @@ class InFlightPlacements:
         """Its entry is in the shared hash: every read begun from now on sees it or its deletion."""
         self.written_at_read[call_id] = self.reads
 
+    def unsettled(self, read: int) -> list[str]:
+        """This router's placements that a snapshot `read` may not hold: still being
+        written, or written after that read began (the ranking counts them all)."""
+        return [cid for calls in self.own.values() for cid in calls
+                if (landed := self.written_at_read.get(cid)) is None or landed >= read]
+
     def unplaced(self, server_id: str, call_id: str) -> None:
         """The server refused it, or did not answer: it will never show."""
         self.own.get(server_id, {}).pop(call_id, None)
-        self.written_at_read.pop(call_id, None)
+        self._forget(call_id)
 
     def pending(self, server_id: str, shared: dict[str, InFlight], read: int, now: float) -> list[InFlight]:
         """The server's uncounted calls, given the shared hash as read by snapshot `read`."""
         out = {cid: c for cid, c in shared.items() if now - c.placed_at < self.max_age}
         mine = self.own.get(server_id, {})
         for cid, c in list(mine.items()):
-            landed = self.written_at_read.get(cid)
-            counted = landed is not None and read > landed and cid not in shared
-            if counted or now - c.placed_at >= self.max_age:
+            if now - c.placed_at >= self.max_age:
                 del mine[cid]
-                self.written_at_read.pop(cid, None)
+                self._forget(cid)
                 continue
+            landed = self.written_at_read.get(cid)
+            if landed is not None and read > landed and cid not in shared:
+                self.counted_at_read[cid] = min(read, self.counted_at_read.get(cid, read))
+            if read >= self.counted_at_read.get(cid, read + 1):
+                continue  # this snapshot's mirror counts it
             out.setdefault(cid, c)
         return list(out.values())
 

@@ -12,7 +12,9 @@ and forwards the call to the chosen server's admission.
 
 from __future__ import annotations
 
+import asyncio
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
@@ -41,13 +43,28 @@ from shared.schema import (
 SUBMIT_TIMEOUT_WALL_S = 1.5
 NO_CAPACITY_RETRY_AFTER_S = 1.0  # wall seconds an agent should wait before asking again
 PLACEMENT_ATTEMPTS = 4  # snapshots a placement may take when other replicas keep placing; the last one lands anyway
-# KEYS: the placement sequence, the chosen server's in-flight hash; ARGV: the sequence
-# the ranking read ('' = unconditionally), call id, InFlight value, TTL. Writes the
-# placement only if no replica placed a call since that read; every write advances it.
+# KEYS: the placement sequence, the chosen server's in-flight hash, the placement log;
+# ARGV: the sequence the ranking read ('' = unconditionally), call id, InFlight value,
+# TTL, this placement's token, then the tokens of this router's placements the ranking
+# counted but its snapshot may not hold. Writes the placement only if every placement
+# since that read is one of those (no other replica's: its calls would be uncounted);
+# every write advances the sequence and logs its token.
+PLACEMENT_LOG_LEN = 256  # placements the log keeps: a snapshot older than that reads again
 PLACE_SCRIPT = (
-    "if ARGV[1] ~= '' and (redis.call('GET', KEYS[1]) or '0') ~= ARGV[1] then return 0 end "
-    "redis.call('INCR', KEYS[1]) redis.call('HSET', KEYS[2], ARGV[2], ARGV[3]) "
-    "redis.call('EXPIRE', KEYS[2], ARGV[4]) return 1")
+    "local cur = tonumber(redis.call('GET', KEYS[1]) or '0') "
+    "if ARGV[1] ~= '' then "
+    "  local n = cur - tonumber(ARGV[1]) "
+    "  if n < 0 or n > #ARGV - 5 then return 0 end "
+    "  if n > 0 then "
+    "    local own = {} for i = 6, #ARGV do own[ARGV[i]] = true end "
+    "    local log = redis.call('LRANGE', KEYS[3], -n, -1) "
+    "    if #log < n then return 0 end "
+    "    for _, t in ipairs(log) do if not own[t] then return 0 end end "
+    "  end "
+    "end "
+    "redis.call('INCR', KEYS[1]) redis.call('RPUSH', KEYS[3], ARGV[5]) "
+    f"redis.call('LTRIM', KEYS[3], -{PLACEMENT_LOG_LEN}, -1) "
+    "redis.call('HSET', KEYS[2], ARGV[2], ARGV[3]) redis.call('EXPIRE', KEYS[2], ARGV[4]) return 1")
 IN_FLIGHT_MAX_WALL_S = 2.0  # forget an in-flight placement the mirror never counted (e.g. admission restarted)
 ENGINE_LIMITS_TTL_WALL_S = 5.0  # how long the engines' reported context limits are reused
 
@@ -61,6 +78,7 @@ class Router(ServiceProcess):
         self.served = set(self.settings.models)
         # calls placed on each server that its mirror may not count yet (shared and own)
         self.in_flight = InFlightPlacements(max_age=IN_FLIGHT_MAX_WALL_S)
+        self._placing = asyncio.Lock()  # this router's placements, one at a time (_place_and_submit)
         self._place_script = self.redis.register_script(PLACE_SCRIPT)
         self._engine_limits: tuple[float, dict[str, int]] = (float("-inf"), {})
         # every agent-facing namespace's store of prompts sent by reference (the router creates them)
@@ -296,35 +314,50 @@ class Router(ServiceProcess):
         # every server's mirrored state in the same round trip: fewer hops, less
         # wall latency, which a scaled clock multiplies
         n = self._queue_server_reads(pipe)
-        read = self.in_flight.begin_read()
-        results = await pipe.execute()
+        read_wall = time.time()
+        read, results = await self._execute_read(pipe)
         server_raw = results[len(results) - n:]
         results = results[: len(results) - n]
         gaps_raw, outputs_raw, kv_raw, resv_raw = results[-5], results[-4], results[-3], results[-2]
         reserved_on = resv_raw.decode().split("|", 1)[0] if resv_raw else None
         kv = {k.decode(): v.decode() for k, v in kv_raw.items()}
-        seq, views = self._server_views(server_raw, read, kv, reserved_on)
         # optimistic concurrency between router replicas: the placement lands only if
-        # no replica placed a call since this snapshot; else read again and rank again
-        placement = InFlight(req.call_id, req.model, req.prompt_tokens, time.time())
-        attempt = 0
-        for attempt in range(1, PLACEMENT_ATTEMPTS + 1):
-            if pinned is not None:
-                ranked = [c for c in rank(req.model, views, self.settings.policy, session_id=req.session_id,
-                                          call_id=req.call_id, prompt_tokens=req.prompt_tokens,
-                                          prefix_tokens=req.prefix_tokens) if c.server_id == pinned]
-                if ranked:
-                    await self.mark_in_flight(pinned, placement)
-                break
-            ranked = rank(req.model, views, self.settings.policy, session_id=req.session_id, call_id=req.call_id,
-                          prompt_tokens=req.prompt_tokens, prefix_tokens=req.prefix_tokens)
-            if not ranked or await self.mark_in_flight(ranked[0].server_id, placement,
-                                                       expect_seq=seq if attempt < PLACEMENT_ATTEMPTS else None):
-                break
-            pipe = self.redis.pipeline(transaction=False)
-            self._queue_server_reads(pipe)  # the only reads in this pipeline: no count needed
-            read = self.in_flight.begin_read()
-            seq, views = self._server_views(await pipe.execute(), read, kv, reserved_on)
+        # no other replica placed a call since this snapshot; else read again and rank again.
+        # This router's own placements go one at a time, each ranked knowing every one
+        # before it, so they never refuse each other (under load they did, three times in
+        # four); a snapshot read again is read under the lock, so only another replica's
+        # placement (or one this router has forgotten, from a snapshot that waited over
+        # IN_FLIGHT_MAX_WALL_S) refuses it; a first snapshot that old is read again before
+        # ranking (past saturation nearly every call waited that long, and its write was refused)
+        attempt, raw = 0, server_raw
+        ranked: list[Any] = []
+        try:
+            async with self._placing:
+                for attempt in range(1, PLACEMENT_ATTEMPTS + 1):
+                    reread = attempt > 1
+                    if not reread and time.time() - read_wall >= IN_FLIGHT_MAX_WALL_S:
+                        self.in_flight.end_read(read)  # (that snapshot is never ranked on)
+                        reread = True
+                    if reread:
+                        pipe = self.redis.pipeline(transaction=False)
+                        self._queue_server_reads(pipe)  # the only reads in this pipeline: no count needed
+                        read, raw = await self._execute_read(pipe)
+                    seq, views, counted = self._server_views(raw, read, kv, reserved_on)
+                    # placed now (its age is the in-flight entry's: one that waited for the lock is not stale)
+                    placement = InFlight(req.call_id, req.model, req.prompt_tokens, time.time())
+                    ranked = rank(req.model, views, self.settings.policy, session_id=req.session_id,
+                                  call_id=req.call_id, prompt_tokens=req.prompt_tokens, prefix_tokens=req.prefix_tokens)
+                    if pinned is not None:
+                        ranked = [c for c in ranked if c.server_id == pinned]
+                        if ranked:
+                            await self.mark_in_flight(pinned, placement)
+                        break
+                    last = attempt == PLACEMENT_ATTEMPTS
+                    if not ranked or await self.mark_in_flight(ranked[0].server_id, placement,
+                                                               expect_seq=None if last else seq, counted=counted):
+                        break
+        finally:  # (a call cancelled while it waited for the lock leaves no snapshot open)
+            self.in_flight.end_read(read)
         self.log.info("router.placed", model=req.model, at=round(now, 3), attempts=attempt,
                       candidates=[{"server": c.server_id, "score": round(c.score, 3), "residency": c.residency,
                                    "kv": c.kv, "pressure": round(c.pressure, 2), "contention": c.contention}
@@ -389,9 +422,20 @@ class Router(ServiceProcess):
             pipe.hgetall(self.keys.server(server_id))
         return 1 + 2 * len(self.settings.servers)
 
+    async def _execute_read(self, pipe: Any) -> tuple[int, list[Any]]:
+        """Run a pipeline that holds a servers snapshot: its read number and results
+        (`_server_views` closes the read; a failed one is closed here)."""
+        read = self.in_flight.begin_read()
+        try:
+            return read, await pipe.execute()
+        except BaseException:
+            self.in_flight.end_read(read)
+            raise
+
     def _server_views(self, raw: list[Any], read: int, kv: dict[str, str],
-                      reserved_on: str | None) -> tuple[str, list[ServerView]]:
-        """The placement sequence and every server's view, uncounted placements included."""
+                      reserved_on: str | None) -> tuple[str, list[ServerView], list[str]]:
+        """The placement sequence, every server's view (uncounted placements included) and
+        this router's placements the views count that the snapshot may not hold."""
         seq = raw[0].decode() if raw[0] is not None else "0"
         views = []
         wall = time.time()
@@ -407,25 +451,37 @@ class Router(ServiceProcess):
             view = server_view(server_id, models, load, mirror.substrate.staged,
                                kv.get(server_id, "none"), reserved_on)  # type: ignore[arg-type]
             views.append(with_in_flight(view, self.in_flight.pending(server_id, shared, read, wall)))
-        return seq, views
+        counted = self.in_flight.unsettled(read)  # (before the read closes: it may drop some)
+        self.in_flight.end_read(read)
+        return seq, views, counted
 
-    async def mark_in_flight(self, server_id: str, call: InFlight, expect_seq: str | None = None) -> bool:
+    async def mark_in_flight(self, server_id: str, call: InFlight, expect_seq: str | None = None,
+                             counted: Sequence[str] = ()) -> bool:
         """Count the call on the server, for this router at once and, before it is
         forwarded (so admission's deletion always comes after), for every replica.
-        With `expect_seq`, only if no replica placed a call since the snapshot that
-        read that sequence (False: read again). Redis down: counted here only."""
+        With `expect_seq`, only if no other replica placed a call since the snapshot
+        that read that sequence (`counted`: this router's placements its ranking
+        counted, which may be in the log since; False: read again). Counted here
+        before the write, so the rankings of this router's other calls meanwhile
+        count it. Redis down: counted here only."""
+        self.in_flight.placed(server_id, call)
         try:
-            landed = await self._place_script(keys=[self.keys.placements(), self.keys.in_flight(server_id)],
-                                              args=[expect_seq or "", call.call_id, call.encode(), CALL_TTL_S])
+            landed = await self._place_script(
+                keys=[self.keys.placements(), self.keys.in_flight(server_id), self.keys.placement_log()],
+                args=[expect_seq or "", call.call_id, call.encode(), CALL_TTL_S, self._token(call.call_id),
+                      *(self._token(c) for c in counted)])
         except Exception as exc:  # the other replicas miss it for a moment; this one still counts it
             self.log.warning("router.in_flight_write_failed", server_id=server_id, error=str(exc))
-            self.in_flight.placed(server_id, call)
             return True
         if not landed:
+            self.in_flight.unplaced(server_id, call.call_id)
             return False
-        self.in_flight.placed(server_id, call)
         self.in_flight.written(call.call_id)
         return True
+
+    def _token(self, call_id: str) -> str:
+        """A placement's entry in the shared log: this replica's and the call's."""
+        return f"{self.instance} {call_id}"
 
     async def unmark_in_flight(self, server_id: str, call_id: str) -> None:
         """The server did not take it: it will never be counted there."""

@@ -33,6 +33,7 @@ import uuid
 from pathlib import Path
 
 from talaria.argtypes import positive_float, positive_float_list, positive_int
+from shared.net import LOOPBACK
 from talaria.lab.gateway_bench import _pct
 
 MODEL = "glm-4.5-air-fp8"
@@ -105,6 +106,23 @@ def top_frames(path: Path, n: int = 8) -> list[tuple[str, float]]:
     return [(f, c / total) for f, c in ranked][:n] if total else []
 
 
+def bus_counts(stack: object) -> dict[str, float]:
+    """Messages into every NATS node (its /varz) and commands Redis ran (INFO): per call, the hops."""
+    import urllib.request
+
+    import redis
+
+    out = {"nats_msgs": 0.0, "redis_cmds": 0.0}
+    for node in stack.nats_nodes:  # type: ignore[attr-defined]
+        with urllib.request.urlopen(f"http://{LOOPBACK}:{node.http_port}/varz", timeout=5) as r:
+            out["nats_msgs"] += json.load(r)["in_msgs"]
+    with redis.Redis.from_url(stack.redis_url) as r:  # type: ignore[attr-defined]
+        out["redis_cmds"] = float(r.info("stats")["total_commands_processed"])
+        for name, st in r.info("commandstats").items():  # each command's own count (the JSON's)
+            out[f"redis_{name.removeprefix('cmdstat_')}"] = float(st["calls"])
+    return out
+
+
 def cpu_by_kind(kinds: dict[str, list[int]]) -> dict[str, float]:
     out = {k: sum(cpu_seconds(p) for p in pids) for k, pids in kinds.items()}
     out["client"] = sum(os.times()[:2])  # this process: the agents (and the stack's supervision)
@@ -159,11 +177,11 @@ async def bench(rates: list[float], duration_s: float, servers: int, routers: in
             kinds = process_kinds(stack)
             for rate in rates:
                 spies = start_profilers(stack, profile / f"{servers}s-{routers}r-{rate:g}", duration_s) if profile else []
-                before = cpu_by_kind(kinds)
+                before, hops_before = cpu_by_kind(kinds), bus_counts(stack)
                 t0 = time.monotonic()
                 served, added, failed = await drive(sessions, rate, duration_s, time_scale)
                 wall = time.monotonic() - t0
-                after = cpu_by_kind(kinds)
+                after, hops_after = cpu_by_kind(kinds), bus_counts(stack)
                 per_call = {k: (after[k] - before[k]) * 1000 / max(1, served) for k in after}
                 stack_ms = sum(v for k, v in per_call.items() if k != "client")
                 row: dict[str, object] = {
@@ -174,6 +192,12 @@ async def bench(rates: list[float], duration_s: float, servers: int, routers: in
                     "added_ms_p99": _pct(added, 0.99) if added else float("nan"),
                     "cpu_ms_per_call": {k: round(v, 3) for k, v in sorted(per_call.items())},
                     "stack_cpu_ms_per_call": stack_ms,
+                    **{f"{k}_per_call": (hops_after[k] - hops_before.get(k, 0.0)) / max(1, served)
+                       for k in ("nats_msgs", "redis_cmds")},
+                    "redis_by_command_per_call": {
+                        k.removeprefix("redis_"): round((v - hops_before.get(k, 0.0)) / max(1, served), 2)
+                        for k, v in sorted(hops_after.items(), key=lambda kv: -kv[1])
+                        if k.startswith("redis_") and k != "redis_cmds" and v > hops_before.get(k, 0.0)},
                 }
                 rows.append(row)
                 print(format_row(row), flush=True)
@@ -188,7 +212,7 @@ async def bench(rates: list[float], duration_s: float, servers: int, routers: in
 
 
 HEADER = (f"{'servers':>7} {'routers':>7} {'asked/s':>8} {'served/s':>8} {'p50 ms':>7} {'p90 ms':>7} {'p99 ms':>7} "
-          f"{'stack CPU ms/call':>17}  by kind (ms/call; client apart)")
+          f"{'stack CPU ms/call':>17} {'NATS msg/call':>13} {'Redis cmd/call':>14}  by kind (ms/call; client apart)")
 
 
 def format_row(r: dict[str, object]) -> str:
@@ -197,7 +221,7 @@ def format_row(r: dict[str, object]) -> str:
     by = " ".join(f"{k} {v:.2f}" for k, v in kinds.items())
     return (f"{r['servers']:>7} {r['routers']:>7} {r['rate_asked']:>8g} {r['served_per_s']:>8.1f} "
             f"{r['added_ms_p50']:>7.2f} {r['added_ms_p90']:>7.2f} {r['added_ms_p99']:>7.2f} "
-            f"{r['stack_cpu_ms_per_call']:>17.2f}  {by}" + (f"  ({r['failed']} failed)" if r["failed"] else ""))
+            f"{r['stack_cpu_ms_per_call']:>17.2f} {r['nats_msgs_per_call']:>13.1f} {r['redis_cmds_per_call']:>14.1f}  {by}" + (f"  ({r['failed']} failed)" if r["failed"] else ""))
 
 
 def run(a: argparse.Namespace) -> int:
