@@ -143,8 +143,11 @@ async def test_the_container_watchdog_kills_a_stopped_service_and_exits(
            "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
     err = tmp_path / "watchdog.err"
     with open(err, "wb") as f:
+        # a short grace to judge the stop quickly, but the start-up its imports take (1.4 s with
+        # redis-py 8's imports; the grace alone once killed it before it first answered)
         dog = subprocess.Popen([sys.executable, "-m", "talaria.ops.watchdog", "--service", "substrate", "--grace", "0.5",
-                                "--", sys.executable, "-m", "services.substrate"], env=env, stderr=f, stdout=f)
+                                "--startup-s", "30", "--", sys.executable, "-m", "services.substrate"],
+                               env=env, stderr=f, stdout=f)
     child_pid = None
     try:
         nc = await nats.connect(nats_server.url)

@@ -50,10 +50,12 @@ def note(event: str, **fields: object) -> None:
 
 
 class Watchdog:
-    def __init__(self, argv: list[str], service: str, grace_s: float, misses: int = LIVENESS_MISSES) -> None:
+    def __init__(self, argv: list[str], service: str, grace_s: float, misses: int = LIVENESS_MISSES,
+                 startup_s: float | None = None) -> None:
         self.argv = argv
         self.service = service
         self.grace_s = grace_s
+        self.startup_s = grace_s if startup_s is None else startup_s
         self.misses = misses
         self.settings = service_settings()
         self.child: subprocess.Popen[bytes] | None = None
@@ -95,7 +97,7 @@ class Watchdog:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.forward, sig)
         child = self.start()
-        watch = LivenessWatch(misses=self.misses, grace_s=self.grace_s, startup_s=self.grace_s)
+        watch = LivenessWatch(misses=self.misses, grace_s=self.grace_s, startup_s=self.startup_s)
         name = self.service
         watch.started(name, time.monotonic())
         nc = None
@@ -146,6 +148,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--service", choices=SERVICES, required=True, help="the service kind (its health endpoint)")
     p.add_argument("--grace", type=positive_float, default=DEFAULT_GRACE_S,
                    help=f"seconds after the start before a hang is judged (default {DEFAULT_GRACE_S:g})")
+    p.add_argument("--startup-s", type=positive_float, default=None,
+                   help="seconds a service that has never answered may take to start (its imports and set-up; "
+                        "default: the grace)")
     p.add_argument("--misses", type=positive_int, default=LIVENESS_MISSES,
                    help=f"health rounds ({LIVENESS_INTERVAL_S:g} s apart, {LIVENESS_TIMEOUT_S:g}-s pings) missed in a row "
                         f"before a kill (default {LIVENESS_MISSES}); an engine whose loop blocks for seconds needs more")
@@ -154,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     if not command:
         p.error("no command after --")
     try:
-        dog = Watchdog(command, a.service, a.grace, a.misses)
+        dog = Watchdog(command, a.service, a.grace, a.misses, a.startup_s)
         if a.service != "gateway":
             instance_name(a.service)  # (the settings name the instance, or say why not, before we start)
     except ValueError as exc:
