@@ -33,15 +33,19 @@ class GatewaySession:
         self.session_id = session_id
         self.context_limit = context_limit
         self.messages: list[dict[str, Any]] = []
+        self.tokens = 0  # the conversation's stand-in count (each message's depends on it alone)
+
+    def _append(self, role: str, content: str) -> None:
+        self.messages.append({"role": role, "content": content})
+        self.tokens += tr.chat_prompt(self.messages[-1:]).tokens
 
     def _grow_to(self, prompt_tokens: int, label: str) -> None:
         """Append a user message so the conversation counts `prompt_tokens` (or as close as the
         message framing allows); a prompt smaller than what is there starts anew (compaction)."""
-        have = tr.chat_prompt(self.messages).tokens if self.messages else 0
-        if prompt_tokens < have + tr.MESSAGE_FRAME_TOKENS + 1:
-            self.messages, have = [], 0
-        size = 4 * max(1, prompt_tokens - have - tr.MESSAGE_FRAME_TOKENS)
-        self.messages.append({"role": "user", "content": (label + " " + "tool output " * (size // 12 + 1))[:size]})
+        if prompt_tokens < self.tokens + tr.MESSAGE_FRAME_TOKENS + 1:
+            self.messages, self.tokens = [], 0
+        size = 4 * max(1, prompt_tokens - self.tokens - tr.MESSAGE_FRAME_TOKENS)
+        self._append("user", (label + " " + "tool output " * (size // 12 + 1))[:size])
 
     async def call(self, *, prompt_tokens: int, prefix_tokens: int, max_tokens: int, call_id: str,
                    sim_output_tokens: int | None = None) -> CallReply:
@@ -56,7 +60,7 @@ class GatewaySession:
             err = answer.get("error", {}) if isinstance(answer, dict) else {}
             raise TalariaError(str(err.get("code") or err.get("type") or r.status), str(err.get("message") or answer))
         text = answer["choices"][0]["message"].get("content") or ""
-        self.messages.append({"role": "assistant", "content": text})
+        self._append("assistant", text)
         usage = answer["usage"]
         return CallReply(
             call_id=call_id, session_id=self.session_id,

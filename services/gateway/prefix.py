@@ -24,6 +24,7 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 BLOCK_TOKENS = 16        # tokens a block (vLLM's default KV block size)
 HASH_BYTES = 8           # bytes of each block's chained hash
@@ -107,7 +108,7 @@ class ChainCache:
             chain = _hash_blocks(data, 0, CHAIN_ROOT)
         else:
             old, old_chain = hit
-            k = _equal_blocks(old, data, step, len(old_chain))
+            k = equal_units(old, data, step, len(old_chain))
             chain = old_chain[:k] + _hash_blocks(data, k * step, old_chain[k - 1] if k else CHAIN_ROOT)
         self._put(key, data, chain)
         return chain
@@ -125,8 +126,10 @@ class ChainCache:
             self._bytes -= len(gone)
 
 
-def _equal_blocks(a: bytes, b: bytes, step: int, most: int) -> int:
-    """How many leading blocks of `step` bytes `a` and `b` share (at most `most`)."""
+def equal_units(a: Sequence[Any], b: Sequence[Any], step: int = 1, most: int | None = None) -> int:
+    """How many leading units of `step` elements `a` and `b` share (at most `most`): bytes
+    in blocks, or a string's characters. A binary search over equal slices, each one memcmp."""
+    most = len(a) + len(b) if most is None else most
     hi = min(most, len(a) // step, len(b) // step)
     if a[:hi * step] == b[:hi * step]:
         return hi

@@ -280,7 +280,7 @@ class Gateway:
         except Exception as exc:  # noqa: BLE001 - the template's own refusal (raise_exception), named for the agent
             raise HttpError("malformed", f"the model's chat template refused the conversation: {exc}"[:500],
                             "messages") from None
-        return tr.tokenized_prompt(text, ids, tok)
+        return Prompt(text, ids, chat=True, tokenizer=tok)
 
     async def _text_prompt(self, tenant: str, model: str, body: dict[str, Any]) -> Prompt:
         try:

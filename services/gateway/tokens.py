@@ -31,6 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from services.gateway.prefix import equal_units
+
 ENTRIES_PER_KEY = 4        # kept texts sharing one opening (sessions with one system prompt)
 KEY_CHARS = 256            # the opening a kept text is found by
 
@@ -63,22 +65,6 @@ class _Kept:
     ids: array           # token ids ("I")
     ends: array          # each token's end, in characters of `text` ("L")
     boundaries: list[int]  # indices of the added tokens in `ids`, ascending
-
-
-def common_prefix_chars(a: str, b: str) -> int:
-    """How many leading characters two strings share (binary search over equal slices:
-    each comparison is a memcmp, so a 400 KB text costs a few dozen of them)."""
-    hi = min(len(a), len(b))
-    if a[:hi] == b[:hi]:
-        return hi
-    lo = 0  # a[:lo] == b[:lo]; a[:hi] != b[:hi]
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid
-    return lo
 
 
 class IncrementalEncoder:
@@ -127,7 +113,7 @@ class IncrementalEncoder:
         """(character, token index) to encode from: the start of the last added token that
         lies wholly inside the common prefix of `k.text` and `text`, (0, 0) if none; and
         whether `text` begins with all of `k.text` (the same conversation, continued)."""
-        same = common_prefix_chars(k.text, text)
+        same = equal_units(k.text, text)  # (characters)
         whole = same == len(k.text)
         if whole and same == len(text):
             return same, len(k.ids), True
@@ -216,9 +202,6 @@ class Tokenizers:
     def __init__(self, spec: str) -> None:
         self.folders = parse_model_map(spec, "TALARIA_GATEWAY_TOKENIZERS")
         self._loaded: dict[str, ChatTokenizer] = {}
-
-    def __bool__(self) -> bool:
-        return bool(self.folders)
 
     def load_all(self) -> None:
         for folder in set(self.folders.values()):

@@ -359,11 +359,6 @@ def _anthropic_turn(role: str, blocks: list[Any], where: str) -> list[dict[str, 
     return out
 
 
-def tokenized_prompt(text: str, ids: array, tokenizer: Any) -> Prompt:
-    """A conversation rendered by the model's own chat template (`services/gateway/tokens.py`)."""
-    return Prompt(text, ids, chat=True, tokenizer=tokenizer)
-
-
 def text_prompt(prompt: Any) -> Prompt:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
