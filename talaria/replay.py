@@ -242,8 +242,10 @@ async def replay_embedded(sessions: list[TraceSession], policy: PolicyConfig, sp
     instead of NATS to the router."""
     spec.policy = policy
     spec.gateway = spec.gateway or via_gateway
-    print(f"[{policy.name}] starting the embedded stack (NATS, Redis, {len(spec.models) + 3} service processes) ...", file=sys.stderr, flush=True)
-    async with EmbeddedStack(spec) as stack:
+    stack = EmbeddedStack(spec)
+    processes = len(stack.service_table()) + int(spec.gateway)
+    print(f"[{policy.name}] starting the embedded stack (NATS, Redis, {processes} service processes) ...", file=sys.stderr, flush=True)
+    async with stack:
         print(f"[{policy.name}] stack up; logs in {stack.log_dir}; replaying at {spec.time_scale:g}x", file=sys.stderr, flush=True)
         client = await TalariaClient.from_deployment(stack.deployment())
         try:

@@ -337,56 +337,124 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
 
 
 
+def fidelity_latency(arg: str) -> float | str:
+    """`--call-latency`: model seconds (0 or more), or `measured`."""
+    if arg == "measured":
+        return arg
+    try:
+        v = float(arg)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of model seconds or 'measured': {arg!r}") from None
+    if not v >= 0 or v == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number of model seconds, 0 or more: {arg!r}")
+    return v
+
+
+FIGURES = ("sct_p50_s", "sct_p95_s", "sct_mean_s")
+
+
 def cmd_fidelity(a: argparse.Namespace) -> int:
-    """Live replay against the simulator on generated traces: the per-seed
-    differences of p50, p95 and mean SCT, and their medians. The table's header
-    is printed first and each row as its seed finishes (runs take minutes)."""
+    """Live replay against the simulator on generated traces: per seed and policy,
+    the median over `--runs` live runs of p50, p95 and mean SCT against the
+    simulator's (given the control plane's delay on returns, `--call-latency`),
+    and the median differences over seeds. The table's header is printed first and
+    each row as its seed and policy finish (runs take minutes)."""
     import asyncio
 
-    from talaria.replay import replay_embedded
+    from talaria.replay import replay_embedded, write_json
+    from talaria.results.hops import delay_summary, return_delays
     from talaria.sim.simulator import simulate
     from talaria.ops.stack import StackSpec
 
-    seeds = a.seeds
-    rows = ["| seed | policy | sim p50 s | live p50 s | sim p95 s | live p95 s | sim mean s | live mean s | diff p50 | diff p95 | diff mean |",
-            "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    if a.scenario:
+        from talaria.workload.scenarios import ScenarioError
+
+        try:
+            sc = load_scenario(a.scenario)
+        except ScenarioError as exc:
+            print(f"talaria fidelity: {exc}", file=sys.stderr)
+            return 2
+        seeds = a.seeds or (sc.seeds[0],)
+        traces = [trace_of(sc, seed) for seed in seeds]
+        servers, profile = sc.servers, sc.server_profile
+    else:
+        seeds = a.seeds or (1, 2, 3, 4, 5)
+        traces = traces_for(seeds)
+        servers, profile = 1, "h100x8"
+    rows = ["| seed | policy | live runs | return delay p50 / p90 s | worst loop lag s | sim call latency s | "
+            "sim p50 s | live p50 s | sim p95 s | live p95 s | sim mean s | live mean s | diff p50 | diff p95 | diff mean |",
+            "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     print("\n".join(rows), flush=True)
     diffs: dict[str, dict[str, list[float]]] = {}
-    for seed, sessions in zip(seeds, traces_for(seeds)):
+    results: list[dict[str, Any]] = []
+    for seed, sessions in zip(seeds, traces):
         for name in a.policy.split(","):
             pol = resolve_policy(name)
-            sim = simulate(sessions, load_catalog(), pol)
-            s = summarize(name, sessions, sim.sct, sim.records)
-            spec = StackSpec(policy=pol, models=sorted({x.model for x in sessions}), time_scale=a.time_scale,
-                             log_dir=Path(a.log_dir) / f"seed{seed}-{name}")
-            out = asyncio.run(replay_embedded(sessions, pol, spec))
-            if out.failures:
-                print(f"seed {seed} {name}: {len(out.failures)} sessions failed", file=sys.stderr)
-                return 1
-            live = summarize(name, sessions, out.sct, out.records)
-            d = {k: live[k] / s[k] - 1 for k in ("sct_p50_s", "sct_p95_s", "sct_mean_s")}
+            lives: list[dict[str, Any]] = []
+            delays: list[float] = []
+            for run in range(a.runs):
+                spec = StackSpec(policy=pol, models=sorted({x.model for x in sessions}), time_scale=a.time_scale,
+                                 servers=servers, server_profile=profile,
+                                 log_dir=Path(a.log_dir) / f"seed{seed}-{name}" / f"run{run + 1}")
+                out = asyncio.run(replay_embedded(sessions, pol, spec))
+                if out.failures:
+                    print(f"seed {seed} {name}: {len(out.failures)} sessions failed", file=sys.stderr)
+                    return 1
+                run_delays = return_delays(Path(out.log_dir), sessions) if out.log_dir else []
+                delays += run_delays
+                live_run = summarize(name, sessions, out.sct, out.records)
+                lives.append({**{k: live_run[k] for k in FIGURES}, "wall_s": out.wall_s,
+                              "worst_loop_lag_model_s": out.worst_lag_model_s,
+                              "worst_loop_lag_service": out.worst_lag_service,
+                              "return_delay_model_s": delay_summary(run_delays), "log_dir": out.log_dir})
+            hops = delay_summary(delays)
+            latency = hops["p50_s"] if a.call_latency == "measured" else float(a.call_latency)
+            simulated = simulate(sessions, load_catalog(), pol, servers=servers, server_profile=profile,
+                                 call_latency_s=latency)
+            sim = summarize(name, sessions, simulated.sct, simulated.records)
+            live = {k: statistics.median(r[k] for r in lives) for k in FIGURES}
+            d = {k: live[k] / sim[k] - 1 for k in FIGURES}
             for k, v in d.items():
                 diffs.setdefault(name, {}).setdefault(k, []).append(v)
-            rows.append(f"| {seed} | {name} | {s['sct_p50_s']:.0f} | {live['sct_p50_s']:.0f} | {s['sct_p95_s']:.0f} | "
-                        f"{live['sct_p95_s']:.0f} | {s['sct_mean_s']:.0f} | {live['sct_mean_s']:.0f} | "
+            lag = max(r["worst_loop_lag_model_s"] for r in lives)
+            results.append({"seed": seed, "policy": name, "sim_call_latency_s": latency, "return_delay_model_s": hops,
+                            "sim": {k: sim[k] for k in FIGURES}, "live_median": live, "live_runs": lives,
+                            "difference": d})
+            rows.append(f"| {seed} | {name} | {len(lives)} | {hops['p50_s']:.2f} / {hops['p90_s']:.2f} | {lag:.2f} | "
+                        f"{latency:.2f} | {sim['sct_p50_s']:.0f} | {live['sct_p50_s']:.0f} | {sim['sct_p95_s']:.0f} | "
+                        f"{live['sct_p95_s']:.0f} | {sim['sct_mean_s']:.0f} | {live['sct_mean_s']:.0f} | "
                         f"{d['sct_p50_s']:+.1%} | {d['sct_p95_s']:+.1%} | {d['sct_mean_s']:+.1%} |")
             print(rows[-1], flush=True)
-    summary = [""]
-    for name, d in diffs.items():
-        summary.append(f"- {name}: median difference over seeds {list(seeds)}: p50 {statistics.median(d['sct_p50_s']):+.1%}, "
-                       f"p95 {statistics.median(d['sct_p95_s']):+.1%}, mean {statistics.median(d['sct_mean_s']):+.1%}")
+    where = f"{a.scenario} ({servers} x {profile})" if a.scenario else "the default generator settings (1 x h100x8)"
+    summary = ["", f"_Live: median of {a.runs} run(s) per seed and policy at {a.time_scale:g}x; return delay: model s "
+               "between a reply at the engine and the next call at admission beyond the tool gap, over every return of "
+               f"those runs; {where}; model seconds from the sim engine's cost model._", ""]
+    for name, dd in diffs.items():
+        summary.append(f"- {name}: median difference over seeds {list(seeds)}: p50 {statistics.median(dd['sct_p50_s']):+.1%}, "
+                       f"p95 {statistics.median(dd['sct_p95_s']):+.1%}, mean {statistics.median(dd['sct_mean_s']):+.1%}")
     print("\n".join(summary))  # the rows are out already: once each
     text = "\n".join(rows + summary)
     if a.markdown:
         Path(a.markdown).write_text(text + "\n")
+    if a.out:
+        write_json(a.out, {"scenario": a.scenario, "servers": servers, "server_profile": profile,
+                           "time_scale": a.time_scale, "runs": a.runs, "results": results})
     return 0
 
 
 def configure_fidelity(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--seeds", type=int_list, default=(1, 2, 3, 4, 5),
-                   help="generator seeds of the default settings (comma-separated; default 1,2,3,4,5)")
+    p.add_argument("--seeds", type=int_list, default=None,
+                   help="generator seeds (comma-separated; default 1,2,3,4,5, or a scenario's first seed)")
+    p.add_argument("--scenario", help="a scenario file (scenarios/*.toml): its generator settings, servers and "
+                                      "server profile instead of the default settings on one server")
     p.add_argument("--policy", default="baseline,talaria", help="comma-separated policies (default baseline,talaria)")
+    p.add_argument("--runs", type=positive_int, default=1,
+                   help="live runs per seed and policy; the table's live figures are their median (default 1)")
+    p.add_argument("--call-latency", type=fidelity_latency, default=0.0, metavar="S|measured",
+                   help="the simulator's call latency in model s (talaria sim --call-latency), or `measured`: the "
+                        "median return delay of the seed and policy's live runs (default 0)")
     p.add_argument("--time-scale", type=positive_float, default=50.0, help="model seconds per wall second of the live replays (default 50)")
-    p.add_argument("--log-dir", default=".talaria/fidelity", help="log folder, one sub-folder per seed and policy")
+    p.add_argument("--log-dir", default=".talaria/fidelity", help="log folder, one sub-folder per seed, policy and run")
     p.add_argument("--markdown", help="write the table here")
+    p.add_argument("--out", help="write every run's figures as JSON here")
     p.set_defaults(fn=cmd_fidelity)
