@@ -102,6 +102,19 @@ def test_live_mean_sct_matches_sim(smoke_replay: dict[str, Any], policy: str) ->
     assert abs(live - expected) <= TOLERANCE * expected, f"{policy}: live mean SCT {live:.1f} s vs sim {expected:.1f} s"
 
 
+@pytest.mark.parametrize("policy", ["baseline", "talaria"])
+def test_every_return_delay_is_read_from_the_logs_and_none_is_negative(smoke_replay: dict[str, Any], policy: str) -> None:
+    # what `talaria fidelity --call-latency measured` gives the simulator
+    from talaria.results.hops import return_delays
+
+    sessions = load_trace(SMOKE)
+    run = next(r for r in smoke_replay["data"]["runs"] if r["policy"] == policy)
+    delays = return_delays(Path(run["log_dir"]), sessions)
+    assert len(delays) == sum(len(s.calls) - 1 for s in sessions)
+    # a call is sent no earlier than its tool gap after the reply (stamps rounded to 1 ms)
+    assert min(delays) >= -0.002, sorted(delays)[:3]
+
+
 def test_logs_trace_a_session_router_admission_engine(smoke_replay: dict[str, Any]) -> None:
     sessions = {s.session_id: s for s in load_trace(SMOKE)}
     # each run has a folder of its own under --log-dir, recorded in --out
