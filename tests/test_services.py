@@ -25,10 +25,11 @@ import redis.asyncio as aioredis
 from nats.aio.client import Client as NATS
 
 from polling import until
-from services.router.placement import InFlight
-from services.router.service import PLACE_SCRIPT
+from services.router.placement import InFlight, InFlightPlacements
+from services.router.service import PLACE_SCRIPT, Router
 from shared.call_record import CallRecords
 from shared.keys import CALL_TTL_S, Keys
+from shared.settings import Settings
 from shared.logs import read_log_events
 from shared.schema import (
     EngineHint,
@@ -376,6 +377,44 @@ async def test_router_replicas_never_place_on_the_same_snapshot(redis_client: ai
     assert await land(InFlight("c7", MODEL_A, 10, time.time()), "3", counted=("c4", "c6")) == 0
     assert await land(InFlight("c8", MODEL_A, 10, time.time()), "5", counted=("c4", "c6")) == 0
     assert await land(InFlight("c9", MODEL_A, 10, time.time()), "6") == 1
+
+
+async def test_a_routers_placements_are_written_in_their_order_a_batch_a_round_trip(redis_client: aioredis.Redis) -> None:
+    """Placements queued while a write is in flight go in one pipeline, in the order they
+    were ranked, so each one that counted an earlier one of this router's finds it in the
+    log before it and lands; another replica's placement since the snapshot still refuses."""
+    router = Router(Settings(key_prefix=f"tpw{uuid.uuid4().hex[:6]}:"))
+    router.redis = redis_client
+    router.in_flight = InFlightPlacements(max_age=60.0)
+    router.start_placement_writes()
+    keys = router.keys
+    seq = (await redis_client.get(keys.placements()) or b"0").decode()
+    calls = [InFlight(f"c{i}", MODEL_A, 100, time.time()) for i in range(20)]
+    pipelines: list[int] = []
+    execute = redis_client.pipeline(transaction=False).__class__.execute
+
+    async def counting(pipe: Any, *args: Any, **kw: Any) -> Any:
+        pipelines.append(len(pipe.command_stack))
+        return await execute(pipe, *args, **kw)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(type(redis_client.pipeline(transaction=False)), "execute", counting)
+        # every call ranked on the same snapshot, each counting the ones before it
+        landed = [router._queue_placement(SERVER, c, expect_seq=seq, counted=[x.call_id for x in calls[:i]])
+                  for i, c in enumerate(calls)]
+        assert all(await asyncio.gather(*landed))
+        assert sum(pipelines) == len(calls) and len(pipelines) < len(calls)  # batched, not a round trip each
+    log = [x.decode() for x in await redis_client.lrange(keys.placement_log(), 0, -1)]
+    assert log == [router._token(c.call_id) for c in calls]
+    assert {k.decode() for k in await redis_client.hgetall(keys.in_flight(SERVER))} == {c.call_id for c in calls}
+    # another replica places; a call ranked on the old snapshot is refused and uncounted here
+    await redis_client.incr(keys.placements())
+    await redis_client.rpush(keys.placement_log(), "router-9 x1")
+    late = InFlight("late", MODEL_A, 100, time.time())
+    assert not await router._queue_placement(SERVER, late, expect_seq=str(int(seq) + len(calls)),
+                                             counted=[c.call_id for c in calls])
+    assert "late" not in router.in_flight.own.get(SERVER, {})
+    assert await router.mark_in_flight(SERVER, late)  # unconditionally (the last attempt) it lands
 
 
 async def test_bad_input_gets_typed_error_and_never_crashes(stack: Services, nc: NATS) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -22,6 +23,7 @@ import structlog
 from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
+from redis.exceptions import NoScriptError
 
 from services.router.placement import InFlight, InFlightPlacements, ServerView, rank, server_view, with_in_flight
 from shared import state, tracing
@@ -65,6 +67,19 @@ PLACE_SCRIPT = (
     "redis.call('INCR', KEYS[1]) redis.call('RPUSH', KEYS[3], ARGV[5]) "
     f"redis.call('LTRIM', KEYS[3], -{PLACEMENT_LOG_LEN}, -1) "
     "redis.call('HSET', KEYS[2], ARGV[2], ARGV[3]) redis.call('EXPIRE', KEYS[2], ARGV[4]) return 1")
+
+
+@dataclass(frozen=True, slots=True)
+class PendingPlacement:
+    """A placement ranked and counted by this router whose write has not landed yet."""
+
+    server_id: str
+    call: InFlight
+    expect_seq: str | None
+    counted: tuple[str, ...]
+    landed: asyncio.Future[bool]
+
+
 IN_FLIGHT_MAX_WALL_S = 2.0  # forget an in-flight placement the mirror never counted (e.g. admission restarted)
 ENGINE_LIMITS_TTL_WALL_S = 5.0  # how long the engines' reported context limits are reused
 
@@ -79,7 +94,7 @@ class Router(ServiceProcess):
         # calls placed on each server that its mirror may not count yet (shared and own)
         self.in_flight = InFlightPlacements(max_age=IN_FLIGHT_MAX_WALL_S)
         self._placing = asyncio.Lock()  # this router's placements, one at a time (_place_and_submit)
-        self._place_script = self.redis.register_script(PLACE_SCRIPT)
+        self.start_placement_writes()
         self._engine_limits: tuple[float, dict[str, int]] = (float("-inf"), {})
         # every agent-facing namespace's store of prompts sent by reference (the router creates them)
         await PromptStore(self.nc, self.settings.subject_prefix).create(
@@ -323,8 +338,9 @@ class Router(ServiceProcess):
         kv = {k.decode(): v.decode() for k, v in kv_raw.items()}
         # optimistic concurrency between router replicas: the placement lands only if
         # no other replica placed a call since this snapshot; else read again and rank again.
-        # This router's own placements go one at a time, each ranked knowing every one
-        # before it, so they never refuse each other (under load they did, three times in
+        # This router's own placements are ranked one at a time, each knowing every one
+        # before it, and written in that order (one pipeline for all that queued meanwhile),
+        # so they never refuse each other (under load they did, three times in
         # four); a snapshot read again is read under the lock, so only another replica's
         # placement (or one this router has forgotten, from a snapshot that waited over
         # IN_FLIGHT_MAX_WALL_S) refuses it; a first snapshot that old is read again before
@@ -332,8 +348,9 @@ class Router(ServiceProcess):
         attempt, raw = 0, server_raw
         ranked: list[Any] = []
         try:
-            async with self._placing:
-                for attempt in range(1, PLACEMENT_ATTEMPTS + 1):
+            for attempt in range(1, PLACEMENT_ATTEMPTS + 1):
+                landed: asyncio.Future[bool] | None = None
+                async with self._placing:
                     reread = attempt > 1
                     if not reread and time.time() - read_wall >= IN_FLIGHT_MAX_WALL_S:
                         self.in_flight.end_read(read)  # (that snapshot is never ranked on)
@@ -349,13 +366,13 @@ class Router(ServiceProcess):
                                   call_id=req.call_id, prompt_tokens=req.prompt_tokens, prefix_tokens=req.prefix_tokens)
                     if pinned is not None:
                         ranked = [c for c in ranked if c.server_id == pinned]
-                        if ranked:
-                            await self.mark_in_flight(pinned, placement)
-                        break
-                    last = attempt == PLACEMENT_ATTEMPTS
-                    if not ranked or await self.mark_in_flight(ranked[0].server_id, placement,
-                                                               expect_seq=None if last else seq, counted=counted):
-                        break
+                    if ranked:
+                        # counted here at once, so the next ranking counts it; written after the lock
+                        last = attempt == PLACEMENT_ATTEMPTS or pinned is not None
+                        landed = self._queue_placement(ranked[0].server_id, placement,
+                                                       expect_seq=None if last else seq, counted=counted)
+                if landed is None or await landed or pinned is not None:
+                    break
         finally:  # (a call cancelled while it waited for the lock leaves no snapshot open)
             self.in_flight.end_read(read)
         self.log.info("router.placed", model=req.model, at=round(now, 3), attempts=attempt,
@@ -455,29 +472,72 @@ class Router(ServiceProcess):
         self.in_flight.end_read(read)
         return seq, views, counted
 
+    def start_placement_writes(self) -> None:
+        """The placement script, and the queue of placements ranked and counted here that
+        wait for their write (in ranking order, one pipeline per batch: _write_placements)."""
+        self._place_script = self.redis.register_script(PLACE_SCRIPT)
+        self._unwritten: list[PendingPlacement] = []
+        self._placement_writer: asyncio.Task | None = None
+
     async def mark_in_flight(self, server_id: str, call: InFlight, expect_seq: str | None = None,
                              counted: Sequence[str] = ()) -> bool:
         """Count the call on the server, for this router at once and, before it is
         forwarded (so admission's deletion always comes after), for every replica.
         With `expect_seq`, only if no other replica placed a call since the snapshot
         that read that sequence (`counted`: this router's placements its ranking
-        counted, which may be in the log since; False: read again). Counted here
-        before the write, so the rankings of this router's other calls meanwhile
-        count it. Redis down: counted here only."""
+        counted, which may be in the log since; False: read again). Redis down:
+        counted here only."""
+        return await self._queue_placement(server_id, call, expect_seq, counted)
+
+    def _queue_placement(self, server_id: str, call: InFlight, expect_seq: str | None = None,
+                         counted: Sequence[str] = ()) -> asyncio.Future[bool]:
+        """Count the call here now (the rankings of this router's other calls count it)
+        and queue its write; the future says whether it landed. Writes go in the order
+        they were queued, so a placement that counted an earlier one of this router's
+        finds it in the log before it, as its script expects."""
         self.in_flight.placed(server_id, call)
-        try:
-            landed = await self._place_script(
-                keys=[self.keys.placements(), self.keys.in_flight(server_id), self.keys.placement_log()],
-                args=[expect_seq or "", call.call_id, call.encode(), CALL_TTL_S, self._token(call.call_id),
-                      *(self._token(c) for c in counted)])
-        except Exception as exc:  # the other replicas miss it for a moment; this one still counts it
-            self.log.warning("router.in_flight_write_failed", server_id=server_id, error=str(exc))
-            return True
-        if not landed:
-            self.in_flight.unplaced(server_id, call.call_id)
-            return False
-        self.in_flight.written(call.call_id)
-        return True
+        landed: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self._unwritten.append(PendingPlacement(server_id, call, expect_seq, tuple(counted), landed))
+        if self._placement_writer is None or self._placement_writer.done():
+            self._placement_writer = self.spawn(self._write_placements(), "placement writes")
+        return landed
+
+    async def _write_placements(self) -> None:
+        """Write the queued placements, all that queued meanwhile in one pipeline (one round
+        trip a batch, not a call: under load the router's placements were a queue behind
+        one Redis round trip each), until none is left."""
+        while self._unwritten:
+            batch, self._unwritten = self._unwritten, []
+            results: list[Any] = [True] * len(batch)
+            try:
+                pipe = self.redis.pipeline(transaction=False)
+                for p in batch:
+                    pipe.evalsha(self._place_script.sha, 3, *self._placement_script_args(p))
+                results = await pipe.execute(raise_on_error=False)
+                for i, (p, r) in enumerate(zip(batch, results)):
+                    if isinstance(r, NoScriptError):  # a Redis that restarted empty: loads it again
+                        keys_and_args = self._placement_script_args(p)
+                        results[i] = await self._place_script(keys=keys_and_args[:3], args=keys_and_args[3:])
+            except Exception as exc:  # the other replicas miss them for a moment; this one still counts them
+                self.log.warning("router.in_flight_write_failed", placements=len(batch), error=str(exc))
+                results = [True] * len(batch)
+            finally:
+                for p, r in zip(batch, results):
+                    if isinstance(r, Exception):
+                        self.log.warning("router.in_flight_write_failed", server_id=p.server_id, error=str(r))
+                        r = True
+                    if not r:
+                        self.in_flight.unplaced(p.server_id, p.call.call_id)
+                    else:
+                        self.in_flight.written(p.call.call_id)
+                    if not p.landed.done():
+                        p.landed.set_result(bool(r))
+
+    def _placement_script_args(self, p: PendingPlacement) -> list[Any]:
+        """KEYS then ARGV of PLACE_SCRIPT for one placement."""
+        return [self.keys.placements(), self.keys.in_flight(p.server_id), self.keys.placement_log(),
+                p.expect_seq or "", p.call.call_id, p.call.encode(), CALL_TTL_S, self._token(p.call.call_id),
+                *(self._token(c) for c in p.counted)]
 
     def _token(self, call_id: str) -> str:
         """A placement's entry in the shared log: this replica's and the call's."""
