@@ -222,7 +222,7 @@ async def call_until_dropped(sessions: list[Any], dropped: list[float], *, wait_
 async def test_a_dispatch_lost_on_the_bus_is_sent_again(nats_server: NatsServer, redis_server: RedisServer,
                                                         subject_prefix: str, key_prefix: str, tmp_path: Path) -> None:
     """A black hole joins the engine's queue group on its run subject, so NATS hands it
-    about half of admission's dispatches, which it drops. Each call still finishes in
+    about half of admission's dispatches, which it drops, until it has dropped two. Each call still finishes in
     moments: admission sends a dispatch until the engine acknowledges it (and heartbeats
     only acknowledged runs as running), instead of waiting forever on a run nobody has."""
     svc = Services(nats_server.url, redis_server.url, subject_prefix, key_prefix, tmp_path / "logs", models=[MODEL_A])
