@@ -8,11 +8,13 @@ three-node cluster; `TALARIA_CALL_RECORD_REPLICAS`). Every step is a
 compare-and-set on the key's revision (`CallRecord`, `shared/schema.py`):
 
 - the router *creates* it (`placing`) — the first placement of a call id wins —
-  and records the server whose admission accepted it (`placed`); a retry reads
-  it: answered -> the stored reply again, else pinned to that server;
+  and records the server it submits the call to (`placed`), before the submit,
+  whose revision travels with the call to the engine; a retry reads it:
+  answered -> the stored reply again, else pinned to that server;
 - the engine-worker *claims* it before it generates (`claimed`, its instance
-  and process epoch); a claim by another worker is never run here, a claim by
-  an earlier process of this same worker (it was restarted) is taken over;
+  and process epoch), on the placement's revision when the run carries it; a
+  claim by another worker is never run here, a claim by an earlier process of
+  this same worker (it was restarted) is taken over;
 - the engine-worker *answers* it (`answered`, the reply) before it publishes
   the reply, on the revision of its own claim: a process whose claim was taken
   over while it hung cannot answer (it is fenced), and a second generation of
@@ -232,8 +234,14 @@ class CallRecords:
         await self._retry("release", step)
 
     # -- the engine-worker's steps ------------------------------------------------------
-    async def claim(self, session_id: str, call_id: str, *, server_id: str, owner: str, epoch: str) -> Claim:
+    async def claim(self, session_id: str, call_id: str, *, server_id: str, owner: str, epoch: str,
+                    placed_revision: int = 0) -> Claim:
+        """`placed_revision`: the revision of the router's placement on this server, as the
+        run carries it: claimed on it at once, without reading the record (one round trip,
+        not two); a record that moved on since is read, as without it."""
         mine = CallRecord(state="claimed", server_id=server_id, owner=owner, epoch=epoch)
+        if placed_revision and (rev := await self.update(session_id, call_id, mine, placed_revision)) is not None:
+            return Claim("run", mine, rev)
         while True:
             record, revision = await self.get(session_id, call_id)
             if record is None:

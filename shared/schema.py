@@ -270,6 +270,9 @@ class SubmitCall(Base, tag="submit"):
     reply_to: Subject
     engine: EnginePayload = EnginePayload()
     traceparent: str | None = None  # the call's trace (W3C), kept with the stored call across restarts
+    # the call record's revision that placed it on this server (0: unknown): the engine
+    # claims on it without reading the record first (shared/call_record.py)
+    record_revision: int = 0
 
 
 class Submitted(Base, tag="submitted"):
@@ -295,6 +298,7 @@ class RunCall(Base, tag="run"):
     sp_admit: bool = False                  # admitted into its model's open slot by session-prefill
     traceparent: str | None = None          # the call's trace (W3C): the engine's span goes under it
     admission_epoch: int = 0                # the sending admission's epoch (0: unfenced); an older one is refused
+    record_revision: int = 0                # the call record's placement revision, from the submit (0: read it)
 
     @property
     def call_id(self) -> str:
@@ -310,7 +314,8 @@ class RunCall(Base, tag="run"):
 
     def submitted(self) -> SubmitCall:
         """The submission this dispatch came from (a restarted admission adopts it)."""
-        return SubmitCall(call=self.call, reply_to=self.reply_to, engine=self.engine, traceparent=self.traceparent)
+        return SubmitCall(call=self.call, reply_to=self.reply_to, engine=self.engine, traceparent=self.traceparent,
+                          record_revision=self.record_revision)
 
 
 class RunAccepted(Base, tag="run_accepted"):

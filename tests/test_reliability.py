@@ -606,6 +606,50 @@ async def test_a_call_record_write_whose_ack_is_lost_is_retried_to_its_own_revis
         await nc.close()
 
 
+async def test_a_claim_on_the_placements_revision_reads_nothing_and_one_that_moved_reads_again(
+        nats_server: NatsServer, subject_prefix: str) -> None:
+    """The engine claims on the revision of the router's placement, which the run
+    carries: one write, no read. When the record moved on since (a retry placed it
+    again, another worker claimed it, this worker's earlier process did), it reads
+    the record and decides as without it."""
+    from nats.aio.client import Client as NATS
+
+    from shared.call_record import CallRecords
+    from shared.keys import CALL_TTL_S
+    from shared.schema import CallRecord
+
+    nc = NATS()
+    await nc.connect(nats_server.url)
+    try:
+        records = await CallRecords.open(nc, subject_prefix, replicas=1, ttl_s=CALL_TTL_S)
+        real_get = records.get
+        gets: list[str] = []
+
+        async def counted_get(session_id: str, call_id: str) -> Any:
+            gets.append(call_id)
+            return await real_get(session_id, call_id)
+
+        records.get = counted_get  # type: ignore[method-assign]
+        rev = await records.create("s-1", "c-1", CallRecord(state="placing"))
+        assert rev is not None
+        placed = await records.update("s-1", "c-1", CallRecord(state="placed", server_id="s0"), rev)
+        assert placed is not None
+        claim = await records.claim("s-1", "c-1", server_id="s0", owner="w0", epoch="e1", placed_revision=placed)
+        assert claim.outcome == "run" and claim.revision > placed and gets == []
+        # a resend of the same run to the same process: the revision moved (its own claim); read, run again
+        again = await records.claim("s-1", "c-1", server_id="s0", owner="w0", epoch="e1", placed_revision=placed)
+        assert again.outcome == "run" and again.revision == claim.revision and gets == ["c-1"]
+        # another worker with the stale placement revision: held elsewhere, never run twice
+        other = await records.claim("s-1", "c-1", server_id="s1", owner="w1", epoch="e9", placed_revision=placed)
+        assert other.outcome == "held_elsewhere" and other.record.owner == "w0"
+        # answered: a late claim on the old revision gets the stored reply
+        await records.answer("s-1", "c-1", b"reply", claim)
+        late = await records.claim("s-1", "c-1", server_id="s0", owner="w0", epoch="e2", placed_revision=placed)
+        assert late.outcome == "answered" and late.record.reply == b"reply"
+    finally:
+        await nc.close()
+
+
 async def test_a_call_taken_by_a_router_that_never_answers_is_sent_again_soon(
         nats_server: NatsServer, redis_server: RedisServer, subject_prefix: str, key_prefix: str,
         tmp_path: Path) -> None:

@@ -23,6 +23,7 @@ import nats.errors
 import pytest
 import redis.asyncio as aioredis
 from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
 
 from polling import until
 from services.router.placement import InFlight, InFlightPlacements
@@ -645,6 +646,42 @@ async def test_client_session_calls_cache_and_duplicates(stack: Services, client
     assert sum(1 for d in eng if d.get("event") == "engine.finished" and d.get("call_id") == cid) == 1
     outputs = await redis_client.lrange(f"{stack.key_prefix}session:{sess.session_id}:outputs", 0, -1)
     assert [int(x) for x in outputs] == [out1, 50]
+    await sess.end()
+
+
+async def test_a_call_records_its_server_before_the_submit_and_the_engine_claims_without_a_read(
+        stack: Services, client: TalariaClient, nc: NATS) -> None:
+    """The call record's path of one call: the router's create and its placement
+    (written before the submit, so the engine's claim never races it), the engine's
+    claim on the revision the run carries and its answer; no read of the record."""
+    from shared.call_record import record_key
+
+    sess = await client.open_session(MODEL_A)
+    cid = f"{sess.session_id}-c1"
+    bucket = stack.subjects.call_record_bucket
+    writes: list[bytes] = []
+    reads: list[str] = []
+    key_subject = f"$KV.{bucket}.{record_key(sess.session_id, cid)}"
+
+    async def on_write(m: Msg) -> None:
+        writes.append(m.data)
+
+    async def on_read(m: Msg) -> None:
+        reads.append(m.subject + " " + m.data.decode())
+
+    w = await nc.subscribe(key_subject, cb=on_write)
+    r = await nc.subscribe(f"$JS.API.STREAM.MSG.GET.KV_{bucket}", cb=on_read)
+    r2 = await nc.subscribe(f"$JS.API.DIRECT.GET.KV_{bucket}.>", cb=on_read)
+    await nc.flush()
+    reply = await sess.call(prompt_tokens=1000, max_tokens=256, sim_output_tokens=20, call_id=cid)
+    await until(lambda: len(writes) >= 4, 5.0)
+    await asyncio.sleep(0.2)  # any (wrong) later write or read shows up
+    for sub in (w, r, r2):
+        await sub.unsubscribe()
+    states = [msgspec.json.decode(x)["state"] for x in writes]
+    assert states == ["placing", "placed", "claimed", "answered"], states
+    assert msgspec.json.decode(writes[1])["server_id"] == reply.server_id
+    assert not [x for x in reads if record_key(sess.session_id, cid) in x], reads
     await sess.end()
 
 

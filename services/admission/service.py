@@ -498,7 +498,7 @@ class AdmissionService(ServiceProcess):
                         call=c, engine=sub.engine, reply_to=sub.reply_to, reserved_tokens=a.reserved_tokens,
                         waited_s=a.waited_s, switch_wait_s=a.switch_wait_s, round_wait=a.round_wait,
                         dispatched_at=self.scheduler.last_step_at, sp_admit=a.sp_admit,
-                        traceparent=self._wait_span(c, sub, a),
+                        traceparent=self._wait_span(c, sub, a), record_revision=sub.record_revision,
                     )
                     self.log.info("admission.dispatched", session_id=c.session_id, call_id=c.call_id, model=c.model,
                                   slot_id=a.slot_id, waited_s=round(a.waited_s, 3), round_wait=a.round_wait,

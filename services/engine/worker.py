@@ -202,7 +202,8 @@ class EngineWorker(ServiceProcess):
                 return
             # claimed in the durable record before anything is generated
             claim = await self.call_records.claim(rc.session_id, rc.call_id, server_id=self.settings.server_id,
-                                                  owner=self.instance, epoch=self.epoch)
+                                                  owner=self.instance, epoch=self.epoch,
+                                                  placed_revision=rc.record_revision)
             if claim.outcome == "answered":  # the same reply again, never a second generation
                 stored = claim.record.reply or b""
                 await self.nc.publish(rc.reply_to, stored)

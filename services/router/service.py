@@ -394,8 +394,22 @@ class Router(ServiceProcess):
         for i, cand in enumerate(ranked):
             if i > 0:  # the first choice did not take it: the next one counts it now
                 await self.mark_in_flight(cand.server_id, placement)
+            if revision:
+                # the server it goes to, recorded before the submit (after it, the engine's claim
+                # raced this write and read again): a retry is pinned there, and the engine
+                # claims on this revision without reading the record
+                placed = await self.call_records.update(req.session_id, req.call_id,
+                                                        CallRecord(state="placed", server_id=cand.server_id), revision)
+                if placed is None:
+                    # moved on: another router took a retry of it, or a server this one gave up
+                    # on ran it after all; whoever holds it answers the agent
+                    await self.unmark_in_flight(cand.server_id, req.call_id)
+                    self.log.info("call.duplicate", served_from="held elsewhere")
+                    return
+                revision = placed
             try:
-                resp = await self.nc.request(self.subjects.admission_submit(cand.server_id), encode(sub),
+                resp = await self.nc.request(self.subjects.admission_submit(cand.server_id),
+                                             encode(msgspec.structs.replace(sub, record_revision=revision)),
                                              timeout=SUBMIT_TIMEOUT_WALL_S, headers=trace_headers(req.session_id, req.call_id))
             except (NoRespondersError, NatsTimeout) as exc:
                 await self.unmark_in_flight(cand.server_id, req.call_id)
@@ -408,9 +422,6 @@ class Router(ServiceProcess):
                 # new session's first call; admission decides on its own exact count, not a mirrored one
                 self.log.warning("router.admission_refused", server_id=cand.server_id, reason=out.message, code=out.code)
                 continue
-            if revision:  # a retry is pinned to this server (unless its engine claimed it already: that says so too)
-                await self.call_records.update(req.session_id, req.call_id,
-                                               CallRecord(state="placed", server_id=cand.server_id), revision)
             if not retry:  # first accepted: counted once, a retry of it is not a new call
                 self.metrics.calls_accepted.labels(model=req.model).inc()
                 self.metrics.placements.labels(server=cand.server_id, model=req.model, residency=cand.residency,
