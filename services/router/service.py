@@ -347,6 +347,9 @@ class Router(ServiceProcess):
         # ranking (past saturation nearly every call waited that long, and its write was refused)
         attempt, raw = 0, server_raw
         ranked: list[Any] = []
+        # the call record names the first choice while its placement's write lands (two
+        # waits side by side, not one after the other: the call is counted in flight meanwhile)
+        recording: tuple[str, asyncio.Task[int | None]] | None = None
         try:
             for attempt in range(1, PLACEMENT_ATTEMPTS + 1):
                 landed: asyncio.Future[bool] | None = None
@@ -371,6 +374,9 @@ class Router(ServiceProcess):
                         last = attempt == PLACEMENT_ATTEMPTS or pinned is not None
                         landed = self._queue_placement(ranked[0].server_id, placement,
                                                        expect_seq=None if last else seq, counted=counted)
+                if ranked and revision and recording is None:
+                    recording = (ranked[0].server_id, asyncio.ensure_future(self.call_records.update(
+                        req.session_id, req.call_id, CallRecord(state="placed", server_id=ranked[0].server_id), revision)))
                 if landed is None or await landed or pinned is not None:
                     break
         finally:  # (a call cancelled while it waited for the lock leaves no snapshot open)
@@ -398,8 +404,8 @@ class Router(ServiceProcess):
                 # the server it goes to, recorded before the submit (after it, the engine's claim
                 # raced this write and read again): a retry is pinned there, and the engine
                 # claims on this revision without reading the record
-                placed = await self.call_records.update(req.session_id, req.call_id,
-                                                        CallRecord(state="placed", server_id=cand.server_id), revision)
+                placed = await self._record_server(req, cand.server_id, revision, recording)
+                recording = None
                 if placed is None:
                     # moved on: another router took a retry of it, or a server this one gave up
                     # on ran it after all; whoever holds it answers the agent
@@ -432,6 +438,8 @@ class Router(ServiceProcess):
             await self.reply_error(reply_to, "no_capacity", f"{pinned}, which holds call {req.call_id}, cannot take it now",
                                    req.call_id, retry_after_s=NO_CAPACITY_RETRY_AFTER_S)
             return
+        if recording is not None:  # (no candidate was tried after it began)
+            revision = await recording[1] or revision
         if revision:  # nothing took it: a retry may place it again
             await self.call_records.release(req.session_id, req.call_id, revision)
         if new_session:  # so the retry is the session's first call again
@@ -439,6 +447,19 @@ class Router(ServiceProcess):
             state.count_call(pipe, self.keys, req.session_id, -1)
             await pipe.execute()
         await self.reply_error(reply_to, "no_capacity", f"no server could take a {req.model} call now", req.call_id, retry_after_s=NO_CAPACITY_RETRY_AFTER_S)
+
+    async def _record_server(self, req: CallRequest, server_id: str, revision: int,
+                             recording: tuple[str, asyncio.Task[int | None]] | None) -> int | None:
+        """Name `server_id` in the call record; its new revision, or None when the record
+        moved on. `recording`: a write of the first choice already under way, awaited first."""
+        if recording is not None:
+            recorded_on, write = recording
+            rev = await write
+            if rev is None or recorded_on == server_id:
+                return rev
+            revision = rev
+        return await self.call_records.update(req.session_id, req.call_id,
+                                              CallRecord(state="placed", server_id=server_id), revision)
 
     def _queue_server_reads(self, pipe: Any) -> int:
         """Queue the reads of a servers snapshot; returns how many results they add.
