@@ -285,22 +285,25 @@ class Router(ServiceProcess):
             # at most once per call_id: the first placement wins, a retry gets the reply or a fresh ack
             revision = await self.call_records.create(req.session_id, req.call_id, CallRecord(state="placing"))
             if revision is None:
-                record, current = await self.call_records.get(req.session_id, req.call_id)
-                if record is not None and record.state == "answered" and record.reply is not None:
-                    dup = msgspec.structs.replace(reply_decoder.decode(record.reply), duplicate=True)
-                    await self.nc.publish(reply_to, encode(dup))
-                    self.log.info("call.duplicate", served_from="call-record")
-                else:
-                    # in flight, or lost with a process that held it: submit again under the same id,
-                    # to the server that took it (another server's engine would run it a second time)
-                    pinned = record.server_id if record is not None else None
-                    self.log.info("call.duplicate", served_from="resubmitted", pinned_to=pinned)
-                    # (a placement that never finished, by a router that died: this one records it)
-                    unplaced = current if record is not None and record.state == "placing" else 0
-                    await self._place_and_submit(req, reply_to, session, ns, retry=True, pinned=pinned,
-                                                 revision=unplaced)
+                await self._place_known(req, reply_to, session, ns)
                 return
             await self._place_and_submit(req, reply_to, session, ns, revision=revision)
+
+    async def _place_known(self, req: CallRequest, reply_to: str, session: state.SessionRecord, ns: str) -> None:
+        """A call id the call record holds already: its stored reply, or submitted again."""
+        record, current = await self.call_records.get(req.session_id, req.call_id)
+        if record is not None and record.state == "answered" and record.reply is not None:
+            dup = msgspec.structs.replace(reply_decoder.decode(record.reply), duplicate=True)
+            await self.nc.publish(reply_to, encode(dup))
+            self.log.info("call.duplicate", served_from="call-record")
+            return
+        # in flight, or lost with a process that held it: submit again under the same id,
+        # to the server that took it (another server's engine would run it a second time)
+        pinned = record.server_id if record is not None else None
+        self.log.info("call.duplicate", served_from="resubmitted", pinned_to=pinned)
+        # (a placement that never finished, by a router that died: this one records it)
+        unplaced = current if record is not None and record.state == "placing" else 0
+        await self._place_and_submit(req, reply_to, session, ns, retry=True, pinned=pinned, revision=unplaced)
 
     async def _place_and_submit(self, req: CallRequest, reply_to: str, session: state.SessionRecord, ns: str,
                                 retry: bool = False, pinned: str | None = None, revision: int = 0) -> None:
@@ -407,10 +410,10 @@ class Router(ServiceProcess):
                 placed = await self._record_server(req, cand.server_id, revision, recording)
                 recording = None
                 if placed is None:
-                    # moved on: another router took a retry of it, or a server this one gave up
-                    # on ran it after all; whoever holds it answers the agent
+                    # moved on: a retry of it placed it meanwhile, or a server this one gave up on
+                    # took it after all; answered as a retry (the stored reply, or that server again)
                     await self.unmark_in_flight(cand.server_id, req.call_id)
-                    self.log.info("call.duplicate", served_from="held elsewhere")
+                    await self._place_known(req, reply_to, session, ns)
                     return
                 revision = placed
             try:
