@@ -228,6 +228,41 @@ async def test_nats_users(tmp_path: Path) -> None:
         server.stop()
 
 
+def test_a_cluster_whose_node_loses_its_route_port_starts_again_on_fresh_ports(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A node's route port is taken between picking and binding it: that node exits, and
+    the others would wait out the whole deadline for a quorum that never comes (a chaos
+    run's start failed so in CI). The node's exit is seen while the others wait, and the
+    cluster starts again on fresh ports."""
+    import socket
+
+    from shared import net
+
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    held.listen()
+    taken = held.getsockname()[1]
+    real_free_port = net.free_port
+    calls = 0
+
+    def free_port_one_taken() -> int:
+        nonlocal calls
+        calls += 1
+        return taken if calls == 3 else real_free_port()  # (the name, then node 0's and node 1's route ports)
+
+    monkeypatch.setattr(net, "free_port", free_port_one_taken)
+    try:
+        nodes = start_cluster(3, base_dir=tmp_path, timeout=20)
+        try:
+            assert calls > 3 and all(n.running for n in nodes)
+            assert taken not in {n.cluster_port for n in nodes}
+        finally:
+            for n in nodes:
+                n.stop()
+    finally:
+        held.close()
+
+
 async def test_nats_cluster_survives_node_loss(tmp_path: Path) -> None:
     nodes = await asyncio.to_thread(start_cluster, 3, base_dir=tmp_path, timeout=60)
     subscriber = publisher = None

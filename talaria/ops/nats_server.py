@@ -58,6 +58,9 @@ class NatsServer(ServerBase):
         super().__init__(port, log_file, workdir)
         self.binary = binary or find_nats_server()
         self.jetstream = jetstream
+        # the other nodes of its cluster while start_cluster starts it: one that exits then is
+        # never a quorum (later a peer may be down on purpose: fault injection)
+        self.peers: list[NatsServer] = []
         self.store_dir = Path(store_dir) if store_dir else workdir / "jetstream"
         self.users = list(users or [])
         # per-user allow-lists: {user: {"publish": [...], "subscribe": [...]}}
@@ -150,6 +153,12 @@ class NatsServer(ServerBase):
             if self._proc.poll() is not None:
                 raise InfraError(f"nats-server exited with code {self._proc.returncode}; "
                                  f"log tail:\n{log_tail(self.log_file)}")
+            for peer in self.peers:
+                # (e.g. its route port taken between picking and binding it: the whole cluster
+                # starts again on fresh ports instead of waiting out the deadline for a quorum)
+                if peer._proc is not None and peer._proc.poll() is not None:
+                    raise InfraError(f"nats-server on port {peer.port}, a node of this one's cluster, exited "
+                                     f"with code {peer._proc.returncode}; log tail:\n{log_tail(peer.log_file)}")
             if time.monotonic() > deadline:
                 raise InfraError(f"nats-server on port {self.port} not healthy in time; "
                                  f"log tail:\n{log_tail(self.log_file)}")
@@ -189,6 +198,8 @@ def start_cluster(
                 permissions=permissions,
                 max_payload=max_payload,
             ))
+        for node in nodes:
+            node.peers = [peer for peer in nodes if peer is not node]
         try:
             # Spawn all first: clustered JetStream only becomes healthy once a quorum is up.
             for node in nodes:
@@ -200,6 +211,9 @@ def start_cluster(
             for node in nodes:
                 node.kill()
             raise
+        finally:
+            for node in nodes:
+                node.peers = []
         return nodes
 
     for attempt in range(1, BIND_ATTEMPTS + 1):
