@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import time
 from collections import Counter
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -353,18 +354,15 @@ async def test_a_stalled_redis_holds_up_admissions_ack_for_half_a_second_at_most
         await svc.stop()
 
 
-async def test_a_retried_call_stays_on_the_server_that_holds_it(nats_server: NatsServer, redis_server: RedisServer,
-                                                                 subject_prefix: str, key_prefix: str,
-                                                                 tmp_path: Path) -> None:
-    """A retry of a call that has no reply yet goes back to the server that took it,
-    never to another one whose engine would run it a second time; if that server
-    cannot take it now, the agent hears no_capacity and retries later."""
+@contextlib.asynccontextmanager
+async def router_and_fake_admissions(nats_server: NatsServer, redis_server: RedisServer, subject_prefix: str,
+                                     key_prefix: str, tmp_path: Path, session_id: str) -> AsyncIterator[Any]:
+    """A router for servers s0 and s1 whose admissions are fakes that take every call,
+    and an open session: (the services, a client, the call ids each admission was asked
+    to take, each admission's subscription: unsubscribe it and that admission is away)."""
     from nats.aio.client import Client as NATS
 
-    from shared.schema import (
-        ApiError, CallRequest, OpenSession, Submitted, admission_decoder, api_reply_decoder, encode,
-    )
-    from test_services import call_raw
+    from shared.schema import ApiError, OpenSession, Submitted, admission_decoder, api_reply_decoder, encode
 
     svc = Services(nats_server.url, redis_server.url, subject_prefix, key_prefix, tmp_path / "logs",
                    models=[MODEL_A], which=("router",), extra_env={"TALARIA_SERVERS": "s0,s1"})
@@ -373,15 +371,32 @@ async def test_a_retried_call_stays_on_the_server_that_holds_it(nats_server: Nat
     await nc.connect(nats_server.url)
     got: dict[str, list[str]] = {"s0": [], "s1": []}
     subs = {}
-    for server in got:
-        async def take(msg: Any, server: str = server) -> None:  # a fake admission: takes every call
-            sub = admission_decoder.decode(msg.data)
-            got[server].append(sub.call.call_id)
-            await nc.publish(msg.reply, encode(Submitted(call_id=sub.call.call_id, server_id=server)))
-        subs[server] = await nc.subscribe(svc.subjects.admission_submit(server), cb=take)
     try:
-        resp = await nc.request(svc.subjects.api_session_open(), encode(OpenSession(session_id="pin", model=MODEL_A)), 5)
+        for server in got:
+            async def take(msg: Any, server: str = server) -> None:
+                sub = admission_decoder.decode(msg.data)
+                got[server].append(sub.call.call_id)
+                await nc.publish(msg.reply, encode(Submitted(call_id=sub.call.call_id, server_id=server)))
+            subs[server] = await nc.subscribe(svc.subjects.admission_submit(server), cb=take)
+        resp = await nc.request(svc.subjects.api_session_open(), encode(OpenSession(session_id=session_id, model=MODEL_A)), 5)
         assert not isinstance(api_reply_decoder.decode(resp.data), ApiError)
+        yield svc, nc, got, subs
+    finally:
+        await nc.close()
+        await svc.stop()
+
+
+async def test_a_retried_call_stays_on_the_server_that_holds_it(nats_server: NatsServer, redis_server: RedisServer,
+                                                                 subject_prefix: str, key_prefix: str,
+                                                                 tmp_path: Path) -> None:
+    """A retry of a call that has no reply yet goes back to the server that took it,
+    never to another one whose engine would run it a second time; if that server
+    cannot take it now, the agent hears no_capacity and retries later."""
+    from shared.schema import ApiError, CallRequest
+    from test_services import call_raw
+
+    async with router_and_fake_admissions(nats_server, redis_server, subject_prefix, key_prefix, tmp_path,
+                                          "pin") as (svc, nc, got, subs):
         call = CallRequest(call_id="pin#0", session_id="pin", model=MODEL_A, prompt_tokens=1000)
         first = await call_raw(nc, svc.subjects, call)
         holder = first.server_id
@@ -394,9 +409,28 @@ async def test_a_retried_call_stays_on_the_server_that_holds_it(nats_server: Nat
         assert isinstance(refused, ApiError) and refused.code == "no_capacity", refused
         assert got[other] == [], f"the retry was placed on {other}, which would run the call again"
         assert got[holder] == ["pin#0"] * 4
-    finally:
-        await nc.close()
-        await svc.stop()
+
+
+async def test_copies_of_a_call_sent_at_once_are_each_answered_and_held_by_one_server(
+        nats_server: NatsServer, redis_server: RedisServer, subject_prefix: str, key_prefix: str,
+        tmp_path: Path) -> None:
+    """An agent's call and its resends arrive together: several find the call record
+    still `placing`, each ranks and names a server, and one of those writes wins. Every
+    copy is answered (the ones that lost as retries are: the server that holds it), and
+    only that server is asked to run it."""
+    from shared.schema import CallRequest
+    from test_services import call_raw
+
+    async with router_and_fake_admissions(nats_server, redis_server, subject_prefix, key_prefix, tmp_path,
+                                          "many") as (svc, nc, got, _):
+        for n in range(4):
+            call = CallRequest(call_id=f"many#{n}", session_id="many", model=MODEL_A, prompt_tokens=1000)
+            answers = await asyncio.gather(*(call_raw(nc, svc.subjects, call, timeout=10.0) for _ in range(6)))
+            assert all(isinstance(a, CallAccepted) for a in answers), answers
+            holders = {a.server_id for a in answers}
+            assert len(holders) == 1, answers
+            holder = holders.pop()
+            assert call.call_id not in got["s1" if holder == "s0" else "s0"], got
 
 
 async def test_a_reply_lost_and_redis_emptied_is_answered_again_not_generated_again(
