@@ -150,15 +150,13 @@ class NatsServer(ServerBase):
         wait_tcp(self.port, self._proc, deadline, "nats-server", self.log_file)
         # /healthz is only 200 once JetStream is up and, when clustered, has a meta leader.
         while not self.healthz():
-            if self._proc.poll() is not None:
-                raise InfraError(f"nats-server exited with code {self._proc.returncode}; "
-                                 f"log tail:\n{log_tail(self.log_file)}")
-            for peer in self.peers:
-                # (e.g. its route port taken between picking and binding it: the whole cluster
-                # starts again on fresh ports instead of waiting out the deadline for a quorum)
-                if peer._proc is not None and peer._proc.poll() is not None:
-                    raise InfraError(f"nats-server on port {peer.port}, a node of this one's cluster, exited "
-                                     f"with code {peer._proc.returncode}; log tail:\n{log_tail(peer.log_file)}")
+            for node in (self, *self.peers):
+                # a peer too (e.g. its route port taken between picking and binding it): the whole
+                # cluster starts again on fresh ports instead of waiting out the deadline for a quorum
+                if node._proc is not None and node._proc.poll() is not None:
+                    which = "" if node is self else f" on port {node.port}, a node of this one's cluster,"
+                    raise InfraError(f"nats-server{which} exited with code {node._proc.returncode}; "
+                                     f"log tail:\n{log_tail(node.log_file)}")
             if time.monotonic() > deadline:
                 raise InfraError(f"nats-server on port {self.port} not healthy in time; "
                                  f"log tail:\n{log_tail(self.log_file)}")
