@@ -86,6 +86,11 @@ class SubstrateView(msgspec.Struct, frozen=True, kw_only=True):
         }
 
 
+# What placement reads of a server's hash: the load and the substrate's view, not the
+# counters (the router's snapshot fetches only these; decode_server reads them alike)
+PLACEMENT_FIELDS: tuple[str, ...] = (*ServerLoad.__struct_fields__, *SubstrateView.__struct_fields__)
+
+
 class ServerMirror(msgspec.Struct, frozen=True, kw_only=True):
     """Everything a reader (router, replay, CLI) finds in a server's hash."""
 

@@ -28,6 +28,7 @@ from nats.aio.msg import Msg
 from polling import until
 from services.router.placement import InFlight, InFlightPlacements
 from services.router.service import PLACE_SCRIPT, Router
+from shared import state
 from shared.call_record import CallRecords
 from shared.keys import CALL_TTL_S, Keys
 from shared.settings import Settings
@@ -416,6 +417,58 @@ async def test_a_routers_placements_are_written_in_their_order_a_batch_a_round_t
                                              counted=[c.call_id for c in calls])
     assert "late" not in router.in_flight.own.get(SERVER, {})
     assert await router.mark_in_flight(SERVER, late)  # unconditionally (the last attempt) it lands
+
+
+async def test_the_servers_snapshot_is_one_command_that_reads_what_the_pipeline_read(redis_client: aioredis.Redis) -> None:
+    """The router reads every server's in-flight hash and mirror with one script call,
+    and decodes what a GET and an HGETALL per hash gave (less the mirror's counters,
+    which placement does not read); a Redis that lost its scripts (restarted empty) is
+    answered after loading the script again."""
+    router = Router(Settings(key_prefix=f"tsn{uuid.uuid4().hex[:6]}:", servers=["s0", "s1", "s2"]))
+    router.redis = redis_client
+    router.in_flight = InFlightPlacements(max_age=60.0)
+    router.start_placement_writes()
+    keys = router.keys
+    await redis_client.set(keys.placements(), "7")
+    await redis_client.hset(keys.in_flight("s0"), mapping={"c1": "a", "c2": "b"})
+    pipe = redis_client.pipeline(transaction=True)
+    state.write_server_load(pipe, keys, "s0", state.ServerLoad(active=MODEL_A, queued=3, live_models=frozenset({MODEL_A})))
+    state.write_substrate_view(pipe, keys, "s0", state.SubstrateView(resident=MODEL_A, staged=MODEL_B))
+    state.add_counters(pipe, keys, "s0", {"switches": 4})
+    state.write_server_load(pipe, keys, "s2", state.ServerLoad(active=MODEL_B))  # s1: nothing mirrored yet
+    await pipe.execute()
+    in_flight = [await redis_client.hgetall(keys.in_flight(s)) for s in ("s0", "s1", "s2")]
+    mirrors = [state.decode_server(await redis_client.hgetall(keys.server(s))) for s in ("s0", "s1", "s2")]
+    assert mirrors[0].counters and mirrors[0].substrate.staged == MODEL_B
+    commands: list[int] = []
+    execute = redis_client.pipeline(transaction=False).__class__.execute
+
+    async def counting(pipe: Any, *args: Any, **kw: Any) -> Any:
+        commands.append(len(pipe.command_stack))
+        return await execute(pipe, *args, **kw)
+
+    for flushed in (False, True):
+        if flushed:
+            await redis_client.script_flush()
+        pipe = redis_client.pipeline(transaction=False)
+        pipe.get(keys.placements())  # another read before it, as on a call's first snapshot
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(type(pipe), "execute", counting)
+            n = router._queue_server_reads(pipe)
+            read, results = await router._execute_read(pipe)
+        assert n == 7 and results[:2] == [b"7", b"7"] and commands[-1] == 2
+        assert results[2::2] == in_flight
+        for raw, full in zip(results[3::2], mirrors):
+            got = state.decode_server(raw)
+            assert (got.load, got.substrate, got.counters) == (full.load, full.substrate, {})
+        router.in_flight.end_read(read)
+    # an error of another read in the pipeline is raised, and the snapshot's read is closed
+    pipe = redis_client.pipeline(transaction=False)
+    pipe.hgetall(keys.placements())  # WRONGTYPE: a string
+    router._queue_server_reads(pipe)
+    with pytest.raises(aioredis.ResponseError):
+        await router._execute_read(pipe)
+    assert not router.in_flight.open_reads
 
 
 async def test_bad_input_gets_typed_error_and_never_crashes(stack: Services, nc: NATS) -> None:

@@ -68,6 +68,20 @@ PLACE_SCRIPT = (
     f"redis.call('LTRIM', KEYS[3], -{PLACEMENT_LOG_LEN}, -1) "
     "redis.call('HSET', KEYS[2], ARGV[2], ARGV[3]) redis.call('EXPIRE', KEYS[2], ARGV[4]) return 1")
 
+# The servers' snapshot in one command: the placement sequence, then per server its
+# in-flight hash and the fields of its mirror that placement reads (KEYS: the sequence,
+# then each server's in-flight hash and mirror; ARGV: state.PLACEMENT_FIELDS). As a
+# pipeline it was 1 + 2 per server commands a call, each packed and parsed by the
+# router (33 at 16 servers). Read atomically, so no call moves from a server's
+# in-flight hash to its mirror between the two reads.
+SNAPSHOT_SCRIPT = (
+    "local out = {redis.call('GET', KEYS[1])} "
+    "for i = 2, #KEYS, 2 do "
+    "  out[i] = redis.call('HGETALL', KEYS[i]) "
+    "  out[i + 1] = redis.call('HMGET', KEYS[i + 1], unpack(ARGV)) "
+    "end "
+    "return out")
+
 
 @dataclass(frozen=True, slots=True)
 class PendingPlacement:
@@ -464,22 +478,37 @@ class Router(ServiceProcess):
         return await self.call_records.update(req.session_id, req.call_id,
                                               CallRecord(state="placed", server_id=server_id), revision)
 
-    def _queue_server_reads(self, pipe: Any) -> int:
-        """Queue the reads of a servers snapshot; returns how many results they add.
-        Each server's in-flight hash comes before its mirror: a call admission moves
-        from one to the other between the two reads is counted twice, never missed."""
-        pipe.get(self.keys.placements())
+    def _snapshot_keys(self) -> list[str]:
+        """KEYS of SNAPSHOT_SCRIPT: the placement sequence, then per server its in-flight
+        hash and its mirror."""
+        keys = [self.keys.placements()]
         for server_id in self.settings.servers:
-            pipe.hgetall(self.keys.in_flight(server_id))
-            pipe.hgetall(self.keys.server(server_id))
-        return 1 + 2 * len(self.settings.servers)
+            keys += [self.keys.in_flight(server_id), self.keys.server(server_id)]
+        return keys
+
+    def _queue_server_reads(self, pipe: Any) -> int:
+        """Queue the servers' snapshot, last in the pipeline; returns how many results it
+        adds once `_execute_read` spreads it (the sequence and two hashes per server)."""
+        keys = self._snapshot_keys()
+        pipe.evalsha(self._snapshot_script.sha, len(keys), *keys, *state.PLACEMENT_FIELDS)
+        return len(keys)
 
     async def _execute_read(self, pipe: Any) -> tuple[int, list[Any]]:
-        """Run a pipeline that holds a servers snapshot: its read number and results
-        (`_server_views` closes the read; a failed one is closed here)."""
+        """Run a pipeline whose last command is the servers' snapshot: its read number and
+        results, the snapshot spread out as [sequence, in-flight hash, mirror fields, ...] per
+        server (`_server_views` closes the read; a failed one is closed here)."""
         read = self.in_flight.begin_read()
         try:
-            return read, await pipe.execute()
+            results = await pipe.execute(raise_on_error=False)
+            *others, snapshot = results
+            for r in others:
+                if isinstance(r, Exception):
+                    raise r
+            if isinstance(snapshot, NoScriptError):  # a Redis that restarted empty: loads it again
+                snapshot = await self._snapshot_script(keys=self._snapshot_keys(), args=state.PLACEMENT_FIELDS)
+            elif isinstance(snapshot, Exception):
+                raise snapshot
+            return read, [*others, *spread_snapshot(snapshot)]
         except BaseException:
             self.in_flight.end_read(read)
             raise
@@ -511,6 +540,7 @@ class Router(ServiceProcess):
         """The placement script, and the queue of placements ranked and counted here that
         wait for their write (in ranking order, one pipeline per batch: _write_placements)."""
         self._place_script = self.redis.register_script(PLACE_SCRIPT)
+        self._snapshot_script = self.redis.register_script(SNAPSHOT_SCRIPT)
         self._unwritten: list[PendingPlacement] = []
         self._placement_writer: asyncio.Task | None = None
 
@@ -585,6 +615,18 @@ class Router(ServiceProcess):
             await self.redis.hdel(self.keys.in_flight(server_id), call_id)
         except Exception as exc:  # the entry ages out (IN_FLIGHT_MAX_WALL_S)
             self.log.warning("router.in_flight_clear_failed", server_id=server_id, error=str(exc))
+
+
+def spread_snapshot(reply: list[Any]) -> list[Any]:
+    """SNAPSHOT_SCRIPT's reply as dicts: the sequence, then per server its in-flight
+    hash (a script returns a hash as a flat list) and its mirror's placement fields
+    that are set (HMGET answers nil for the others)."""
+    seq, *hashes = reply
+    out = [seq]
+    for in_flight, mirror in zip(hashes[::2], hashes[1::2]):
+        out.append({in_flight[i]: in_flight[i + 1] for i in range(0, len(in_flight), 2)})
+        out.append({f: v for f, v in zip(state.PLACEMENT_FIELDS, mirror) if v is not None})
+    return out
 
 
 def main() -> None:
