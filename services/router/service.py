@@ -537,8 +537,8 @@ class Router(ServiceProcess):
         return seq, views, counted
 
     def start_placement_writes(self) -> None:
-        """The placement script, and the queue of placements ranked and counted here that
-        wait for their write (in ranking order, one pipeline per batch: _write_placements)."""
+        """The placement and snapshot scripts, and the queue of placements ranked and counted
+        here that wait for their write (in ranking order, one pipeline per batch: _write_placements)."""
         self._place_script = self.redis.register_script(PLACE_SCRIPT)
         self._snapshot_script = self.redis.register_script(SNAPSHOT_SCRIPT)
         self._unwritten: list[PendingPlacement] = []
