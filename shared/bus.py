@@ -106,7 +106,8 @@ def start_loop_watchdog(lag: LagMonitor, stall_s: float, instance: str) -> threa
     def watch() -> None:
         while True:
             time.sleep(min(1.0, stall_s / 4))
-            idle = time.monotonic() - lag.last_tick
+            # how long the monitor's wake-up is overdue (its sleep is longer while the process is idle)
+            idle = time.monotonic() - max(lag.last_tick, lag.due)
             if idle > stall_s:
                 sys.stderr.write(json.dumps({"event": "service.loop_stuck", "instance": instance, "level": "error",
                                              "idle_s": round(idle, 1), "exit_code": LOOP_STALL_EXIT_CODE}) + "\n")

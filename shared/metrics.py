@@ -125,8 +125,8 @@ class Metrics:
                                        "the gateway (a streamed one: until its last event).", ["api"],
                                        buckets=WALL_SECONDS_BUCKETS + (60.0, 300.0, 600.0), registry=r)
         # -- every process ------------------------------------------------------------------------
-        self.loop_lag = Gauge("talaria_event_loop_lag_seconds", "Worst event-loop lag of the last interval "
-                              "(wall seconds).", registry=r)
+        self.loop_lag = Gauge("talaria_event_loop_lag_seconds", "Worst event-loop lag since the process "
+                              "started (wall seconds).", registry=r)
 
     def reexport(self, source: CollectorRegistry, prefix: str, skip: frozenset[str]) -> None:
         """Expose another registry's metrics named `prefix*` here too (a real engine's own

@@ -1,14 +1,17 @@
 """A service whose event loop is stuck exits on its own (compose restarts what
-exits, never what is merely unhealthy); one whose loop runs does not."""
+exits, never what is merely unhealthy); one whose loop runs does not, even while
+its lag monitor, the process idle, wakes seldom."""
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 from shared.bus import LOOP_STALL_EXIT_CODE
+from shared.clock import LagMonitor
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -48,3 +51,38 @@ def test_a_stuck_loop_ends_the_process() -> None:
 def test_a_running_loop_is_left_alone() -> None:
     code, _, err = _run(False)
     assert code == 0, err
+
+
+def test_the_lag_monitor_sleeps_longer_while_its_process_is_idle() -> None:
+    lag = LagMonitor(interval_s=0.05, idle_interval_s=0.8, busy_fraction=0.02)
+    assert lag.next_sleep_s(0.05, 0.05, 0.0) == 0.1  # idle: the sleep doubles ...
+    assert lag.next_sleep_s(0.4, 0.41, 0.001) == 0.8
+    assert lag.next_sleep_s(0.8, 0.8, 0.0) == 0.8  # ... up to idle_interval_s
+    assert lag.next_sleep_s(0.8, 0.8, 0.02) == 0.05  # busy (2.5% of the sleep): back at once
+    assert lag.next_sleep_s(0.05, 0.05, 0.001) == 0.05  # 2% is busy
+
+
+def test_an_idle_loop_wakes_its_monitor_seldom_a_busy_one_often_and_a_stall_is_measured() -> None:
+    async def main() -> None:
+        lag = LagMonitor(interval_s=0.05, idle_interval_s=0.4)
+        task = asyncio.ensure_future(lag.run())
+        await asyncio.sleep(2.0)
+        assert lag.sleep_s == 0.4  # nothing else runs here
+
+        async def work() -> None:  # computes about a third of the time
+            while True:
+                until = time.process_time() + 0.005
+                while time.process_time() < until:
+                    pass
+                await asyncio.sleep(0.01)
+
+        busy = asyncio.ensure_future(work())
+        await asyncio.sleep(0.6)  # the idle sleep under way ends, and finds the process busy
+        assert lag.sleep_s == 0.05
+        time.sleep(0.5)  # a stall: the loop runs nothing
+        await asyncio.sleep(0.2)
+        assert lag.worst_s >= 0.4
+        busy.cancel()
+        task.cancel()
+
+    asyncio.run(main())
