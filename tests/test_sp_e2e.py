@@ -26,11 +26,13 @@ AIR, GLM = "glm-4.5-air-fp8", "glm-4.5-fp8"
 
 # a1 makes a short call and returns 0.5 s later; a2 keeps AIR's slot busy with a
 # long generation; g1 (another model) is waiting, so without SP a1's second call
-# must wait for AIR's next round.
+# must wait for AIR's next round. g1 comes while AIR is switched in (about 5 s):
+# 2 model s after the others, 100 wall ms at 20x (at 0.2 s, 10 wall ms, the live
+# services once took g1's call first and served GLM before AIR).
 TRACE = [
     TraceSession("a1", AIR, 0.0, [TraceCall(2000, 20, 0.5), TraceCall(200, 20, 0.0)]),
     TraceSession("a2", AIR, 0.0, [TraceCall(2000, 3000, 0.0)]),
-    TraceSession("g1", GLM, 0.2, [TraceCall(2000, 20, 0.0)]),
+    TraceSession("g1", GLM, 2.0, [TraceCall(2000, 20, 0.0)]),
 ]
 
 

@@ -109,6 +109,13 @@ class Router(ServiceProcess):
         self.in_flight = InFlightPlacements(max_age=IN_FLIGHT_MAX_WALL_S)
         self._placing = asyncio.Lock()  # this router's placements, one at a time (_place_and_submit)
         self.start_placement_writes()
+        # loaded before the first call: otherwise the first calls' snapshots each pay a
+        # refused EVALSHA and a load (a Redis that restarts empty later is still handled)
+        try:
+            for script in (PLACE_SCRIPT, SNAPSHOT_SCRIPT):
+                await self.redis.script_load(script)
+        except Exception as exc:  # Redis away at start: the router still starts, and loads them on first use
+            self.log.warning("router.scripts_not_loaded", error=str(exc))
         self._engine_limits: tuple[float, dict[str, int]] = (float("-inf"), {})
         # every agent-facing namespace's store of prompts sent by reference (the router creates them)
         await PromptStore(self.nc, self.settings.subject_prefix).create(
