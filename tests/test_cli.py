@@ -210,3 +210,21 @@ def test_bench_control_plane_prints_a_row_per_rate_with_cpu_by_kind(tmp_path: Pa
     # the hops: messages into NATS and Redis commands per call, and which commands
     assert rows[0]["nats_msgs_per_call"] > 1 and rows[0]["redis_cmds_per_call"] > 1
     assert rows[0]["redis_by_command_per_call"].get("evalsha", 0) > 0  # (the placement's compare-and-set)
+
+
+def test_the_transport_floor_passes_every_call_through_its_hops_in_both_layouts() -> None:
+    """The floor's bare processes carry each call end to end: no call lost, the messages a call
+    costs fixed by the layout (today's three processes against one), the Redis commands the same."""
+    import asyncio
+
+    from talaria.lab.hop_floor import LAYOUTS, measure
+
+    rows = {layout: asyncio.run(measure([40.0], 1.0, 4, layout))[0] for layout in LAYOUTS}
+    for layout, row in rows.items():
+        assert row["failed"] == 0 and row["served_per_s"] > 20, (layout, row)
+        assert set(LAYOUTS[layout]) | {"nats", "redis", "client"} == set(row["cpu_ms_per_call"]), row
+        assert row["redis_cmds_per_call"] == pytest.approx(28.0, abs=0.5)
+    # agent's call and receipt, two record writes, submit and answer, run, accepted, claim, running,
+    # run acknowledged, the reply, the answer's write, finished, KV protection
+    assert rows["3 procs"]["nats_msgs_per_call"] == pytest.approx(15.0, abs=0.5)
+    assert rows["1 proc"]["nats_msgs_per_call"] == pytest.approx(7.0, abs=0.5)

@@ -30,6 +30,7 @@ import statistics
 import sys
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from talaria.argtypes import positive_float, positive_float_list, positive_int
@@ -129,8 +130,10 @@ def cpu_by_kind(kinds: dict[str, list[int]]) -> dict[str, float]:
     return out
 
 
-async def drive(sessions: list[object], rate: float, duration_s: float, time_scale: float) -> tuple[int, list[float], int]:
-    """Open loop at `rate` for `duration_s`: (served, added latency ms of each, failed)."""
+async def open_loop(rate: float, duration_s: float,
+                    one_call: Callable[[int], Awaitable[float]]) -> tuple[list[float], int]:
+    """Call i starts at i / rate seconds whatever the earlier ones are doing; `one_call(i)`
+    returns the call's added wall ms. (the added ms of each served call, the failed count)"""
     n = max(1, int(rate * duration_s))
     added: list[float] = []
     failed = 0
@@ -139,18 +142,26 @@ async def drive(sessions: list[object], rate: float, duration_s: float, time_sca
     async def one(i: int) -> None:
         nonlocal failed
         await asyncio.sleep(max(0.0, t0 + i / rate - time.monotonic()))
-        sess = sessions[i % len(sessions)]
-        start = time.perf_counter()
         try:
-            r = await sess.call(prompt_tokens=64 + i % 64, max_tokens=1, sim_output_tokens=1)  # type: ignore[attr-defined]
+            added.append(await one_call(i))
         except Exception:  # noqa: BLE001 - counted, the run goes on
             failed += 1
-            return
-        wall_ms = (time.perf_counter() - start) * 1000
-        model_ms = (r.waited_s + r.restore_s + r.prefill_s + r.decode_s) / time_scale * 1000
-        added.append(wall_ms - model_ms)
 
     await asyncio.gather(*(one(i) for i in range(n)))
+    return added, failed
+
+
+async def drive(sessions: list[object], rate: float, duration_s: float, time_scale: float) -> tuple[int, list[float], int]:
+    """Open loop at `rate` for `duration_s`: (served, added latency ms of each, failed)."""
+
+    async def call(i: int) -> float:
+        sess = sessions[i % len(sessions)]
+        start = time.perf_counter()
+        r = await sess.call(prompt_tokens=64 + i % 64, max_tokens=1, sim_output_tokens=1)  # type: ignore[attr-defined]
+        wall_ms = (time.perf_counter() - start) * 1000
+        return wall_ms - (r.waited_s + r.restore_s + r.prefill_s + r.decode_s) / time_scale * 1000
+
+    added, failed = await open_loop(rate, duration_s, call)
     return len(added), added, failed
 
 
@@ -234,6 +245,17 @@ def run(a: argparse.Namespace) -> int:
         for routers in a.routers:
             rows += asyncio.run(bench(rates, a.duration, servers, routers, a.sessions, a.time_scale, Path(a.log_dir),
                                       Path(a.profile) if a.profile else None))
+    if a.floor:
+        from talaria.lab.hop_floor import LAYOUTS, measure
+
+        print("floor: a call's hops with no logic behind them (talaria/lab/hop_floor.py): bare processes for "
+              "router, admission and engine (3 procs, today's path) or one for all three (1 proc), the call "
+              "record's JetStream writes, nine Redis round trips", flush=True)
+        for layout in LAYOUTS:
+            for row in asyncio.run(measure(rates, a.duration, a.sessions, layout)):
+                row.update(servers="floor", routers=layout)
+                rows.append(row)
+                print(format_row(row), flush=True)
     if a.out:
         Path(a.out).write_text(json.dumps({"rows": rows}, indent=2))
         print(f"wrote {a.out}")
@@ -252,4 +274,7 @@ def configure_parser(p: argparse.ArgumentParser, default_log_dir: Path) -> None:
     p.add_argument("--profile", metavar="DIR", help="sample every Python service with py-spy during each rate "
                                                     "(collapsed stacks in DIR; the top frames printed)")
     p.add_argument("--log-dir", default=str(default_log_dir), help="the embedded stacks' logs")
+    p.add_argument("--floor", action="store_true",
+                   help="also run the transport floor: the call's hops (messages, record writes, Redis round trips) "
+                        "between bare processes with no logic, at the same rates")
     p.set_defaults(fn=run)
