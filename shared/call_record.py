@@ -47,6 +47,7 @@ from typing import Literal
 
 import msgspec
 import nats.errors
+import structlog
 import nats.js.errors
 from nats.aio.client import Client as NATS
 from nats.js.api import Header, KeyValueConfig, StorageType
@@ -105,19 +106,31 @@ def is_transient(exc: BaseException) -> bool:
 
 async def retry_transient(what: str, step, deadline_s: float,  # type: ignore[no-untyped-def]
                           unavailable: type[Exception] = CallRecordUnavailable):
-    """Run `step()` until it answers, waiting out transient errors up to `deadline_s`."""
-    end = time.monotonic() + deadline_s
+    """Run `step()` until it answers, waiting out transient errors up to `deadline_s`.
+    A step that answered only after retries is logged once with what it waited out
+    (`store.retried`): a call that stalled on the bucket is otherwise silent."""
+    start = time.monotonic()
+    end = start + deadline_s
     attempt = 0
+    first_error = ""
     while True:
         try:
-            return await step()
+            result = await step()
         except Exception as exc:
             if not is_transient(exc):
                 raise
+            first_error = first_error or f"{type(exc).__name__}: {exc}"
             if time.monotonic() > end:
+                structlog.get_logger().warning("store.unavailable", what=what, attempts=attempt + 1, first_error=first_error,
+                             waited_s=round(time.monotonic() - start, 3))
                 raise unavailable(f"{what}: {type(exc).__name__}: {exc}") from exc
             await asyncio.sleep(_BACKOFF_S[min(attempt, len(_BACKOFF_S) - 1)])
             attempt += 1
+        else:
+            if attempt:
+                structlog.get_logger().warning("store.retried", what=what, attempts=attempt + 1, first_error=first_error,
+                             waited_s=round(time.monotonic() - start, 3))
+            return result
 
 
 class CallRecords:

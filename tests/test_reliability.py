@@ -732,3 +732,37 @@ async def test_a_sleep_or_wake_lost_on_the_bus_is_sent_again(
     finally:
         await hole.close()
         await svc.stop()
+
+
+async def test_a_store_step_that_waited_out_errors_says_so_once_and_one_that_gave_up_says_so() -> None:
+    """The bucket's transient errors are retried in silence to the caller; the log
+    tells an operator which step stalled, how long and on what."""
+    import nats.errors
+    import structlog
+
+    from shared.call_record import CallRecordUnavailable, retry_transient
+
+    tries = 0
+
+    async def flaky() -> str:
+        nonlocal tries
+        tries += 1
+        if tries < 3:
+            raise nats.errors.TimeoutError
+        return "ok"
+
+    async def down() -> str:
+        raise nats.errors.NoRespondersError
+
+    async def answered() -> str:
+        return "ok"
+
+    with structlog.testing.capture_logs() as logs:
+        assert await retry_transient("claim", answered, 5.0) == "ok"
+        assert logs == []  # a step that answered at once logs nothing
+        assert await retry_transient("claim", flaky, 5.0) == "ok"
+        with pytest.raises(CallRecordUnavailable):
+            await retry_transient("answer", down, 0.05)
+    assert [(e["event"], e["what"]) for e in logs] == [("store.retried", "claim"), ("store.unavailable", "answer")]
+    assert logs[0]["attempts"] == 3 and "TimeoutError" in logs[0]["first_error"] and logs[0]["waited_s"] > 0
+    assert logs[1]["attempts"] >= 2 and "NoResponders" in logs[1]["first_error"]
