@@ -209,6 +209,7 @@ def test_bench_control_plane_prints_a_row_per_rate_with_cpu_by_kind(tmp_path: Pa
     assert rows[0]["stack_cpu_ms_per_call"] > 0
     # the hops: messages into NATS and Redis commands per call, and which commands
     assert rows[0]["nats_msgs_per_call"] > 1 and rows[0]["redis_cmds_per_call"] > 1
+    assert 1 < rows[0]["redis_reads_per_call"] < rows[0]["redis_cmds_per_call"]  # round trips: pipelines
     assert rows[0]["redis_by_command_per_call"].get("evalsha", 0) > 0  # (the placement's compare-and-set)
 
 
@@ -224,6 +225,7 @@ def test_the_transport_floor_passes_every_call_through_its_hops_in_both_layouts(
         assert row["failed"] == 0 and row["served_per_s"] > 20, (layout, row)
         assert set(LAYOUTS[layout]) | {"nats", "redis", "client"} == set(row["cpu_ms_per_call"]), row
         assert row["redis_cmds_per_call"] == pytest.approx(28.0, abs=0.5)
+        assert row["redis_reads_per_call"] == pytest.approx(9.0, abs=0.5)  # round trips: a pipeline is one
     # agent's call and receipt, two record writes, submit and answer, run, accepted, claim, running,
     # run acknowledged, the reply, the answer's write, finished, KV protection
     assert rows["3 procs"]["nats_msgs_per_call"] == pytest.approx(15.0, abs=0.5)

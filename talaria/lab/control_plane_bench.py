@@ -118,7 +118,10 @@ def bus_counts(stack: object) -> dict[str, float]:
         with urllib.request.urlopen(f"http://{LOOPBACK}:{node.http_port}/varz", timeout=5) as r:
             out["nats_msgs"] += json.load(r)["in_msgs"]
     with redis.Redis.from_url(stack.redis_url) as r:  # type: ignore[attr-defined]
-        out["redis_cmds"] = float(r.info("stats")["total_commands_processed"])
+        stats = r.info("stats")
+        out["redis_cmds"] = float(stats["total_commands_processed"])
+        # reads the server processed: a client's round trip (a pipeline is one, or a few when it is large)
+        out["redis_reads"] = float(stats.get("total_reads_processed", 0))
         for name, st in r.info("commandstats").items():  # each command's own count (the JSON's)
             out[f"redis_{name.removeprefix('cmdstat_')}"] = float(st["calls"])
     return out
@@ -204,11 +207,12 @@ async def bench(rates: list[float], duration_s: float, servers: int, routers: in
                     "cpu_ms_per_call": {k: round(v, 3) for k, v in sorted(per_call.items())},
                     "stack_cpu_ms_per_call": stack_ms,
                     **{f"{k}_per_call": (hops_after[k] - hops_before.get(k, 0.0)) / max(1, served)
-                       for k in ("nats_msgs", "redis_cmds")},
+                       for k in ("nats_msgs", "redis_cmds", "redis_reads")},
                     "redis_by_command_per_call": {
                         k.removeprefix("redis_"): round((v - hops_before.get(k, 0.0)) / max(1, served), 2)
                         for k, v in sorted(hops_after.items(), key=lambda kv: -kv[1])
-                        if k.startswith("redis_") and k != "redis_cmds" and v > hops_before.get(k, 0.0)},
+                        if k.startswith("redis_") and k not in ("redis_cmds", "redis_reads")
+                        and v > hops_before.get(k, 0.0)},
                 }
                 rows.append(row)
                 print(format_row(row), flush=True)
@@ -223,7 +227,7 @@ async def bench(rates: list[float], duration_s: float, servers: int, routers: in
 
 
 HEADER = (f"{'servers':>7} {'routers':>7} {'asked/s':>8} {'served/s':>8} {'p50 ms':>7} {'p90 ms':>7} {'p99 ms':>7} "
-          f"{'stack CPU ms/call':>17} {'NATS msg/call':>13} {'Redis cmd/call':>14}  by kind (ms/call; client apart)")
+          f"{'stack CPU ms/call':>17} {'NATS msg/call':>13} {'Redis cmd/call':>14} {'Redis trips/call':>16}  by kind (ms/call; client apart)")
 
 
 def format_row(r: dict[str, object]) -> str:
@@ -232,7 +236,7 @@ def format_row(r: dict[str, object]) -> str:
     by = " ".join(f"{k} {v:.2f}" for k, v in kinds.items())
     return (f"{r['servers']:>7} {r['routers']:>7} {r['rate_asked']:>8g} {r['served_per_s']:>8.1f} "
             f"{r['added_ms_p50']:>7.2f} {r['added_ms_p90']:>7.2f} {r['added_ms_p99']:>7.2f} "
-            f"{r['stack_cpu_ms_per_call']:>17.2f} {r['nats_msgs_per_call']:>13.1f} {r['redis_cmds_per_call']:>14.1f}  {by}" + (f"  ({r['failed']} failed)" if r["failed"] else ""))
+            f"{r['stack_cpu_ms_per_call']:>17.2f} {r['nats_msgs_per_call']:>13.1f} {r['redis_cmds_per_call']:>14.1f} {r.get('redis_reads_per_call', float('nan')):>16.1f}  {by}" + (f"  ({r['failed']} failed)" if r["failed"] else ""))
 
 
 def run(a: argparse.Namespace) -> int:

@@ -261,7 +261,7 @@ async def measure(rates: list[float], duration_s: float, session_count: int,
                 "added_ms_p99": _pct(added, 0.99) if added else float("nan"),
                 "cpu_ms_per_call": {k: round(v, 3) for k, v in sorted(per_call.items())},
                 "stack_cpu_ms_per_call": sum(v for k, v in per_call.items() if k != "client"),
-                **{f"{k}_per_call": (hops_after[k] - hops_before[k]) / served for k in ("nats_msgs", "redis_cmds")},
+                **{f"{k}_per_call": (hops_after[k] - hops_before[k]) / served for k in ("nats_msgs", "redis_cmds", "redis_reads")},
             })
     finally:
         await nc.close()
