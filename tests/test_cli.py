@@ -229,4 +229,5 @@ def test_the_transport_floor_passes_every_call_through_its_hops_in_both_layouts(
     # agent's call and receipt, two record writes, submit and answer, run, accepted, claim, running,
     # run acknowledged, the reply, the answer's write, finished, KV protection
     assert rows["3 procs"]["nats_msgs_per_call"] == pytest.approx(15.0, abs=0.5)
+    assert rows["2 procs"]["nats_msgs_per_call"] == pytest.approx(11.0, abs=0.5)  # no run, running, ack, finished
     assert rows["1 proc"]["nats_msgs_per_call"] == pytest.approx(7.0, abs=0.5)

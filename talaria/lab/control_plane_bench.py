@@ -253,7 +253,8 @@ def run(a: argparse.Namespace) -> int:
         from talaria.lab.hop_floor import LAYOUTS, measure
 
         print("floor: a call's hops with no logic behind them (talaria/lab/hop_floor.py): bare processes for "
-              "router, admission and engine (3 procs, today's path) or one for all three (1 proc), the call "
+              "router, admission and engine (3 procs, today's path), admission and engine in one (2 procs) or one for "
+              "all three (1 proc), the call "
               "record's JetStream writes, nine Redis round trips", flush=True)
         for layout in LAYOUTS:
             for row in asyncio.run(measure(rates, a.duration, a.sessions, layout)):

@@ -1,16 +1,19 @@
 """The transport floor under a call: the control plane's hops with no logic behind them.
 
-`talaria bench-control-plane --floor` runs this beside the stack's rows. Three bare
+`talaria bench-control-plane --floor` runs this beside the stack's rows. Bare
 processes stand where the router, admission and the engine-worker stand, on a NATS
 server with JetStream and a Redis of their own, and pass a call along the path a
 call takes through the services (docs/results.md lists it): every message the
-agent, the router, admission and the engine publish, the call record's four
-JetStream writes (create, the router's `placed`, the engine's claim and its
-answer), and nine Redis round trips of about the commands the stack sends a
-call. They decide nothing, log nothing and keep no state; each payload is a
-small msgspec map. What the three processes, NATS and Redis spend a call here is
-what the promises cost in hops on this machine before any of Talaria's own work:
-the stack's figure minus this one is ours.
+agent, the router, admission and the engine publish, the call record's JetStream
+writes (create, the router's `placed`, the engine's claim and its answer), and
+nine Redis round trips of about the commands the stack sends a call. They decide
+nothing, log nothing and keep no state; each payload is a small msgspec map. What
+the processes, NATS and Redis spend a call here is what the promises cost in hops
+on this machine before any of Talaria's own work: the stack's figure minus this
+one is ours. Three layouts (`LAYOUTS`): today's three processes; admission and
+the engine in one process per server (no run, running, acknowledgement or
+finished on the bus); all three roles in one (no `placed` write, claim or submit
+either: the record's create names the server that holds the call).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import msgspec
 
 BUCKET = "floor_calls"
 LAYOUTS = {"3 procs": ("router", "admission", "engine"),  # today's path
+           "2 procs": ("router", "node"),  # admission and the engine in one process per server
            "1 proc": ("single",)}  # the three roles in one process, the same promises
 _encode = msgspec.msgpack.Encoder().encode
 _decode = msgspec.msgpack.Decoder().decode
@@ -64,35 +68,72 @@ async def serve(role: str, nats_url: str, redis_url: str, prefix: str) -> None:
         tasks.add(t)
         t.add_done_callback(done)
 
+    # -- the Redis round trips, as the services make them (about their commands) --------------
+    async def read_session(cid: str) -> None:  # the session's gaps, outputs and reservation
+        async with r.pipeline(transaction=False) as p:
+            p.rpush(f"g:{cid[:12]}", "1.0").lrange(f"g:{cid[:12]}", -8, -1).lrange(f"o:{cid[:12]}", -8, -1)
+            p.get(f"res:{cid[:12]}").expire(f"g:{cid[:12]}", 600)
+            await p.execute()
+
+    async def read_snapshot() -> None:  # the servers' snapshot
+        await r.hmget("srv:s0", ["load", "free", "active", "queued"])
+
+    async def place(cid: str) -> None:  # the placement's compare-and-set and its in-flight entry
+        async with r.pipeline(transaction=False) as p:
+            p.hincrby("srv:s0", "placed", 1).hset("inflight:s0", cid, "1").expire("inflight:s0", 600)
+            await p.execute()
+
+    async def persist(cid: str, data: bytes) -> None:  # the queued call, kept for a restarted admission
+        await r.hset("adm:s0", cid, data)
+
+    async def write_locality(cid: str) -> None:  # KV locality of the prefix
+        async with r.pipeline(transaction=True) as p:
+            p.hset(f"kv:{cid[:12]}", "s0", "gpu").expire(f"kv:{cid[:12]}", 600).sadd(f"blocks:{cid[:12]}", "b1")
+            await p.execute()
+
+    async def write_finish(cid: str) -> None:  # the finish's counters, then the session's last finish
+        async with r.pipeline(transaction=False) as p:
+            p.hincrby("eng:s0", "calls", 1).hincrbyfloat("eng:s0", "busy", 0.1).set(f"last:{cid[:12]}", "1")
+            await p.execute()
+        async with r.pipeline(transaction=True) as p:
+            p.hset(f"sess:{cid[:12]}", "last_finish", "1").expire(f"sess:{cid[:12]}", 600)
+            await p.execute()
+
+    async def unpersist_and_mirror(cid: str) -> None:  # the mirror admission keeps for placement
+        await r.hdel("adm:s0", cid)
+        async with r.pipeline(transaction=True) as p:
+            p.hset("srv:s0", mapping={"load": 1, "free": 2}).hincrby("srv:s0", "done", 1).expire("srv:s0", 600)
+            await p.execute()
+
+    async def generate_and_answer(cid: str, claimed: int) -> None:
+        await write_locality(cid)
+        reply = _payload(cid, "reply")
+        await kv.update(cid, reply, last=claimed)  # the answer recorded before the reply goes out
+        await nc.publish(f"{prefix}.inbox.{cid}", reply)
+        await write_finish(cid)
+
+    # -- the roles ---------------------------------------------------------------------------
     async def on_call(msg) -> None:  # type: ignore[no-untyped-def]
         body = _decode(msg.data)
         cid = body["call_id"]
         rev = await kv.create(cid, msg.data)  # stored before it is acknowledged
-        async with r.pipeline(transaction=False) as p:  # the session's history and reservation
-            p.rpush(f"g:{cid[:12]}", "1.0").lrange(f"g:{cid[:12]}", -8, -1).lrange(f"o:{cid[:12]}", -8, -1)
-            p.get(f"res:{cid[:12]}").expire(f"g:{cid[:12]}", 600)
-            await p.execute()
-        await r.hmget("srv:s0", ["load", "free", "active", "queued"])  # the servers' snapshot
-        placed, _ = await asyncio.gather(kv.update(cid, msg.data, last=rev), _place(r, cid))
+        await read_session(cid)
+        await read_snapshot()
+        placed, _ = await asyncio.gather(kv.update(cid, msg.data, last=rev), place(cid))
         answer = await nc.request(f"{prefix}.submit", _encode({**body, "rev": placed}), timeout=10)
         await msg.respond(answer.data)  # the receipt
 
     async def on_submit(msg) -> None:  # type: ignore[no-untyped-def]
-        body = _decode(msg.data)
-        cid = body["call_id"]
-        await r.hset("adm:s0", cid, msg.data)  # the queued call, persisted
+        cid = _decode(msg.data)["call_id"]
+        await persist(cid, msg.data)
         await msg.respond(_payload(cid, "queued"))
         await nc.publish(f"{prefix}.run", msg.data)
         await nc.publish(f"{prefix}.inbox.{cid}", _payload(cid, "accepted"))
 
     async def on_engine_event(msg) -> None:  # type: ignore[no-untyped-def]
-        body = _decode(msg.data)
-        cid = body["call_id"]
+        cid = _decode(msg.data)["call_id"]
         if msg.subject.endswith(".finished"):
-            await r.hdel("adm:s0", cid)
-            async with r.pipeline(transaction=True) as p:  # the mirror admission keeps for placement
-                p.hset("srv:s0", mapping={"load": 1, "free": 2}).hincrby("srv:s0", "done", 1).expire("srv:s0", 600)
-                await p.execute()
+            await unpersist_and_mirror(cid)
             await nc.publish(f"{prefix}.protect", _payload(cid, "protect"))
 
     async def on_run(msg) -> None:  # type: ignore[no-untyped-def]
@@ -101,19 +142,20 @@ async def serve(role: str, nats_url: str, redis_url: str, prefix: str) -> None:
         claimed = await kv.update(cid, _payload(cid, "claimed"), last=body["rev"])
         await nc.publish(f"{prefix}.engine.running", _payload(cid, "running"))
         await nc.publish(f"{prefix}.run.ack", _payload(cid, "ack"))
-        async with r.pipeline(transaction=True) as p:  # KV locality of the prefix
-            p.hset(f"kv:{cid[:12]}", "s0", "gpu").expire(f"kv:{cid[:12]}", 600).sadd(f"blocks:{cid[:12]}", "b1")
-            await p.execute()
-        reply = _payload(cid, "reply")
-        await kv.update(cid, reply, last=claimed)  # the answer recorded before the reply goes out
-        await nc.publish(f"{prefix}.inbox.{cid}", reply)
-        async with r.pipeline(transaction=False) as p:  # the finish's counters
-            p.hincrby("eng:s0", "calls", 1).hincrbyfloat("eng:s0", "busy", 0.1).set(f"last:{cid[:12]}", "1")
-            await p.execute()
-        async with r.pipeline(transaction=True) as p:
-            p.hset(f"sess:{cid[:12]}", "last_finish", "1").expire(f"sess:{cid[:12]}", 600)
-            await p.execute()
+        await generate_and_answer(cid, claimed)
         await nc.publish(f"{prefix}.engine.finished", _payload(cid, "finished"))
+
+    async def on_submit_node(msg) -> None:  # type: ignore[no-untyped-def]
+        # admission and the engine in one process per server: no run, running, ack or finished on the bus
+        body = _decode(msg.data)
+        cid = body["call_id"]
+        await persist(cid, msg.data)
+        await msg.respond(_payload(cid, "queued"))
+        await nc.publish(f"{prefix}.inbox.{cid}", _payload(cid, "accepted"))
+        claimed = await kv.update(cid, _payload(cid, "claimed"), last=body["rev"])
+        await generate_and_answer(cid, claimed)
+        await unpersist_and_mirror(cid)
+        await nc.publish(f"{prefix}.protect", _payload(cid, "protect"))
 
     async def on_call_single(msg) -> None:  # type: ignore[no-untyped-def]
         # the three roles in one process: the same promises and Redis round trips, no hops between them
@@ -121,31 +163,14 @@ async def serve(role: str, nats_url: str, redis_url: str, prefix: str) -> None:
         body = _decode(msg.data)
         cid = body["call_id"]
         rev = await kv.create(cid, msg.data)
-        async with r.pipeline(transaction=False) as p:
-            p.rpush(f"g:{cid[:12]}", "1.0").lrange(f"g:{cid[:12]}", -8, -1).lrange(f"o:{cid[:12]}", -8, -1)
-            p.get(f"res:{cid[:12]}").expire(f"g:{cid[:12]}", 600)
-            await p.execute()
-        await r.hmget("srv:s0", ["load", "free", "active", "queued"])
-        await _place(r, cid)
-        await r.hset("adm:s0", cid, msg.data)
+        await read_session(cid)
+        await read_snapshot()
+        await place(cid)
+        await persist(cid, msg.data)
         await msg.respond(_payload(cid, "queued"))
         await nc.publish(f"{prefix}.inbox.{cid}", _payload(cid, "accepted"))
-        async with r.pipeline(transaction=True) as p:
-            p.hset(f"kv:{cid[:12]}", "s0", "gpu").expire(f"kv:{cid[:12]}", 600).sadd(f"blocks:{cid[:12]}", "b1")
-            await p.execute()
-        reply = _payload(cid, "reply")
-        await kv.update(cid, reply, last=rev)
-        await nc.publish(f"{prefix}.inbox.{cid}", reply)
-        async with r.pipeline(transaction=False) as p:
-            p.hincrby("eng:s0", "calls", 1).hincrbyfloat("eng:s0", "busy", 0.1).set(f"last:{cid[:12]}", "1")
-            await p.execute()
-        async with r.pipeline(transaction=True) as p:
-            p.hset(f"sess:{cid[:12]}", "last_finish", "1").expire(f"sess:{cid[:12]}", 600)
-            await p.execute()
-        await r.hdel("adm:s0", cid)
-        async with r.pipeline(transaction=True) as p:
-            p.hset("srv:s0", mapping={"load": 1, "free": 2}).hincrby("srv:s0", "done", 1).expire("srv:s0", 600)
-            await p.execute()
+        await generate_and_answer(cid, rev)
+        await unpersist_and_mirror(cid)
         await nc.publish(f"{prefix}.protect", _payload(cid, "protect"))
 
     def handler(fn):  # type: ignore[no-untyped-def]
@@ -157,6 +182,8 @@ async def serve(role: str, nats_url: str, redis_url: str, prefix: str) -> None:
         await nc.subscribe(f"{prefix}.call", cb=handler(on_call_single))
     elif role == "router":
         await nc.subscribe(f"{prefix}.call", cb=handler(on_call))
+    elif role == "node":
+        await nc.subscribe(f"{prefix}.submit", cb=handler(on_submit_node))
     elif role == "admission":
         await nc.subscribe(f"{prefix}.submit", cb=handler(on_submit))
         await nc.subscribe(f"{prefix}.engine.*", cb=handler(on_engine_event))
@@ -174,12 +201,6 @@ async def serve(role: str, nats_url: str, redis_url: str, prefix: str) -> None:
 
 async def _ignore(msg) -> None:  # type: ignore[no-untyped-def]
     return None
-
-
-async def _place(r, cid: str) -> None:  # type: ignore[no-untyped-def]
-    async with r.pipeline(transaction=False) as p:  # the placement's compare-and-set and its in-flight entry
-        p.hincrby("srv:s0", "placed", 1).hset("inflight:s0", cid, "1").expire("inflight:s0", 600)
-        await p.execute()
 
 
 async def measure(rates: list[float], duration_s: float, session_count: int,
