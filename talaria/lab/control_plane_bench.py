@@ -30,25 +30,13 @@ import statistics
 import sys
 import time
 import uuid
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from talaria.argtypes import positive_float, positive_float_list, positive_int
-from shared.net import LOOPBACK
 from talaria.lab.gateway_bench import _pct
+from talaria.lab.load import bus_counts, cpu_seconds, open_loop
 
 MODEL = "glm-4.5-air-fp8"
-TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of one process so far (0 when it is gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) * TICK_S  # utime, stime (fields 14 and 15 of stat)
 
 
 def process_kinds(stack: object) -> dict[str, list[int]]:
@@ -107,51 +95,10 @@ def top_frames(path: Path, n: int = 8) -> list[tuple[str, float]]:
     return [(f, c / total) for f, c in ranked][:n] if total else []
 
 
-def bus_counts(stack: object) -> dict[str, float]:
-    """Messages into every NATS node (its /varz) and commands Redis ran (INFO): per call, the hops."""
-    import urllib.request
-
-    import redis
-
-    out = {"nats_msgs": 0.0, "redis_cmds": 0.0}
-    for node in stack.nats_nodes:  # type: ignore[attr-defined]
-        with urllib.request.urlopen(f"http://{LOOPBACK}:{node.http_port}/varz", timeout=5) as r:
-            out["nats_msgs"] += json.load(r)["in_msgs"]
-    with redis.Redis.from_url(stack.redis_url) as r:  # type: ignore[attr-defined]
-        stats = r.info("stats")
-        out["redis_cmds"] = float(stats["total_commands_processed"])
-        # reads the server processed: a client's round trip (a pipeline is one, or a few when it is large)
-        out["redis_reads"] = float(stats.get("total_reads_processed", 0))
-        for name, st in r.info("commandstats").items():  # each command's own count (the JSON's)
-            out[f"redis_{name.removeprefix('cmdstat_')}"] = float(st["calls"])
-    return out
-
-
 def cpu_by_kind(kinds: dict[str, list[int]]) -> dict[str, float]:
     out = {k: sum(cpu_seconds(p) for p in pids) for k, pids in kinds.items()}
     out["client"] = sum(os.times()[:2])  # this process: the agents (and the stack's supervision)
     return out
-
-
-async def open_loop(rate: float, duration_s: float,
-                    one_call: Callable[[int], Awaitable[float]]) -> tuple[list[float], int]:
-    """Call i starts at i / rate seconds whatever the earlier ones are doing; `one_call(i)`
-    returns the call's added wall ms. (the added ms of each served call, the failed count)"""
-    n = max(1, int(rate * duration_s))
-    added: list[float] = []
-    failed = 0
-    t0 = time.monotonic() + 0.05
-
-    async def one(i: int) -> None:
-        nonlocal failed
-        await asyncio.sleep(max(0.0, t0 + i / rate - time.monotonic()))
-        try:
-            added.append(await one_call(i))
-        except Exception:  # noqa: BLE001 - counted, the run goes on
-            failed += 1
-
-    await asyncio.gather(*(one(i) for i in range(n)))
-    return added, failed
 
 
 async def drive(sessions: list[object], rate: float, duration_s: float, time_scale: float) -> tuple[int, list[float], int]:

@@ -210,7 +210,7 @@ async def measure(rates: list[float], duration_s: float, session_count: int,
     import nats
     from nats.js.api import KeyValueConfig, StorageType
 
-    from talaria.lab.control_plane_bench import bus_counts, cpu_seconds, open_loop
+    from talaria.lab.load import bus_counts, cpu_seconds, open_loop
     from talaria.lab.gateway_bench import _pct
     from talaria.ops.nats_server import NatsServer
     from talaria.ops.redis_server import RedisServer
