@@ -47,8 +47,8 @@ from typing import Literal
 
 import msgspec
 import nats.errors
-import structlog
 import nats.js.errors
+import structlog
 from nats.aio.client import Client as NATS
 from nats.js.api import Header, KeyValueConfig, StorageType
 from nats.js.client import JetStreamContext
@@ -113,6 +113,11 @@ async def retry_transient(what: str, step, deadline_s: float,  # type: ignore[no
     end = start + deadline_s
     attempt = 0
     first_error = ""
+
+    def report(event: str) -> None:
+        structlog.get_logger().warning(event, what=what, attempts=attempt + 1, first_error=first_error,
+                                       waited_s=round(time.monotonic() - start, 3))
+
     while True:
         try:
             result = await step()
@@ -121,15 +126,13 @@ async def retry_transient(what: str, step, deadline_s: float,  # type: ignore[no
                 raise
             first_error = first_error or f"{type(exc).__name__}: {exc}"
             if time.monotonic() > end:
-                structlog.get_logger().warning("store.unavailable", what=what, attempts=attempt + 1, first_error=first_error,
-                             waited_s=round(time.monotonic() - start, 3))
+                report("store.unavailable")
                 raise unavailable(f"{what}: {type(exc).__name__}: {exc}") from exc
             await asyncio.sleep(_BACKOFF_S[min(attempt, len(_BACKOFF_S) - 1)])
             attempt += 1
         else:
             if attempt:
-                structlog.get_logger().warning("store.retried", what=what, attempts=attempt + 1, first_error=first_error,
-                             waited_s=round(time.monotonic() - start, 3))
+                report("store.retried")
             return result
 
 

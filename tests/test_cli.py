@@ -213,9 +213,9 @@ def test_bench_control_plane_prints_a_row_per_rate_with_cpu_by_kind(tmp_path: Pa
     assert rows[0]["redis_by_command_per_call"].get("evalsha", 0) > 0  # (the placement's compare-and-set)
 
 
-def test_the_transport_floor_passes_every_call_through_its_hops_in_both_layouts() -> None:
+def test_the_transport_floor_passes_every_call_through_its_hops_in_every_layout() -> None:
     """The floor's bare processes carry each call end to end: no call lost, the messages a call
-    costs fixed by the layout (today's three processes against one), the Redis commands the same."""
+    costs fixed by the layout (three processes, two, one), the Redis commands the same."""
     import asyncio
 
     from talaria.lab.hop_floor import LAYOUTS, measure

@@ -183,7 +183,7 @@ def format_row(r: dict[str, object]) -> str:
     by = " ".join(f"{k} {v:.2f}" for k, v in kinds.items())
     return (f"{r['servers']:>7} {r['routers']:>7} {r['rate_asked']:>8g} {r['served_per_s']:>8.1f} "
             f"{r['added_ms_p50']:>7.2f} {r['added_ms_p90']:>7.2f} {r['added_ms_p99']:>7.2f} "
-            f"{r['stack_cpu_ms_per_call']:>17.2f} {r['nats_msgs_per_call']:>13.1f} {r['redis_cmds_per_call']:>14.1f} {r.get('redis_reads_per_call', float('nan')):>16.1f}  {by}" + (f"  ({r['failed']} failed)" if r["failed"] else ""))
+            f"{r['stack_cpu_ms_per_call']:>17.2f} {r['nats_msgs_per_call']:>13.1f} {r['redis_cmds_per_call']:>14.1f} {r['redis_reads_per_call']:>16.1f}  {by}" + (f"  ({r['failed']} failed)" if r["failed"] else ""))
 
 
 def run(a: argparse.Namespace) -> int:
@@ -200,9 +200,8 @@ def run(a: argparse.Namespace) -> int:
         from talaria.lab.hop_floor import LAYOUTS, measure
 
         print("floor: a call's hops with no logic behind them (talaria/lab/hop_floor.py): bare processes for "
-              "router, admission and engine (3 procs, today's path), admission and engine in one (2 procs) or one for "
-              "all three (1 proc), the call "
-              "record's JetStream writes, nine Redis round trips", flush=True)
+              "router, admission and engine (3 procs, today's path), admission and engine in one (2 procs) or "
+              "one for all three (1 proc); the call record's JetStream writes, nine Redis round trips", flush=True)
         for layout in LAYOUTS:
             for row in asyncio.run(measure(rates, a.duration, a.sessions, layout)):
                 row.update(servers="floor", routers=layout)

@@ -253,10 +253,7 @@ async def measure(rates: list[float], duration_s: float, session_count: int,
                 waiting.pop(cid, None)
             return (time.perf_counter() - start) * 1000  # no model time: all of it is added
 
-        async def drive(rate: float, seconds: float) -> tuple[list[float], int]:
-            return await open_loop(rate, seconds, call)
-
-        await drive(50.0, 1.0)  # warm up
+        await open_loop(50.0, 1.0, call)  # warm up
         pids = {**{role: p.pid for role, p in zip(LAYOUTS[layout], procs)},
                 "nats": nats_server.pid, "redis": redis_server.pid}
 
@@ -269,7 +266,7 @@ async def measure(rates: list[float], duration_s: float, session_count: int,
             client_before = sum(os.times()[:2])
             hops_before = bus_counts(_Stack)
             t0 = time.monotonic()
-            added, failed = await drive(rate, duration_s)
+            added, failed = await open_loop(rate, duration_s, call)
             wall = time.monotonic() - t0
             hops_after = bus_counts(_Stack)
             served = max(1, len(added))
