@@ -226,6 +226,10 @@ def test_the_transport_floor_passes_every_call_through_its_hops_in_every_layout(
         assert set(LAYOUTS[layout]) | {"nats", "redis", "client"} == set(row["cpu_ms_per_call"]), row
         assert row["redis_cmds_per_call"] == pytest.approx(28.0, abs=0.5)
         assert row["redis_reads_per_call"] == pytest.approx(9.0, abs=0.5)  # round trips: a pipeline is one
+        # the same commands by name in every layout, as the stack's rows give them
+        by_command = row["redis_by_command_per_call"]
+        assert set(by_command) == set(rows["3 procs"]["redis_by_command_per_call"]), (layout, by_command)
+        assert sum(by_command.values()) == pytest.approx(row["redis_cmds_per_call"], abs=0.5)
     # agent's call and receipt, two record writes, submit and answer, run, accepted, claim, running,
     # run acknowledged, the reply, the answer's write, finished, KV protection
     assert rows["3 procs"]["nats_msgs_per_call"] == pytest.approx(15.0, abs=0.5)

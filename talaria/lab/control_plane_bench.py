@@ -24,17 +24,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import shutil
-import statistics
 import sys
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from talaria.argtypes import positive_float, positive_float_list, positive_int
-from talaria.lab.gateway_bench import _pct
-from talaria.lab.load import bus_counts, cpu_seconds, open_loop
+from talaria.lab.load import measure_rate, open_loop
 
 MODEL = "glm-4.5-air-fp8"
 
@@ -95,14 +93,8 @@ def top_frames(path: Path, n: int = 8) -> list[tuple[str, float]]:
     return [(f, c / total) for f, c in ranked][:n] if total else []
 
 
-def cpu_by_kind(kinds: dict[str, list[int]]) -> dict[str, float]:
-    out = {k: sum(cpu_seconds(p) for p in pids) for k, pids in kinds.items()}
-    out["client"] = sum(os.times()[:2])  # this process: the agents (and the stack's supervision)
-    return out
-
-
-async def drive(sessions: list[object], rate: float, duration_s: float, time_scale: float) -> tuple[int, list[float], int]:
-    """Open loop at `rate` for `duration_s`: (served, added latency ms of each, failed)."""
+def agent_call(sessions: list[object], time_scale: float) -> Callable[[int], Awaitable[float]]:
+    """Call i: one tiny call on session i mod n; its added wall ms (wall time less model time)."""
 
     async def call(i: int) -> float:
         sess = sessions[i % len(sessions)]
@@ -111,8 +103,7 @@ async def drive(sessions: list[object], rate: float, duration_s: float, time_sca
         wall_ms = (time.perf_counter() - start) * 1000
         return wall_ms - (r.waited_s + r.restore_s + r.prefill_s + r.decode_s) / time_scale * 1000
 
-    added, failed = await open_loop(rate, duration_s, call)
-    return len(added), added, failed
+    return call
 
 
 async def bench(rates: list[float], duration_s: float, servers: int, routers: int, session_count: int,
@@ -134,33 +125,13 @@ async def bench(rates: list[float], duration_s: float, servers: int, routers: in
         try:
             tag = uuid.uuid4().hex[:6]
             sessions = [await client.open_session(MODEL, session_id=f"cp-{tag}-{i}") for i in range(session_count)]
-            await drive(sessions, 50.0, 1.0, time_scale)  # warm up: connections, scripts, first switch
+            call = agent_call(sessions, time_scale)
+            await open_loop(50.0, 1.0, call)  # warm up: connections, scripts, first switch
             kinds = process_kinds(stack)
             for rate in rates:
                 spies = start_profilers(stack, profile / f"{servers}s-{routers}r-{rate:g}", duration_s) if profile else []
-                before, hops_before = cpu_by_kind(kinds), bus_counts(stack)
-                t0 = time.monotonic()
-                served, added, failed = await drive(sessions, rate, duration_s, time_scale)
-                wall = time.monotonic() - t0
-                after, hops_after = cpu_by_kind(kinds), bus_counts(stack)
-                per_call = {k: (after[k] - before[k]) * 1000 / max(1, served) for k in after}
-                stack_ms = sum(v for k, v in per_call.items() if k != "client")
-                row: dict[str, object] = {
-                    "servers": servers, "routers": routers, "rate_asked": rate, "served_per_s": served / wall,
-                    "failed": failed, "wall_s": wall,
-                    "added_ms_p50": statistics.median(added) if added else float("nan"),
-                    "added_ms_p90": _pct(added, 0.90) if added else float("nan"),
-                    "added_ms_p99": _pct(added, 0.99) if added else float("nan"),
-                    "cpu_ms_per_call": {k: round(v, 3) for k, v in sorted(per_call.items())},
-                    "stack_cpu_ms_per_call": stack_ms,
-                    **{f"{k}_per_call": (hops_after[k] - hops_before.get(k, 0.0)) / max(1, served)
-                       for k in ("nats_msgs", "redis_cmds", "redis_reads")},
-                    "redis_by_command_per_call": {
-                        k.removeprefix("redis_"): round((v - hops_before.get(k, 0.0)) / max(1, served), 2)
-                        for k, v in sorted(hops_after.items(), key=lambda kv: -kv[1])
-                        if k.startswith("redis_") and k not in ("redis_cmds", "redis_reads")
-                        and v > hops_before.get(k, 0.0)},
-                }
+                row: dict[str, object] = {"servers": servers, "routers": routers,
+                                          **await measure_rate(rate, duration_s, call, kinds, stack)}
                 rows.append(row)
                 print(format_row(row), flush=True)
                 for name, spy in spies:

@@ -22,13 +22,9 @@ import uuid
 from pathlib import Path
 
 from talaria.argtypes import positive_float, positive_int
+from talaria.lab.load import percentile
 
 MODEL = "glm-4.5-air-fp8"
-
-
-def _pct(xs: list[float], q: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(q * len(s)))]
 
 
 async def _paced(n: int, rate: float, one: "callable[[int], object]",  # type: ignore[valid-type]
@@ -86,10 +82,10 @@ async def bench(sizes: list[int], calls: int, rate: float, log_dir: Path) -> lis
                     t0 = time.monotonic()
                     d, h = await asyncio.gather(_paced(calls, rate / 2, direct, t0=t0),
                                                 _paced(calls, rate / 2, via_http, offset_s=1 / rate, t0=t0))
-                    rows.append({"tokens": size, "direct_p50": statistics.median(d), "direct_p99": _pct(d, 0.99),
-                                 "http_p50": statistics.median(h), "http_p99": _pct(h, 0.99),
+                    rows.append({"tokens": size, "direct_p50": statistics.median(d), "direct_p99": percentile(d, 0.99),
+                                 "http_p50": statistics.median(h), "http_p99": percentile(h, 0.99),
                                  "overhead_p50": statistics.median(h) - statistics.median(d),
-                                 "overhead_p99": _pct(h, 0.99) - _pct(d, 0.99)})
+                                 "overhead_p99": percentile(h, 0.99) - percentile(d, 0.99)})
         finally:
             await client.close()
     return rows

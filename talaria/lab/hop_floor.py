@@ -210,8 +210,7 @@ async def measure(rates: list[float], duration_s: float, session_count: int,
     import nats
     from nats.js.api import KeyValueConfig, StorageType
 
-    from talaria.lab.load import bus_counts, cpu_seconds, open_loop
-    from talaria.lab.gateway_bench import _pct
+    from talaria.lab.load import measure_rate, open_loop
     from talaria.ops.nats_server import NatsServer
     from talaria.ops.redis_server import RedisServer
 
@@ -256,31 +255,14 @@ async def measure(rates: list[float], duration_s: float, session_count: int,
         await open_loop(50.0, 1.0, call)  # warm up
         pids = {**{role: p.pid for role, p in zip(LAYOUTS[layout], procs)},
                 "nats": nats_server.pid, "redis": redis_server.pid}
+        pids_by_kind = {k: [pid] for k, pid in pids.items() if pid is not None}
 
         class _Stack:  # what bus_counts reads
             nats_nodes = [nats_server]
             redis_url = redis_server.url
 
         for rate in rates:
-            before = {k: cpu_seconds(p) for k, p in pids.items() if p is not None}
-            client_before = sum(os.times()[:2])
-            hops_before = bus_counts(_Stack)
-            t0 = time.monotonic()
-            added, failed = await open_loop(rate, duration_s, call)
-            wall = time.monotonic() - t0
-            hops_after = bus_counts(_Stack)
-            served = max(1, len(added))
-            per_call = {k: (cpu_seconds(p) - before[k]) * 1000 / served for k, p in pids.items() if p is not None}
-            per_call["client"] = (sum(os.times()[:2]) - client_before) * 1000 / served
-            rows.append({
-                "rate_asked": rate, "served_per_s": len(added) / wall, "failed": failed, "wall_s": wall,
-                "added_ms_p50": statistics.median(added) if added else float("nan"),
-                "added_ms_p90": _pct(added, 0.90) if added else float("nan"),
-                "added_ms_p99": _pct(added, 0.99) if added else float("nan"),
-                "cpu_ms_per_call": {k: round(v, 3) for k, v in sorted(per_call.items())},
-                "stack_cpu_ms_per_call": sum(v for k, v in per_call.items() if k != "client"),
-                **{f"{k}_per_call": (hops_after[k] - hops_before[k]) / served for k in ("nats_msgs", "redis_cmds", "redis_reads")},
-            })
+            rows.append(await measure_rate(rate, duration_s, call, pids_by_kind, _Stack))
     finally:
         await nc.close()
         for p in procs:

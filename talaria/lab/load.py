@@ -1,12 +1,14 @@
 """Measuring a live stack under load: an open-loop driver, each process's CPU from
-`/proc`, and the hops counted at NATS and Redis. Shared by `talaria
-bench-control-plane` and its transport floor (`talaria/lab/hop_floor.py`)."""
+`/proc`, the hops counted at NATS and Redis, and one rate's row built from them.
+Shared by `talaria bench-control-plane` and its transport floor
+(`talaria/lab/hop_floor.py`), so the two print the same columns."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import os
+import statistics
 import time
 from collections.abc import Awaitable, Callable
 
@@ -64,3 +66,45 @@ async def open_loop(rate: float, duration_s: float,
 
     await asyncio.gather(*(one(i) for i in range(n)))
     return added, failed
+
+
+def percentile(xs: list[float], q: float) -> float:
+    """The q-quantile of xs, nearest rank (nan for none)."""
+    if not xs:
+        return float("nan")
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+async def measure_rate(rate: float, duration_s: float, one_call: Callable[[int], Awaitable[float]],
+                       pids_by_kind: dict[str, list[int]], stack: object) -> dict[str, object]:
+    """Drive `one_call` open loop at `rate` for `duration_s` and return the rate's row: calls
+    served per second, the added wall ms (p50 / p90 / p99), the CPU ms each process kind spent per
+    served call (this process, the agents, as `client`, apart from the stack's total), and the hops
+    per call: NATS messages, Redis commands and round trips, and Redis's commands by name."""
+
+    def cpu() -> dict[str, float]:
+        out = {k: sum(cpu_seconds(p) for p in pids) for k, pids in pids_by_kind.items()}
+        out["client"] = sum(os.times()[:2])
+        return out
+
+    before, hops_before = cpu(), bus_counts(stack)
+    t0 = time.monotonic()
+    added, failed = await open_loop(rate, duration_s, one_call)
+    wall = time.monotonic() - t0
+    after, hops_after = cpu(), bus_counts(stack)
+    served = max(1, len(added))
+    per_call = {k: (after[k] - before[k]) * 1000 / served for k in after}
+    return {
+        "rate_asked": rate, "served_per_s": len(added) / wall, "failed": failed, "wall_s": wall,
+        "added_ms_p50": statistics.median(added) if added else float("nan"),
+        "added_ms_p90": percentile(added, 0.90), "added_ms_p99": percentile(added, 0.99),
+        "cpu_ms_per_call": {k: round(v, 3) for k, v in sorted(per_call.items())},
+        "stack_cpu_ms_per_call": sum(v for k, v in per_call.items() if k != "client"),
+        **{f"{k}_per_call": (hops_after[k] - hops_before.get(k, 0.0)) / served
+           for k in ("nats_msgs", "redis_cmds", "redis_reads")},
+        "redis_by_command_per_call": {
+            k.removeprefix("redis_"): round((v - hops_before.get(k, 0.0)) / served, 2)
+            for k, v in sorted(hops_after.items(), key=lambda kv: -kv[1])
+            if k.startswith("redis_") and k not in ("redis_cmds", "redis_reads") and v > hops_before.get(k, 0.0)},
+    }

@@ -17,7 +17,8 @@ import uuid
 from pathlib import Path
 
 from talaria.argtypes import positive_float, positive_int
-from talaria.lab.gateway_bench import MODEL, _paced, _pct
+from talaria.lab.gateway_bench import MODEL, _paced
+from talaria.lab.load import percentile
 
 
 async def _sink() -> tuple[object, int, list[int]]:
@@ -75,8 +76,8 @@ async def _one_run(tracing_on: bool, calls: int, rate: float, log_dir: Path) -> 
 async def bench(calls: int, rate: float, log_dir: Path) -> dict[str, float]:
     off, _ = await _one_run(False, calls, rate, log_dir)
     on, exported = await _one_run(True, calls, rate, log_dir)
-    return {"off_p50": statistics.median(off), "off_p99": _pct(off, 0.99), "on_p50": statistics.median(on),
-            "on_p99": _pct(on, 0.99), "exported_bytes": float(exported)}
+    return {"off_p50": statistics.median(off), "off_p99": percentile(off, 0.99), "on_p50": statistics.median(on),
+            "on_p99": percentile(on, 0.99), "exported_bytes": float(exported)}
 
 
 def run(a: argparse.Namespace) -> int:
