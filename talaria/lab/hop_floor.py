@@ -19,8 +19,6 @@ either: the record's create names the server that holds the call).
 from __future__ import annotations
 
 import asyncio
-import os
-import statistics
 import subprocess
 import sys
 import time
