@@ -5,6 +5,7 @@ endpoint; against `talaria up` it shows what Talaria does for an agent's session
     talaria up --policy talaria                                   # one terminal
     python examples/sdk_agent.py                                  # another: the OpenAI SDK
     python examples/sdk_agent.py --api anthropic                  # the same loop, the Anthropic SDK
+    python examples/sdk_agent.py --api responses                  # the OpenAI SDK's Responses API (as Codex)
     python examples/sdk_agent.py --base-url URL --api-key KEY     # another deployment
 
 Each turn the model is offered three tools that run here, on a folder of files
@@ -138,9 +139,40 @@ def anthropic_loop(a: argparse.Namespace, tools: Tools, headers: dict[str, str])
     return rows
 
 
+def responses_loop(a: argparse.Namespace, tools: Tools, headers: dict[str, str]) -> list[tuple[float, int, int, str]]:
+    """The same loop on OpenAI's Responses API, as Codex calls it: the whole conversation
+    as `input` items every turn (`store: false`), tool calls as `function_call` items."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=a.base_url, api_key=a.api_key, default_headers=headers)
+    offered = [{"type": "function", **t} for t in TOOLS]
+    items: list[dict[str, Any]] = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": TASK}]}]
+    rows = []
+    for _ in range(a.calls):
+        t0 = time.monotonic()
+        r = client.responses.create(model=a.model, instructions="You are a careful coding agent.", input=items,
+                                    tools=offered, max_output_tokens=a.max_tokens, store=False)
+        wait = time.monotonic() - t0
+        record(a, items, offered, r.usage.model_dump())
+        items += [o.model_dump(exclude_none=True) for o in r.output]
+        calls = [o for o in r.output if o.type == "function_call"]
+        for c in calls:
+            try:
+                args = json.loads(c.arguments)
+            except ValueError:
+                args = {}
+            items.append({"type": "function_call_output", "call_id": c.call_id, "output": tools.run(c.name, args)})
+        if not calls:
+            items.append({"type": "message", "role": "user", "content": "Go on: check it with the tools."})
+        rows.append((wait, r.usage.input_tokens, r.usage.input_tokens_details.cached_tokens,
+                     ",".join(c.name for c in calls) or "(answered)"))
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--api", choices=("openai", "anthropic"), default="openai")
+    p.add_argument("--api", choices=("openai", "anthropic", "responses"), default="openai",
+                   help="chat completions, Anthropic Messages, or OpenAI Responses (as Codex calls it)")
     p.add_argument("--credentials", default=".talaria/logs/up/credentials.json",
                    help="`talaria up`'s credentials file (base URL and key), used when --base-url is not given")
     p.add_argument("--base-url", help="the OpenAI-style base URL, ending in /v1 (default: OPENAI_BASE_URL, else the credentials file)")
@@ -164,7 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     headers = {"x-session-id": a.session} if a.session else {}
     t0 = time.monotonic()
     try:
-        rows = (anthropic_loop if a.api == "anthropic" else openai_loop)(a, Tools(Path(a.root)), headers)
+        loop = {"openai": openai_loop, "anthropic": anthropic_loop, "responses": responses_loop}[a.api]
+        rows = loop(a, Tools(Path(a.root)), headers)
     except Exception as exc:  # the SDK's own errors (status, type, message) say what went wrong
         print(f"the call failed: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
@@ -174,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{i:>4} {wait:>7.2f} {prompt:>7} {cached:>7} {100 * cached / max(prompt, 1):>7.0f}%  {tool}")
     later = rows[1:]
     share = sum(c for _, _, c, _ in later) / max(1, sum(p for _, p, _, _ in later))
-    print(f"SCT {sct:.2f} s wall for {len(rows)} calls ({a.api} SDK, model {a.model}); "
+    print(f"SCT {sct:.2f} s wall for {len(rows)} calls ({a.api} API, model {a.model}); "
           f"cached {100 * share:.0f}% of the later calls' prompts")
     return 0
 

@@ -20,6 +20,7 @@ import pytest
 from services.gateway import translate as tr
 from services.gateway import prefix as px
 from services.gateway.service import start_gateway
+from shared import tool_calls as tc
 from shared.keys import Keys
 from shared.agent_client import TalariaClient
 from shared.logs import read_log_events
@@ -42,6 +43,7 @@ def test_session_headers_in_the_documented_order() -> None:
     assert tr.session_name(h, {}) == ("x-claude-code-session-id", "cc")
     assert tr.session_name({"x-session-affinity": "oc", "x-litellm-session-id": "l"}, {}) == ("x-session-affinity", "oc")
     assert tr.session_name({}, {"user": "u1"}) == ("user", "u1")
+    assert tr.session_name({}, {"user": "u1", "prompt_cache_key": "conv-9"}) == ("prompt_cache_key", "conv-9")
     assert tr.session_name({}, {"metadata": {"user_id": "m"}}) == ("metadata.user_id", "m")
     assert tr.session_name({}, {}) is None
 
@@ -104,6 +106,83 @@ def test_error_shapes() -> None:
     assert tr.openai_error("no_capacity", "m")[0] == 429
     assert tr.anthropic_error("no_capacity", "m") == (529, {"type": "error", "error": {"type": "overloaded_error", "message": "m"}})
     assert tr.openai_error("timeout", "m")[0] == 504 and tr.openai_error("too_large", "m")[0] == 413
+
+
+def test_a_responses_request_reads_as_the_chat_request_it_asks_for() -> None:
+    body = {"model": MODEL, "instructions": "be terse", "max_output_tokens": 50, "temperature": 0.2, "store": False,
+            "reasoning": {"effort": "low"}, "include": ["reasoning.encrypted_content"], "tool_choice": "auto",
+            "tools": [{"type": "function", "name": "shell", "description": "run", "parameters": {"type": "object"},
+                       "strict": False}],
+            "input": [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": "fix it"}]},
+                      {"type": "reasoning", "id": "rs_1", "summary": [], "encrypted_content": "..."},
+                      {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "on it"}]},
+                      {"type": "function_call", "call_id": "c1", "name": "shell", "arguments": '{"cmd": "ls"}'},
+                      {"type": "function_call", "call_id": "c2", "name": "shell", "arguments": '{"cmd": "pwd"}'},
+                      {"type": "function_call_output", "call_id": "c1", "output": "a.py"},
+                      {"type": "function_call_output", "call_id": "c2",
+                       "output": [{"type": "input_text", "text": "/repo"}]}]}
+    chat = tr.responses_request(body)
+    assert [m["role"] for m in chat["messages"]] == ["system", "user", "assistant", "tool", "tool"]
+    assert chat["messages"][1]["content"] == [{"type": "text", "text": "fix it"}]
+    # two calls after the assistant's text join its turn, as chat's one message with two tool_calls
+    assert [c["id"] for c in chat["messages"][2]["tool_calls"]] == ["c1", "c2"]
+    assert chat["messages"][4] == {"role": "tool", "tool_call_id": "c2", "content": [{"type": "text", "text": "/repo"}]}
+    assert chat["tools"] == [{"type": "function", "function": {"name": "shell", "description": "run",
+                                                               "parameters": {"type": "object"}}}]
+    assert (chat["max_output_tokens"], chat["temperature"], chat["tool_choice"]) == (50, 0.2, "auto")
+    assert tr.responses_request({"model": MODEL, "input": "hi",
+                                 "tool_choice": {"type": "function", "name": "shell"}})["tool_choice"] == \
+        {"type": "function", "function": {"name": "shell"}}
+    # the prompt it makes is chat's, the calls written as the model writes them
+    p = tr.chat_prompt(chat["messages"], tool_format="glm45")
+    assert p.tokens > 0 and "shell" in p.text
+    for bad, param in (({"input": []}, "input"), ({"input": 5}, "input"), ({"input": [3]}, "input[0]"),
+                       ({"input": [{"role": "wizard", "content": "x"}]}, "input[0].role"),
+                       ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type"),
+                       ({"input": [{"role": "user", "content": [{"type": "input_text"}]}]}, "input[0].content[0].text"),
+                       ({"input": [{"type": "function_call", "name": "f"}]}, "input[0]"),
+                       ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id"),
+                       ({"input": "x", "conversation": "conv_1"}, "conversation"),
+                       ({"input": "x", "background": True}, "background"),
+                       ({"input": "x", "text": {"format": {"type": "json_schema"}}}, "text"),
+                       ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0]"),
+                       ({"input": "x", "instructions": 5}, "instructions")):
+        with pytest.raises(tr.BadRequest) as e:
+            tr.responses_request({"model": MODEL, **bad})
+        assert e.value.param == param, (bad, e.value)
+
+
+def test_a_streamed_response_has_the_apis_events_in_order() -> None:
+    class Reply:
+        call_id, output_tokens = "c1", 12
+        text = tc.render([("read_file", {"path": "a.py", "limit": 5})], "hermes")
+        prompt_tokens, cached_tokens, restored_tokens = 100, 64, 0
+
+    ev = tr.ResponseEvents("c1", MODEL, 0, {"max_output_tokens": 12}, held=False)
+    first = ev.start() + ev.tokens("hel") + ev.tokens("lo")
+    kinds = [k for k, _ in first]
+    assert kinds == ["response.created", "response.in_progress", "response.output_item.added",
+                     "response.content_part.added", "response.output_text.delta", "response.output_text.delta"]
+    plain = type("Plain", (Reply,), {"text": "hello there"})
+    last = ev.finish(plain, 12, tr.answer_of(plain))
+    assert [k for k, _ in last] == ["response.output_text.delta", "response.output_text.done",
+                                    "response.content_part.done", "response.output_item.done", "response.incomplete"]
+    assert last[0][1]["delta"] == " there" and last[1][1]["text"] == "hello there"
+    final = last[-1][1]["response"]
+    assert final["status"] == "incomplete" and final["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert final["usage"]["input_tokens_details"]["cached_tokens"] == 64 and final["usage"]["total_tokens"] == 112
+    assert [e["sequence_number"] for _, e in first + last] == list(range(len(first + last)))
+    # with tools the text is held; a call is a function_call item with its arguments in one delta
+    tools = [tc.Tool("read_file", "", {"type": "object"})]
+    ev = tr.ResponseEvents("c1", MODEL, 0, {}, held=True)
+    answer = tr.answer_of(Reply, "hermes", tools)
+    kinds = [k for k, _ in ev.start() + ev.tokens("{") + ev.finish(Reply, 300, answer)]
+    assert kinds == ["response.created", "response.in_progress", "response.output_item.added",
+                     "response.function_call_arguments.delta", "response.function_call_arguments.done",
+                     "response.output_item.done", "response.completed"]
+    (kind, failed), = tr.ResponseEvents("c2", MODEL, 0, {}, held=True).failed("internal", "the engine went away")
+    assert kind == "response.failed" and failed["response"]["status"] == "failed"
+    assert failed["response"]["error"] == {"code": "server_error", "message": "the engine went away"}
 
 
 # --------------------------------------------------------------------------- the embedded stack
@@ -581,6 +660,49 @@ async def test_tool_calls_round_trip_through_the_openai_sdk_keeping_the_prefix(s
 
 
 @pytest.mark.timeout(120)
+async def test_responses_api_as_codex_calls_it_round_trips_tool_calls_keeping_the_prefix(stack: EmbeddedStack) -> None:
+    """`POST /v1/responses` through the official SDK, as Codex sends it: its `session_id`
+    header, the whole conversation in `input` every turn (`store: false`), function tools."""
+    client, hdr = oai(stack), {"session_id": "codex-conv-1"}
+    r = await client.responses.create(model=MODEL, input="hello " * 100, max_output_tokens=8, instructions="be brief")
+    assert r.object == "response" and r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert r.output[0].type == "message" and r.output_text.startswith("[synthetic text")
+    assert r.usage.output_tokens == 8 and r.usage.total_tokens == r.usage.input_tokens + 8
+    assert r.usage.input_tokens_details.cached_tokens == 0
+
+    tools = [{"type": "function", **READ_FILE}]
+    items: list[Any] = [{"type": "message", "role": "user",
+                         "content": [{"type": "input_text", "text": "find the bug in the parser " * 20}]}]
+    r1 = await client.responses.create(model=MODEL, input=items, tools=tools, max_output_tokens=300, store=False,
+                                       extra_headers=hdr)
+    assert r1.status == "completed" and [o.type for o in r1.output] == ["function_call"]
+    call = r1.output[0]
+    assert call.name == "read_file" and set(json.loads(call.arguments)) == {"path", "limit"}
+    items += [o.model_dump(exclude_none=True) for o in r1.output]
+    items.append({"type": "function_call_output", "call_id": call.call_id, "output": "x = 1\n" * 50})
+    # streamed through the SDK's own event accumulator: the final response is whole
+    async with client.responses.stream(model=MODEL, input=items, tools=tools, max_output_tokens=300,
+                                       extra_headers=hdr) as s:
+        kinds = [ev.type async for ev in s]
+        r2 = await s.get_final_response()
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
+    assert "response.function_call_arguments.done" in kinds and r2.output[-1].type == "function_call"
+    assert r2.usage.input_tokens_details.cached_tokens >= \
+        (r1.usage.input_tokens // px.BLOCK_TOKENS) * px.BLOCK_TOKENS
+    # a plain stream: its text as deltas, ending incomplete at max_output_tokens
+    events = [ev async for ev in await client.responses.create(model=MODEL, input="stream me " * 30,
+                                                               max_output_tokens=40, stream=True)]
+    text = "".join(ev.delta for ev in events if ev.type == "response.output_text.delta")
+    assert events[-1].type == "response.incomplete" and tr.estimate_tokens(text) == 40
+    for bad, param in ((dict(previous_response_id="resp_x"), "previous_response_id"),
+                       (dict(tools=[{"type": "web_search"}]), "tools[0]"), (dict(max_output_tokens=0), "max_output_tokens"),
+                       (dict(input=[{"type": "item_reference", "id": "msg_1"}]), "input[0].type")):
+        with pytest.raises(openai.BadRequestError) as e:
+            await client.responses.create(model=MODEL, **{"input": "x", **bad})
+        assert e.value.body["param"] == param
+
+
+@pytest.mark.timeout(120)
 async def test_tool_use_round_trips_through_the_anthropic_sdk(stack: EmbeddedStack) -> None:
     client = ant(stack)
     hdr = {"x-claude-code-session-id": "tools-cc-1", "anthropic-version": "2023-06-01"}
@@ -614,7 +736,7 @@ async def test_tools_a_model_has_no_parser_for_or_that_are_malformed_are_400_by_
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("api", ["openai", "anthropic"])
+@pytest.mark.parametrize("api", ["openai", "anthropic", "responses"])
 async def test_the_example_sdk_agent_runs_its_tool_loop_end_to_end(stack: EmbeddedStack, api: str) -> None:
     """examples/sdk_agent.py (official SDK only) against the stack: every call a tool call,
     and each later call's cached tokens at least 90% of what the one before sent."""

@@ -105,6 +105,29 @@ async def test_tool_calls_round_trip_in_the_templates_format(stack: EmbeddedStac
     assert r2.usage.prompt_tokens_details.cached_tokens >= (r1.usage.prompt_tokens // px.BLOCK_TOKENS) * px.BLOCK_TOKENS
 
 
+@pytest.mark.timeout(180)
+async def test_the_responses_api_renders_through_the_same_template(stack: EmbeddedStack, tiny_folder: Path) -> None:
+    """Codex's items (input_text parts, a function_call, its function_call_output) make the
+    same prompt as the chat conversation they stand for, and the next turn reuses it."""
+    client, hdr = oai(stack.openai_base_url, stack.api_key), {"session_id": "tok-responses"}
+    tools = [{"type": "function", **READ_FILE}]
+    items: list[Any] = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": "find the bug " * 30}]}]
+    r1 = await client.responses.create(model=MODEL, max_output_tokens=200, input=items, tools=tools, extra_headers=hdr)
+    call = r1.output[-1]
+    assert call.type == "function_call" and call.name == "read_file"
+    chat_tools = [{"type": "function", "function": READ_FILE}]
+    msgs: list[dict[str, Any]] = [{"role": "user", "content": "find the bug " * 30}]
+    assert r1.usage.input_tokens == len(own_count(tiny_folder, msgs, chat_tools))
+    items += [call.model_dump(exclude_none=True),
+              {"type": "function_call_output", "call_id": call.call_id, "output": "def parse(): ...\n" * 20}]
+    r2 = await client.responses.create(model=MODEL, max_output_tokens=200, input=items, tools=tools, extra_headers=hdr)
+    msgs += [{"role": "assistant", "content": "", "tool_calls": [
+                 {"id": call.call_id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}]},
+             {"role": "tool", "tool_call_id": call.call_id, "content": "def parse(): ...\n" * 20}]
+    assert r2.usage.input_tokens == len(own_count(tiny_folder, msgs, chat_tools))
+    assert r2.usage.input_tokens_details.cached_tokens >= (r1.usage.input_tokens // px.BLOCK_TOKENS) * px.BLOCK_TOKENS
+
+
 @pytest.fixture
 async def second_gateway(stack: EmbeddedStack) -> AsyncIterator[str]:
     """Another gateway replica on the same bus and Redis (in this process)."""

@@ -7,6 +7,7 @@ through the agent client (`shared/agent_client.py`):
     POST /v1/chat/completions   whole, or SSE `chat.completion.chunk` lines ending `data: [DONE]`
     POST /v1/completions        whole, or SSE `text_completion` lines
     POST /v1/messages           Anthropic Messages, whole or as its named SSE events
+    POST /v1/responses          OpenAI Responses (Codex), whole or as its named SSE events; nothing stored
     GET  /v1/models             the served models with their context limits
     GET  /health                no key needed: 200 while NATS is connected
 
@@ -145,6 +146,7 @@ class Gateway:
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/messages", self.messages)
+        app.router.add_post("/v1/responses", self.responses)
         return app
 
     @web.middleware
@@ -648,6 +650,49 @@ class Gateway:
 
         return await self._call(request, OPENAI, tenant, ids, model, prompt, max_tokens, stream,
                                 sampling, sim_output=sim_output, streamer=streamer, whole=whole)
+
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        """The Responses API as the chat path serves it: the request read as the chat
+        request it asks for (`translate.responses_request`), the reply written as a
+        `response` object or its stream of named events."""
+        tenant = self._tenant(request)
+        raw, original = await self._body(request)
+        try:
+            body = tr.responses_request(original)
+        except BadRequest as exc:
+            raise HttpError("malformed", str(exc), exc.param) from None
+        model = await self._model(body)
+        stream = self._check_common(body)
+        tools, choice, fmt = self._tools(body, OPENAI, model)
+        tools_json = tc.tools_text(tools) if tools else None
+        prompt = await self._chat_prompt(tenant, model, body, OPENAI, fmt, tools, tools_json)
+        max_tokens = self._max_tokens(body, ("max_output_tokens",), prompt, model)
+        sim_output = self._sim_output(body, max_tokens)
+        sampling = self._sampling(body, OPENAI)
+        ids = await self._ids(request, tenant, raw, original, model, prompt)
+        cid, created = ids.call_id, int(time.time())
+
+        def whole(reply: CallReply) -> dict[str, Any]:
+            answer = tr.answer_of(reply, fmt, tools)
+            return tr.response_object(cid, model, created, original, status=tr.response_status(reply, max_tokens, answer),
+                                      output=tr.response_output(cid, answer), usage=tr.response_usage(reply))
+
+        async def streamer(req: web.Request, task: "asyncio.Task[CallReply]", events: "asyncio.Queue[Any]"
+                           ) -> web.StreamResponse:
+            out = tr.ResponseEvents(cid, model, created, original, held=bool(tools))
+
+            def written(evs: list[tuple[str, dict[str, Any]]]) -> list[bytes]:
+                return [sse(data, kind) for kind, data in evs]
+
+            return await self._stream_events(
+                req, task, events, on_start=lambda: written(out.start()),
+                on_tokens=lambda ev: written(out.tokens(ev.text)),
+                on_reply=lambda reply: written(out.finish(reply, max_tokens, tr.answer_of(reply, fmt, tools))),
+                on_error=lambda exc: written(out.failed(exc.code, exc.message)))
+
+        return await self._call(request, OPENAI, tenant, ids, model, prompt, max_tokens, stream,
+                                sampling, tools_json, choice, fmt, sim_output,
+                                streamer=streamer, whole=whole)
 
     async def models(self, request: web.Request) -> web.Response:
         self._tenant(request)

@@ -100,9 +100,10 @@ def session_name(headers: Mapping[str, str], body: Mapping[str, Any]) -> tuple[s
         v = headers.get(h, "").strip()
         if v:
             return h, v
-    user = body.get("user")
-    if isinstance(user, str) and user.strip():
-        return "user", user.strip()
+    for field in ("prompt_cache_key", "user"):  # (Codex sets prompt_cache_key to its conversation's id)
+        v = body.get(field)
+        if isinstance(v, str) and v.strip():
+            return field, v.strip()
     meta = body.get("metadata")
     if isinstance(meta, Mapping):
         for k in ("session_id", "user_id"):
@@ -588,3 +589,250 @@ def openai_error(code: str, message: str, param: str | None = None) -> tuple[int
 def anthropic_error(code: str, message: str) -> tuple[int, dict[str, Any]]:
     typ = _ERROR_MAP.get(code, _ERROR_MAP["internal"])[3]
     return error_status(code, "anthropic"), {"type": "error", "error": {"type": typ, "message": message}}
+
+
+# -- the Responses API (`POST /v1/responses`, as Codex sends it) -------------------------------------
+# Nothing is stored: every request carries its whole conversation in `input` (Codex's
+# `store: false` way), so the fields that point at stored state are refused by name.
+_RESPONSES_STORED = ("previous_response_id", "conversation")
+_RESPONSES_ROLES = ("user", "assistant", "system", "developer")
+_RESPONSES_TEXT_PARTS = ("input_text", "output_text", "text")
+
+
+def responses_request(body: Mapping[str, Any]) -> dict[str, Any]:
+    """A Responses request as the chat request it asks for: `instructions` and the `input`
+    items as messages (a `function_call` item joins the assistant turn before it, a
+    `function_call_output` is a `tool` message, a past `reasoning` item is left out as the
+    chat templates leave it), its function tools in chat's shape. What the chat path reads
+    keeps the Responses name (`max_output_tokens`), so a refusal names the field the agent
+    sent. A BadRequest names what is malformed or not served."""
+    for name in _RESPONSES_STORED:
+        if body.get(name) is not None:
+            raise BadRequest(f"{name} is not served: responses are not stored here; send the whole "
+                             "conversation in input (as with store: false)", name)
+    if body.get("background") not in (None, False):
+        raise BadRequest("background responses are not served", "background")
+    text = body.get("text")
+    fmt = text.get("format") if isinstance(text, Mapping) else None
+    if text is not None and (not isinstance(text, Mapping) or fmt not in (None, {"type": "text"})):
+        raise BadRequest("text.format: only plain text is served", "text")
+    messages: list[dict[str, Any]] = []
+    instructions = body.get("instructions")
+    if instructions is not None:
+        if not isinstance(instructions, str):
+            raise BadRequest("instructions must be a string", "instructions")
+        messages.append({"role": "system", "content": instructions})
+    messages += _responses_messages(body.get("input"))
+    out: dict[str, Any] = {"model": body.get("model"), "messages": messages, "stream": body.get("stream", False)}
+    tools = body.get("tools")
+    if tools is not None:
+        out["tools"] = _responses_tools(tools)
+    choice = body.get("tool_choice")
+    if isinstance(choice, Mapping) and choice.get("type") == "function":
+        choice = {"type": "function", "function": {"name": choice.get("name")}}
+    if choice is not None:
+        out["tool_choice"] = choice
+    for name in ("max_output_tokens", "temperature", "top_p", "top_logprobs", EXTENSION_FIELD):
+        if body.get(name) is not None:
+            out[name] = body[name]
+    return out
+
+
+def _responses_messages(items: Any) -> list[dict[str, Any]]:
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    if not isinstance(items, list) or not items:
+        raise BadRequest("input must be a string or a non-empty list of items", "input")
+    out: list[dict[str, Any]] = []
+    for i, item in enumerate(items):
+        where = f"input[{i}]"
+        if not isinstance(item, Mapping):
+            raise BadRequest(f"{where} must be an object", where)
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if role not in _RESPONSES_ROLES:
+                raise BadRequest(f"{where}.role must be one of {', '.join(_RESPONSES_ROLES)}", f"{where}.role")
+            out.append({"role": role, "content": _responses_content(item.get("content"), f"{where}.content")})
+        elif kind == "function_call":
+            name, call_id, args = item.get("name"), item.get("call_id"), item.get("arguments")
+            if not isinstance(name, str) or not name or not isinstance(call_id, str) or not isinstance(args, str):
+                raise BadRequest(f"{where}: a function_call needs a name, a call_id and its arguments as a string", where)
+            call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
+            if out and out[-1]["role"] == "assistant":
+                out[-1].setdefault("tool_calls", []).append(call)
+            else:
+                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            call_id = item.get("call_id")
+            if not isinstance(call_id, str):
+                raise BadRequest(f"{where}: a function_call_output needs the call_id it answers", where)
+            out.append({"role": "tool", "tool_call_id": call_id,
+                        "content": _responses_content(item.get("output"), f"{where}.output")})
+        elif kind == "reasoning":
+            continue  # a past turn's reasoning: the engine keeps none, and chat templates drop it
+        else:
+            raise BadRequest(f"{where}.type {str(kind)[:100]!r} is not served (message, function_call, "
+                             "function_call_output, reasoning)", f"{where}.type")
+    if not out:
+        raise BadRequest("input must hold at least one message", "input")
+    return out
+
+
+def _responses_content(content: Any, where: str) -> str | list[dict[str, Any]]:
+    """A message's or a tool output's content: a string, or parts whose text parts
+    (`input_text`, `output_text`) become chat's text parts; other parts (images, files)
+    are carried as they are and counted by their JSON."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise BadRequest(f"{where} must be a string or a list of parts", where)
+    parts: list[dict[str, Any]] = []
+    for j, part in enumerate(content):
+        if not isinstance(part, Mapping):
+            raise BadRequest(f"{where}[{j}] must be an object", f"{where}[{j}]")
+        if part.get("type") in _RESPONSES_TEXT_PARTS:
+            if not isinstance(part.get("text"), str):
+                raise BadRequest(f"{where}[{j}].text must be a string", f"{where}[{j}].text")
+            parts.append({"type": "text", "text": part["text"]})
+        else:
+            parts.append(dict(part))
+    return parts
+
+
+def _responses_tools(tools: Any) -> list[Any]:
+    if not isinstance(tools, list):
+        raise BadRequest("tools must be a list", "tools")
+    out: list[Any] = []
+    for i, t in enumerate(tools):
+        if not isinstance(t, Mapping) or t.get("type") != "function":
+            kind = t.get("type") if isinstance(t, Mapping) else None
+            raise BadRequest(f"tools[{i}]: only function tools are served, not {str(kind)[:100]!r}", f"tools[{i}]")
+        out.append({"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters") if k in t}})
+    return out
+
+
+def response_usage(reply: Any) -> dict[str, Any]:
+    u = usage_of(reply)
+    return {"input_tokens": u.prompt, "input_tokens_details": {"cached_tokens": u.cached},
+            "output_tokens": u.completion, "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": u.prompt + u.completion}
+
+
+def response_message_item(call_id: str, text: str, status: str) -> dict[str, Any]:
+    content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if status != "in_progress" else []
+    return {"type": "message", "id": f"msg_{call_id}", "status": status, "role": "assistant", "content": content}
+
+
+def response_call_item(call: tool_calls.ToolCall, status: str) -> dict[str, Any]:
+    return {"type": "function_call", "id": f"fc_{call.id}", "call_id": call.id, "name": call.name,
+            "arguments": json.dumps(call.arguments) if status != "in_progress" else "", "status": status}
+
+
+def response_output(call_id: str, answer: Answer) -> list[dict[str, Any]]:
+    """The reply's output items: its text as a message (none where the model only called
+    tools), then each tool call as a `function_call` item."""
+    items = [response_message_item(call_id, answer.content, "completed")] if answer.content or not answer.calls else []
+    return items + [response_call_item(c, "completed") for c in answer.calls]
+
+
+def response_status(reply: Any, max_tokens: int, answer: Answer) -> str:
+    """`incomplete` where the reply stopped at max_output_tokens, as OpenAI reports it."""
+    return "incomplete" if finish_reason(reply, max_tokens, answer) == "length" else "completed"
+
+
+def response_object(call_id: str, model: str, created: int, request: Mapping[str, Any], *, status: str,
+                    output: list[dict[str, Any]], usage: dict[str, Any] | None = None,
+                    error: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A `response` object: what it produced, and the request's settings echoed as OpenAI echoes them."""
+    return {
+        "id": f"resp_{call_id}", "object": "response", "created_at": created, "status": status,
+        "model": model, "output": output, "usage": usage, "error": error,
+        "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+        "instructions": request.get("instructions"), "max_output_tokens": request.get("max_output_tokens"),
+        "temperature": request.get("temperature"), "top_p": request.get("top_p"),
+        "tools": request.get("tools") or [], "tool_choice": request.get("tool_choice") or "auto",
+        "parallel_tool_calls": request.get("parallel_tool_calls", True), "previous_response_id": None,
+        "metadata": request.get("metadata") or {}, "store": False, "truncation": "disabled",
+        "text": {"format": {"type": "text"}}, "reasoning": request.get("reasoning"), "user": request.get("user"),
+        "prompt_cache_key": request.get("prompt_cache_key"),
+    }
+
+
+class ResponseEvents:
+    """A streamed response's events in order, each with its `sequence_number`:
+    `response.created` and `response.in_progress`; the message item and its text part
+    opened at once when no tools are offered (its text then comes as
+    `response.output_text.delta`s), else at the reply (the text may be a call the parser
+    must read whole); each tool call as a `function_call` item with its arguments in one
+    delta; then `response.completed` (or `response.incomplete` at max_output_tokens,
+    `response.failed` on an error)."""
+
+    def __init__(self, call_id: str, model: str, created: int, request: Mapping[str, Any], held: bool) -> None:
+        self.call_id, self.model, self.created, self.request = call_id, model, created, request
+        self.text = TextStream(held)
+        self.seq = 0
+        self.message_open = False
+
+    def _ev(self, kind: str, **fields: Any) -> tuple[str, dict[str, Any]]:
+        ev = {"type": kind, "sequence_number": self.seq, **fields}
+        self.seq += 1
+        return kind, ev
+
+    def _response(self, status: str, output: list[dict[str, Any]], usage: dict[str, Any] | None = None,
+                  error: dict[str, Any] | None = None) -> dict[str, Any]:
+        return response_object(self.call_id, self.model, self.created, self.request, status=status, output=output,
+                               usage=usage, error=error)
+
+    def _open_message(self) -> list[tuple[str, dict[str, Any]]]:
+        self.message_open = True
+        item_id = f"msg_{self.call_id}"
+        return [self._ev("response.output_item.added", output_index=0,
+                         item=response_message_item(self.call_id, "", "in_progress")),
+                self._ev("response.content_part.added", item_id=item_id, output_index=0, content_index=0,
+                         part={"type": "output_text", "text": "", "annotations": [], "logprobs": []})]
+
+    def start(self) -> list[tuple[str, dict[str, Any]]]:
+        out = [self._ev("response.created", response=self._response("in_progress", [])),
+               self._ev("response.in_progress", response=self._response("in_progress", []))]
+        return out + ([] if self.text.held else self._open_message())
+
+    def tokens(self, text: str | None) -> list[tuple[str, dict[str, Any]]]:
+        delta = self.text.delta(text)
+        if not delta or not self.message_open:
+            return []
+        return [self._ev("response.output_text.delta", item_id=f"msg_{self.call_id}", output_index=0,
+                         content_index=0, delta=delta, logprobs=[])]
+
+    def finish(self, reply: Any, max_tokens: int, answer: Answer) -> list[tuple[str, dict[str, Any]]]:
+        out: list[tuple[str, dict[str, Any]]] = []
+        items = response_output(self.call_id, answer)
+        if items and items[0]["type"] == "message" and not self.message_open:
+            out += self._open_message()
+        if self.message_open:
+            item_id, final = f"msg_{self.call_id}", self.text.sent + self.text.rest(answer.content)
+            rest = final[len(self.text.sent):]
+            if rest:
+                out.append(self._ev("response.output_text.delta", item_id=item_id, output_index=0, content_index=0,
+                                    delta=rest, logprobs=[]))
+            part = {"type": "output_text", "text": final, "annotations": [], "logprobs": []}
+            item = items[0] = response_message_item(self.call_id, final, "completed")  # (no tools: no calls either)
+            out += [self._ev("response.output_text.done", item_id=item_id, output_index=0, content_index=0,
+                             text=final, logprobs=[]),
+                    self._ev("response.content_part.done", item_id=item_id, output_index=0, content_index=0, part=part),
+                    self._ev("response.output_item.done", output_index=0, item=item)]
+        first_call = len(items) - len(answer.calls)
+        for i, c in enumerate(answer.calls, start=first_call):
+            item_id, args = f"fc_{c.id}", json.dumps(c.arguments)
+            out += [self._ev("response.output_item.added", output_index=i, item=response_call_item(c, "in_progress")),
+                    self._ev("response.function_call_arguments.delta", item_id=item_id, output_index=i, delta=args),
+                    self._ev("response.function_call_arguments.done", item_id=item_id, output_index=i, arguments=args),
+                    self._ev("response.output_item.done", output_index=i, item=items[i])]
+        status = response_status(reply, max_tokens, answer)
+        kind = "response.incomplete" if status == "incomplete" else "response.completed"
+        return [*out, self._ev(kind, response=self._response(status, items, response_usage(reply)))]
+
+    def failed(self, code: str, message: str) -> list[tuple[str, dict[str, Any]]]:
+        _, body = openai_error(code, message)
+        err = {"code": body["error"]["code"] or "server_error", "message": message}
+        return [self._ev("response.failed", response=self._response("failed", [], error=err))]

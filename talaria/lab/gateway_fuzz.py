@@ -33,7 +33,7 @@ from typing import Any
 from talaria.argtypes import positive_int
 
 MODEL = "glm-4.5-air-fp8"
-CHAT, MESSAGES, COMPLETIONS = "/v1/chat/completions", "/v1/messages", "/v1/completions"
+CHAT, MESSAGES, COMPLETIONS, RESPONSES = "/v1/chat/completions", "/v1/messages", "/v1/completions", "/v1/responses"
 # Redis keys that name a session (`shared/keys.py`): what a request could make the services write
 SESSION_KEY_HEADS = ("session:", "kv:", "resv:")
 HEADER_LINE_MAX = 8190  # aiohttp's limit on one header line: past it, its parser answers a plain 400
@@ -60,6 +60,8 @@ def _good(path: str, seed: int) -> dict[str, Any]:
         return {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": text}]}
     if path == COMPLETIONS:
         return {"model": MODEL, "max_tokens": 4, "prompt": text}
+    if path == RESPONSES:
+        return {"model": MODEL, "max_output_tokens": 4, "input": text}
     return {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": text}]}
 
 
@@ -78,6 +80,10 @@ BAD_FIELDS: list[tuple[str, Any]] = [
     ("top_p", "all"), ("stop", [1, 2]), ("stop", 5), ("stop", ["x"] * 100), ("seed", "s"), ("seed", 1.5),
     ("logprobs", True), ("stream_options", "yes"), ("prompt", 5), ("prompt", [1, "a"]), ("system", 5),
     ("tools", "all"), ("presence_penalty", 9), ("frequency_penalty", "x"),
+    # the Responses API's own fields
+    ("input", []), ("input", 5), ("input", [{"type": "item_reference", "id": "x"}]), ("input", [{"role": "user"}]),
+    ("input", [{"type": "function_call", "name": 3}]), ("max_output_tokens", 0), ("previous_response_id", "resp_1"),
+    ("tools", [{"type": "web_search"}]), ("text", {"format": {"type": "json_schema"}}), ("instructions", []),
 ]
 BAD_BODIES: list[bytes] = [b"", b"{", b"}", b"[]", b"null", b"true", b'"s"', b"0", b"\xff\xfe\x00", b'{"model": 1}',
                            b"{}" * 1000, b'{"model": "' + b"\xc3\x28" * 10 + b'"}', b"[" * 5000 + b"]" * 5000,
@@ -96,7 +102,7 @@ def hostile_requests(n: int, seed: int, key: str) -> list[Probe]:
     auth = (("Authorization", f"Bearer {key}"),)
     out: list[Probe] = []
     for i in range(n):
-        path = rng.choice((CHAT, CHAT, MESSAGES, COMPLETIONS))
+        path = rng.choice((CHAT, CHAT, MESSAGES, COMPLETIONS, RESPONSES))
         hdrs: tuple[tuple[str, str], ...] = auth if path != MESSAGES else (("x-api-key", key),)
         good = _good(path, i)
         r = rng.random()
@@ -120,7 +126,7 @@ def hostile_requests(n: int, seed: int, key: str) -> list[Probe]:
                              body=json.dumps(good).encode()))
         elif r < 0.83:
             method, where = rng.choice((("GET", CHAT), ("PUT", MESSAGES), ("DELETE", "/v1/models"),
-                                        ("POST", "/v1/responses"), ("POST", "/v1/../etc/passwd"), ("GET", "/v2"),
+                                        ("POST", "/v1/embeddings"), ("POST", "/v1/../etc/passwd"), ("GET", "/v2"),
                                         ("POST", "/v1/chat/completions/x"), ("PATCH", "/health")))
             out.append(Probe("bad-route", method=method, path=where, headers=hdrs, body=b"{}"))
         elif r < 0.86:
