@@ -148,6 +148,7 @@ async def test_two_vllm_cpu_engine_workers_prefix_hits_and_kv_events(tmp_path: P
                 _vllm_metrics_are_reexported(stack)
                 await _the_sdk_agent_reuses_its_prefix(stack, tmp_path / "transcript.jsonl")
                 await _a_named_tool_choice_is_a_well_formed_call(stack)
+                await _a_responses_conversation_reuses_its_prefix(stack)
             finally:
                 await client.close()
                 await r.aclose()
@@ -228,6 +229,35 @@ async def _a_named_tool_choice_is_a_well_formed_call(stack) -> None:  # type: ig
     args = json.loads(c.message.tool_calls[0].function.arguments)
     assert c.message.tool_calls[0].function.name == "read_file" and args["path"] in ("a.py", "src/b.py") \
         and isinstance(args["whole"], bool), args
+
+
+async def _a_responses_conversation_reuses_its_prefix(stack) -> None:  # type: ignore[no-untyped-def]
+    """OpenAI's Responses API (as Codex calls it) on the real engine: the model's own text,
+    whole and streamed (the deltas add up to the final text), and the second turn finds
+    at least 90% of the first turn's prompt cached (vLLM's own count, block-rounded)."""
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=stack.openai_base_url, api_key=stack.api_key)
+    hdr = {"session_id": "responses-real"}
+    items: list = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": "fix the parser " * 20}]}]
+    r1 = await client.responses.create(model=vb.MODEL, input=items, instructions="be brief", max_output_tokens=12,
+                                       store=False, extra_headers=hdr)
+    assert r1.status == "incomplete" and r1.usage.output_tokens == 12 and r1.output_text
+    items += [o.model_dump(exclude_none=True) for o in r1.output]
+    items.append({"type": "message", "role": "user", "content": [{"type": "input_text", "text": "and the lexer " * 10}]})
+    async with client.responses.stream(model=vb.MODEL, input=items, instructions="be brief", max_output_tokens=12,
+                                       extra_headers=hdr) as s:
+        # (the SDK's helper accumulates the events; its final response needs response.completed,
+        # and a reply cut at max_output_tokens ends with response.incomplete, as OpenAI's does)
+        deltas = [ev.delta async for ev in s if ev.type == "response.output_text.delta"]
+    events = [ev async for ev in await client.responses.create(
+        model=vb.MODEL, input=items, instructions="be brief", max_output_tokens=12, stream=True, extra_headers=hdr)]
+    final = events[-1].response
+    assert events[-1].type == "response.incomplete" and final.usage.output_tokens == 12
+    assert "".join(ev.delta for ev in events if ev.type == "response.output_text.delta") == final.output_text
+    assert deltas, "the streamed text came as deltas"
+    assert final.usage.input_tokens_details.cached_tokens >= 0.9 * (r1.usage.input_tokens // vb.BLOCK) * vb.BLOCK, \
+        (r1.usage, final.usage)
 
 
 def _vllm_metrics_are_reexported(stack) -> None:  # type: ignore[no-untyped-def]
