@@ -700,6 +700,12 @@ async def test_responses_api_as_codex_calls_it_round_trips_tool_calls_keeping_th
         with pytest.raises(openai.BadRequestError) as e:
             await client.responses.create(model=MODEL, **{"input": "x", **bad})
         assert e.value.body["param"] == param
+    # operators see the Responses API's calls under their own label
+    async with aiohttp.ClientSession() as http, \
+            http.get(f"http://127.0.0.1:{stack.metrics_ports['gateway']}/metrics") as m:
+        text = await m.text()
+    assert 'talaria_http_requests_total{api="responses",status="200"}' in text
+    assert 'talaria_http_requests_total{api="responses",status="400"}' in text
 
 
 @pytest.mark.timeout(120)

@@ -65,6 +65,7 @@ BUSY_TTL_S = 3600.0            # a header-less session's in-flight mark outlives
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 OPENAI, ANTHROPIC = "openai", "anthropic"
+RESPONSES = "responses"  # OpenAI's Responses API: OpenAI's error shapes, its own label in metrics and traces
 
 
 class HttpError(Exception):
@@ -152,17 +153,35 @@ class Gateway:
     @web.middleware
     async def _errors(self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
                       ) -> web.StreamResponse:
-        api = ANTHROPIC if request.path.startswith("/v1/messages") else OPENAI
+        """Every refusal in the API's own shape, and every API request counted by its API
+        and status (refusals before a call as well as calls; a client that went away: 499)."""
+        shape = ANTHROPIC if request.path.startswith("/v1/messages") else OPENAI
+        t0, status = time.monotonic(), 500
+        try:
+            resp = await self._answer(request, handler, shape)
+            status = resp.status
+            return resp
+        except asyncio.CancelledError:
+            status = 499
+            raise
+        finally:
+            if request.path.startswith("/v1/"):
+                api = RESPONSES if request.path.startswith("/v1/responses") else shape
+                self.metrics.http_requests.labels(api=api, status=str(status)).inc()
+                self.metrics.http_duration.labels(api=api).observe(time.monotonic() - t0)
+
+    async def _answer(self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]],
+                      shape: str) -> web.StreamResponse:
         try:
             return await handler(request)
         except HttpError as err:
-            return error_response(api, err)
+            return error_response(shape, err)
         except web.HTTPRequestEntityTooLarge:
-            return error_response(api, HttpError("too_large", f"request body over {self.settings.gateway_max_body} bytes"))
+            return error_response(shape, HttpError("too_large", f"request body over {self.settings.gateway_max_body} bytes"))
         except web.HTTPNotFound:
-            return error_response(api, HttpError("not_found", f"no such endpoint: {request.method} {request.path}"))
+            return error_response(shape, HttpError("not_found", f"no such endpoint: {request.method} {request.path}"))
         except web.HTTPMethodNotAllowed:
-            return error_response(api, HttpError("malformed", f"{request.method} is not allowed on {request.path}"))
+            return error_response(shape, HttpError("malformed", f"{request.method} is not allowed on {request.path}"))
 
     async def health(self, request: web.Request) -> web.Response:
         ok = self.client.nc.is_connected
@@ -489,8 +508,6 @@ class Gateway:
                 status = tr.error_status(exc.code, api)
                 raise
             finally:
-                self.metrics.http_requests.labels(api=api, status=str(status)).inc()
-                self.metrics.http_duration.labels(api=api).observe(time.monotonic() - t0)
                 self.log.info("gateway.call", api=api, path=request.path, model=model, stream=stream, status=status,
                               prompt_tokens=prompt.tokens, prefix_tokens=ids.prefix_tokens, named_session=ids.named,
                               retry=tr.retry_count(request.headers), ms=round((time.monotonic() - t0) * 1000, 2))
@@ -690,7 +707,7 @@ class Gateway:
                 on_reply=lambda reply: written(out.finish(reply, max_tokens, tr.answer_of(reply, fmt, tools))),
                 on_error=lambda exc: written(out.failed(exc.code, exc.message)))
 
-        return await self._call(request, OPENAI, tenant, ids, model, prompt, max_tokens, stream,
+        return await self._call(request, RESPONSES, tenant, ids, model, prompt, max_tokens, stream,
                                 sampling, tools_json, choice, fmt, sim_output,
                                 streamer=streamer, whole=whole)
 
