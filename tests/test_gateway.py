@@ -180,6 +180,13 @@ def test_a_streamed_response_has_the_apis_events_in_order() -> None:
     assert kinds == ["response.created", "response.in_progress", "response.output_item.added",
                      "response.function_call_arguments.delta", "response.function_call_arguments.done",
                      "response.output_item.done", "response.completed"]
+    # tools offered, and the model answered in words: the message comes whole at the reply
+    ev = tr.ResponseEvents("c3", MODEL, 0, {}, held=True)
+    out = ev.start() + ev.tokens("no call") + ev.finish(plain, 300, tr.answer_of(plain, "hermes", tools))
+    assert [k for k, _ in out][2:] == ["response.output_item.added", "response.content_part.added",
+                                       "response.output_text.delta", "response.output_text.done",
+                                       "response.content_part.done", "response.output_item.done", "response.completed"]
+    assert out[4][1]["delta"] == "hello there" and out[-1][1]["response"]["output"][0]["content"][0]["text"] == "hello there"
     (kind, failed), = tr.ResponseEvents("c2", MODEL, 0, {}, held=True).failed("internal", "the engine went away")
     assert kind == "response.failed" and failed["response"]["status"] == "failed"
     assert failed["response"]["error"] == {"code": "server_error", "message": "the engine went away"}
