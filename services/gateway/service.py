@@ -161,6 +161,9 @@ class Gateway:
             resp = await self._answer(request, handler, shape)
             status = resp.status
             return resp
+        except web.HTTPException as exc:  # aiohttp's own answers (it writes them)
+            status = exc.status
+            raise
         except asyncio.CancelledError:
             status = 499
             raise
