@@ -43,7 +43,8 @@ def test_session_headers_in_the_documented_order() -> None:
     assert tr.session_name(h, {}) == ("x-claude-code-session-id", "cc")
     assert tr.session_name({"x-session-affinity": "oc", "x-litellm-session-id": "l"}, {}) == ("x-session-affinity", "oc")
     assert tr.session_name({}, {"user": "u1"}) == ("user", "u1")
-    assert tr.session_name({}, {"user": "u1", "prompt_cache_key": "conv-9"}) == ("prompt_cache_key", "conv-9")
+    # (prompt_cache_key is a cache bucket that many conversations may share: it names no session)
+    assert tr.session_name({}, {"prompt_cache_key": "app-v1"}) is None
     assert tr.session_name({}, {"metadata": {"user_id": "m"}}) == ("metadata.user_id", "m")
     assert tr.session_name({}, {}) is None
 

@@ -100,10 +100,9 @@ def session_name(headers: Mapping[str, str], body: Mapping[str, Any]) -> tuple[s
         v = headers.get(h, "").strip()
         if v:
             return h, v
-    for field in ("prompt_cache_key", "user"):  # (Codex sets prompt_cache_key to its conversation's id)
-        v = body.get(field)
-        if isinstance(v, str) and v.strip():
-            return field, v.strip()
+    user = body.get("user")
+    if isinstance(user, str) and user.strip():
+        return "user", user.strip()
     meta = body.get("metadata")
     if isinstance(meta, Mapping):
         for k in ("session_id", "user_id"):
