@@ -284,6 +284,25 @@ async def test_messages_keyed_by_claude_codes_header(stack: EmbeddedStack) -> No
 
 
 @pytest.mark.timeout(120)
+async def test_count_tokens_is_the_prompt_messages_would_send(stack: EmbeddedStack) -> None:
+    """`POST /v1/messages/count_tokens` (Claude Code's context accounting) through the SDK:
+    the very prompt a `messages.create` of the same body is charged, tools included; no call."""
+    client = ant(stack)
+    tools = [{"name": READ_FILE["name"], "description": READ_FILE["description"], "input_schema": READ_FILE["parameters"]}]
+    body: dict[str, Any] = {"model": MODEL, "system": "be brief " * 10, "tools": tools,
+                            "messages": [{"role": "user", "content": "count me " * 40}]}
+    counted = await client.messages.count_tokens(**body)
+    m = await client.messages.create(max_tokens=4, tool_choice={"type": "none"}, **body)
+    assert counted.input_tokens == m.usage.input_tokens + m.usage.cache_read_input_tokens > 100
+    assert (await client.messages.count_tokens(**{**body, "tools": []})).input_tokens < counted.input_tokens
+    with pytest.raises(anthropic.BadRequestError) as e:
+        await client.messages.count_tokens(model=MODEL, messages=[{"role": "wizard", "content": "x"}])
+    assert e.value.body["type"] == "error"
+    with pytest.raises(anthropic.AuthenticationError):
+        await ant(stack, "sk-wrong").messages.count_tokens(**body)
+
+
+@pytest.mark.timeout(120)
 async def test_401_and_404_in_each_apis_shape(stack: EmbeddedStack) -> None:
     with pytest.raises(openai.AuthenticationError) as e:
         await oai(stack, "sk-wrong").chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}])

@@ -83,10 +83,12 @@ async def test_prompts_are_the_tokenizers_own_ids_and_continuations_reuse_them(
     assert r2.usage.prompt_tokens == len(ids2)
     # the engine held the first prompt; what it reuses is block-rounded
     assert r2.usage.prompt_tokens_details.cached_tokens >= (r1.usage.prompt_tokens // px.BLOCK_TOKENS) * px.BLOCK_TOKENS
-    # the Anthropic API renders through the same template
-    m = await anthropic.AsyncAnthropic(base_url=stack.gateway_url, api_key=stack.api_key).messages.create(
-        model=MODEL, max_tokens=8, system=msgs[0]["content"], messages=[msgs[1]])
+    # the Anthropic API renders through the same template, and its token count is that prompt's
+    ant = anthropic.AsyncAnthropic(base_url=stack.gateway_url, api_key=stack.api_key)
+    m = await ant.messages.create(model=MODEL, max_tokens=8, system=msgs[0]["content"], messages=[msgs[1]])
     assert m.usage.input_tokens + m.usage.cache_read_input_tokens == len(own_count(tiny_folder, msgs[:2]))
+    counted = await ant.messages.count_tokens(model=MODEL, system=msgs[0]["content"], messages=[msgs[1]])
+    assert counted.input_tokens == len(own_count(tiny_folder, msgs[:2]))
 
 
 @pytest.mark.timeout(180)

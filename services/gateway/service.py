@@ -8,6 +8,7 @@ through the agent client (`shared/agent_client.py`):
     POST /v1/completions        whole, or SSE `text_completion` lines
     POST /v1/messages           Anthropic Messages, whole or as its named SSE events
     POST /v1/responses          OpenAI Responses (Codex), whole or as its named SSE events; nothing stored
+    POST /v1/messages/count_tokens  the prompt's tokens as /v1/messages would send them (Claude Code asks often)
     GET  /v1/models             the served models with their context limits
     GET  /health                no key needed: 200 while NATS is connected
 
@@ -148,6 +149,7 @@ class Gateway:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/messages", self.messages)
         app.router.add_post("/v1/responses", self.responses)
+        app.router.add_post("/v1/messages/count_tokens", self.count_tokens)
         return app
 
     @web.middleware
@@ -789,6 +791,18 @@ class Gateway:
         return await self._call(request, ANTHROPIC, tenant, ids, model, prompt, max_tokens, stream,
                                 sampling, tools_json, choice, fmt, sim_output,
                                 streamer=streamer, whole=whole)
+
+    async def count_tokens(self, request: web.Request) -> web.Response:
+        """Anthropic's token count: the prompt `/v1/messages` would send for this body
+        (system, messages and tools, rendered and tokenized the same way), with no call.
+        Claude Code asks for it to keep its context accounting; without it, it guesses."""
+        tenant = self._tenant(request)
+        _, body = await self._body(request)
+        model = await self._model(body)
+        tools, _, fmt = self._tools(body, ANTHROPIC, model)
+        prompt = await self._chat_prompt(tenant, model, body, ANTHROPIC, fmt, tools,
+                                         tc.tools_text(tools) if tools else None)
+        return web.json_response({"input_tokens": prompt.tokens})
 
 
 async def start_gateway(settings: Settings, client: TalariaClient, redis: aioredis.Redis | None = None
