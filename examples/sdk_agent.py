@@ -1,6 +1,7 @@
-"""A small tool-using agent written only with an official SDK (OpenAI or Anthropic):
-nothing of Talaria is imported. Point it at any OpenAI- or Anthropic-compatible
-endpoint; against `talaria up` it shows what Talaria does for an agent's session.
+"""A small tool-using agent written only with an official SDK (OpenAI's chat completions
+or Responses API, or Anthropic's Messages): nothing of Talaria is imported. Point it at
+any OpenAI- or Anthropic-compatible endpoint; against `talaria up` it shows what
+Talaria does for an agent's session.
 
     talaria up --policy talaria                                   # one terminal
     python examples/sdk_agent.py                                  # another: the OpenAI SDK
