@@ -718,9 +718,15 @@ def response_usage(reply: Any) -> dict[str, Any]:
             "total_tokens": u.prompt + u.completion}
 
 
+def response_message_id(call_id: str) -> str:
+    """The reply's message item's id (one message per reply)."""
+    return f"msg_{call_id}"
+
+
 def response_message_item(call_id: str, text: str, status: str) -> dict[str, Any]:
     content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if status != "in_progress" else []
-    return {"type": "message", "id": f"msg_{call_id}", "status": status, "role": "assistant", "content": content}
+    return {"type": "message", "id": response_message_id(call_id), "status": status, "role": "assistant",
+            "content": content}
 
 
 def response_call_item(call: tool_calls.ToolCall, status: str) -> dict[str, Any]:
@@ -785,7 +791,7 @@ class ResponseEvents:
 
     def _open_message(self) -> list[tuple[str, dict[str, Any]]]:
         self.message_open = True
-        item_id = f"msg_{self.call_id}"
+        item_id = response_message_id(self.call_id)
         return [self._ev("response.output_item.added", output_index=0,
                          item=response_message_item(self.call_id, "", "in_progress")),
                 self._ev("response.content_part.added", item_id=item_id, output_index=0, content_index=0,
@@ -800,7 +806,7 @@ class ResponseEvents:
         delta = self.text.delta(text)
         if not delta or not self.message_open:
             return []
-        return [self._ev("response.output_text.delta", item_id=f"msg_{self.call_id}", output_index=0,
+        return [self._ev("response.output_text.delta", item_id=response_message_id(self.call_id), output_index=0,
                          content_index=0, delta=delta, logprobs=[])]
 
     def finish(self, reply: Any, max_tokens: int, answer: Answer) -> list[tuple[str, dict[str, Any]]]:
@@ -809,8 +815,8 @@ class ResponseEvents:
         if items and items[0]["type"] == "message" and not self.message_open:
             out += self._open_message()
         if self.message_open:
-            item_id, final = f"msg_{self.call_id}", self.text.sent + self.text.rest(answer.content)
-            rest = final[len(self.text.sent):]
+            item_id, rest = response_message_id(self.call_id), self.text.rest(answer.content)
+            final = self.text.sent + rest
             if rest:
                 out.append(self._ev("response.output_text.delta", item_id=item_id, output_index=0, content_index=0,
                                     delta=rest, logprobs=[]))
