@@ -26,7 +26,7 @@ from shared.agent_client import TalariaClient
 from shared.logs import read_log_events
 from shared.policy import resolve_policy
 from shared.schema import (
-    ApiError, CallQueued, Info, SessionOpened, api_request_decoder, CallRequest, InfoRequest, OpenSession, EndSession, Ok, encode,
+    ApiError, CallQueued, Info, SessionOpened, api_request_decoder, CallRequest, InfoRequest, OpenSession, EndSession, Ok, Sampling, encode,
 )
 from shared.settings import Settings
 from shared.subjects import GATEWAY_NAMESPACE
@@ -481,6 +481,40 @@ async def test_sampling_reaches_the_call_and_a_bad_field_is_a_400_naming_it(
         await client.chat.completions.create(model=MODEL, logprobs=True, messages=[{"role": "user", "content": "x"}])
     assert e.value.body["param"] == "logprobs"
     assert ctl["calls"] == calls  # refused before anything was sent
+
+
+# Every optional field as a client that serialises them all sends it: null, read as left out.
+_NULL_FIELDS = {
+    "/v1/chat/completions": {"messages": [{"role": "user", "content": "x", "name": None}], "max_tokens": None,
+                             "max_completion_tokens": 4, "stream": None, "stream_options": None, "n": None,
+                             "temperature": None, "top_p": None, "stop": None, "seed": None, "tools": None,
+                             "tool_choice": None, "parallel_tool_calls": None, "logprobs": None, "top_logprobs": None,
+                             "logit_bias": None, "presence_penalty": None, "frequency_penalty": None, "user": None,
+                             "response_format": None, "metadata": None, "store": None, "service_tier": None},
+    "/v1/completions": {"prompt": "x", "max_tokens": 4, "stream": None, "n": None, "temperature": None,
+                        "stop": None, "echo": None, "suffix": None, "logprobs": None, "user": None},
+    "/v1/responses": {"input": "x", "max_output_tokens": 4, "instructions": None, "stream": None, "tools": None,
+                      "tool_choice": None, "temperature": None, "top_p": None, "previous_response_id": None,
+                      "conversation": None, "background": None, "text": None, "reasoning": None, "store": None,
+                      "include": None, "metadata": None, "prompt_cache_key": None, "truncation": None},
+    "/v1/messages": {"messages": [{"role": "user", "content": "x"}], "max_tokens": 4, "system": None,
+                     "stream": None, "temperature": None, "top_p": None, "top_k": None, "stop_sequences": None,
+                     "tools": None, "tool_choice": None, "metadata": None, "thinking": None},
+}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("path", list(_NULL_FIELDS))
+async def test_optional_fields_sent_as_null_read_as_left_out(refusing_gateway: tuple[str, dict[str, Any]],
+                                                             path: str) -> None:
+    url, ctl = refusing_gateway
+    calls = ctl["calls"]
+    headers = {"authorization": "Bearer k", "x-api-key": "k", "anthropic-version": "2023-06-01"}
+    async with aiohttp.ClientSession() as http, http.post(
+            url + path, json={"model": MODEL, **_NULL_FIELDS[path]}, headers=headers) as r:
+        body = await r.text()
+    assert r.status in (429, 529), body  # it reached the call (which the stand-in router refuses), not a 400
+    assert ctl["calls"] == calls + 1 and ctl["last"].sampling == Sampling()
 
 
 @pytest.mark.timeout(120)

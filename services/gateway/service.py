@@ -257,12 +257,20 @@ class Gateway:
         return min(DEFAULT_MAX_TOKENS, limit - prompt.tokens)
 
     @staticmethod
-    def _check_common(body: dict[str, Any]) -> bool:
-        stream = body.get("stream", False)
+    def _stream(body: dict[str, Any]) -> bool:
+        # null is the field left out, as in the APIs' own schemas (clients that
+        # serialise every optional field send it)
+        stream = body.get("stream")
+        if stream is None:
+            return False
         if not isinstance(stream, bool):
             raise HttpError("malformed", "stream must be a boolean", "stream")
-        n = body.get("n", 1)
-        if n != 1:
+        return stream
+
+    @classmethod
+    def _check_common(cls, body: dict[str, Any]) -> bool:
+        stream = cls._stream(body)
+        if body.get("n") not in (None, 1):
             raise HttpError("malformed", "only n=1 is served", "n")
         return stream
 
@@ -726,9 +734,7 @@ class Gateway:
         tenant = self._tenant(request)
         raw, body = await self._body(request)
         model = await self._model(body)
-        stream = body.get("stream", False)
-        if not isinstance(stream, bool):
-            raise HttpError("malformed", "stream must be a boolean", "stream")
+        stream = self._stream(body)
         tools, choice, fmt = self._tools(body, ANTHROPIC, model)
         tools_json = tc.tools_text(tools) if tools else None
         prompt = await self._chat_prompt(tenant, model, body, ANTHROPIC, fmt, tools, tools_json)
