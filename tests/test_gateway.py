@@ -42,6 +42,8 @@ def test_session_headers_in_the_documented_order() -> None:
     h = {"x-litellm-session-id": "lite", "session_id": "codex", "x-claude-code-session-id": "cc"}
     assert tr.session_name(h, {}) == ("x-claude-code-session-id", "cc")
     assert tr.session_name({"x-session-affinity": "oc", "x-litellm-session-id": "l"}, {}) == ("x-session-affinity", "oc")
+    assert tr.session_name({"x-session-token": "t", "x-smg-routing-key": "k"}, {"user": "u"}) == ("x-smg-routing-key", "k")
+    assert tr.session_name({"x-session-token": "t"}, {"user": "u"}) == ("x-session-token", "t")
     assert tr.session_name({}, {"user": "u1"}) == ("user", "u1")
     # (prompt_cache_key is a cache bucket that many conversations may share: it names no session)
     assert tr.session_name({}, {"prompt_cache_key": "app-v1"}) is None

@@ -42,6 +42,8 @@ SESSION_HEADERS = (
     "session-id",                # Codex
     "x-session-affinity",        # OpenCode
     "x-litellm-session-id",      # LiteLLM
+    "x-smg-routing-key",         # SGLang model gateway clients
+    "x-session-token",           # llm-d clients (its former session header)
 )
 AGENT_ID_HEADER = "x-claude-code-agent-id"
 SESSION_FINAL_HEADER = "x-dynamo-session-final"
