@@ -105,6 +105,23 @@ class CallIds:
     prefix_tokens: int   # what the session's engine holds of this prompt (block-rounded)
 
 
+@dataclass(frozen=True)
+class Prepared:
+    """A request read and checked, ready to call: what every API's handler hands `_call`."""
+    tenant: str
+    model: str
+    stream: bool
+    prompt: Prompt
+    max_tokens: int
+    sampling: Sampling
+    ids: CallIds
+    sim_output: int | None = None
+    tools: tuple[tc.Tool, ...] = ()
+    tool_choice: str | None = None
+    tool_format: str = "none"  # the model's tool-call format ("none": no tools asked for)
+    tools_json: str | None = None
+
+
 def _cache_scope(tenant: str, model: str) -> str:
     """Whose prompts the chain cache may reuse for one another."""
     return f"{tenant}\0{model}"
@@ -316,6 +333,25 @@ class Gateway:
                             "messages") from None
         return Prompt(text, ids, chat=True, tokenizer=tok)
 
+    async def _prepare_chat(self, request: web.Request, tenant: str, raw: bytes, body: dict[str, Any], dialect: str,
+                            max_names: tuple[str, ...], *, original: dict[str, Any] | None = None) -> Prepared:
+        """A chat-shaped request (chat completions, Responses read as chat, Messages) checked
+        field by field in one order, so every API refuses the same fault the same way:
+        model, stream, tools, the prompt, max tokens, sampling, then its session and call
+        ids (from `original`, the body as the agent sent it, when it was translated)."""
+        model = await self._model(body)
+        anthropic = dialect == ANTHROPIC
+        stream = self._stream(body) if anthropic else self._check_common(body)
+        tools, choice, fmt = self._tools(body, dialect, model)
+        tools_json = tc.tools_text(tools) if tools else None
+        prompt = await self._chat_prompt(tenant, model, body, dialect, fmt, tools, tools_json)
+        max_tokens = self._max_tokens(body, max_names, prompt, model, required=anthropic)
+        sim_output = self._sim_output(body, max_tokens)
+        sampling = self._sampling(body, dialect)
+        ids = await self._ids(request, tenant, raw, original if original is not None else body, model, prompt)
+        return Prepared(tenant, model, stream, prompt, max_tokens, sampling, ids, sim_output, tuple(tools), choice, fmt,
+                        tools_json)
+
     async def _text_prompt(self, tenant: str, model: str, body: dict[str, Any]) -> Prompt:
         try:
             prompt = tr.text_prompt(body.get("prompt"))
@@ -469,14 +505,12 @@ class Gateway:
         await self._soft(lambda: self._forget(sid), None)
 
     # -- one call, whole or streamed ----------------------------------------------------------------
-    async def _call(self, request: web.Request, api: str, tenant: str, ids: CallIds,
-                    model: str, prompt: Prompt, max_tokens: int, stream: bool, sampling: Sampling,
-                    tools_json: str | None = None, tool_choice: str | None = None, tool_format: str | None = None,
-                    sim_output: int | None = None,
-                    streamer: "Callable[[web.Request, asyncio.Task[CallReply], asyncio.Queue[Any]], Awaitable[web.StreamResponse]] | None" = None,
-                    whole: "Callable[[CallReply], dict[str, Any]] | None" = None) -> web.StreamResponse:
+    async def _call(self, request: web.Request, api: str, p: Prepared,
+                    streamer: "Callable[[web.Request, asyncio.Task[CallReply], asyncio.Queue[Any]], Awaitable[web.StreamResponse]]",
+                    whole: "Callable[[CallReply], dict[str, Any]]") -> web.StreamResponse:
         # (a conversation of any size the body limit lets in: a large one goes by reference, off the bus)
         t0 = time.monotonic()
+        tenant, ids, model, prompt, stream = p.tenant, p.ids, p.model, p.prompt, p.stream
         sid, cid = ids.session_id, ids.call_id
         final = tr.is_final(request.headers)
         status = 200
@@ -490,20 +524,20 @@ class Gateway:
 
                 async def call_and_remember() -> CallReply:
                     reply = await session.call(
-                        prompt_tokens=prompt.tokens, prefix_tokens=ids.prefix_tokens, max_tokens=max_tokens,
+                        prompt_tokens=prompt.tokens, prefix_tokens=ids.prefix_tokens, max_tokens=p.max_tokens,
                         call_id=cid, stream=stream, on_event=events.put_nowait,
                         # the model's own ids where the gateway has its tokenizer, else the text
                         prompt_token_ids=list(prompt.ids) if prompt.real else None,
                         prompt_text=None if prompt.real else prompt.text,
-                        sampling=sampling, tools_json=tools_json, tool_choice=tool_choice, tool_call_format=tool_format,
-                        sim_output_tokens=sim_output)
+                        sampling=p.sampling, tools_json=p.tools_json, tool_choice=p.tool_choice,
+                        tool_call_format=p.tool_format, sim_output_tokens=p.sim_output)
                     # before the agent hears the reply, so its next call finds what the engine holds
                     await self._soft(lambda: self._remember(tenant, model, ids, prompt, reply), None)
                     return reply
 
                 task = asyncio.ensure_future(call_and_remember())
                 try:
-                    if stream and streamer is not None:
+                    if stream:
                         return await streamer(request, task, events)
                     reply = await task
                 finally:
@@ -512,7 +546,6 @@ class Gateway:
                         self.log.info("gateway.cancelled", reason="client disconnected")
                         with contextlib.suppress(BaseException):
                             await task
-                assert whole is not None
                 return web.Response(body=msgspec.json.encode(whole(reply)), content_type="application/json")
             except TalariaError as exc:
                 status = tr.error_status(exc.code, api)
@@ -596,24 +629,17 @@ class Gateway:
     async def chat(self, request: web.Request) -> web.StreamResponse:
         tenant = self._tenant(request)
         raw, body = await self._body(request)
-        model = await self._model(body)
-        stream = self._check_common(body)
-        tools, choice, fmt = self._tools(body, OPENAI, model)
-        tools_json = tc.tools_text(tools) if tools else None
-        prompt = await self._chat_prompt(tenant, model, body, OPENAI, fmt, tools, tools_json)
-        max_tokens = self._max_tokens(body, ("max_completion_tokens", "max_tokens"), prompt, model)
-        sim_output = self._sim_output(body, max_tokens)
+        p = await self._prepare_chat(request, tenant, raw, body, OPENAI, ("max_completion_tokens", "max_tokens"))
+        model, max_tokens, fmt, tools, cid = p.model, p.max_tokens, p.tool_format, list(p.tools), p.ids.call_id
         opts = body.get("stream_options") or {}
         include_usage = isinstance(opts, dict) and opts.get("include_usage") is True
         created = int(time.time())
-        cid_box: list[str] = []
 
         def whole(reply: CallReply) -> dict[str, Any]:
             return tr.chat_completion(reply.call_id, model, reply, max_tokens, tr.answer_of(reply, fmt, tools))
 
         async def streamer(req: web.Request, task: "asyncio.Task[CallReply]", events: "asyncio.Queue[Any]"
                            ) -> web.StreamResponse:
-            cid = cid_box[0] if cid_box else ""
             text = tr.TextStream(held=bool(tools))
 
             def chunk(delta: dict[str, Any], finish: str | None = None) -> bytes:
@@ -638,12 +664,7 @@ class Gateway:
                 req, task, events, on_start=lambda: [chunk({"role": "assistant", "content": ""})],
                 on_tokens=lambda ev: [chunk({"content": text.delta(ev.text)})], on_reply=on_reply, on_error=on_error)
 
-        sampling = self._sampling(body, OPENAI)
-        ids = await self._ids(request, tenant, raw, body, model, prompt)
-        cid_box.append(ids.call_id)
-        return await self._call(request, OPENAI, tenant, ids, model, prompt, max_tokens, stream,
-                                sampling, tools_json, choice, fmt, sim_output,
-                                streamer=streamer, whole=whole)
+        return await self._call(request, OPENAI, p, streamer, whole)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         tenant = self._tenant(request)
@@ -656,6 +677,7 @@ class Gateway:
         created = int(time.time())
         sampling = self._sampling(body, OPENAI)
         ids = await self._ids(request, tenant, raw, body, model, prompt)
+        p = Prepared(tenant, model, stream, prompt, max_tokens, sampling, ids, sim_output)
         cid = ids.call_id
 
         def whole(reply: CallReply) -> dict[str, Any]:
@@ -678,8 +700,7 @@ class Gateway:
                                                                                      text.delta(ev.text)))],
                                              on_reply=on_reply, on_error=on_error)
 
-        return await self._call(request, OPENAI, tenant, ids, model, prompt, max_tokens, stream,
-                                sampling, sim_output=sim_output, streamer=streamer, whole=whole)
+        return await self._call(request, OPENAI, p, streamer, whole)
 
     async def responses(self, request: web.Request) -> web.StreamResponse:
         """The Responses API as the chat path serves it: the request read as the chat
@@ -691,16 +712,9 @@ class Gateway:
             body = tr.responses_request(original)
         except BadRequest as exc:
             raise HttpError("malformed", str(exc), exc.param) from None
-        model = await self._model(body)
-        stream = self._check_common(body)
-        tools, choice, fmt = self._tools(body, OPENAI, model)
-        tools_json = tc.tools_text(tools) if tools else None
-        prompt = await self._chat_prompt(tenant, model, body, OPENAI, fmt, tools, tools_json)
-        max_tokens = self._max_tokens(body, ("max_output_tokens",), prompt, model)
-        sim_output = self._sim_output(body, max_tokens)
-        sampling = self._sampling(body, OPENAI)
-        ids = await self._ids(request, tenant, raw, original, model, prompt)
-        cid, created = ids.call_id, int(time.time())
+        p = await self._prepare_chat(request, tenant, raw, body, OPENAI, ("max_output_tokens",), original=original)
+        model, max_tokens, fmt, tools = p.model, p.max_tokens, p.tool_format, list(p.tools)
+        cid, created = p.ids.call_id, int(time.time())
 
         def whole(reply: CallReply) -> dict[str, Any]:
             answer = tr.answer_of(reply, fmt, tools)
@@ -720,9 +734,7 @@ class Gateway:
                 on_reply=lambda reply: written(out.finish(reply, max_tokens, tr.answer_of(reply, fmt, tools))),
                 on_error=lambda exc: written(out.failed(exc.code, exc.message)))
 
-        return await self._call(request, RESPONSES, tenant, ids, model, prompt, max_tokens, stream,
-                                sampling, tools_json, choice, fmt, sim_output,
-                                streamer=streamer, whole=whole)
+        return await self._call(request, RESPONSES, p, streamer, whole)
 
     async def models(self, request: web.Request) -> web.Response:
         self._tenant(request)
@@ -733,16 +745,9 @@ class Gateway:
     async def messages(self, request: web.Request) -> web.StreamResponse:
         tenant = self._tenant(request)
         raw, body = await self._body(request)
-        model = await self._model(body)
-        stream = self._stream(body)
-        tools, choice, fmt = self._tools(body, ANTHROPIC, model)
-        tools_json = tc.tools_text(tools) if tools else None
-        prompt = await self._chat_prompt(tenant, model, body, ANTHROPIC, fmt, tools, tools_json)
-        max_tokens = self._max_tokens(body, ("max_tokens",), prompt, model, required=True)
-        sim_output = self._sim_output(body, max_tokens)
-        sampling = self._sampling(body, ANTHROPIC)
-        ids = await self._ids(request, tenant, raw, body, model, prompt)
-        cid = ids.call_id
+        p = await self._prepare_chat(request, tenant, raw, body, ANTHROPIC, ("max_tokens",))
+        model, max_tokens, fmt, tools, prompt = p.model, p.max_tokens, p.tool_format, list(p.tools), p.prompt
+        cid = p.ids.call_id
         produced = [0]
 
         def whole(reply: CallReply) -> dict[str, Any]:
@@ -794,9 +799,7 @@ class Gateway:
             return await self._stream_events(req, task, events, on_start=on_start, on_tokens=on_tokens,
                                              on_reply=on_reply, on_error=on_error)
 
-        return await self._call(request, ANTHROPIC, tenant, ids, model, prompt, max_tokens, stream,
-                                sampling, tools_json, choice, fmt, sim_output,
-                                streamer=streamer, whole=whole)
+        return await self._call(request, ANTHROPIC, p, streamer, whole)
 
     async def count_tokens(self, request: web.Request) -> web.Response:
         """Anthropic's token count: the prompt `/v1/messages` would send for this body
