@@ -772,6 +772,26 @@ async def test_responses_api_as_codex_calls_it_round_trips_tool_calls_keeping_th
 
 
 @pytest.mark.timeout(120)
+async def test_responses_input_tokens_is_the_prompt_a_response_would_send(stack: EmbeddedStack) -> None:
+    """`POST /v1/responses/input_tokens` through the SDK: the very prompt a `responses.create`
+    of the same body is charged, instructions and tools included; no call is made."""
+    client = oai(stack)
+    body: dict[str, Any] = {"model": MODEL, "instructions": "be brief " * 10, "tools": [{"type": "function", **READ_FILE}],
+                            "input": [{"role": "user", "content": "count me " * 40}]}
+    counted = await client.responses.input_tokens.count(**body)
+    assert counted.object == "response.input_tokens"
+    r = await client.responses.create(max_output_tokens=4, tool_choice="none", **body)
+    assert counted.input_tokens == r.usage.input_tokens > 100
+    fewer = await client.responses.input_tokens.count(**{**body, "tools": []})
+    assert fewer.input_tokens < counted.input_tokens
+    with pytest.raises(openai.BadRequestError) as e:
+        await client.responses.input_tokens.count(model=MODEL, input="x", previous_response_id="resp_1")
+    assert e.value.body["param"] == "previous_response_id"
+    with pytest.raises(openai.AuthenticationError):
+        await oai(stack, "sk-wrong").responses.input_tokens.count(**body)
+
+
+@pytest.mark.timeout(120)
 async def test_tool_use_round_trips_through_the_anthropic_sdk(stack: EmbeddedStack) -> None:
     client = ant(stack)
     hdr = {"x-claude-code-session-id": "tools-cc-1", "anthropic-version": "2023-06-01"}

@@ -9,6 +9,7 @@ through the agent client (`shared/agent_client.py`):
     POST /v1/messages           Anthropic Messages, whole or as its named SSE events
     POST /v1/responses          OpenAI Responses (Codex), whole or as its named SSE events; nothing stored
     POST /v1/messages/count_tokens  the prompt's tokens as /v1/messages would send them (Claude Code asks often)
+    POST /v1/responses/input_tokens the same for a Responses request (OpenAI's input token count)
     GET  /v1/models             the served models with their context limits
     GET  /health                no key needed: 200 while NATS is connected
 
@@ -167,6 +168,7 @@ class Gateway:
         app.router.add_post("/v1/messages", self.messages)
         app.router.add_post("/v1/responses", self.responses)
         app.router.add_post("/v1/messages/count_tokens", self.count_tokens)
+        app.router.add_post("/v1/responses/input_tokens", self.input_tokens)
         return app
 
     @web.middleware
@@ -812,6 +814,21 @@ class Gateway:
         prompt = await self._chat_prompt(tenant, model, body, ANTHROPIC, fmt, tools,
                                          tc.tools_text(tools) if tools else None)
         return web.json_response({"input_tokens": prompt.tokens})
+
+    async def input_tokens(self, request: web.Request) -> web.Response:
+        """OpenAI's input token count for a Responses request: the prompt `/v1/responses`
+        would send for the body (instructions, input items and tools), with no call."""
+        tenant = self._tenant(request)
+        _, original = await self._body(request)
+        try:
+            body = tr.responses_request(original)
+        except BadRequest as exc:
+            raise HttpError("malformed", str(exc), exc.param) from None
+        model = await self._model(body)
+        tools, _, fmt = self._tools(body, OPENAI, model)
+        prompt = await self._chat_prompt(tenant, model, body, OPENAI, fmt, tools,
+                                         tc.tools_text(tools) if tools else None)
+        return web.json_response({"object": "response.input_tokens", "input_tokens": prompt.tokens})
 
 
 async def start_gateway(settings: Settings, client: TalariaClient, redis: aioredis.Redis | None = None

@@ -34,6 +34,7 @@ from talaria.argtypes import positive_int
 
 MODEL = "glm-4.5-air-fp8"
 CHAT, MESSAGES, COMPLETIONS, RESPONSES = "/v1/chat/completions", "/v1/messages", "/v1/completions", "/v1/responses"
+COUNT_TOKENS, INPUT_TOKENS = "/v1/messages/count_tokens", "/v1/responses/input_tokens"  # token counts: no call
 # Redis keys that name a session (`shared/keys.py`): what a request could make the services write
 SESSION_KEY_HEADS = ("session:", "kv:", "resv:")
 HEADER_LINE_MAX = 8190  # aiohttp's limit on one header line: past it, its parser answers a plain 400
@@ -62,6 +63,10 @@ def _good(path: str, seed: int) -> dict[str, Any]:
         return {"model": MODEL, "max_tokens": 4, "prompt": text}
     if path == RESPONSES:
         return {"model": MODEL, "max_output_tokens": 4, "input": text}
+    if path == COUNT_TOKENS:
+        return {"model": MODEL, "messages": [{"role": "user", "content": text}]}
+    if path == INPUT_TOKENS:
+        return {"model": MODEL, "input": text}
     return {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": text}]}
 
 
@@ -102,8 +107,9 @@ def hostile_requests(n: int, seed: int, key: str) -> list[Probe]:
     auth = (("Authorization", f"Bearer {key}"),)
     out: list[Probe] = []
     for i in range(n):
-        path = rng.choice((CHAT, CHAT, MESSAGES, COMPLETIONS, RESPONSES))
-        hdrs: tuple[tuple[str, str], ...] = auth if path != MESSAGES else (("x-api-key", key),)
+        path = rng.choice((CHAT, CHAT, CHAT, CHAT, MESSAGES, MESSAGES, COMPLETIONS, COMPLETIONS, RESPONSES, RESPONSES,
+                           COUNT_TOKENS, INPUT_TOKENS))
+        hdrs: tuple[tuple[str, str], ...] = auth if not path.startswith(MESSAGES) else (("x-api-key", key),)
         good = _good(path, i)
         r = rng.random()
         if r < 0.30:
