@@ -354,6 +354,19 @@ class Gateway:
         return Prepared(tenant, model, stream, prompt, max_tokens, sampling, ids, sim_output, tuple(tools), choice, fmt,
                         tools_json)
 
+    async def _prompt_only(self, tenant: str, body: dict[str, Any], dialect: str) -> Prompt:
+        """The prompt a chat-shaped body would send (for the token counts: no call)."""
+        model = await self._model(body)
+        tools, _, fmt = self._tools(body, dialect, model)
+        return await self._chat_prompt(tenant, model, body, dialect, fmt, tools, tc.tools_text(tools) if tools else None)
+
+    @staticmethod
+    def _responses_as_chat(original: dict[str, Any]) -> dict[str, Any]:
+        try:
+            return tr.responses_request(original)
+        except BadRequest as exc:
+            raise HttpError("malformed", str(exc), exc.param) from None
+
     async def _text_prompt(self, tenant: str, model: str, body: dict[str, Any]) -> Prompt:
         try:
             prompt = tr.text_prompt(body.get("prompt"))
@@ -710,10 +723,7 @@ class Gateway:
         `response` object or its stream of named events."""
         tenant = self._tenant(request)
         raw, original = await self._body(request)
-        try:
-            body = tr.responses_request(original)
-        except BadRequest as exc:
-            raise HttpError("malformed", str(exc), exc.param) from None
+        body = self._responses_as_chat(original)
         p = await self._prepare_chat(request, tenant, raw, body, OPENAI, ("max_output_tokens",), original=original)
         model, max_tokens, fmt, tools = p.model, p.max_tokens, p.tool_format, list(p.tools)
         cid, created = p.ids.call_id, int(time.time())
@@ -809,10 +819,7 @@ class Gateway:
         Claude Code asks for it to keep its context accounting; without it, it guesses."""
         tenant = self._tenant(request)
         _, body = await self._body(request)
-        model = await self._model(body)
-        tools, _, fmt = self._tools(body, ANTHROPIC, model)
-        prompt = await self._chat_prompt(tenant, model, body, ANTHROPIC, fmt, tools,
-                                         tc.tools_text(tools) if tools else None)
+        prompt = await self._prompt_only(tenant, body, ANTHROPIC)
         return web.json_response({"input_tokens": prompt.tokens})
 
     async def input_tokens(self, request: web.Request) -> web.Response:
@@ -820,14 +827,7 @@ class Gateway:
         would send for the body (instructions, input items and tools), with no call."""
         tenant = self._tenant(request)
         _, original = await self._body(request)
-        try:
-            body = tr.responses_request(original)
-        except BadRequest as exc:
-            raise HttpError("malformed", str(exc), exc.param) from None
-        model = await self._model(body)
-        tools, _, fmt = self._tools(body, OPENAI, model)
-        prompt = await self._chat_prompt(tenant, model, body, OPENAI, fmt, tools,
-                                         tc.tools_text(tools) if tools else None)
+        prompt = await self._prompt_only(tenant, self._responses_as_chat(original), OPENAI)
         return web.json_response({"object": "response.input_tokens", "input_tokens": prompt.tokens})
 
 
