@@ -224,6 +224,21 @@ async def test_deployment_names_the_front_door(stack: EmbeddedStack) -> None:
     models = await oai(stack).models.list()
     assert [m.id for m in models.data] == [MODEL]
     assert models.data[0].model_extra["context_length"] > 1000
+    one = await oai(stack).models.retrieve(MODEL)
+    assert one.id == MODEL and one.model_extra["context_length"] == models.data[0].model_extra["context_length"]
+    with pytest.raises(openai.NotFoundError) as e:
+        await oai(stack).models.retrieve("no-such-model")
+    assert e.value.body["code"] == "model_not_found"
+    # the same endpoints through Anthropic's SDK, which reads its own page and ModelInfo fields
+    page = await ant(stack).models.list()
+    assert [m.id for m in page.data] == [MODEL] and page.data[0].type == "model" and page.has_more is False
+    info = await ant(stack).models.retrieve(MODEL)
+    assert info.id == MODEL and info.display_name == MODEL and info.created_at.year == 1970
+    with pytest.raises(anthropic.NotFoundError) as ea:
+        await ant(stack).models.retrieve("no-such-model")
+    assert ea.value.body["error"]["type"] == "not_found_error"
+    with pytest.raises(openai.AuthenticationError):
+        await oai(stack, "sk-wrong").models.retrieve(MODEL)
     async with aiohttp.ClientSession() as http, http.get(f"{stack.gateway_url}/health") as r:
         assert r.status == 200 and (await r.json())["status"] == "ok"
 

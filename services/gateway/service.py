@@ -10,7 +10,8 @@ through the agent client (`shared/agent_client.py`):
     POST /v1/responses          OpenAI Responses (Codex), whole or as its named SSE events; nothing stored
     POST /v1/messages/count_tokens  the prompt's tokens as /v1/messages would send them (Claude Code asks often)
     POST /v1/responses/input_tokens the same for a Responses request (OpenAI's input token count)
-    GET  /v1/models             the served models with their context limits
+    GET  /v1/models             the served models with their context limits (OpenAI's and Anthropic's shape at once)
+    GET  /v1/models/{model}     one of them (404 in the API's shape for a model not served)
     GET  /health                no key needed: 200 while NATS is connected
 
 Keys (`TALARIA_API_KEYS`, `tenant:key,...`) come as `Authorization: Bearer` or
@@ -163,6 +164,7 @@ class Gateway:
         app = web.Application(client_max_size=self.settings.gateway_max_body, middlewares=[self._errors])
         app.router.add_get("/health", self.health)
         app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/v1/models/{model}", self.model_info)
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/messages", self.messages)
@@ -176,7 +178,8 @@ class Gateway:
                       ) -> web.StreamResponse:
         """Every refusal in the API's own shape, and every API request counted by its API
         and status (refusals before a call as well as calls; a client that went away: 499)."""
-        shape = ANTHROPIC if request.path.startswith("/v1/messages") else OPENAI
+        anthropic_models = request.path.startswith("/v1/models") and "anthropic-version" in request.headers
+        shape = ANTHROPIC if request.path.startswith("/v1/messages") or anthropic_models else OPENAI
         t0, status = time.monotonic(), 500
         try:
             resp = await self._answer(request, handler, shape)
@@ -752,6 +755,11 @@ class Gateway:
         self._tenant(request)
         served = [m for m in await self.served_models() if m in self.catalog.models]
         return web.json_response(tr.models_list([(m, self.context_limit(m)) for m in served]))
+
+    async def model_info(self, request: web.Request) -> web.Response:
+        self._tenant(request)
+        model = await self._model({"model": request.match_info["model"]})
+        return web.json_response(tr.model_entry(model, self.context_limit(model)))
 
     # -- Anthropic ------------------------------------------------------------------------------------------
     async def messages(self, request: web.Request) -> web.StreamResponse:

@@ -552,10 +552,19 @@ def anthropic_message(call_id: str, model: str, reply: Any, max_tokens: int, ans
             "usage": usage_of(reply).anthropic()}
 
 
+def model_entry(model: str, context_limit: int) -> dict[str, Any]:
+    """One served model, read as OpenAI's model object and as Anthropic's `ModelInfo` alike
+    (each SDK ignores the other's fields), with its context limit as vLLM names it."""
+    return {"id": model, "object": "model", "created": 0, "owned_by": "talaria",
+            "type": "model", "display_name": model, "created_at": "1970-01-01T00:00:00Z",
+            "context_length": context_limit, "max_model_len": context_limit}
+
+
 def models_list(models: list[tuple[str, int]]) -> dict[str, Any]:
-    return {"object": "list", "data": [{"id": m, "object": "model", "created": 0, "owned_by": "talaria",
-                                        "context_length": limit, "max_model_len": limit}
-                                       for m, limit in models]}
+    """`GET /v1/models` for either API: OpenAI's list, with Anthropic's page fields (one page)."""
+    data = [model_entry(m, limit) for m, limit in models]
+    return {"object": "list", "data": data, "has_more": False,
+            "first_id": data[0]["id"] if data else None, "last_id": data[-1]["id"] if data else None}
 
 
 # -- errors -------------------------------------------------------------------------------------------
