@@ -22,25 +22,9 @@ import uuid
 from pathlib import Path
 
 from talaria.argtypes import positive_float, positive_int
-from talaria.lab.load import percentile
+from talaria.lab.load import paced_wall_ms, percentile
 
 MODEL = "glm-4.5-air-fp8"
-
-
-async def _paced(n: int, rate: float, one: "callable[[int], object]",  # type: ignore[valid-type]
-                 offset_s: float = 0.0, t0: float | None = None) -> list[float]:
-    """Start call i at t0 + offset_s + i/rate seconds; each call's wall milliseconds."""
-    out: list[float] = []
-    t0 = time.monotonic() if t0 is None else t0
-
-    async def timed(i: int) -> None:
-        await asyncio.sleep(max(0.0, t0 + offset_s + i / rate - time.monotonic()))
-        start = time.perf_counter()
-        await one(i)  # type: ignore[misc]
-        out.append((time.perf_counter() - start) * 1000)
-
-    await asyncio.gather(*(timed(i) for i in range(n)))
-    return out
 
 
 async def bench(sizes: list[int], calls: int, rate: float, log_dir: Path) -> list[dict[str, float]]:
@@ -76,12 +60,12 @@ async def bench(sizes: list[int], calls: int, rate: float, log_dir: Path) -> lis
                             assert r.status == 200, await r.text()
                             await r.read()
 
-                    await _paced(min(10, calls), rate, direct)  # warm both paths
-                    await _paced(min(10, calls), rate, via_http)
+                    await paced_wall_ms(min(10, calls), rate, direct)  # warm both paths
+                    await paced_wall_ms(min(10, calls), rate, via_http)
                     # `rate` calls/s in all, alternating paths (each path at half of it)
                     t0 = time.monotonic()
-                    d, h = await asyncio.gather(_paced(calls, rate / 2, direct, t0=t0),
-                                                _paced(calls, rate / 2, via_http, offset_s=1 / rate, t0=t0))
+                    d, h = await asyncio.gather(paced_wall_ms(calls, rate / 2, direct, start_at=t0),
+                                                paced_wall_ms(calls, rate / 2, via_http, start_at=t0 + 1 / rate))
                     rows.append({"tokens": size, "direct_p50": statistics.median(d), "direct_p99": percentile(d, 0.99),
                                  "http_p50": statistics.median(h), "http_p99": percentile(h, 0.99),
                                  "overhead_p50": statistics.median(h) - statistics.median(d),

@@ -47,24 +47,47 @@ def bus_counts(stack: object) -> dict[str, float]:
     return out
 
 
+async def paced(n: int, rate: float, run: Callable[[int], Awaitable[None]], *, start_at: float | None = None) -> None:
+    """Start `run(i)` at `start_at` + i / rate (monotonic seconds; default now) whatever the
+    earlier ones are doing: an open loop, so a slow call does not slow the offered rate."""
+    t0 = time.monotonic() if start_at is None else start_at
+
+    async def one(i: int) -> None:
+        await asyncio.sleep(max(0.0, t0 + i / rate - time.monotonic()))
+        await run(i)
+
+    await asyncio.gather(*(one(i) for i in range(n)))
+
+
+async def paced_wall_ms(n: int, rate: float, call: Callable[[int], Awaitable[object]], *,
+                        start_at: float | None = None) -> list[float]:
+    """`paced`, timing each call: its wall milliseconds, in the order they finished."""
+    out: list[float] = []
+
+    async def timed(i: int) -> None:
+        t = time.perf_counter()
+        await call(i)
+        out.append((time.perf_counter() - t) * 1000)
+
+    await paced(n, rate, timed, start_at=start_at)
+    return out
+
+
 async def open_loop(rate: float, duration_s: float,
                     one_call: Callable[[int], Awaitable[float]]) -> tuple[list[float], int]:
     """Call i starts at i / rate seconds whatever the earlier ones are doing; `one_call(i)`
     returns the call's added wall ms. (the added ms of each served call, the failed count)"""
-    n = max(1, int(rate * duration_s))
     added: list[float] = []
     failed = 0
-    t0 = time.monotonic() + 0.05
 
     async def one(i: int) -> None:
         nonlocal failed
-        await asyncio.sleep(max(0.0, t0 + i / rate - time.monotonic()))
         try:
             added.append(await one_call(i))
         except Exception:  # noqa: BLE001 - counted, the run goes on
             failed += 1
 
-    await asyncio.gather(*(one(i) for i in range(n)))
+    await paced(max(1, int(rate * duration_s)), rate, one, start_at=time.monotonic() + 0.05)
     return added, failed
 
 

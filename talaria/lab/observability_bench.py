@@ -17,7 +17,8 @@ import uuid
 from pathlib import Path
 
 from talaria.argtypes import positive_float, positive_int
-from talaria.lab.gateway_bench import MODEL, _paced
+from talaria.lab.gateway_bench import MODEL
+from talaria.lab.load import paced_wall_ms
 from talaria.lab.load import percentile
 
 
@@ -63,8 +64,8 @@ async def _one_run(tracing_on: bool, calls: int, rate: float, log_dir: Path) -> 
                     await session.call(prompt_tokens=1000, max_tokens=1, call_id=f"obs-{tag}-{i}",
                                        prompt_text="x" * 3984)
 
-                await _paced(min(20, calls), rate, one)  # warm up
-                out = await _paced(calls, rate, lambda i: one(i + 100_000))
+                await paced_wall_ms(min(20, calls), rate, one)  # warm up
+                out = await paced_wall_ms(calls, rate, lambda i: one(i + 100_000))
             finally:
                 await client.close()
     finally:
