@@ -140,6 +140,15 @@ def test_load_trace_names_the_file(tmp_path: Path) -> None:
         load_trace(p)
 
 
+def test_a_file_written_on_windows_loads_the_same(tmp_path: Path) -> None:
+    """A byte-order mark and CRLF line ends (what some editors and tools write) change nothing."""
+    text = _line("a") + "\n\n" + _line("b") + "\n"
+    plain, windows = tmp_path / "plain.jsonl", tmp_path / "windows.jsonl"
+    plain.write_text(text)
+    windows.write_bytes(b"\xef\xbb\xbf" + text.replace("\n", "\r\n").encode())
+    assert load_trace(windows) == load_trace(plain) and len(load_trace(plain)) == 2
+
+
 def test_session_prompts_arithmetic() -> None:
     s = TraceSession(
         session_id="s",

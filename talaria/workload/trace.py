@@ -196,7 +196,7 @@ def load_trace(path: str | Path, known_models: Iterable[str] | None = None,
                context_limits: Mapping[str, int] | None = None) -> list[TraceSession]:
     p = Path(path)
     try:
-        text = p.read_text(encoding="utf-8")
+        text = p.read_text(encoding="utf-8-sig")  # a leading byte-order mark (as some editors write) is dropped
     except (OSError, UnicodeDecodeError) as exc:
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
         raise TraceError(str(p), 0, "", f"cannot read the trace: {reason}") from None
