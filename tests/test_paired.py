@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+from pathlib import Path
 
 import pytest
 
@@ -186,3 +187,16 @@ def test_paired_refuses_the_tuning_seeds_unless_asked_for_the_tuning_view(capsys
     assert main(["paired", scenario, "--seeds", "1001,5"]) == 2
     assert "tuned the policies" in capsys.readouterr().err
     assert main(["paired", scenario, "--seeds", "5", "--policies", "nosuch"]) == 2
+
+
+def test_paired_load_and_no_input_are_clear_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from talaria.cli import main
+
+    assert main(["paired"]) == 2
+    assert "give scenario files" in capsys.readouterr().err
+    assert main(["paired", "--load", str(tmp_path / "missing.json")]) == 2
+    assert "cannot read" in capsys.readouterr().err
+    for text in ("not json", '{"a": 1}', "[]"):
+        (tmp_path / "bad.json").write_text(text)
+        assert main(["paired", "--load", str(tmp_path / "bad.json")]) == 2
+        assert "is not what `talaria paired --out` writes" in capsys.readouterr().err

@@ -199,7 +199,19 @@ def cmd_paired(a: argparse.Namespace) -> int:
     if a.tuning:
         a.seeds = TUNE_SEEDS
     if a.load:
-        result = merge([json.loads(Path(f).read_text()) for f in a.load])
+        try:
+            result = merge([json.loads(Path(f).read_text()) for f in a.load])
+            text = tuning_table(result) if a.tuning else markdown(result)
+        except OSError as exc:
+            print(f"talaria paired: error: cannot read {exc.filename}: {exc.strerror}", file=sys.stderr)
+            return 2
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            print(f"talaria paired: error: {' '.join(a.load)} is not what `talaria paired --out` writes "
+                  f"({type(exc).__name__}: {exc})", file=sys.stderr)
+            return 2
+    elif not a.scenarios:
+        print("talaria paired: error: give scenario files to run, or --load JSONs written by --out", file=sys.stderr)
+        return 2
     else:
         tuned_on = sorted(set(a.seeds) & set(TUNE_SEEDS))
         if tuned_on and not a.tuning:
@@ -216,7 +228,7 @@ def cmd_paired(a: argparse.Namespace) -> int:
             print(f"talaria paired: error: {exc}", file=sys.stderr)
             return 2
         result = run_paired(a.scenarios, a.seeds, policies, jobs=a.jobs, variants=variants)
-    text = tuning_table(result) if a.tuning else markdown(result)
+        text = tuning_table(result) if a.tuning else markdown(result)
     print(text)
     if a.out:
         Path(a.out).write_text(json.dumps(result, indent=1))
