@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
+from pathlib import Path
 
 
 def _number(text: str) -> float:
@@ -62,3 +64,34 @@ def positive_float_list(text: str) -> tuple[float, ...]:
     if not parts:
         raise argparse.ArgumentTypeError("names no number")
     return tuple(positive_float(x) for x in parts)
+
+
+def output_file(text: str) -> str:
+    """A file a command writes its results to, checked before the run (a long run must not
+    fail at its end): not a folder, and its nearest existing folder writable (missing
+    folders are made when it is written, by `write_output`)."""
+    path = Path(text)
+    if not text or path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a folder, not a file to write")
+    folder = path.parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if not folder.is_dir():
+        raise argparse.ArgumentTypeError(f"cannot write {text}: {folder} is not a folder")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"cannot write {text}: no write permission in {folder}")
+    return text
+
+
+class OutputError(OSError):
+    """An output file could not be written after all (the command line prints it in one line)."""
+
+
+def write_output(path: str | Path, text: str) -> None:
+    """Write a command's output file, making its missing folders."""
+    p = Path(path)
+    try:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(text)
+    except OSError as exc:
+        raise OutputError(f"cannot write {p}: {exc.strerror or exc}") from None

@@ -18,7 +18,7 @@ from shared.catalog import CatalogError, load_catalog
 from shared.policy import PRESETS, PolicyError, resolve_policy
 from talaria.workload.trace import TraceError, TraceSession, load_runnable_trace
 from talaria.workload import generate as gen
-from talaria.argtypes import positive_float, positive_int, seconds
+from talaria.argtypes import OutputError, output_file, positive_float, positive_int, seconds
 from talaria.client import AgentLogin, Deployment
 from talaria.results.report import add_speedups, format_table, oracle_sct, slowest_sessions, summarize
 from talaria.ops.stack import DEFAULT_MODELS, EmbeddedStack, StackSpec, default_log_dir
@@ -300,7 +300,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("trace", help="a trace (JSONL), or a scenario file (scenarios/*.toml: its first seed, servers and policies)")
     s.add_argument("--policy", default=None, help=f"comma-separated: {', '.join(PRESETS)}, or PEER@baseline "
                                                   "(default: baseline; a scenario's policies for a scenario)")
-    s.add_argument("--out", help="write results JSON here")
+    s.add_argument("--out", type=output_file, help="write results JSON here")
     s.add_argument("--check", action="store_true", help="check memory and KV bounds at every event")
     s.add_argument("--plots", help="write PNG figures (SCT distribution, slowest-session timelines) into this folder")
     s.add_argument("--call-latency", type=seconds, default=0.0, metavar="S",
@@ -315,7 +315,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--policy", default=None, help=f"comma-separated: {', '.join(PRESETS)} (default baseline; "
                                                   "the embedded stack only)")
     r.add_argument("--time-scale", type=positive_float, default=50.0, help="model seconds per wall second (default 50)")
-    r.add_argument("--out", help="write results JSON here")
+    r.add_argument("--out", type=output_file, help="write results JSON here")
     r.add_argument("--plots", help="write PNG figures (SCT distribution, slowest-session timelines) into this folder")
     r.add_argument("--credentials", metavar="FILE",
                    help="replay against a running deployment: the credentials file `talaria up` writes "
@@ -434,7 +434,7 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(sig, _exit_on_signal)
     try:
         return int(args.fn(args) or 0)
-    except (TraceError, CatalogError, PolicyError) as exc:
+    except (TraceError, CatalogError, PolicyError, OutputError) as exc:
         return _fail(str(exc))
     except KeyboardInterrupt:
         return 130

@@ -28,6 +28,7 @@ from shared.keys import Keys
 from shared.state import decode_server
 from shared.policy import PolicyConfig
 from shared.schema import CallReply
+from talaria.argtypes import write_output
 from talaria.workload.trace import TraceSession
 from talaria.workload.agent import DEFAULT_MAX_TOKENS, call_id_for, plan_session
 from talaria.client import Deployment, LoginRefused, TalariaClient, TalariaError
@@ -349,4 +350,4 @@ def write_json(path: str | Path, payload: dict) -> None:
             return [clean(v) for v in o]
         return o
 
-    Path(path).write_text(json.dumps(clean(payload), indent=2) + "\n")
+    write_output(path, json.dumps(clean(payload), indent=2) + "\n")

@@ -4,6 +4,7 @@ traceback, and no embedded stack started only to fail its health checks."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -38,6 +39,9 @@ TRACE = str(ROOT / "traces" / "swebench-30.jsonl")
         (["bench-control-plane", "--rates=100,x"], "--rates: not a number: 'x'"),
         (["bench-control-plane", "--rates=0"], "--rates: must be above zero"),
         (["bench-control-plane", "--duration=0"], "--duration: must be above zero"),
+        (["sim", TRACE, f"--out={ROOT}"], "is a folder, not a file to write"),
+        (["compare", "x.toml", f"--markdown={ROOT / 'traces'}"], "is a folder, not a file to write"),
+        (["paired", "--out", f"{TRACE}/x.json"], "is not a folder"),
     ],
 )
 def test_bad_numbers_are_usage_errors(argv: list[str], fragment: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -65,6 +69,25 @@ def test_bad_inputs_fail_before_anything_starts(argv: list[str], fragment: str, 
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("talaria: error: ") and fragment in err and "Traceback" not in err
+
+
+def test_an_output_file_gets_its_folders_and_an_unwritable_one_is_one_line(tmp_path: Path,
+                                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "runs" / "today" / "sim.json"
+    assert main(["sim", str(ROOT / "traces" / "smoke-4.jsonl"), "--out", str(out)]) == 0
+    assert out.exists() and '"runs"' in out.read_text()
+    capsys.readouterr()
+    (tmp_path / "locked").mkdir(mode=0o500)
+    if sys.platform != "win32" and not (hasattr(os, "geteuid") and os.geteuid() == 0):  # root writes anywhere
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["sim", "x.jsonl", "--out", str(tmp_path / "locked" / "x.json")])
+        assert "no write permission" in capsys.readouterr().err
+    # where the folder cannot be made after all, the run ends in one line, not a traceback
+    (tmp_path / "file").write_text("")
+    monkey = tmp_path / "file" / "sub" / "x.json"
+    from talaria.argtypes import OutputError, write_output
+    with pytest.raises(OutputError, match="cannot write"):
+        write_output(monkey, "{}")
 
 
 def test_an_undecodable_trace_is_a_trace_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -59,7 +59,7 @@ from shared.policy import resolve_policy
 from shared.catalog import load_catalog
 from shared.subjects import Subjects
 from talaria.workload.trace import TraceSession, load_runnable_trace
-from talaria.argtypes import positive_float, positive_int
+from talaria.argtypes import output_file, positive_float, positive_int
 from talaria.client import TalariaClient
 from talaria.replay import ReplayOutcome, drive, write_json
 from talaria.ops.stack import EmbeddedStack, StackSpec, default_log_dir
@@ -613,7 +613,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
                        help="several seeds, e.g. 0,1,2: one reference run, a chaos run per seed, a table")
     p.add_argument("--kinds", type=_kind_list, default=FAULT_KINDS,
                    help=f"fault kinds, comma-separated (default all: {','.join(FAULT_KINDS)})")
-    p.add_argument("--out", default=None, help="write the figures as JSON")
+    p.add_argument("--out", type=output_file, default=None, help="write the figures as JSON")
     p.add_argument("--policy", default="talaria", help="the policy the stack runs (default talaria)")
     p.add_argument("--time-scale", type=positive_float, default=50.0, help="model seconds per wall second (default 50)")
     p.add_argument("--nats-nodes", type=positive_int, default=3, help="nodes of the embedded NATS cluster, one of which is killed (default 3)")

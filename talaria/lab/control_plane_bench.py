@@ -31,7 +31,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from talaria.argtypes import positive_float, positive_float_list, positive_int
+from talaria.argtypes import output_file, positive_float, positive_float_list, positive_int, write_output
 from talaria.lab.load import measure_rate, open_loop
 
 MODEL = "glm-4.5-air-fp8"
@@ -179,7 +179,7 @@ def run(a: argparse.Namespace) -> int:
                 rows.append(row)
                 print(format_row(row), flush=True)
     if a.out:
-        Path(a.out).write_text(json.dumps({"rows": rows}, indent=2))
+        write_output(a.out, json.dumps({"rows": rows}, indent=2))
         print(f"wrote {a.out}")
     return 0
 
@@ -192,7 +192,7 @@ def configure_parser(p: argparse.ArgumentParser, default_log_dir: Path) -> None:
     p.add_argument("--routers", type=positive_int, nargs="+", default=[1], help="router replicas (e.g. 1 2)")
     p.add_argument("--sessions", type=positive_int, default=64, help="sessions the calls go round")
     p.add_argument("--time-scale", type=positive_float, default=1000.0, help="model seconds per wall second")
-    p.add_argument("--out", help="write the rows as JSON here")
+    p.add_argument("--out", type=output_file, help="write the rows as JSON here")
     p.add_argument("--profile", metavar="DIR", help="sample every Python service with py-spy during each rate "
                                                     "(collapsed stacks in DIR; the top frames printed)")
     p.add_argument("--log-dir", default=str(default_log_dir), help="the embedded stacks' logs")

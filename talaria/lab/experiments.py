@@ -29,7 +29,7 @@ import msgspec
 from shared.catalog import load_catalog
 from shared.policy import PRESETS, TUNED_PATH, PolicyConfig, resolve_policy
 from talaria.workload.trace import TraceSession, load_trace
-from talaria.argtypes import int_list, positive_float, positive_int
+from talaria.argtypes import int_list, output_file, positive_float, positive_int, write_output
 from talaria.workload.generate import generate, load_settings
 from talaria.results.report import summarize
 from talaria.workload.scenarios import (  # scenarios define the tuning seeds: they refuse to score them
@@ -316,9 +316,9 @@ def cmd_study(a: argparse.Namespace) -> int:
     text = "\n".join(md)
     print(text)
     if a.out:
-        Path(a.out).write_text(json.dumps(report, indent=1, default=float))
+        write_output(a.out, json.dumps(report, indent=1, default=float))
     if a.markdown:
-        Path(a.markdown).write_text(text + "\n")
+        write_output(a.markdown, text + "\n")
     return 0
 
 
@@ -330,8 +330,8 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--criterion", default="sct_mean_s", choices=["sct_mean_s", "sct_p50_s", "sct_p95_s"],
                    help="what tuning minimises (default sct_mean_s, the mean session completion time)")
     p.add_argument("--write-tuned", action="store_true", help=f"write the tuned parameters to {TUNED_PATH}")
-    p.add_argument("--out", help="JSON with every figure")
-    p.add_argument("--markdown", help="write the tables as markdown here")
+    p.add_argument("--out", type=output_file, help="JSON with every figure")
+    p.add_argument("--markdown", type=output_file, help="write the tables as markdown here")
     p.add_argument("--jobs", type=positive_int, default=1, help="configurations scored in parallel while tuning (processes)")
     p.set_defaults(fn=cmd_study)
 
@@ -435,7 +435,7 @@ def cmd_fidelity(a: argparse.Namespace) -> int:
     print("\n".join(summary))  # the rows are out already: once each
     text = "\n".join(rows + summary)
     if a.markdown:
-        Path(a.markdown).write_text(text + "\n")
+        write_output(a.markdown, text + "\n")
     if a.out:
         write_json(a.out, {"scenario": a.scenario, "servers": servers, "server_profile": profile,
                            "time_scale": a.time_scale, "runs": a.runs, "results": results})
@@ -455,6 +455,6 @@ def configure_fidelity(p: argparse.ArgumentParser) -> None:
                         "median return delay of the seed and policy's live runs (default 0)")
     p.add_argument("--time-scale", type=positive_float, default=50.0, help="model seconds per wall second of the live replays (default 50)")
     p.add_argument("--log-dir", default=".talaria/fidelity", help="log folder, one sub-folder per seed, policy and run")
-    p.add_argument("--markdown", help="write the table here")
-    p.add_argument("--out", help="write every run's figures as JSON here")
+    p.add_argument("--markdown", type=output_file, help="write the table here")
+    p.add_argument("--out", type=output_file, help="write every run's figures as JSON here")
     p.set_defaults(fn=cmd_fidelity)

@@ -27,7 +27,7 @@ import msgspec
 
 from shared.catalog import load_catalog
 from shared.policy import PolicyError, resolve_policy
-from talaria.argtypes import positive_int
+from talaria.argtypes import output_file, positive_int, write_output
 from talaria.results.bound import trace_bound
 from talaria.results.paired import Paired, meets, paired
 from talaria.workload.scenarios import (
@@ -231,7 +231,7 @@ def cmd_paired(a: argparse.Namespace) -> int:
         text = tuning_table(result) if a.tuning else markdown(result)
     print(text)
     if a.out:
-        Path(a.out).write_text(json.dumps(result, indent=1))
+        write_output(a.out, json.dumps(result, indent=1))
         print(f"results written to {a.out}")
     return 0
 
@@ -249,7 +249,7 @@ def configure_paired(p: argparse.ArgumentParser) -> None:
                    help=f"run on the tuning seeds {','.join(map(str, TUNE_SEEDS))} and print each policy's mean, "
                         "p50 and p95 there (for choosing a rule, never for scoring it)")
     p.add_argument("--jobs", type=positive_int, default=1, help="seeds in parallel (processes; default 1)")
-    p.add_argument("--out", help="write every run's figures as JSON (re-print with --load)")
+    p.add_argument("--out", type=output_file, help="write every run's figures as JSON (re-print with --load)")
     p.add_argument("--load", nargs="+", help="print the table from JSONs written by --out (merged) instead of running")
     p.set_defaults(fn=cmd_paired)
 

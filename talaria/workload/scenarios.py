@@ -34,7 +34,7 @@ from shared.policy import PolicyConfig, PolicyError, resolve_policy
 from talaria.workload.trace import TraceSession
 from talaria.workload.tomlfile import load_toml_struct
 from talaria.workload.agent import DEFAULT_MAX_TOKENS
-from talaria.argtypes import positive_float, positive_int
+from talaria.argtypes import output_file, positive_float, positive_int, write_output
 from talaria.workload.generate import GeneratorSettings, SettingsError, check_settings, generate
 from talaria.results.report import oracle_sct, summarize
 
@@ -228,10 +228,10 @@ def cmd_compare(a: argparse.Namespace) -> int:
     text = markdown_table(result)
     print(text)
     if a.out:
-        Path(a.out).write_text(json.dumps(result, indent=1, default=float))
+        write_output(a.out, json.dumps(result, indent=1, default=float))
         print(f"results written to {a.out}")
     if a.markdown:
-        Path(a.markdown).write_text(text + "\n")
+        write_output(a.markdown, text + "\n")
         print(f"table written to {a.markdown}")
     incomplete = [n for n, v in result["policies"].items() if sum(v["calls_completed"]) != sum(v["calls_total"])]
     if incomplete:
@@ -242,8 +242,8 @@ def cmd_compare(a: argparse.Namespace) -> int:
 
 def configure_compare(p: argparse.ArgumentParser) -> None:
     p.add_argument("scenario", help="scenario file (TOML), e.g. scenarios/4x120x5.toml")
-    p.add_argument("--out", help="JSON with every run's figures")
-    p.add_argument("--markdown", help="write the table as markdown here")
+    p.add_argument("--out", type=output_file, help="JSON with every run's figures")
+    p.add_argument("--markdown", type=output_file, help="write the table as markdown here")
     p.add_argument("--jobs", type=positive_int, default=1, help="simulations in parallel (processes; default 1)")
     p.add_argument("--check", action="store_true", help="check memory and KV bounds at every event")
     p.set_defaults(fn=cmd_compare)
