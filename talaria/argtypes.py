@@ -73,18 +73,31 @@ def output_file(text: str) -> str:
     path = Path(text)
     if not text or path.is_dir():
         raise argparse.ArgumentTypeError(f"{text!r} is a folder, not a file to write")
-    folder = path.parent
+    _check_writable(text, path.parent)
+    return text
+
+
+def _check_writable(text: str, folder: Path) -> None:
     while not folder.exists() and folder != folder.parent:
         folder = folder.parent
     if not folder.is_dir():
         raise argparse.ArgumentTypeError(f"cannot write {text}: {folder} is not a folder")
     if not os.access(folder, os.W_OK | os.X_OK):
         raise argparse.ArgumentTypeError(f"cannot write {text}: no write permission in {folder}")
-    return text
 
 
 class OutputError(OSError):
     """An output file could not be written after all (the command line prints it in one line)."""
+
+
+def output_folder(text: str) -> str:
+    """A folder a command writes files into, checked before the run: not an existing file,
+    and its nearest existing folder writable (the rest is made when written)."""
+    path = Path(text)
+    if not text or (path.exists() and not path.is_dir()):
+        raise argparse.ArgumentTypeError(f"{text!r} is a file, not a folder to write into")
+    _check_writable(text, path)
+    return text
 
 
 def write_output(path: str | Path, text: str) -> None:

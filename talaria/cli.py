@@ -18,7 +18,7 @@ from shared.catalog import CatalogError, load_catalog
 from shared.policy import PRESETS, PolicyError, resolve_policy
 from talaria.workload.trace import TraceError, TraceSession, load_runnable_trace
 from talaria.workload import generate as gen
-from talaria.argtypes import OutputError, output_file, positive_float, positive_int, seconds
+from talaria.argtypes import OutputError, output_file, output_folder, positive_float, positive_int, seconds
 from talaria.client import AgentLogin, Deployment
 from talaria.results.report import add_speedups, format_table, oracle_sct, slowest_sessions, summarize
 from talaria.ops.stack import DEFAULT_MODELS, EmbeddedStack, StackSpec, default_log_dir
@@ -302,7 +302,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                   "(default: baseline; a scenario's policies for a scenario)")
     s.add_argument("--out", type=output_file, help="write results JSON here")
     s.add_argument("--check", action="store_true", help="check memory and KV bounds at every event")
-    s.add_argument("--plots", help="write PNG figures (SCT distribution, slowest-session timelines) into this folder")
+    s.add_argument("--plots", type=output_folder, help="write PNG figures (SCT distribution, slowest-session timelines) into this folder")
     s.add_argument("--call-latency", type=seconds, default=0.0, metavar="S",
                    help="sensitivity: model seconds between a reply and the session's next call reaching admission, "
                         "beyond the tool gap (the control plane's hops; a live replay at --time-scale 50 measures "
@@ -316,7 +316,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                   "the embedded stack only)")
     r.add_argument("--time-scale", type=positive_float, default=50.0, help="model seconds per wall second (default 50)")
     r.add_argument("--out", type=output_file, help="write results JSON here")
-    r.add_argument("--plots", help="write PNG figures (SCT distribution, slowest-session timelines) into this folder")
+    r.add_argument("--plots", type=output_folder, help="write PNG figures (SCT distribution, slowest-session timelines) into this folder")
     r.add_argument("--credentials", metavar="FILE",
                    help="replay against a running deployment: the credentials file `talaria up` writes "
                         "(its NATS URLs, subject prefix, agent login, Redis)")

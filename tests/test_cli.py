@@ -42,6 +42,8 @@ TRACE = str(ROOT / "traces" / "swebench-30.jsonl")
         (["sim", TRACE, f"--out={ROOT}"], "is a folder, not a file to write"),
         (["compare", "x.toml", f"--markdown={ROOT / 'traces'}"], "is a folder, not a file to write"),
         (["paired", "--out", f"{TRACE}/x.json"], "is not a folder"),
+        (["sim", TRACE, f"--plots={TRACE}"], "is a file, not a folder to write into"),
+        (["replay", TRACE, f"--plots={TRACE}/figures"], "is not a folder"),
     ],
 )
 def test_bad_numbers_are_usage_errors(argv: list[str], fragment: str, capsys: pytest.CaptureFixture[str]) -> None:
