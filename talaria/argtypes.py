@@ -1,6 +1,7 @@
-"""argparse types for the command line: numbers are checked where they are
-read, so a bad value is a one-line usage error (exit 2), never a traceback or
-an embedded stack that starts and then fails."""
+"""argparse types for the command line: numbers and output paths are checked
+where they are read, so a bad value is a one-line usage error (exit 2), never a
+traceback, an embedded stack that starts and then fails, or a long run that
+cannot write its figures at its end."""
 
 from __future__ import annotations
 
