@@ -590,9 +590,11 @@ def test_the_observability_profile_scrapes_every_service_and_provisions_grafana(
     for name, svc in ours(compose).items():
         kind = service_module(svc).split(".")[1]
         assert targets.get(f"{name}:{port}") == kind, (name, targets)
-    mounted = {v.split(":")[0] for v in compose["services"]["grafana"]["volumes"]}
+    assert config["rule_files"] == ["alerts.yml"]  # beside the config, where compose mounts it
+    assert "./deploy/prometheus/alerts.yml:/etc/prometheus/alerts.yml:ro" in compose["services"]["prometheus"]["volumes"]
+    mounted = {v.split(":")[0] for s in ("grafana", "prometheus") for v in compose["services"][s]["volumes"]}
     for path in mounted:
-        assert (ROOT / path).exists(), path
+        assert path.startswith("prometheus-data") or (ROOT / path).exists(), path
     assert (ROOT / "deploy/grafana/provisioning/datasources/prometheus.yml").exists()
     dashboard = json.loads((ROOT / "deploy/grafana/dashboards/talaria.json").read_text())
     assert dashboard["uid"] == "talaria" and len(dashboard["panels"]) >= 12

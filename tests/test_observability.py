@@ -195,5 +195,21 @@ async def test_prometheus_totals_equal_the_clients_records_and_the_logs(tmp_path
             empty = [(p["title"], t["expr"]) for p in dashboard["panels"] for t in p["targets"]
                      if not prom.get("/api/v1/query", query=t["expr"])["data"]["result"]]
             assert not empty, empty
+            # the alerting rules (deploy/prometheus/alerts.yml) are loaded and evaluate without error
+            rules = [r for g in prom.get("/api/v1/rules")["data"]["groups"] for r in g["rules"]]
+            assert len(rules) >= 8 and all(r["type"] == "alerting" for r in rules), rules
+            assert all(r["health"] == "ok" and not r.get("lastError") for r in rules), rules
         finally:
             prom.stop()
+
+
+def test_the_alerting_rules_are_valid_and_fire_as_their_unit_tests_say() -> None:
+    """`promtool` (with Debian's prometheus) checks deploy/prometheus/alerts.yml and runs its unit
+    tests: each alert fires on a series that should page, and not on its quiet twin."""
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.fail("no `promtool` on PATH: install Debian's package (apt-get install prometheus); .ci/run does")
+    folder = ROOT / "deploy" / "prometheus"
+    for args in (["check", "rules", "alerts.yml"], ["test", "rules", "alerts-test.yml"]):
+        out = subprocess.run([promtool, *args], cwd=folder, capture_output=True, text=True)
+        assert out.returncode == 0, out.stdout + out.stderr

@@ -31,12 +31,19 @@ def render_targets(ports: dict[str, int], host: str = "127.0.0.1") -> str:
     return json.dumps(groups, indent=1) + "\n"
 
 
-def render_config(targets_path: Path, scrape_interval_s: float = SCRAPE_INTERVAL_S) -> str:
+# the deployment's alerting rules (deploy/prometheus/alerts.yml), where this is a checkout
+ALERT_RULES = Path(__file__).resolve().parents[2] / "deploy" / "prometheus" / "alerts.yml"
+
+
+def render_config(targets_path: Path, scrape_interval_s: float = SCRAPE_INTERVAL_S,
+                  rule_files: tuple[Path, ...] = tuple(p for p in (ALERT_RULES,) if p.is_file())) -> str:
+    rules = f"rule_files: [{', '.join(json.dumps(str(p)) for p in rule_files)}]\n" if rule_files else ""
     return (
         "# written by talaria's embedded stack; the targets file follows restarts\n"
         "global:\n"
         f"  scrape_interval: {scrape_interval_s:g}s\n"
         f"  evaluation_interval: {scrape_interval_s:g}s\n"
+        + rules +
         "scrape_configs:\n"
         "  - job_name: talaria\n"
         "    file_sd_configs:\n"
