@@ -96,6 +96,9 @@ class Sampling(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, fo
     seed: int | None = None
     presence_penalty: Annotated[float, Meta(ge=-2, le=2)] | None = None
     frequency_penalty: Annotated[float, Meta(ge=-2, le=2)] | None = None
+    # the JSON Schema (as JSON text) the output must match: OpenAI's `response_format`
+    # (json_object: any object); the vllm backend enforces it by structured output
+    json_schema: Annotated[str, Meta(max_length=65536)] | None = None
 
 
 class CallRequest(Base, tag="call"):

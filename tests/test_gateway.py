@@ -104,6 +104,44 @@ def test_vllm_sampling_params() -> None:
         "max_tokens": 9, "temperature": 0.5, "stop": ["x"], "seed": 3}
 
 
+def test_response_format_is_the_schema_the_engine_enforces_or_a_400_by_name() -> None:
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}}
+    asked = {"response_format": {"type": "json_schema", "json_schema": {"name": "r", "schema": schema}}}
+    assert json.loads(tr.sampling_of(asked, "openai").json_schema) == schema
+    assert json.loads(tr.sampling_of({"response_format": {"type": "json_object"}}, "openai").json_schema) == {"type": "object"}
+    assert tr.sampling_of({"response_format": {"type": "text"}}, "openai").json_schema is None
+    # the Responses API's text.format reads as the same chat request
+    chat = tr.responses_request({"model": MODEL, "input": "x",
+                                 "text": {"format": {"type": "json_schema", "name": "r", "schema": schema}}})
+    assert json.loads(tr.sampling_of(chat, "openai").json_schema) == schema
+    for body, field in (({"response_format": {"type": "xml"}}, "response_format"),
+                        ({"response_format": {"type": "json_schema", "json_schema": {"schema": 3}}}, "response_format"),
+                        ({"response_format": {"type": "json_object"}, "tools": [{"type": "function"}]}, "response_format"),
+                        ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"x": "y" * 70000}}}},
+                         "response_format")):
+        with pytest.raises(tr.BadRequest) as e:
+            tr.sampling_of(body, "openai")
+        assert e.value.param == field, (body, e.value)
+    for body in ({"text": {"format": {"type": "json_schema", "name": "r"}}},
+                 {"text": {"format": {"type": "json_object"}}, "tools": [{"type": "function", "name": "f"}]}):
+        with pytest.raises(tr.BadRequest) as e:
+            tr.responses_request({"model": MODEL, "input": "x", **body})
+        assert e.value.param == "text", body
+
+
+def test_the_reply_text_leaves_out_what_stopped_it() -> None:
+    from services.engine.vllm_backend import reply_text
+
+    class Letters:  # a tokenizer: id i is the i-th letter, 0 the end of sequence
+        def decode(self, ids: list[int]) -> str:
+            return "".join("</s>" if i == 0 else chr(96 + i) for i in ids)
+
+    assert reply_text(Letters(), [1, 2, 3, 0], "stop", None) == "abc"  # its end of sequence
+    assert reply_text(Letters(), [1, 2, 3, 0], "stop", 0) == "abc"  # a stop token
+    assert reply_text(Letters(), [1, 2, 3, 4], "stop", "cd") == "ab"  # a stop string
+    assert reply_text(Letters(), [1, 2, 3], "length", None) == "abc"  # cut at max_tokens: all of it
+
+
 def test_error_shapes() -> None:
     assert tr.openai_error("context_limit", "m")[1]["error"]["code"] == "context_length_exceeded"
     assert tr.openai_error("no_capacity", "m")[0] == 429

@@ -148,6 +148,7 @@ async def test_two_vllm_cpu_engine_workers_prefix_hits_and_kv_events(tmp_path: P
                 _vllm_metrics_are_reexported(stack)
                 await _the_sdk_agent_reuses_its_prefix(stack, tmp_path / "transcript.jsonl")
                 await _a_named_tool_choice_is_a_well_formed_call(stack)
+                await _a_response_format_gets_json_of_its_schema(stack)
                 await _a_responses_conversation_reuses_its_prefix(stack)
             finally:
                 await client.close()
@@ -229,6 +230,32 @@ async def _a_named_tool_choice_is_a_well_formed_call(stack) -> None:  # type: ig
     args = json.loads(c.message.tool_calls[0].function.arguments)
     assert c.message.tool_calls[0].function.name == "read_file" and args["path"] in ("a.py", "src/b.py") \
         and isinstance(args["whole"], bool), args
+
+
+async def _a_response_format_gets_json_of_its_schema(stack) -> None:  # type: ignore[no-untyped-def]
+    """The tiny model's random weights write no JSON by themselves; `response_format` (chat)
+    and `text.format` (Responses) get vLLM's structured output, so the text parses as JSON
+    its schema allows. A schema the engine cannot enforce is a 400, not a hung call."""
+    import json
+
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=stack.openai_base_url, api_key=stack.api_key, max_retries=0)
+    schema = {"type": "object", "properties": {"verdict": {"enum": ["fix", "skip"]}, "done": {"type": "boolean"}},
+              "required": ["verdict", "done"], "additionalProperties": False}
+    r = await client.chat.completions.create(
+        model=vb.MODEL, max_tokens=64, messages=[{"role": "user", "content": "judge the patch"}],
+        response_format={"type": "json_schema", "json_schema": {"name": "judgement", "schema": schema}})
+    answer = json.loads(r.choices[0].message.content)
+    assert answer["verdict"] in ("fix", "skip") and isinstance(answer["done"], bool), answer
+    out = await client.responses.create(model=vb.MODEL, max_output_tokens=64, input="judge the patch",
+                                        text={"format": {"type": "json_schema", "name": "judgement", "schema": schema}})
+    answer = json.loads(out.output_text)
+    assert answer["verdict"] in ("fix", "skip") and isinstance(answer["done"], bool), answer
+    with pytest.raises(openai.BadRequestError):
+        await client.chat.completions.create(
+            model=vb.MODEL, max_tokens=8, messages=[{"role": "user", "content": "x"}],
+            response_format={"type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": "no-such-type"}}})
 
 
 async def _a_responses_conversation_reuses_its_prefix(stack) -> None:  # type: ignore[no-untyped-def]

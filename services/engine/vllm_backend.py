@@ -143,6 +143,36 @@ def forced_tool_call(hint: EngineHint | None, fmt: str) -> Any:
     return StructuredOutputsParams(regex=_literal(begin) + body + _literal(end))
 
 
+def reply_text(tokenizer: Any, tokens: list[int], finish_reason: str | None, stop_reason: int | str | None) -> str:
+    """The reply's whole text: its tokens decoded with special tokens kept (a tool-call format
+    may be written in them), less what stopped it, as vLLM leaves it out of its own text: the
+    end-of-sequence or stop token it ended on, or the stop string that matched."""
+    ids = list(tokens)
+    if finish_reason == "stop" and (stop_reason is None or isinstance(stop_reason, int)) and ids:
+        ids = ids[:-1]  # vLLM counts the token it stopped on among the output's
+    text = str(tokenizer.decode(ids))
+    if finish_reason == "stop" and isinstance(stop_reason, str) and stop_reason:
+        cut = text.find(stop_reason)
+        text = text[:cut] if cut >= 0 else text
+    return text
+
+
+def structured_output(hint: EngineHint | None, sampling: Sampling | None, fmt: str) -> Any:
+    """The call's structured output: a named tool_choice's call (`forced_tool_call`), else the
+    JSON Schema its `response_format` asks for, as the same whitespace-bounded regex. None:
+    free text. A ValueError names a schema the regex builder cannot take."""
+    forced = forced_tool_call(hint, fmt)
+    if forced is not None or sampling is None or sampling.json_schema is None:
+        return forced
+    from outlines_core.json_schema import build_regex_from_schema
+    from vllm.sampling_params import StructuredOutputsParams
+
+    try:
+        return StructuredOutputsParams(regex=build_regex_from_schema(sampling.json_schema, whitespace_pattern=" ?"))
+    except Exception as exc:  # noqa: BLE001 - outlines-core's own error types; the agent hears why
+        raise ValueError(f"response_format: the schema cannot be enforced: {exc}") from None
+
+
 def _literal(text: str) -> str:
     """`text` as a regex that matches it alone (a newline written as the escape \\n)."""
     return re.escape(text).replace("\\\n", "\\n")
@@ -411,8 +441,15 @@ class VllmBackend(EngineBackend):
                 await w.refuse(rc, "context_limit", prompt)
                 return
             ids, source, max_tokens = prompt
-            # a named tool_choice is enforced by structured output, as vLLM's own server does
-            forced = forced_tool_call(rc.engine.hint, w.catalog.model(s.model).tool_call_format)
+            # a named tool_choice, or a response_format, is enforced by structured output, as
+            # vLLM's own server does
+            try:
+                forced = structured_output(rc.engine.hint, rc.engine.sampling, w.catalog.model(s.model).tool_call_format)
+            except ValueError as exc:
+                self.live.pop(rc.call_id, None)
+                self.log.warning("engine.refused", reason="malformed", detail=str(exc))
+                await w.refuse(rc, "malformed", str(exc))
+                return
             sp = SamplingParams(**sampling_kwargs(rc.engine.sampling, max_tokens), structured_outputs=forced)
             self.matcher.track(live.request_id, rc.session_id, ids)
             await w.nc.publish(rc.reply_to, encode(CallRunning(call_id=rc.call_id, server_id=s.server_id)))
@@ -450,8 +487,10 @@ class VllmBackend(EngineBackend):
             decode = (t_end - t_first) if t_first is not None else 0.0
             text = None
             if live.tokens:
+                o = last.outputs[0] if last is not None else None
                 try:
-                    text = self.tokenizer.decode(live.tokens)
+                    text = reply_text(self.tokenizer, live.tokens, getattr(o, "finish_reason", None),
+                                      getattr(o, "stop_reason", None))
                 except Exception:
                     text = None
             c = rc.call

@@ -400,14 +400,53 @@ _ANTHROPIC_SAMPLING = {"temperature": "temperature", "top_p": "top_p", "top_k": 
 _OPENAI_REFUSED = ("logprobs", "top_logprobs", "logit_bias")
 
 
+JSON_SCHEMA_MAX = 65536  # bytes of a response_format schema (Sampling.json_schema's bound)
+
+
+def response_format_schema(body: Mapping[str, Any]) -> str | None:
+    """The JSON Schema (as JSON text) a chat request's `response_format` asks the output to
+    match: `json_schema`'s schema, `json_object` as any object; None for `text` or none.
+    With tools offered (and not turned off) it is refused: a JSON grammar would forbid
+    the model's tool calls."""
+    rf = body.get("response_format")
+    if rf is None:
+        return None
+    if not isinstance(rf, Mapping) or rf.get("type") not in ("text", "json_object", "json_schema"):
+        raise BadRequest("response_format: type must be text, json_object or json_schema", "response_format")
+    if rf["type"] == "text":
+        return None
+    schema: Any = {"type": "object"}
+    if rf["type"] == "json_schema":
+        spec = rf.get("json_schema")
+        schema = spec.get("schema", {}) if isinstance(spec, Mapping) else None
+        if not isinstance(schema, Mapping):
+            raise BadRequest("response_format: json_schema.schema must be a JSON Schema object", "response_format")
+    return structured_output(schema, body, "response_format")
+
+
+def structured_output(schema: Mapping[str, Any], body: Mapping[str, Any], param: str) -> str:
+    """A requested output schema as JSON text, refused (naming `param`) when too large or
+    beside tools the request leaves on: a JSON grammar would forbid the tool calls."""
+    text = json.dumps(schema, separators=(",", ":"))
+    if len(text.encode()) > JSON_SCHEMA_MAX:
+        raise BadRequest(f"{param}: the schema is over {JSON_SCHEMA_MAX} bytes", param)
+    if body.get("tools") and body.get("tool_choice") != "none":
+        raise BadRequest(f"{param}: a JSON output format with tools is not served (its grammar would forbid "
+                         "the tool calls)", param)
+    return text
+
+
 def sampling_of(body: Mapping[str, Any], api: str) -> Sampling:
     """The request's sampling fields as the engine takes them; a BadRequest names a bad or unserved field."""
     names = _ANTHROPIC_SAMPLING if api == "anthropic" else _OPENAI_SAMPLING
+    fields: dict[str, Any] = {}
     if api != "anthropic":
         for f in _OPENAI_REFUSED:
             if body.get(f) not in (None, False, {}, 0):
                 raise BadRequest(f"{f} is not served", f)
-    fields: dict[str, Any] = {}
+        schema = response_format_schema(body)
+        if schema is not None:
+            fields["json_schema"] = schema
     for theirs, ours in names.items():
         v = body.get(theirs)
         if v is None:
@@ -624,8 +663,14 @@ def responses_request(body: Mapping[str, Any]) -> dict[str, Any]:
         raise BadRequest("background responses are not served", "background")
     text = body.get("text")
     fmt = text.get("format") if isinstance(text, Mapping) else None
-    if text is not None and (not isinstance(text, Mapping) or fmt not in (None, {"type": "text"})):
-        raise BadRequest("text.format: only plain text is served", "text")
+    if text is not None and not isinstance(text, Mapping):
+        raise BadRequest("text must be an object", "text")
+    if fmt is not None and not (isinstance(fmt, Mapping) and fmt.get("type") in ("text", "json_object", "json_schema")):
+        raise BadRequest("text.format: type must be text, json_object or json_schema", "text")
+    if isinstance(fmt, Mapping) and fmt.get("type") == "json_schema" and not isinstance(fmt.get("schema"), Mapping):
+        raise BadRequest("text.format: schema must be a JSON Schema object", "text")
+    if isinstance(fmt, Mapping) and fmt.get("type") != "text":
+        structured_output(fmt.get("schema", {}), body, "text")  # refused here under the Responses name
     messages: list[dict[str, Any]] = []
     instructions = body.get("instructions")
     if instructions is not None:
@@ -645,6 +690,9 @@ def responses_request(body: Mapping[str, Any]) -> dict[str, Any]:
     for name in ("max_output_tokens", "temperature", "top_p", "top_logprobs", EXTENSION_FIELD):
         if body.get(name) is not None:
             out[name] = body[name]
+    if isinstance(fmt, Mapping) and fmt.get("type") != "text":  # the same structured output as chat's
+        out["response_format"] = ({"type": "json_schema", "json_schema": {"name": fmt.get("name"), "schema": fmt["schema"]}}
+                                  if fmt["type"] == "json_schema" else {"type": "json_object"})
     return out
 
 
