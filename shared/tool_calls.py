@@ -99,9 +99,16 @@ def _tools(raw: Any, param: str, inner: Any, schema_field: str) -> list[Tool]:
     return out
 
 
+# the tool choice that asks for a call of any of the tools (OpenAI's "required", Anthropic's
+# {"type": "any"}); no tool can be named this (names are letters, digits, _ and -)
+ANY_TOOL = "*"
+
+
 def _openai_choice(choice: Any) -> str | None:
-    if choice in (None, "auto", "required"):
+    if choice in (None, "auto"):
         return None
+    if choice == "required":
+        return ANY_TOOL
     if choice == "none":
         return "none"
     if isinstance(choice, Mapping) and isinstance(choice.get("function"), Mapping) \
@@ -115,8 +122,10 @@ def _anthropic_choice(choice: Any) -> str | None:
         return None
     if isinstance(choice, Mapping):
         kind = choice.get("type")
-        if kind in ("auto", "any"):
+        if kind == "auto":
             return None
+        if kind == "any":
+            return ANY_TOOL
         if kind == "none":
             return "none"
         if kind == "tool" and isinstance(choice.get("name"), str):
@@ -231,16 +240,17 @@ _JSON_CALL_TAGS = {"hermes": ("<tool_call>\n", "\n</tool_call>")}
 
 def forced_call(tools: Sequence[Tool], choice: str | None, fmt: str) -> tuple[str, dict[str, Any], str] | None:
     """What a real engine's structured output must produce when the request names the tool
-    to call (as vLLM's OpenAI server constrains a named `tool_choice`): the format's text
-    before the call, the JSON schema of `{"name": <that tool>, "arguments": <its schema>}`,
-    the text after. None when nothing is forced or the format's calls are not one JSON object."""
-    tool = next((t for t in tools if t.name == choice), None) if choice not in (None, "none") else None
+    to call (as vLLM's OpenAI server constrains a named `tool_choice`), or asks for a call of
+    any of them (`ANY_TOOL`): the format's text before the call, the JSON schema of
+    `{"name": <the tool>, "arguments": <its schema>}` (one of these for any tool), the text
+    after. None when nothing is forced or the format's calls are not one JSON object."""
+    chosen = list(tools) if choice == ANY_TOOL else [t for t in tools if t.name == choice][:1]
     tags = _JSON_CALL_TAGS.get(fmt)
-    if tool is None or tags is None:
+    if not chosen or tags is None:
         return None
-    schema = {"type": "object", "properties": {"name": {"const": tool.name}, "arguments": tool.parameters},
-              "required": ["name", "arguments"], "additionalProperties": False}
-    return tags[0], schema, tags[1]
+    one = [{"type": "object", "properties": {"name": {"const": t.name}, "arguments": t.parameters},
+            "required": ["name", "arguments"], "additionalProperties": False} for t in chosen]
+    return tags[0], one[0] if len(one) == 1 else {"anyOf": one}, tags[1]
 
 
 def synthetic_call(tools: Sequence[Tool], choice: str | None, seed: str) -> tuple[str, dict[str, Any]] | None:

@@ -875,6 +875,14 @@ async def test_tools_a_model_has_no_parser_for_or_that_are_malformed_are_400_by_
                                              tools=[{"type": "function", "function": READ_FILE}],
                                              tool_choice={"type": "function", "function": {"name": "rm_rf"}})
     assert e.value.body["param"] == "tool_choice"
+    with pytest.raises(openai.BadRequestError) as e:  # a call of any tool, of none given
+        await client.chat.completions.create(model=MODEL, max_tokens=5, messages=[{"role": "user", "content": "x"}],
+                                             tools=[], tool_choice="required")
+    assert e.value.body["param"] == "tool_choice"
+    # and with tools, "required" is a call on the sim engine too
+    r = await client.chat.completions.create(model=MODEL, max_tokens=300, messages=[{"role": "user", "content": "x"}],
+                                             tools=[{"type": "function", "function": READ_FILE}], tool_choice="required")
+    assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.tool_calls[0].function.name == "read_file"
 
 
 @pytest.mark.timeout(180)

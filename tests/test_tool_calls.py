@@ -79,7 +79,9 @@ def test_requests_tools_in_each_apis_shape_and_refusals_by_name() -> None:
     assert tc.openai_tools({"tools": body["tools"], "tool_choice": "none"})[1] == "none"
     tools, choice = tc.anthropic_tools({"tools": [{"name": "read_file", "input_schema": TOOLS[0].parameters}],
                                         "tool_choice": {"type": "any"}})
-    assert [t.name for t in tools] == ["read_file"] and choice is None
+    assert [t.name for t in tools] == ["read_file"] and choice == tc.ANY_TOOL  # a call of any tool
+    assert tc.openai_tools({"tools": body["tools"], "tool_choice": "required"})[1] == tc.ANY_TOOL
+    assert tc.openai_tools({"tools": body["tools"], "tool_choice": "auto"})[1] is None
     for bad in ({"tools": "x"}, {"tools": [{"type": "function"}]}, {"tools": [], "tool_choice": 3}):
         with pytest.raises(tc.ToolsError):
             tc.openai_tools(bad)
@@ -112,3 +114,9 @@ def test_a_named_tool_choice_forces_a_call_the_parser_reads() -> None:
     assert not re.fullmatch(so.regex, tc.render([("ls", {})], "hermes"))
     _, calls = tc.parse(text, "hermes", tools, "k")
     assert [(c.name, c.arguments) for c in calls] == [("read_file", {"path": "b.py", "whole": False})]
+    # tool_choice "required" (Anthropic's "any"): a call of any one of the tools, nothing else
+    any_call = forced_tool_call(EngineHint(tools_json=tc.tools_text(tools), tool_choice=tc.ANY_TOOL,
+                                           tool_call_format="hermes"), "glm45")
+    assert re.fullmatch(any_call.regex, text) and re.fullmatch(any_call.regex, tc.render([("ls", {})], "hermes"))
+    assert not re.fullmatch(any_call.regex, "plain text") and not re.fullmatch(
+        any_call.regex, tc.render([("rm", {})], "hermes"))

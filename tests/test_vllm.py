@@ -230,6 +230,16 @@ async def _a_named_tool_choice_is_a_well_formed_call(stack) -> None:  # type: ig
     args = json.loads(c.message.tool_calls[0].function.arguments)
     assert c.message.tool_calls[0].function.name == "read_file" and args["path"] in ("a.py", "src/b.py") \
         and isinstance(args["whole"], bool), args
+    # "required": a call of any one of the tools, well formed
+    ls = {"type": "function", "function": {"name": "ls", "description": "list a folder", "parameters": {
+        "type": "object", "properties": {"dir": {"enum": [".", "src"]}}, "required": ["dir"]}}}
+    r = await client.chat.completions.create(
+        model=vb.MODEL, max_tokens=256, messages=[{"role": "user", "content": "look around"}], tools=[tool, ls],
+        tool_choice="required", extra_headers={"x-session-id": "required"})
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls" and c.message.tool_calls, c
+    assert c.message.tool_calls[0].function.name in ("read_file", "ls"), c
+    json.loads(c.message.tool_calls[0].function.arguments)
 
 
 async def _a_response_format_gets_json_of_its_schema(stack) -> None:  # type: ignore[no-untyped-def]

@@ -306,7 +306,9 @@ class Gateway:
         fmt = tk.for_model(self.tool_parsers, model) or self.catalog.model(model).tool_call_format
         if tools and fmt == "none":
             raise HttpError("malformed", f"tool calls are not served for {model} yet (no parser for its format)", "tools")
-        if choice not in (None, "none") and choice not in {t.name for t in tools}:
+        if choice == tc.ANY_TOOL and not tools:
+            raise HttpError("malformed", "tool_choice asks for a tool call, and no tools are given", "tool_choice")
+        if choice not in (None, "none", tc.ANY_TOOL) and choice not in {t.name for t in tools}:
             raise HttpError("malformed", f"tool_choice names {choice!r}, which is not among the tools", "tool_choice")
         return tools, choice, fmt
 
