@@ -25,6 +25,7 @@ MAX_MESSAGE_BYTES = 1024 * 1024  # refused at the front door above this (the emb
 # a real prompt (text or token ids) larger than this, encoded, goes by reference (the prompt
 # store, `shared/prompt_store.py`) instead of riding the bus through router and admission
 PROMPT_INLINE_MAX_BYTES = 64 * 1024
+JSON_SCHEMA_MAX_BYTES = 64 * 1024  # a structured-output schema (`Sampling.json_schema`) at most this long
 
 
 class Base(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", forbid_unknown_fields=False):
@@ -98,7 +99,7 @@ class Sampling(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, fo
     frequency_penalty: Annotated[float, Meta(ge=-2, le=2)] | None = None
     # the JSON Schema (as JSON text) the output must match: OpenAI's `response_format`
     # (json_object: any object); the vllm backend enforces it by structured output
-    json_schema: Annotated[str, Meta(max_length=65536)] | None = None
+    json_schema: Annotated[str, Meta(max_length=JSON_SCHEMA_MAX_BYTES)] | None = None
 
 
 class CallRequest(Base, tag="call"):

@@ -31,7 +31,7 @@ import msgspec
 from services.gateway import prefix as px
 from services.gateway.prefix import MESSAGE_FRAME_TOKENS
 from shared import tool_calls
-from shared.schema import Sampling
+from shared.schema import JSON_SCHEMA_MAX_BYTES, Sampling
 
 # The agents' own session headers, first match wins (docs/front-door.md lists who sends which).
 SESSION_HEADERS = (
@@ -400,38 +400,41 @@ _ANTHROPIC_SAMPLING = {"temperature": "temperature", "top_p": "top_p", "top_k": 
 _OPENAI_REFUSED = ("logprobs", "top_logprobs", "logit_bias")
 
 
-JSON_SCHEMA_MAX = 65536  # bytes of a response_format schema (Sampling.json_schema's bound)
+_OUTPUT_KINDS = ("text", "json_object", "json_schema")
 
 
 def response_format_schema(body: Mapping[str, Any]) -> str | None:
     """The JSON Schema (as JSON text) a chat request's `response_format` asks the output to
-    match: `json_schema`'s schema, `json_object` as any object; None for `text` or none.
-    With tools offered (and not turned off) it is refused: a JSON grammar would forbid
-    the model's tool calls."""
+    match: `json_schema`'s schema (any JSON without one), `json_object` as any object; None
+    for `text` or none."""
     rf = body.get("response_format")
     if rf is None:
         return None
-    if not isinstance(rf, Mapping) or rf.get("type") not in ("text", "json_object", "json_schema"):
+    if not isinstance(rf, Mapping):
         raise BadRequest("response_format: type must be text, json_object or json_schema", "response_format")
-    if rf["type"] == "text":
+    spec = rf.get("json_schema")
+    schema = spec.get("schema", {}) if isinstance(spec, Mapping) else None
+    return output_schema(rf.get("type"), schema, body, "response_format", "response_format")
+
+
+def output_schema(kind: Any, schema: Any, body: Mapping[str, Any], label: str, param: str) -> str | None:
+    """The schema an output format of `kind` asks for, as JSON text (None: plain text);
+    refused, naming `param`, for an unknown kind, a schema that is not an object or is too
+    long, and beside tools the request leaves on: a JSON grammar would forbid the tool calls.
+    Chat's `response_format` and the Responses API's `text.format` (`label`) share it."""
+    if kind not in _OUTPUT_KINDS:
+        raise BadRequest(f"{label}: type must be text, json_object or json_schema", param)
+    if kind == "text":
         return None
-    schema: Any = {"type": "object"}
-    if rf["type"] == "json_schema":
-        spec = rf.get("json_schema")
-        schema = spec.get("schema", {}) if isinstance(spec, Mapping) else None
-        if not isinstance(schema, Mapping):
-            raise BadRequest("response_format: json_schema.schema must be a JSON Schema object", "response_format")
-    return structured_output(schema, body, "response_format")
-
-
-def structured_output(schema: Mapping[str, Any], body: Mapping[str, Any], param: str) -> str:
-    """A requested output schema as JSON text, refused (naming `param`) when too large or
-    beside tools the request leaves on: a JSON grammar would forbid the tool calls."""
+    if kind == "json_object":
+        schema = {"type": "object"}
+    elif not isinstance(schema, Mapping):
+        raise BadRequest(f"{label}: the schema must be a JSON Schema object", param)
     text = json.dumps(schema, separators=(",", ":"))
-    if len(text.encode()) > JSON_SCHEMA_MAX:
-        raise BadRequest(f"{param}: the schema is over {JSON_SCHEMA_MAX} bytes", param)
+    if len(text.encode()) > JSON_SCHEMA_MAX_BYTES:
+        raise BadRequest(f"{label}: the schema is over {JSON_SCHEMA_MAX_BYTES} bytes", param)
     if body.get("tools") and body.get("tool_choice") != "none":
-        raise BadRequest(f"{param}: a JSON output format with tools is not served (its grammar would forbid "
+        raise BadRequest(f"{label}: a JSON output format with tools is not served (its grammar would forbid "
                          "the tool calls)", param)
     return text
 
@@ -662,15 +665,13 @@ def responses_request(body: Mapping[str, Any]) -> dict[str, Any]:
     if body.get("background") not in (None, False):
         raise BadRequest("background responses are not served", "background")
     text = body.get("text")
-    fmt = text.get("format") if isinstance(text, Mapping) else None
     if text is not None and not isinstance(text, Mapping):
         raise BadRequest("text must be an object", "text")
-    if fmt is not None and not (isinstance(fmt, Mapping) and fmt.get("type") in ("text", "json_object", "json_schema")):
+    fmt = text.get("format") if isinstance(text, Mapping) else None
+    if fmt is not None and not isinstance(fmt, Mapping):
         raise BadRequest("text.format: type must be text, json_object or json_schema", "text")
-    if isinstance(fmt, Mapping) and fmt.get("type") == "json_schema" and not isinstance(fmt.get("schema"), Mapping):
-        raise BadRequest("text.format: schema must be a JSON Schema object", "text")
-    if isinstance(fmt, Mapping) and fmt.get("type") != "text":
-        structured_output(fmt.get("schema", {}), body, "text")  # refused here under the Responses name
+    # checked here, so a refusal names the Responses field; the chat path reads the same format
+    structured = output_schema(fmt.get("type"), fmt.get("schema"), body, "text.format", "text") if fmt is not None else None
     messages: list[dict[str, Any]] = []
     instructions = body.get("instructions")
     if instructions is not None:
@@ -690,7 +691,7 @@ def responses_request(body: Mapping[str, Any]) -> dict[str, Any]:
     for name in ("max_output_tokens", "temperature", "top_p", "top_logprobs", EXTENSION_FIELD):
         if body.get(name) is not None:
             out[name] = body[name]
-    if isinstance(fmt, Mapping) and fmt.get("type") != "text":  # the same structured output as chat's
+    if structured is not None:  # the same structured output as chat's
         out["response_format"] = ({"type": "json_schema", "json_schema": {"name": fmt.get("name"), "schema": fmt["schema"]}}
                                   if fmt["type"] == "json_schema" else {"type": "json_object"})
     return out
