@@ -16,7 +16,7 @@ call in its own format, and a per-model parser finds it (as vLLM's
 `render` writes calls in a format (what a model would have written): the sim
 engine's synthetic mode uses it, and it is the inverse the parsers are tested
 against. `synthetic_call` picks a tool and fills its required arguments from
-the tool's JSON schema, so an agent's loop runs on well-formed calls on the sim
+the tool's JSON schema (`shared/synthetic_json.py`), so an agent's loop runs on well-formed calls on the sim
 engine (docs/front-door.md).
 """
 
@@ -28,6 +28,8 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from shared import synthetic_json
 
 FORMATS = ("hermes", "glm45", "none")
 
@@ -261,24 +263,8 @@ def synthetic_call(tools: Sequence[Tool], choice: str | None, seed: str) -> tupl
     pick = next((t for t in tools if t.name == choice), None) if choice else None
     if pick is None:
         pick = tools[int(hashlib.sha256(seed.encode()).hexdigest(), 16) % len(tools)]
-    props = pick.parameters.get("properties") or {}
-    required = pick.parameters.get("required") or list(props)
-    return pick.name, {k: _example(props.get(k) or {}, f"{seed}:{k}") for k in required if isinstance(k, str)}
-
-
-def _example(schema: Mapping[str, Any], seed: str) -> Any:
-    if isinstance(schema.get("enum"), list) and schema["enum"]:
-        return schema["enum"][0]
-    match schema.get("type"):
-        case "integer":
-            return int(hashlib.sha256(seed.encode()).hexdigest()[:4], 16) % 100
-        case "number":
-            return 0.5
-        case "boolean":
-            return True
-        case "array":
-            return []
-        case "object":
-            return {}
-        case _:
-            return "synthetic-" + hashlib.sha256(seed.encode()).hexdigest()[:8]
+    try:
+        args = synthetic_json.example({"type": "object", **pick.parameters}, seed)
+    except ValueError:  # a schema too large or malformed to fill: the call without arguments
+        args = {}
+    return pick.name, args if isinstance(args, dict) else {}

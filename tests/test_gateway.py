@@ -305,6 +305,36 @@ async def test_chat_completion_whole_and_streamed_with_usage(stack: EmbeddedStac
 
 
 @pytest.mark.timeout(120)
+async def test_structured_output_on_the_sim_engine_parses_as_its_schema(stack: EmbeddedStack) -> None:
+    # an SDK's typed parse (what agent frameworks' structured output calls) reads the sim
+    # engine's reply as the model it asked for, as it would a real engine's
+    import pydantic
+
+    class Step(pydantic.BaseModel):
+        file: str
+        line: int = pydantic.Field(ge=1)
+
+    class Plan(pydantic.BaseModel):
+        steps: list[Step]
+        done: bool
+        note: str | None
+
+    client = oai(stack)
+    parsed = await client.chat.completions.parse(model=MODEL, max_tokens=200, response_format=Plan,
+                                                 messages=[{"role": "user", "content": "plan the fix"}])
+    plan = parsed.choices[0].message.parsed
+    assert isinstance(plan, Plan) and plan.steps and plan.steps[0].line >= 1
+    assert parsed.choices[0].finish_reason == "stop"  # it ends where the value does
+    assert parsed.usage.completion_tokens < 200
+    r = await client.responses.parse(model=MODEL, input="plan the fix", text_format=Plan, max_output_tokens=200)
+    assert isinstance(r.output_parsed, Plan)
+    # json_object: any object
+    o = await client.chat.completions.create(model=MODEL, max_tokens=50, response_format={"type": "json_object"},
+                                             messages=[{"role": "user", "content": "an object"}])
+    assert isinstance(json.loads(o.choices[0].message.content or ""), dict)
+
+
+@pytest.mark.timeout(120)
 async def test_a_session_header_makes_the_next_call_a_continuation_per_tenant(stack: EmbeddedStack) -> None:
     a, b = oai(stack), oai(stack, OTHER_KEY)
     hdr = {"x-session-id": "1"}

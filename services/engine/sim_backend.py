@@ -6,7 +6,8 @@ asked to stream gets its tokens at the cost model's decode pace, so streaming
 and cancel behave as on a real engine; the token ids are placeholders (the
 sim has no vocabulary). A replayed trace's call gets no text; a call from the
 front door (it carries sampling fields) gets labelled synthetic filler of its
-length (`SYNTHETIC_LABEL`); and in the synthetic tool mode, a call whose hint
+length (`SYNTHETIC_LABEL`), or with structured output a made-up JSON value of
+the requested schema, as long as that value is; and in the synthetic tool mode, a call whose hint
 carries tools (and a tool choice other than "none") answers one well-formed
 call of one of them, written in the model's own format (`shared/tool_calls.py`),
 as short as such a call is, so an agent's loop runs on tool calls and the
@@ -16,13 +17,14 @@ gateway's parsers read them.
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 import structlog
 
 from services.engine.sim_engine import CallResult, EngineCall, SimEngine
 from services.engine.worker import EngineBackend, EngineWorker
-from shared import state, tool_calls
+from shared import state, synthetic_json, tool_calls
 from shared.clock import at_source, drive_timer
 from shared.costmodel import CostModel
 from shared.schema import CallReply, CallRunning, KvSpilled, RunCall, Wake, encode
@@ -46,6 +48,26 @@ def synthetic_tool_text(rc: RunCall, fmt: str) -> str | None:
     return tool_calls.render([call], fmt) if call is not None else None
 
 
+def synthetic_json_text(rc: RunCall) -> str | None:
+    """Structured output's reply: a made-up JSON value of the requested schema, compact, as
+    a real engine's structured output would parse (`shared/synthetic_json.py`)."""
+    sampling = rc.engine.sampling
+    if sampling is None or sampling.json_schema is None:
+        return None
+    try:
+        value = synthetic_json.example(json.loads(sampling.json_schema), rc.call.call_id)
+    except ValueError:  # not JSON, or a schema too large or malformed to fill: free text
+        return None
+    return json.dumps(value, separators=(",", ":"))
+
+
+def shaped_text(rc: RunCall, fmt: str) -> str | None:
+    """A reply whose shape the request fixes, as long as that shape is: its synthetic tool
+    call, else its structured output; None when the reply is free text."""
+    tool = synthetic_tool_text(rc, fmt)
+    return tool if tool is not None else synthetic_json_text(rc)
+
+
 SYNTHETIC_LABEL = "[synthetic text from Talaria's sim engine] "
 
 
@@ -57,20 +79,21 @@ def synthetic_text(output_tokens: int) -> str:
 
 
 def reply_text(rc: RunCall, fmt: str, output_tokens: int) -> str | None:
-    """The sim reply's text: its synthetic tool call, else labelled filler for a call from
-    the front door (it carries sampling fields), else none (a replayed trace's call)."""
-    tool = synthetic_tool_text(rc, fmt)
-    if tool is not None:
-        return tool
+    """The sim reply's text: its synthetic tool call or structured output, else labelled
+    filler for a call from the front door (it carries sampling fields), else none (a
+    replayed trace's call)."""
+    shaped = shaped_text(rc, fmt)
+    if shaped is not None:
+        return shaped
     return synthetic_text(output_tokens) if rc.engine.sampling is not None else None
 
 
 def stop_tokens(rc: RunCall, fmt: str = "none") -> int:
     """Where the sim engine stops: the hint's true output length, else the length of its
-    synthetic tool call, else the call's bound."""
+    synthetic tool call or structured output, else the call's bound."""
     if rc.engine.sim_output_tokens:
         return rc.engine.sim_output_tokens
-    text = synthetic_tool_text(rc, fmt)
+    text = shaped_text(rc, fmt)
     return max(1, len(text.encode()) // 4) if text is not None else rc.call.max_tokens
 
 
