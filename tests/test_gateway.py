@@ -127,6 +127,19 @@ def test_response_format_is_the_schema_the_engine_enforces_or_a_400_by_name() ->
         with pytest.raises(tr.BadRequest) as e:
             tr.responses_request({"model": MODEL, "input": "x", **body})
         assert e.value.param == "text", body
+    # Anthropic's Messages: output_config.format, or the structured-outputs beta's output_format
+    fmt = {"type": "json_schema", "schema": schema}
+    for body in ({"output_config": {"format": fmt, "effort": "low"}}, {"output_format": fmt},
+                 {"output_format": fmt, "tools": [{"name": "f"}], "tool_choice": {"type": "none"}}):
+        assert json.loads(tr.sampling_of(body, "anthropic").json_schema) == schema, body
+    assert tr.sampling_of({"output_config": {"effort": "high"}}, "anthropic").json_schema is None
+    for body, field in (({"output_config": "json"}, "output_config"),
+                        ({"output_config": {"format": {"type": "json_object"}}}, "output_config"),
+                        ({"output_format": {"type": "json_schema", "schema": [1]}}, "output_format"),
+                        ({"output_format": fmt, "tools": [{"name": "f"}]}, "output_format")):
+        with pytest.raises(tr.BadRequest) as e:
+            tr.sampling_of(body, "anthropic")
+        assert e.value.param == field, (body, e.value)
 
 
 def test_the_reply_text_leaves_out_what_stopped_it() -> None:
@@ -332,6 +345,10 @@ async def test_structured_output_on_the_sim_engine_parses_as_its_schema(stack: E
     o = await client.chat.completions.create(model=MODEL, max_tokens=50, response_format={"type": "json_object"},
                                              messages=[{"role": "user", "content": "an object"}])
     assert isinstance(json.loads(o.choices[0].message.content or ""), dict)
+    # Anthropic's SDK: output_config.format
+    m = await ant(stack).messages.parse(model=MODEL, max_tokens=200, output_format=Plan,
+                                        messages=[{"role": "user", "content": "plan the fix"}])
+    assert isinstance(m.parsed_output, Plan) and m.stop_reason == "end_turn"
 
 
 @pytest.mark.timeout(120)

@@ -439,6 +439,27 @@ def output_schema(kind: Any, schema: Any, body: Mapping[str, Any], label: str, p
     return text
 
 
+def messages_output_schema(body: Mapping[str, Any]) -> str | None:
+    """The JSON Schema (as JSON text) an Anthropic Messages request asks the output to match:
+    `output_config.format` (`{"type": "json_schema", "schema": ...}`), or the same object
+    as the structured-outputs beta's top-level `output_format`; None for neither."""
+    config = body.get("output_config")
+    if config is not None and not isinstance(config, Mapping):
+        raise BadRequest("output_config must be an object", "output_config")
+    fmt, label = (config or {}).get("format"), "output_config.format"
+    if fmt is None:
+        fmt, label = body.get("output_format"), "output_format"
+    if fmt is None:
+        return None
+    param = label.split(".", 1)[0]
+    if not isinstance(fmt, Mapping) or fmt.get("type") != "json_schema":
+        raise BadRequest(f"{label}: type must be json_schema", param)
+    choice = body.get("tool_choice")
+    off = isinstance(choice, Mapping) and choice.get("type") == "none"
+    return output_schema("json_schema", fmt.get("schema"), {"tools": body.get("tools"), "tool_choice": "none" if off else choice},
+                         label, param)
+
+
 def sampling_of(body: Mapping[str, Any], api: str) -> Sampling:
     """The request's sampling fields as the engine takes them; a BadRequest names a bad or unserved field."""
     names = _ANTHROPIC_SAMPLING if api == "anthropic" else _OPENAI_SAMPLING
@@ -447,9 +468,9 @@ def sampling_of(body: Mapping[str, Any], api: str) -> Sampling:
         for f in _OPENAI_REFUSED:
             if body.get(f) not in (None, False, {}, 0):
                 raise BadRequest(f"{f} is not served", f)
-        schema = response_format_schema(body)
-        if schema is not None:
-            fields["json_schema"] = schema
+    schema = messages_output_schema(body) if api == "anthropic" else response_format_schema(body)
+    if schema is not None:
+        fields["json_schema"] = schema
     for theirs, ours in names.items():
         v = body.get(theirs)
         if v is None:

@@ -89,6 +89,11 @@ BAD_FIELDS: list[tuple[str, Any]] = [
     ("input", []), ("input", 5), ("input", [{"type": "item_reference", "id": "x"}]), ("input", [{"role": "user"}]),
     ("input", [{"type": "function_call", "name": 3}]), ("max_output_tokens", 0), ("previous_response_id", "resp_1"),
     ("tools", [{"type": "web_search"}]), ("text", {"format": {"type": "json_schema"}}), ("instructions", []),
+    # structured output: refused where the API reads the field; a hostile schema the engine cannot
+    # fill (endless, or with a value too large to make) gets free text, never a failed call
+    ("output_config", {"format": {"type": "xml"}}), ("output_format", 5),
+    ("response_format", {"type": "json_schema", "json_schema": {"schema": {"type": "array", "minItems": 10 ** 9}}}),
+    ("output_format", {"type": "json_schema", "schema": {"allOf": [{"$ref": "#"}]}}),
 ]
 BAD_BODIES: list[bytes] = [b"", b"{", b"}", b"[]", b"null", b"true", b'"s"', b"0", b"\xff\xfe\x00", b'{"model": 1}',
                            b"{}" * 1000, b'{"model": "' + b"\xc3\x28" * 10 + b'"}', b"[" * 5000 + b"]" * 5000,
