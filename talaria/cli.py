@@ -337,8 +337,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.set_defaults(fn=cmd_replay)
 
     u = sub.add_parser("up", help="bring up NATS, Redis and every service; Ctrl-C stops everything")
-    u.add_argument("--policy", default="baseline",
-                   help=f"the policy every service runs (default baseline; one of {', '.join(PRESETS)})")
+    u.add_argument("--policy", default="talaria",  # what it serves with, as compose's defaults do
+                   help=f"the policy every service runs (default talaria; one of {', '.join(PRESETS)})")
     u.add_argument("--models", default=",".join(DEFAULT_MODELS),
                    help="comma-separated catalog models to serve, one engine-worker each per server")
     u.add_argument("--time-scale", type=positive_float, default=1.0,

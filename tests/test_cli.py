@@ -260,3 +260,9 @@ def test_the_transport_floor_passes_every_call_through_its_hops_in_every_layout(
     assert rows["3 procs"]["nats_msgs_per_call"] == pytest.approx(15.0, abs=0.5)
     assert rows["2 procs"]["nats_msgs_per_call"] == pytest.approx(11.0, abs=0.5)  # no run, running, ack, finished
     assert rows["1 proc"]["nats_msgs_per_call"] == pytest.approx(7.0, abs=0.5)
+
+
+def test_up_serves_with_talarias_policy_unless_told() -> None:
+    # the serving command runs the system, as compose's defaults do; the baseline is asked for by name
+    assert build_parser().parse_args(["up"]).policy == "talaria"
+    assert build_parser().parse_args(["up", "--policy", "baseline"]).policy == "baseline"
