@@ -243,8 +243,8 @@ async def _a_named_tool_choice_is_a_well_formed_call(stack) -> None:  # type: ig
 
 
 async def _a_response_format_gets_json_of_its_schema(stack) -> None:  # type: ignore[no-untyped-def]
-    """The tiny model's random weights write no JSON by themselves; `response_format` (chat)
-    and `text.format` (Responses) get vLLM's structured output, so the text parses as JSON
+    """The tiny model's random weights write no JSON by themselves; `response_format` (chat),
+    `text.format` (Responses) and `output_config.format` (Messages) get vLLM's structured output, so the text parses as JSON
     its schema allows. A schema the engine cannot enforce is a 400, not a hung call."""
     import json
 
@@ -261,6 +261,14 @@ async def _a_response_format_gets_json_of_its_schema(stack) -> None:  # type: ig
     out = await client.responses.create(model=vb.MODEL, max_output_tokens=64, input="judge the patch",
                                         text={"format": {"type": "json_schema", "name": "judgement", "schema": schema}})
     answer = json.loads(out.output_text)
+    assert answer["verdict"] in ("fix", "skip") and isinstance(answer["done"], bool), answer
+    # Anthropic's Messages: output_config.format
+    import anthropic
+
+    msg = await anthropic.AsyncAnthropic(base_url=stack.gateway_url, api_key=stack.api_key, max_retries=0).messages.create(
+        model=vb.MODEL, max_tokens=64, messages=[{"role": "user", "content": "judge the patch"}],
+        output_config={"format": {"type": "json_schema", "schema": schema}})
+    answer = json.loads(msg.content[0].text)
     assert answer["verdict"] in ("fix", "skip") and isinstance(answer["done"], bool), answer
     with pytest.raises(openai.BadRequestError):
         await client.chat.completions.create(
