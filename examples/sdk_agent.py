@@ -20,8 +20,10 @@ Per call it prints the wall seconds the call took, the prompt's tokens, how many
 of them the server reported as cached (the engine's own count), and the tool
 the model called; at the end the session's completion time (SCT: first call
 sent to last answer, wall seconds). On Talaria's sim engine the model is
-synthetic: it always calls one of the tools, with made-up arguments (the tool
-then answers with an error, which the agent sends back like any result).
+synthetic: it calls one of the tools, with made-up arguments (the tool then
+answers with an error, which the agent sends back like any result), and after
+four tool results since the user last spoke it answers in text; this agent then
+says "go on" and the loop goes on.
 """
 
 from __future__ import annotations

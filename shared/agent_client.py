@@ -277,6 +277,7 @@ class TalariaClient:
         tools_json: str | None = None,
         tool_choice: str | None = None,
         tool_call_format: str | None = None,
+        tool_rounds: int | None = None,
     ) -> CallReply:
         """`prompt_token_ids` / `prompt_text`: the real prompt, for a real engine
         (`vllm` backend; the sim reads only the counts). `sim_output_tokens`: the
@@ -287,7 +288,8 @@ class TalariaClient:
         cid = call_id or uuid.uuid4().hex
         inbox = self.subjects.reply_inbox(self.client_id, cid)
         hint = (EngineHint(sim_output_tokens=sim_output_tokens, tools_json=tools_json, tool_choice=tool_choice,
-                           tool_call_format=tool_call_format if tools_json else None)
+                           tool_call_format=tool_call_format if tools_json else None,
+                           tool_rounds=tool_rounds if tools_json else None)
                 if (sim_output_tokens, tools_json, tool_choice) != (None, None, None) else None)
         # a large real prompt goes by reference: put in the prompt store, read by the engine alone
         by_ref: bytes | None = None
@@ -428,6 +430,7 @@ class Session:
         tools_json: str | None = None,
         tool_choice: str | None = None,
         tool_call_format: str | None = None,
+        tool_rounds: int | None = None,
     ) -> CallReply:
         """One call of this session (see `TalariaClient.call`). Refused here,
         before anything is sent, when the session has ended or when the prompt
@@ -446,7 +449,7 @@ class Session:
         kw = dict(prompt_tokens=prompt_tokens, prefix_tokens=prefix_tokens, max_tokens=max_tokens, call_id=call_id,
                   sim_output_tokens=sim_output_tokens, on_event=on_event, prompt_token_ids=prompt_token_ids,
                   prompt_text=prompt_text, stream=stream, sampling=sampling, tools_json=tools_json,
-                  tool_choice=tool_choice, tool_call_format=tool_call_format)
+                  tool_choice=tool_choice, tool_call_format=tool_call_format, tool_rounds=tool_rounds)
         try:
             return await self.client.call(self.session_id, self.model, **kw)  # type: ignore[arg-type]
         except UnknownSession:

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 from shared.catalog import GB, Catalog, ModelSpec, ServerProfile
 
+MEDIAN_OUTPUT_TOKENS = 200  # published median output per call (docs/calibration.md)
+
 
 @dataclass(frozen=True, slots=True)
 class CostModel:

@@ -74,7 +74,7 @@ class EngineHint(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, 
     {name, description, parameters}) and `tool_choice` (None: the model decides;
     "none"; or a tool's name): the request's tools, already rendered in a real
     prompt, and what the sim engine's synthetic tool calls are made of
-    (shared/tool_calls.py)."""
+    (shared/tool_calls.py); `tool_rounds`: tool results since the user last spoke."""
 
     sim_output_tokens: Tokens | None = None
     tools_json: Annotated[str, Meta(max_length=1_000_000)] | None = None
@@ -82,6 +82,9 @@ class EngineHint(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, 
     # the format the front door parses calls in (its tool-call parser), so the sim engine's
     # synthetic calls are written in it; None: the catalog's for the model
     tool_call_format: Annotated[str, Meta(max_length=32)] | None = None
+    # tool results since the user's last message (the agent's rounds of tools on its request):
+    # where the sim engine's synthetic model stops calling tools and answers
+    tool_rounds: Annotated[int, Meta(ge=0)] | None = None
 
 
 class Sampling(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, forbid_unknown_fields=False):

@@ -255,6 +255,25 @@ def forced_call(tools: Sequence[Tool], choice: str | None, fmt: str) -> tuple[st
     return tags[0], one[0] if len(one) == 1 else {"anyOf": one}, tags[1]
 
 
+def tool_rounds(messages: Any) -> int:
+    """Tool results a conversation holds since its last message from the user: how many
+    rounds of tools the agent has run on its current request. A chat `tool` message is one;
+    so is each `tool_result` block of an Anthropic user message (a user message with
+    anything else in it is the user speaking, and starts the count again)."""
+    count = 0
+    for m in messages if isinstance(messages, list) else []:
+        if not isinstance(m, Mapping):
+            continue
+        role, content = m.get("role"), m.get("content")
+        if role == "tool":
+            count += 1
+        elif role == "user":
+            blocks = content if isinstance(content, list) else [content]
+            results = [b for b in blocks if isinstance(b, Mapping) and b.get("type") == "tool_result"]
+            count = count + len(results) if results and len(results) == len(blocks) else 0
+    return count
+
+
 def synthetic_call(tools: Sequence[Tool], choice: str | None, seed: str) -> tuple[str, dict[str, Any]] | None:
     """A well-formed call the sim engine makes: the chosen tool, or one picked by `seed`,
     with every required argument filled from its schema. None when tools are off."""

@@ -25,6 +25,7 @@ from shared.keys import Keys
 from shared.agent_client import TalariaClient
 from shared.logs import read_log_events
 from shared.policy import resolve_policy
+from shared.costmodel import MEDIAN_OUTPUT_TOKENS
 from shared.schema import (
     ApiError, CallQueued, Info, SessionOpened, api_request_decoder, CallRequest, InfoRequest, OpenSession, EndSession, Ok, Sampling, encode,
 )
@@ -932,11 +933,31 @@ async def test_tools_a_model_has_no_parser_for_or_that_are_malformed_are_400_by_
     assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.tool_calls[0].function.name == "read_file"
 
 
+@pytest.mark.timeout(60)
+async def test_the_synthetic_model_answers_after_four_tool_rounds_unless_a_call_is_required(stack: EmbeddedStack) -> None:
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "fix it"}]
+    for i in range(4):
+        messages += [{"role": "assistant", "content": None, "tool_calls": [
+                         {"id": f"c{i}", "type": "function", "function": {"name": "read_file", "arguments": "{}"}}]},
+                     {"role": "tool", "tool_call_id": f"c{i}", "content": "no such file"}]
+    tools = [{"type": "function", "function": READ_FILE}]
+    r = await oai(stack).chat.completions.create(model=MODEL, max_tokens=20, messages=messages, tools=tools)
+    assert r.choices[0].message.tool_calls is None and r.choices[0].message.content  # the answer
+    forced = await oai(stack).chat.completions.create(model=MODEL, max_tokens=300, messages=messages, tools=tools,
+                                                      tool_choice="required")
+    assert forced.choices[0].finish_reason == "tool_calls"
+    # three rounds: still calling tools
+    r3 = await oai(stack).chat.completions.create(model=MODEL, max_tokens=300, messages=messages[:-2], tools=tools)
+    assert r3.choices[0].finish_reason == "tool_calls"
+
+
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("api", ["openai", "anthropic", "responses"])
 async def test_the_example_sdk_agent_runs_its_tool_loop_end_to_end(stack: EmbeddedStack, api: str) -> None:
-    """examples/sdk_agent.py (official SDK only) against the stack: every call a tool call,
-    and each later call's cached tokens at least 90% of what the one before sent."""
+    """examples/sdk_agent.py (official SDK only) against the stack: tool calls until the
+    sim engine's model has run its agent's tools four times since the user spoke, then an
+    answer (the agent says "go on", and the calls start again), and each later call's
+    cached tokens at least 90% of what the one before sent."""
     proc = await asyncio.create_subprocess_exec(
         sys.executable, str(Path(__file__).resolve().parents[1] / "examples" / "sdk_agent.py"), "--api", api,
         "--base-url", stack.openai_base_url, "--api-key", stack.api_key, "--calls", "6", "--max-tokens", "200",
@@ -944,7 +965,9 @@ async def test_the_example_sdk_agent_runs_its_tool_loop_end_to_end(stack: Embedd
     out, err = await asyncio.wait_for(proc.communicate(), 150)
     assert proc.returncode == 0, err.decode()[-2000:]
     rows = [line.split() for line in out.decode().splitlines() if line.split() and line.split()[0].isdigit()]
-    assert len(rows) == 6 and all(r[5] in ("list_files", "read_file", "search") for r in rows), out.decode()
+    called = [r[5] for r in rows]
+    assert len(rows) == 6 and called[4] == "(answered)", out.decode()
+    assert all(c in ("list_files", "read_file", "search") for c in called[:4] + called[5:]), out.decode()
     prompts, cached = [int(r[2]) for r in rows], [int(r[3]) for r in rows]
     assert cached[0] == 0 and all(b > a for a, b in zip(prompts, prompts[1:]))  # the conversation grows
     for before, now in zip(prompts, cached[1:]):
@@ -957,24 +980,35 @@ async def test_the_sim_engines_text_is_labelled_synthetic_and_of_the_replys_leng
     r = await oai(stack).chat.completions.create(model=MODEL, max_tokens=12, messages=[{"role": "user", "content": "hi"}])
     text = r.choices[0].message.content
     assert text.startswith("[synthetic text") and tr.estimate_tokens(text) == r.usage.completion_tokens == 12
+    assert r.choices[0].finish_reason == "length"
+    # with room to spare it stops by itself, at the published median output, not at an
+    # agent's whole budget (Claude Code asks for tens of thousands of tokens)
+    long = await oai(stack).chat.completions.create(model=MODEL, max_tokens=32000,
+                                                    messages=[{"role": "user", "content": "hi"}])
+    assert long.usage.completion_tokens == MEDIAN_OUTPUT_TOKENS and long.choices[0].finish_reason == "stop"
+    r2 = await oai(stack).responses.create(model=MODEL, input="hi", max_output_tokens=32000)
+    assert r2.status == "completed" and r2.usage.output_tokens == MEDIAN_OUTPUT_TOKENS
 
 
 @pytest.mark.timeout(60)
 async def test_a_streamed_reply_comes_as_text_deltas_at_the_decode_pace(stack: EmbeddedStack) -> None:
     """The sim engine's text is streamed as its tokens are produced (the cost model's decode
-    pace), in each API's deltas; the deltas add up to the reply's whole text."""
+    pace), in each API's deltas; the deltas add up to the reply's whole text. (A reply of
+    2,000 tokens, set by the extension field, to see several deltas.)"""
+    long = {"talaria": {"sim_output_tokens": 2000}}
     chunks = [c async for c in await oai(stack).chat.completions.create(
-        model=MODEL, max_tokens=2000, stream=True, messages=[{"role": "user", "content": "stream a long answer"}])]
+        model=MODEL, max_tokens=2000, stream=True, messages=[{"role": "user", "content": "stream a long answer"}],
+        extra_body=long)]
     parts = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
     text = "".join(parts)
     assert len(parts) >= 3 and text.startswith("[synthetic text") and tr.estimate_tokens(text) == 2000
-    async with ant(stack).messages.stream(model=MODEL, max_tokens=2000,
+    async with ant(stack).messages.stream(model=MODEL, max_tokens=2000, extra_body=long,
                                           messages=[{"role": "user", "content": "stream it"}]) as s:
         deltas = [t async for t in s.text_stream if t]
         final = await s.get_final_message()
     assert len(deltas) >= 3 and "".join(deltas) == final.content[0].text and final.usage.output_tokens == 2000
     pieces = [c.choices[0].text async for c in await oai(stack).completions.create(
-        model=MODEL, prompt="def f():", max_tokens=2000, stream=True) if c.choices]
+        model=MODEL, prompt="def f():", max_tokens=2000, stream=True, extra_body=long) if c.choices]
     assert len([p for p in pieces if p]) >= 3 and tr.estimate_tokens("".join(pieces)) == 2000
 
 

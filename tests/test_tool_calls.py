@@ -120,3 +120,21 @@ def test_a_named_tool_choice_forces_a_call_the_parser_reads() -> None:
     assert re.fullmatch(any_call.regex, text) and re.fullmatch(any_call.regex, tc.render([("ls", {})], "hermes"))
     assert not re.fullmatch(any_call.regex, "plain text") and not re.fullmatch(
         any_call.regex, tc.render([("rm", {})], "hermes"))
+
+
+def test_tool_rounds_count_the_tool_results_since_the_user_last_spoke() -> None:
+    chat = [{"role": "system", "content": "s"}, {"role": "user", "content": "fix it"},
+            {"role": "assistant", "content": None, "tool_calls": [{"id": "a"}, {"id": "b"}]},
+            {"role": "tool", "tool_call_id": "a", "content": "x"}, {"role": "tool", "tool_call_id": "b", "content": "y"},
+            {"role": "assistant", "content": None, "tool_calls": [{"id": "c"}]},
+            {"role": "tool", "tool_call_id": "c", "content": "z"}]
+    assert tc.tool_rounds(chat) == 3
+    assert tc.tool_rounds(chat + [{"role": "user", "content": "go on"}]) == 0  # the user spoke: a new request
+    assert tc.tool_rounds([{"role": "user", "content": "hi"}]) == 0 and tc.tool_rounds(None) == 0
+    # Anthropic: tool results are blocks of a user message; any other block is the user speaking
+    result = {"type": "tool_result", "tool_use_id": "t", "content": "x"}
+    ant = [{"role": "user", "content": "fix it"}, {"role": "assistant", "content": [{"type": "tool_use"}]},
+           {"role": "user", "content": [result, result]}, {"role": "assistant", "content": [{"type": "tool_use"}]},
+           {"role": "user", "content": [result]}]
+    assert tc.tool_rounds(ant) == 3
+    assert tc.tool_rounds(ant + [{"role": "user", "content": [result, {"type": "text", "text": "and now?"}]}]) == 0

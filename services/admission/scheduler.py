@@ -41,12 +41,12 @@ import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
-from shared.costmodel import CostModel
+from shared.costmodel import MEDIAN_OUTPUT_TOKENS, CostModel
 from shared.catalog import ModelSpec
 from shared.policy import PolicyConfig
 from shared.schema import AdmissionCall  # the one struct a call has from the router on
 
-DEFAULT_OUTPUT_PRIOR = 200  # tokens: published median output per call (docs/calibration.md), used before any history
+DEFAULT_OUTPUT_PRIOR = MEDIAN_OUTPUT_TOKENS  # a session's output estimate before any history
 
 
 # -- inputs --------------------------------------------------------------------

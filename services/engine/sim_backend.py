@@ -5,13 +5,15 @@ what ended (through the worker, which owns the call protocol). A call that
 asked to stream gets its tokens at the cost model's decode pace, so streaming
 and cancel behave as on a real engine; the token ids are placeholders (the
 sim has no vocabulary). A replayed trace's call gets no text; a call from the
-front door (it carries sampling fields) gets labelled synthetic filler of its
-length (`SYNTHETIC_LABEL`), or with structured output a made-up JSON value of
+front door (it carries sampling fields) gets labelled synthetic filler
+(`SYNTHETIC_LABEL`) of the published median output, 200 tokens, or less where
+`max_tokens` is less, or with structured output a made-up JSON value of
 the requested schema, as long as that value is; and in the synthetic tool mode, a call whose hint
 carries tools (and a tool choice other than "none") answers one well-formed
 call of one of them, written in the model's own format (`shared/tool_calls.py`),
 as short as such a call is, so an agent's loop runs on tool calls and the
-gateway's parsers read them.
+gateway's parsers read them; after `ANSWER_AFTER_TOOL_ROUNDS` tool results
+since the user's last message it answers in text, so the agent's task ends.
 """
 
 from __future__ import annotations
@@ -26,16 +28,23 @@ from services.engine.sim_engine import CallResult, EngineCall, SimEngine
 from services.engine.worker import EngineBackend, EngineWorker
 from shared import state, synthetic_json, tool_calls
 from shared.clock import at_source, drive_timer
-from shared.costmodel import CostModel
+from shared.costmodel import MEDIAN_OUTPUT_TOKENS, CostModel
 from shared.schema import CallReply, CallRunning, KvSpilled, RunCall, Wake, encode
 
 STREAM_WALL_S = 0.05  # wall seconds between two token batches of a streamed call
 
 
+ANSWER_AFTER_TOOL_ROUNDS = 4  # the synthetic model answers in text once its agent has run this many tools
+
+
 def synthetic_tool_text(rc: RunCall, fmt: str) -> str | None:
-    """The synthetic tool mode's reply: one call of the hint's tools, in the model's format."""
+    """The synthetic tool mode's reply: one call of the hint's tools, in the model's format;
+    None (text) once the agent has run `ANSWER_AFTER_TOOL_ROUNDS` tools since the user last
+    spoke and the model may choose (no tool named or required), so an agent's loop ends."""
     hint = rc.engine.hint
     if hint is None or not hint.tools_json:
+        return None
+    if hint.tool_choice is None and (hint.tool_rounds or 0) >= ANSWER_AFTER_TOOL_ROUNDS:
         return None
     fmt = hint.tool_call_format or fmt  # the front door's parser, where it names one
     if fmt not in tool_calls.FORMATS or fmt == "none":
@@ -90,11 +99,15 @@ def reply_text(rc: RunCall, fmt: str, output_tokens: int) -> str | None:
 
 def stop_tokens(rc: RunCall, fmt: str = "none") -> int:
     """Where the sim engine stops: the hint's true output length, else the length of its
-    synthetic tool call or structured output, else the call's bound."""
+    synthetic tool call or structured output, else for a front-door call the published
+    median output (as a model that has said its piece; not an agent's whole budget, which
+    may be tens of thousands of tokens), else the call's bound (a replayed trace's)."""
     if rc.engine.sim_output_tokens:
         return rc.engine.sim_output_tokens
     text = shaped_text(rc, fmt)
-    return max(1, len(text.encode()) // 4) if text is not None else rc.call.max_tokens
+    if text is not None:
+        return max(1, len(text.encode()) // 4)
+    return MEDIAN_OUTPUT_TOKENS if rc.engine.sampling is not None else rc.call.max_tokens
 
 
 def text_between(rc: RunCall, fmt: str, start: int, stop: int) -> str | None:

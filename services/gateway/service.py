@@ -122,6 +122,7 @@ class Prepared:
     tool_choice: str | None = None
     tool_format: str = "none"  # the model's tool-call format ("none": no tools asked for)
     tools_json: str | None = None
+    tool_rounds: int = 0  # tool results since the user's last message
 
 
 def _cache_scope(tenant: str, model: str) -> str:
@@ -357,7 +358,7 @@ class Gateway:
         sampling = self._sampling(body, dialect)
         ids = await self._ids(request, tenant, raw, original if original is not None else body, model, prompt)
         return Prepared(tenant, model, stream, prompt, max_tokens, sampling, ids, sim_output, tuple(tools), choice, fmt,
-                        tools_json)
+                        tools_json, tc.tool_rounds(body.get("messages")))
 
     async def _prompt_only(self, tenant: str, body: dict[str, Any], dialect: str) -> Prompt:
         """The prompt a chat-shaped body would send (for the token counts: no call)."""
@@ -550,7 +551,7 @@ class Gateway:
                         prompt_token_ids=list(prompt.ids) if prompt.real else None,
                         prompt_text=None if prompt.real else prompt.text,
                         sampling=p.sampling, tools_json=p.tools_json, tool_choice=p.tool_choice,
-                        tool_call_format=p.tool_format, sim_output_tokens=p.sim_output)
+                        tool_call_format=p.tool_format, tool_rounds=p.tool_rounds, sim_output_tokens=p.sim_output)
                     # before the agent hears the reply, so its next call finds what the engine holds
                     await self._soft(lambda: self._remember(tenant, model, ids, prompt, reply), None)
                     return reply
