@@ -771,7 +771,6 @@ class Gateway:
         p = await self._prepare_chat(request, tenant, raw, body, ANTHROPIC, ("max_tokens",))
         model, max_tokens, fmt, tools, prompt = p.model, p.max_tokens, p.tool_format, list(p.tools), p.prompt
         cid = p.ids.call_id
-        produced = [0]
 
         def whole(reply: CallReply) -> dict[str, Any]:
             return tr.anthropic_message(reply.call_id, model, reply, max_tokens, tr.answer_of(reply, fmt, tools))
@@ -782,28 +781,36 @@ class Gateway:
                 msg = {"id": f"msg_{cid}", "type": "message", "role": "assistant", "model": model, "content": [],
                        "stop_reason": None, "stop_sequence": None,
                        "usage": {"input_tokens": prompt.tokens, "output_tokens": 0}}
-                return [sse({"type": "message_start", "message": msg}, "message_start"),
-                        sse({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
-                            "content_block_start"),
-                        sse({"type": "ping"}, "ping")]
+                return [sse({"type": "message_start", "message": msg}, "message_start"), sse({"type": "ping"}, "ping")]
 
             text = tr.TextStream(held=bool(tools))
+            text_open = [False]  # the text block starts with the first text, as the whole reply's blocks do
+
+            def text_delta(piece: str) -> list[bytes]:
+                out = []
+                if not text_open[0]:
+                    text_open[0] = True
+                    out.append(sse({"type": "content_block_start", "index": 0,
+                                    "content_block": {"type": "text", "text": ""}}, "content_block_start"))
+                out.append(sse({"type": "content_block_delta", "index": 0,
+                                "delta": {"type": "text_delta", "text": piece}}, "content_block_delta"))
+                return out
 
             def on_tokens(ev: CallTokens) -> list[bytes]:
-                produced[0] += len(ev.token_ids)
-                return [sse({"type": "content_block_delta", "index": 0,
-                             "delta": {"type": "text_delta", "text": text.delta(ev.text)}}, "content_block_delta")]
+                piece = text.delta(ev.text)
+                return text_delta(piece) if piece else []
 
             def on_reply(reply: CallReply) -> list[bytes]:
                 usage = tr.usage_of(reply).anthropic()
                 answer = tr.answer_of(reply, fmt, tools)
                 out = []
                 rest = text.rest(answer.content)
-                if rest:
-                    out.append(sse({"type": "content_block_delta", "index": 0,
-                                    "delta": {"type": "text_delta", "text": rest}}, "content_block_delta"))
-                out.append(sse({"type": "content_block_stop", "index": 0}, "content_block_stop"))
-                for i, c in enumerate(answer.calls, start=1):  # each call a block of its own, its input as JSON deltas
+                if rest or (not text_open[0] and not answer.calls):  # (a reply of no text and no call: one empty block)
+                    out += text_delta(rest)
+                if text_open[0]:
+                    out.append(sse({"type": "content_block_stop", "index": 0}, "content_block_stop"))
+                first = 1 if text_open[0] else 0
+                for i, c in enumerate(answer.calls, start=first):  # each call a block of its own, its input as JSON deltas
                     out += [sse({"type": "content_block_start", "index": i,
                                  "content_block": {"type": "tool_use", "id": c.id, "name": c.name, "input": {}}},
                                 "content_block_start"),
