@@ -4,16 +4,17 @@ A timer task sleeps until the engine's next event, advances it and finishes
 what ended (through the worker, which owns the call protocol). A call that
 asked to stream gets its tokens at the cost model's decode pace, so streaming
 and cancel behave as on a real engine; the token ids are placeholders (the
-sim has no vocabulary). A replayed trace's call gets no text; a call from the
+sim has no vocabulary). A replayed trace's call gets no text. A call from the
 front door (it carries sampling fields) gets labelled synthetic filler
 (`SYNTHETIC_LABEL`) of the published median output, 200 tokens, or less where
-`max_tokens` is less, or with structured output a made-up JSON value of
-the requested schema, as long as that value is; and in the synthetic tool mode, a call whose hint
-carries tools (and a tool choice other than "none") answers one well-formed
-call of one of them, written in the model's own format (`shared/tool_calls.py`),
-as short as such a call is, so an agent's loop runs on tool calls and the
-gateway's parsers read them; after `ANSWER_AFTER_TOOL_ROUNDS` tool results
-since the user's last message it answers in text, so the agent's task ends.
+`max_tokens` is less; with structured output, a made-up JSON value of the
+requested schema, as long as that value is. In the synthetic tool mode, a call
+whose hint carries tools (and a tool choice other than "none") answers one
+well-formed call of one of them, written in the model's own format
+(`shared/tool_calls.py`), as short as such a call is, so an agent's loop runs
+on tool calls and the gateway's parsers read them; after
+`ANSWER_AFTER_TOOL_ROUNDS` tool results since the user's last message it
+answers in text, so the agent's task ends.
 """
 
 from __future__ import annotations
@@ -32,8 +33,6 @@ from shared.costmodel import MEDIAN_OUTPUT_TOKENS, CostModel
 from shared.schema import CallReply, CallRunning, KvSpilled, RunCall, Wake, encode
 
 STREAM_WALL_S = 0.05  # wall seconds between two token batches of a streamed call
-
-
 ANSWER_AFTER_TOOL_ROUNDS = 4  # the synthetic model answers in text once its agent has run this many tools
 
 
