@@ -12,7 +12,8 @@ It covers what agents' schemas use (OpenAI's strict structured outputs, pydantic
 `model_json_schema()`, tool parameters): `type` (or a list of types), `properties`,
 `required`, `items` and `prefixItems`, `enum`, `const`, `anyOf` / `oneOf` (the
 first branch that is not null), `allOf` (merged), local `$ref`s into `$defs` or
-`definitions`, numeric and length bounds, and the common string formats. A
+`definitions`, numeric and length bounds (also where Anthropic's SDK writes them
+into the description), and the common string formats. A
 `pattern` is not followed (no regular-expression inverse); a recursive schema
 ends past `MAX_DEPTH`, where arrays take their least length and `anyOf` its
 null branch.
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import re
 import uuid
 from collections.abc import Mapping
 from typing import Any
@@ -101,13 +103,28 @@ def _resolve(schema: Mapping[str, Any], root: Mapping[str, Any], depth: int) -> 
     return schema
 
 
+# Bounds a schema states in its description rather than as keywords: Anthropic's SDK moves
+# those its structured outputs do not take there, as "{minimum: 1, maxItems: 3}", for the
+# model to read, and validates the reply against the full model afterwards.
+_DESCRIBED_BOUND = re.compile(r"\b(minimum|maximum|exclusiveMinimum|exclusiveMaximum|multipleOf|minItems|maxItems|"
+                              r"minLength|maxLength): (-?\d+(?:\.\d+)?)(?=[,}])")
+
+
+def _with_described_bounds(schema: Mapping[str, Any]) -> Mapping[str, Any]:
+    text = schema.get("description")
+    if not isinstance(text, str) or "{" not in text:
+        return schema
+    found = {k: float(v) if "." in v else int(v) for k, v in _DESCRIBED_BOUND.findall(text[text.rfind("{"):])}
+    return {**found, **schema} if found else schema
+
+
 def _value(schema: Any, seed: str, root: Mapping[str, Any], depth: int, budget: list[int]) -> Any:
     budget[0] -= 1
     if budget[0] < 0:
         raise TooLarge(f"the schema's least value has over {MAX_VALUES} parts")
     if not isinstance(schema, Mapping):
         return "synthetic" if schema is not False else None  # `true` admits anything
-    schema = _resolve(schema, root, depth)
+    schema = _with_described_bounds(_resolve(schema, root, depth))
     if "const" in schema:
         return schema["const"]
     if isinstance(schema.get("enum"), list) and schema["enum"]:

@@ -115,3 +115,19 @@ def test_any_json_as_a_schema_gives_a_value_or_a_value_error(schema: Any) -> Non
         example(schema, "c")
     except ValueError:
         pass
+
+
+def test_bounds_written_into_the_description_are_kept() -> None:
+    # Anthropic's SDK sends the constraints its structured outputs do not take as text in the
+    # description (`messages.parse` then validates the reply against the full model)
+    full = {"type": "object", "properties": {
+        "line": {"type": "integer", "minimum": 1, "maximum": 3},
+        "tags": {"type": "array", "items": {"type": "string"}, "minItems": 2, "maxItems": 3},
+        "code": {"type": "string", "minLength": 30}}, "required": ["line", "tags", "code"]}
+    sent = {"type": "object", "properties": {
+        "line": {"type": "integer", "description": "{minimum: 1, maximum: 3}"},
+        "tags": {"type": "array", "items": {"type": "string"}, "description": "Tags to add\n\n{maxItems: 3, minItems: 2}"},
+        "code": {"type": "string", "description": "{minLength: 30, pattern: ^[a-z, ]+$}"}},
+        "required": ["line", "tags", "code"], "additionalProperties": False}
+    for i in range(200):
+        jsonschema.validate(example(sent, f"call-{i}"), full)
