@@ -80,7 +80,20 @@ def openai_tools(body: Mapping[str, Any]) -> tuple[list[Tool], str | None]:
 
 
 def anthropic_tools(body: Mapping[str, Any]) -> tuple[list[Tool], str | None]:
-    return _tools(body.get("tools"), "tools", lambda t: t, "input_schema"), _anthropic_choice(body.get("tool_choice"))
+    """Messages' tools as the model sees them: the custom ones (a name and an `input_schema`).
+    Anthropic's own typed tools (`web_search_20250305`, `bash_20250124`, `text_editor_...`, ...)
+    are left out: their schemas and behaviour are Anthropic's, and the server ones run on
+    Anthropic's servers, so a model here that called one would hand the agent a call it
+    cannot run (Claude Code offers web search this way wherever it is pointed)."""
+    raw = body.get("tools")
+    if isinstance(raw, list):
+        raw = [t for t in raw if not anthropic_builtin(t)]
+    return _tools(raw, "tools", lambda t: t, "input_schema"), _anthropic_choice(body.get("tool_choice"))
+
+
+def anthropic_builtin(tool: Any) -> bool:
+    """One of Anthropic's own typed tools (any `type` but `custom`)."""
+    return isinstance(tool, Mapping) and isinstance(tool.get("type"), str) and tool["type"] != "custom"
 
 
 def _tools(raw: Any, param: str, inner: Any, schema_field: str) -> list[Tool]:

@@ -913,6 +913,21 @@ async def test_tool_use_round_trips_through_the_anthropic_sdk(stack: EmbeddedSta
 
 
 @pytest.mark.timeout(60)
+async def test_anthropics_server_tools_are_not_offered_to_the_model(stack: EmbeddedStack) -> None:
+    # Claude Code sends its web search as Anthropic's server tool: the model here never calls it
+    tools = [{"name": "Bash", "description": "run a command",
+              "input_schema": {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]}},
+             {"type": "web_search_20250305", "name": "web_search", "max_uses": 5}]
+    names = set()
+    for i in range(8):
+        m = await ant(stack).messages.create(model=MODEL, max_tokens=300, tools=tools,  # type: ignore[arg-type]
+                                             messages=[{"role": "user", "content": f"task {i}"}])
+        names |= {b.name for b in m.content if b.type == "tool_use"}
+    assert names == {"Bash"}
+    assert any(e.get("tools") == ["web_search"] for e in events(stack, "gateway", "gateway.tools_left_out"))
+
+
+@pytest.mark.timeout(60)
 async def test_tools_a_model_has_no_parser_for_or_that_are_malformed_are_400_by_name(stack: EmbeddedStack) -> None:
     client = oai(stack)
     with pytest.raises(openai.BadRequestError) as e:

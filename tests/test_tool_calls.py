@@ -138,3 +138,15 @@ def test_tool_rounds_count_the_tool_results_since_the_user_last_spoke() -> None:
            {"role": "user", "content": [result]}]
     assert tc.tool_rounds(ant) == 3
     assert tc.tool_rounds(ant + [{"role": "user", "content": [result, {"type": "text", "text": "and now?"}]}]) == 0
+
+
+def test_anthropics_own_typed_tools_are_left_out() -> None:
+    # Claude Code offers web search as Anthropic's server tool wherever it is pointed; a model
+    # here that called it would hand the agent a call it cannot run
+    body = {"tools": [{"name": "Bash", "input_schema": {"type": "object", "properties": {"command": {"type": "string"}}}},
+                      {"type": "web_search_20250305", "name": "web_search", "max_uses": 5},
+                      {"type": "text_editor_20250728", "name": "str_replace_based_edit_tool"},
+                      {"type": "custom", "name": "Read", "input_schema": {"type": "object"}}]}
+    tools, choice = tc.anthropic_tools(body)
+    assert [t.name for t in tools] == ["Bash", "Read"] and choice is None
+    assert tc.anthropic_tools({"tools": [{"type": "web_search_20250305", "name": "web_search"}]})[0] == []
