@@ -397,7 +397,7 @@ _OPENAI_SAMPLING = {"temperature": "temperature", "top_p": "top_p", "top_k": "to
                     "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty"}
 _ANTHROPIC_SAMPLING = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "stop_sequences": "stop"}
 # asked for and not served: refused with a 400 that names the field, never silently dropped
-_OPENAI_REFUSED = ("logprobs", "top_logprobs", "logit_bias")
+_OPENAI_REFUSED = ("logprobs", "top_logprobs", "logit_bias", "audio")
 
 
 _OUTPUT_KINDS = ("text", "json_object", "json_schema")
@@ -468,6 +468,9 @@ def sampling_of(body: Mapping[str, Any], api: str) -> Sampling:
         for f in _OPENAI_REFUSED:
             if body.get(f) not in (None, False, {}, 0):
                 raise BadRequest(f"{f} is not served", f)
+        modalities = body.get("modalities")
+        if modalities is not None and (not isinstance(modalities, list) or set(modalities) - {"text"}):
+            raise BadRequest("modalities: only text output is served", "modalities")
     schema = messages_output_schema(body) if api == "anthropic" else response_format_schema(body)
     if schema is not None:
         fields["json_schema"] = schema
