@@ -824,6 +824,9 @@ async def test_tool_calls_round_trip_through_the_openai_sdk_keeping_the_prefix(s
     deltas = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
     assert [d.function.name for d in deltas] == ["read_file"] and json.loads(deltas[0].function.arguments)["path"]
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    # and no empty content deltas while the text is held for the parser (the first chunk's role
+    # only): a client that opens a text item on any content would show an empty message
+    assert [c.choices[0].delta.content for c in chunks[1:] if c.choices and c.choices[0].delta.content is not None] == []
 
 
 @pytest.mark.timeout(120)

@@ -606,6 +606,7 @@ class Gateway:
                     await resp.write(chunk)
 
         getter: asyncio.Future[Any] | None = None
+        quiet_since = time.monotonic()  # tokens that show nothing (text held for the tool parser) write nothing
         try:
             while True:
                 getter = getter or asyncio.ensure_future(events.get())
@@ -616,8 +617,13 @@ class Gateway:
                     getter = None
                     if isinstance(ev, CallTokens):
                         await start()
-                        for chunk in on_tokens(ev):
+                        chunks = on_tokens(ev)
+                        if not chunks and time.monotonic() - quiet_since >= self.settings.gateway_keepalive_s:
+                            chunks = [b": keep-alive\n\n"]  # (a write also finds a client that has gone)
+                        for chunk in chunks:
                             await resp.write(chunk)
+                        if chunks:
+                            quiet_since = time.monotonic()
                     elif isinstance(ev, CallRunning):
                         await start()
                     continue  # the reply and errors are read from the task below
@@ -687,7 +693,8 @@ class Gateway:
 
             return await self._stream_events(
                 req, task, events, on_start=lambda: [chunk({"role": "assistant", "content": ""})],
-                on_tokens=lambda ev: [chunk({"content": text.delta(ev.text)})], on_reply=on_reply, on_error=on_error)
+                on_tokens=lambda ev: [chunk({"content": piece})] if (piece := text.delta(ev.text)) else [],
+                on_reply=on_reply, on_error=on_error)
 
         return await self._call(request, OPENAI, p, streamer, whole)
 
