@@ -270,7 +270,8 @@ def forced_call(tools: Sequence[Tool], choice: str | None, fmt: str) -> tuple[st
 
 def tool_rounds(messages: Any) -> int:
     """Tool results a conversation holds since its last message from the user: how many
-    rounds of tools the agent has run on its current request. A chat `tool` message is one;
+    rounds of tools the agent has run on its current request. A chat `tool` (or older
+    `function`) message is one;
     so is each `tool_result` block of an Anthropic user message (a user message with
     anything else in it is the user speaking, and starts the count again)."""
     count = 0
@@ -278,7 +279,7 @@ def tool_rounds(messages: Any) -> int:
         if not isinstance(m, Mapping):
             continue
         role, content = m.get("role"), m.get("content")
-        if role == "tool":
+        if role in ("tool", "function"):  # (`function`: chat's older name for a tool result)
             count += 1
         elif role == "user":
             blocks = content if isinstance(content, list) else [content]

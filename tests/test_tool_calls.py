@@ -131,6 +131,7 @@ def test_tool_rounds_count_the_tool_results_since_the_user_last_spoke() -> None:
     assert tc.tool_rounds(chat) == 3
     assert tc.tool_rounds(chat + [{"role": "user", "content": "go on"}]) == 0  # the user spoke: a new request
     assert tc.tool_rounds([{"role": "user", "content": "hi"}]) == 0 and tc.tool_rounds(None) == 0
+    assert tc.tool_rounds([{"role": "user", "content": "hi"}, {"role": "function", "name": "f", "content": "1"}]) == 1
     # Anthropic: tool results are blocks of a user message; any other block is the user speaking
     result = {"type": "tool_result", "tool_use_id": "t", "content": "x"}
     ant = [{"role": "user", "content": "fix it"}, {"role": "assistant", "content": [{"type": "tool_use"}]},
