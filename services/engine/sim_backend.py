@@ -20,6 +20,7 @@ answers in text, so the agent's task ends.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 from typing import Any
 
@@ -62,8 +63,13 @@ def synthetic_json_text(rc: RunCall) -> str | None:
     sampling = rc.engine.sampling
     if sampling is None or sampling.json_schema is None:
         return None
+    return _json_reply(sampling.json_schema, rc.call.call_id)
+
+
+@functools.lru_cache(maxsize=256)  # (a streamed call asks for its text at every token batch)
+def _json_reply(schema: str, seed: str) -> str | None:
     try:
-        value = synthetic_json.example(json.loads(sampling.json_schema), rc.call.call_id)
+        value = synthetic_json.example(json.loads(schema), seed)
     except ValueError:  # not JSON, or a schema too large or malformed to fill: free text
         return None
     return json.dumps(value, separators=(",", ":"))
