@@ -336,7 +336,7 @@ def build_parser() -> argparse.ArgumentParser:
     common(r)
     r.set_defaults(fn=cmd_replay)
 
-    u = sub.add_parser("up", help="bring up NATS, Redis and every service; Ctrl-C stops everything")
+    u = sub.add_parser("up", help="bring up NATS, Redis, every service and the HTTP front door for agents; Ctrl-C stops everything")
     u.add_argument("--policy", default="talaria",  # what it serves with, as compose's defaults do
                    help=f"the policy every service runs (default talaria; one of {', '.join(PRESETS)})")
     u.add_argument("--models", default=",".join(DEFAULT_MODELS),
