@@ -16,8 +16,8 @@ call in its own format, and a per-model parser finds it (as vLLM's
 `render` writes calls in a format (what a model would have written): the sim
 engine's synthetic mode uses it, and it is the inverse the parsers are tested
 against. `synthetic_call` picks a tool and fills its required arguments from
-the tool's JSON schema (`shared/synthetic_json.py`), so an agent's loop runs on well-formed calls on the sim
-engine (docs/front-door.md).
+the tool's JSON schema (`shared/synthetic_json.py`), so an agent's loop runs on
+well-formed calls on the sim engine (docs/front-door.md).
 """
 
 from __future__ import annotations
@@ -271,9 +271,9 @@ def forced_call(tools: Sequence[Tool], choice: str | None, fmt: str) -> tuple[st
 def tool_rounds(messages: Any) -> int:
     """Tool results a conversation holds since its last message from the user: how many
     rounds of tools the agent has run on its current request. A chat `tool` (or older
-    `function`) message is one;
-    so is each `tool_result` block of an Anthropic user message (a user message with
-    anything else in it is the user speaking, and starts the count again)."""
+    `function`) message is one; so is each `tool_result` block of an Anthropic user message
+    (a user message with anything else in it is the user speaking, and starts the count
+    again)."""
     count = 0
     for m in messages if isinstance(messages, list) else []:
         if not isinstance(m, Mapping):

@@ -159,7 +159,7 @@ def reply_text(tokenizer: Any, tokens: list[int], finish_reason: str | None, sto
 
 def structured_output(hint: EngineHint | None, sampling: Sampling | None, fmt: str) -> Any:
     """The call's structured output: a named tool_choice's call (`forced_tool_call`), else the
-    JSON Schema its `response_format` asks for, as the same whitespace-bounded regex. None:
+    JSON Schema its output format asks for (`Sampling.json_schema`), as the same whitespace-bounded regex. None:
     free text. A ValueError names a schema the regex builder cannot take."""
     forced = forced_tool_call(hint, fmt)
     if forced is not None or sampling is None or sampling.json_schema is None:
@@ -170,7 +170,7 @@ def structured_output(hint: EngineHint | None, sampling: Sampling | None, fmt: s
     try:
         return StructuredOutputsParams(regex=build_regex_from_schema(sampling.json_schema, whitespace_pattern=" ?"))
     except Exception as exc:  # noqa: BLE001 - outlines-core's own error types; the agent hears why
-        raise ValueError(f"response_format: the schema cannot be enforced: {exc}") from None
+        raise ValueError(f"structured output: the schema cannot be enforced: {exc}") from None
 
 
 def _literal(text: str) -> str:

@@ -362,7 +362,7 @@ class Gateway:
         sampling = self._sampling(body, dialect)
         ids = await self._ids(request, tenant, raw, original if original is not None else body, model, prompt)
         return Prepared(tenant, model, stream, prompt, max_tokens, sampling, ids, sim_output, tuple(tools), choice, fmt,
-                        tools_json, tc.tool_rounds(body.get("messages")))
+                        tools_json, tc.tool_rounds(body.get("messages")) if tools else 0)
 
     async def _prompt_only(self, tenant: str, body: dict[str, Any], dialect: str) -> Prompt:
         """The prompt a chat-shaped body would send (for the token counts: no call)."""
