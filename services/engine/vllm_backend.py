@@ -159,8 +159,9 @@ def reply_text(tokenizer: Any, tokens: list[int], finish_reason: str | None, sto
 
 def structured_output(hint: EngineHint | None, sampling: Sampling | None, fmt: str) -> Any:
     """The call's structured output: a named tool_choice's call (`forced_tool_call`), else the
-    JSON Schema its output format asks for (`Sampling.json_schema`), as the same whitespace-bounded regex. None:
-    free text. A ValueError names a schema the regex builder cannot take."""
+    JSON Schema its output format asks for (`Sampling.json_schema`), as the same
+    whitespace-bounded regex. None: free text. A ValueError names a schema the regex builder
+    cannot take."""
     forced = forced_tool_call(hint, fmt)
     if forced is not None or sampling is None or sampling.json_schema is None:
         return forced
