@@ -49,11 +49,17 @@ def synthetic_tool_text(rc: RunCall, fmt: str) -> str | None:
     fmt = hint.tool_call_format or fmt  # the front door's parser, where it names one
     if fmt not in tool_calls.FORMATS or fmt == "none":
         return None
+    return _tool_reply(hint.tools_json, hint.tool_choice, fmt, rc.call.call_id)
+
+
+# (a streamed call asks for its text at every token batch: each reply is made once)
+@functools.lru_cache(maxsize=64)
+def _tool_reply(tools_json: str, choice: str | None, fmt: str, seed: str) -> str | None:
     try:
-        tools = tool_calls.tools_from_json(hint.tools_json)
+        tools = tool_calls.tools_from_json(tools_json)
     except ValueError:
         return None
-    call = tool_calls.synthetic_call(tools, hint.tool_choice, rc.call.call_id)
+    call = tool_calls.synthetic_call(tools, choice, seed)
     return tool_calls.render([call], fmt) if call is not None else None
 
 
@@ -66,7 +72,7 @@ def synthetic_json_text(rc: RunCall) -> str | None:
     return _json_reply(sampling.json_schema, rc.call.call_id)
 
 
-@functools.lru_cache(maxsize=256)  # (a streamed call asks for its text at every token batch)
+@functools.lru_cache(maxsize=256)
 def _json_reply(schema: str, seed: str) -> str | None:
     try:
         value = synthetic_json.example(json.loads(schema), seed)
