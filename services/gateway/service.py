@@ -66,6 +66,7 @@ SESSIONS_KEPT = 50_000         # opened sessions remembered (a forgotten one is 
 MODELS_TTL_S = 5.0             # how long the served-model list is reused
 BUSY_TTL_S = 3600.0            # a header-less session's in-flight mark outlives any call (and is deleted after it)
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+SSE_KEEPALIVE = b": keep-alive\n\n"  # an SSE comment: clients skip it; writing it finds a client that has gone
 
 OPENAI, ANTHROPIC = "openai", "anthropic"
 RESPONSES = "responses"  # OpenAI's Responses API: OpenAI's error shapes, its own label in metrics and traces
@@ -619,7 +620,7 @@ class Gateway:
                         await start()
                         chunks = on_tokens(ev)
                         if not chunks and time.monotonic() - quiet_since >= self.settings.gateway_keepalive_s:
-                            chunks = [b": keep-alive\n\n"]  # (a write also finds a client that has gone)
+                            chunks = [SSE_KEEPALIVE]
                         for chunk in chunks:
                             await resp.write(chunk)
                         if chunks:
@@ -648,7 +649,8 @@ class Gateway:
                     return resp
                 if not done:  # waiting for the model's round: keep the connection alive
                     await start()
-                    await resp.write(b": keep-alive\n\n")
+                    await resp.write(SSE_KEEPALIVE)
+                    quiet_since = time.monotonic()
         except (ConnectionResetError, ConnectionError):
             self.log.info("gateway.client_gone")
             return resp
