@@ -84,6 +84,44 @@ def test_keys_and_token_estimate() -> None:
         tr.chat_prompt([{"role": "wizard", "content": "x"}])
 
 
+def test_parts_a_text_only_model_cannot_read_become_a_note_and_past_thinking_is_left_out() -> None:
+    png = "iVBORw0KGgo" * 60_000  # a 660 KB screenshot: as text, about 165,000 stand-in tokens
+    shot = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": png}}
+    msgs = [{"role": "user", "content": [{"type": "text", "text": "what is wrong here?"}, shot]},
+            {"role": "assistant", "content": [
+                {"type": "thinking", "thinking": "the user wants " * 50, "signature": "EqQB" * 100},
+                {"type": "redacted_thinking", "data": "EmwK" * 100},
+                {"type": "text", "text": "Let me look."},
+                {"type": "tool_use", "id": "toolu_1", "name": "read", "input": {"path": "a.pdf"}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "is_error": False,
+                                          "content": [{"type": "text", "text": "page 1"}, shot]}]}]
+    turns = tr.template_messages(msgs, api="anthropic")
+    assert turns[1]["content"] == "Let me look." and turns[1]["tool_calls"][0]["function"]["name"] == "read"
+    note = "[image not shown: this model reads text only]"
+    assert turns[0]["content"] == f"what is wrong here?\n{note}" and turns[2]["content"] == f"page 1\n{note}"
+    prompt = tr.chat_prompt(msgs, tool_format="hermes")
+    assert prompt.tokens < 200 and "EqQB" not in prompt.text and "the user wants" not in prompt.text
+    # a turn sent back with or without its thinking is the same prompt: the prefix holds either way
+    plain = [msgs[0], {**msgs[1], "content": msgs[1]["content"][2:]}, msgs[2]]
+    assert tr.chat_prompt(plain, tool_format="hermes").ids == prompt.ids
+    # OpenAI's image, audio and file parts; a document is read where its source is text
+    parts = [{"type": "image_url", "image_url": {"url": "data:image/png;base64," + png}},
+             {"type": "input_audio", "input_audio": {"data": "UklG" * 1000, "format": "wav"}},
+             {"type": "file", "file": {"file_data": "JVBE" * 1000, "filename": "spec.pdf"}},
+             {"type": "document", "source": {"type": "text", "media_type": "text/plain", "data": "the notes"}},
+             {"type": "document", "source": {"type": "content", "content": [{"type": "text", "text": "chunk"}]}},
+             {"type": "document", "title": "report.pdf", "source": {"type": "base64", "data": "JVBE" * 1000}}]
+    assert tr.content_text(parts, "messages[0].content").split("\n") == [
+        note, "[audio not shown: this model reads text only]",
+        "[file 'spec.pdf' not shown: this model reads text only]", "the notes", "chunk",
+        "[document 'report.pdf' not shown: this model reads text only]"]
+    # the Responses API's image and file parts read the same
+    chat = tr.responses_request({"model": MODEL, "input": [{"role": "user", "content": [
+        {"type": "input_text", "text": "see"}, {"type": "input_image", "image_url": "data:image/png;base64," + png},
+        {"type": "input_file", "filename": "log.txt", "file_data": "aGk=" * 1000}]}]})
+    assert tr.chat_prompt(chat["messages"]).text.count("not shown") == 2 and tr.chat_prompt(chat["messages"]).tokens < 100
+
+
 def test_sampling_fields_are_carried_or_refused_by_name() -> None:
     sp = tr.sampling_of({"temperature": 0.3, "top_p": 0.9, "stop": "END", "seed": 7}, "openai")
     assert (sp.temperature, sp.top_p, sp.stop, sp.seed) == (0.3, 0.9, ["END"], 7)

@@ -171,11 +171,22 @@ def estimate_tokens(text: str) -> int:
     return len(px.text_ids(text))
 
 
+# What a text-only model is shown for a part it cannot read (every model in the catalog
+# reads text only): a short note in its place, not the part's bytes, which as text would
+# be tens of thousands of tokens of base64 and crowd the conversation out of the context.
+_NOT_READ = {"image": "image", "image_url": "image", "input_image": "image",
+             "input_audio": "audio", "audio": "audio",
+             "file": "file", "input_file": "file", "document": "document"}
+_DROPPED = frozenset({"thinking", "redacted_thinking"})  # a past turn's reasoning: chat templates drop it
+
+
 def content_text(content: Any, where: str, tool_format: str = "none") -> str:
     """A message's content: a string, or a list of parts whose text parts are kept
     (OpenAI `{"type":"text","text":...}`, Anthropic the same). An Anthropic `tool_use`
     part is written as the model writes a call (`tool_format`), a `tool_result` by its
-    content; other parts count by their JSON."""
+    content, a text document by its text; a past turn's thinking is left out; an image,
+    audio, a file or a binary document becomes a one-line note that it was not read
+    (`part_not_read`); other parts count by their JSON."""
     if content is None:
         return ""
     if isinstance(content, str):
@@ -183,19 +194,45 @@ def content_text(content: Any, where: str, tool_format: str = "none") -> str:
     if isinstance(content, list):
         out = []
         for part in content:
-            if isinstance(part, Mapping) and isinstance(part.get("text"), str):
-                out.append(part["text"])
-            elif isinstance(part, Mapping) and part.get("type") == "tool_use" and tool_format != "none" \
-                    and isinstance(part.get("name"), str) and isinstance(part.get("input"), Mapping):
-                out.append(tool_calls.render([(part["name"], part["input"])], tool_format))
-            elif isinstance(part, Mapping) and part.get("type") == "tool_result" and part.get("content") is not None:
-                out.append(content_text(part["content"], where, tool_format))
-            elif isinstance(part, Mapping):
-                out.append(json.dumps(part, sort_keys=True))  # other parts: counted, not read
-            else:
+            if not isinstance(part, Mapping):
                 raise BadRequest(f"{where}: a content part must be an object", where)
+            text = _part_text(part, where, tool_format)
+            if text is not None:
+                out.append(text)
         return "\n".join(out)
     raise BadRequest(f"{where}: content must be a string or a list of parts", where)
+
+
+def _part_text(part: Mapping[str, Any], where: str, tool_format: str) -> str | None:
+    kind = part.get("type")
+    if isinstance(part.get("text"), str):
+        return part["text"]
+    if kind in _DROPPED:
+        return None
+    if kind == "tool_use" and tool_format != "none" \
+            and isinstance(part.get("name"), str) and isinstance(part.get("input"), Mapping):
+        return tool_calls.render([(part["name"], part["input"])], tool_format)
+    if kind in ("tool_result", "search_result") and part.get("content") is not None:
+        return content_text(part["content"], where, tool_format)
+    source = part.get("source")
+    if kind == "document" and isinstance(source, Mapping):
+        if source.get("type") == "text" and isinstance(source.get("data"), str):
+            return source["data"]
+        if source.get("type") == "content" and source.get("content") is not None:
+            return content_text(source["content"], where, tool_format)
+    if kind in _NOT_READ:
+        return part_not_read(part)
+    return json.dumps(part, sort_keys=True)  # other parts: counted, not read
+
+
+def part_not_read(part: Mapping[str, Any]) -> str:
+    """The note a text-only model reads in place of an image, audio, a file or a binary
+    document, with the file's name where the part gives one."""
+    kind = _NOT_READ[str(part.get("type"))]
+    named = part.get("file") if isinstance(part.get("file"), Mapping) else part
+    name = named.get("filename") or named.get("title")
+    label = f"{kind} {str(name)[:200]!r}" if isinstance(name, str) and name else kind
+    return f"[{label} not shown: this model reads text only]"
 
 
 def _openai_tool_calls_text(raw: Any, tool_format: str) -> str:
@@ -350,8 +387,8 @@ def _anthropic_turn(role: str, blocks: list[Any], where: str) -> list[dict[str, 
         elif kind == "tool_result":
             results.append({"role": "tool", "tool_call_id": str(b.get("tool_use_id", "")),
                             "content": content_text(b.get("content"), f"{where}[{j}].content")})
-        else:
-            texts.append(content_text([b], where))
+        elif (text := _part_text(b, where, "none")) is not None:
+            texts.append(text)
     out: list[dict[str, Any]] = list(results)
     if texts or calls or not results:
         msg: dict[str, Any] = {"role": role, "content": "\n".join(texts)}
