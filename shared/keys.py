@@ -126,7 +126,7 @@ class Keys:
         return f"{self.prefix}gw:busy:{session_id}"
 
     def gateway_request(self, scope: str, request_hash: str) -> str:
-        """String: the call id of a header-less request's latest first attempt (its SDK retries land there)."""
+        """String: the call id of a request's latest first attempt in a session (or a header-less scope): its SDK retries land there."""
         return f"{self.prefix}gw:req:{scope}:{request_hash}"
 
     def gateway_call(self, call_id: str) -> str:

@@ -43,12 +43,13 @@ def test_session_headers_in_the_documented_order() -> None:
     h = {"x-litellm-session-id": "lite", "session_id": "codex", "x-claude-code-session-id": "cc"}
     assert tr.session_name(h, {}) == ("x-claude-code-session-id", "cc")
     assert tr.session_name({"x-session-affinity": "oc", "x-litellm-session-id": "l"}, {}) == ("x-session-affinity", "oc")
-    assert tr.session_name({"x-session-token": "t", "x-smg-routing-key": "k"}, {"user": "u"}) == ("x-smg-routing-key", "k")
-    assert tr.session_name({"x-session-token": "t"}, {"user": "u"}) == ("x-session-token", "t")
-    assert tr.session_name({}, {"user": "u1"}) == ("user", "u1")
-    # (prompt_cache_key is a cache bucket that many conversations may share: it names no session)
+    assert tr.session_name({"x-session-token": "t", "x-smg-routing-key": "k"}, {}) == ("x-smg-routing-key", "k")
+    assert tr.session_name({"x-session-token": "t"}, {"metadata": {"session_id": "m"}}) == ("x-session-token", "t")
+    assert tr.session_name({}, {"metadata": {"session_id": "m", "user_id": "u"}}) == ("metadata.session_id", "m")
+    # an end user's id and a cache bucket span many conversations: neither names a session
+    assert tr.session_name({}, {"user": "u1", "safety_identifier": "u1"}) is None
     assert tr.session_name({}, {"prompt_cache_key": "app-v1"}) is None
-    assert tr.session_name({}, {"metadata": {"user_id": "m"}}) == ("metadata.user_id", "m")
+    assert tr.session_name({}, {"metadata": {"user_id": "m"}}) is None
     assert tr.session_name({}, {}) is None
 
 
@@ -59,11 +60,9 @@ def test_sessions_are_namespaced_by_tenant_agent_and_model() -> None:
                 tr.talaria_session_id("tenant-a", "1", "", "glm-4.5-fp8")}) == 4
 
 
-def test_a_retry_keeps_the_call_id() -> None:
-    h = tr.request_hash("/v1/chat/completions", b'{"a":1}')
-    assert tr.call_id_for("t", "s", h, None) == tr.call_id_for("t", "s", tr.request_hash("/v1/chat/completions", b'{"a":1}'), None)
-    assert tr.call_id_for("t", "s", h, None) != tr.call_id_for("t", "s2", h, None)
-    assert tr.call_id_for("t", "s", h, "k1") == tr.call_id_for("t", "other", "x", "k1") != tr.call_id_for("u", "s", h, "k1")
+def test_an_idempotency_key_names_its_call_per_tenant() -> None:
+    assert tr.idempotent_call_id("t", "k1") == tr.idempotent_call_id("t", "k1") != tr.idempotent_call_id("u", "k1")
+    assert tr.idempotent_call_id("t", "k1") != tr.idempotent_call_id("t", "k2")
     assert tr.retry_count({"x-stainless-retry-count": "2"}) == 2 and tr.retry_count({"x-stainless-retry-count": "x"}) == 0
 
 
@@ -477,6 +476,13 @@ async def test_an_sdk_retry_does_not_run_a_second_call(stack: EmbeddedStack) -> 
     again = await client.chat.completions.create(model=MODEL, max_tokens=8, messages=msgs,
                                                  extra_headers={**hdr, "x-stainless-retry-count": "1"})
     assert again.id == first.id and again.usage == first.usage
+    # the same request as a first attempt again is a second sample (a regenerate), and its
+    # own retry lands on it, not on the first
+    regen = await client.chat.completions.create(model=MODEL, max_tokens=8, messages=msgs, extra_headers=hdr)
+    assert regen.id != first.id
+    regen_retry = await client.chat.completions.create(model=MODEL, max_tokens=8, messages=msgs,
+                                                       extra_headers={**hdr, "x-stainless-retry-count": "2"})
+    assert regen_retry.id == regen.id
     call_id = first.id.removeprefix("chatcmpl-")
     deadline = time.monotonic() + 5
     while not [e for e in events(stack, "router-0", "call.duplicate") if e.get("call_id") == call_id]:

@@ -423,28 +423,28 @@ class Gateway:
         rhash = tr.request_hash(request.path, raw)
         idem = request.headers.get(tr.IDEMPOTENCY_HEADER) or None
         chain = self.chains.chain(_cache_scope(tenant, model), prompt.ids)  # (hashes only what was appended)
+        retry = tr.retry_count(request.headers)
         named = tr.session_name(request.headers, body)
+        # the call id comes before a header-less call's session, so an HTTP retry is the
+        # same call wherever it lands
+        scope = (tr.talaria_session_id(tenant, named[1], request.headers.get(tr.AGENT_ID_HEADER, ""), model)
+                 if named is not None else tr.headerless_scope(tenant, model))
+        cid = (tr.idempotent_call_id(tenant, idem) if idem is not None else
+               await self._soft(lambda: self._attempt_call_id(scope, rhash, retry), tr.fresh_call_id()))
         if named is not None:
-            sid = tr.talaria_session_id(tenant, named[1], request.headers.get(tr.AGENT_ID_HEADER, ""), model)
-            cid = tr.call_id_for(tenant, sid, rhash, idem)
-            held = await self._soft(lambda: self._held_blocks(sid, chain), 0)
-            return CallIds(sid, cid, True, self._prefix_tokens(held, prompt))
-        # the call id comes before the session, so an HTTP retry is the same call wherever it lands
-        scope = tr.headerless_scope(tenant, model)
-        if idem is not None:
-            cid = tr.call_id_for(tenant, scope, rhash, idem)
-        else:
-            cid = await self._soft(lambda: self._headerless_call_id(scope, rhash, tr.retry_count(request.headers)),
-                                   tr.fresh_call_id())
+            held = await self._soft(lambda: self._held_blocks(scope, chain), 0)
+            return CallIds(scope, cid, True, self._prefix_tokens(held, prompt))
         sid, held = await self._soft(lambda: self._join_or_fork(tenant, model, cid, chain),
                                      (tr.forked_session_id(tenant, model, cid), 0))
         return CallIds(sid, cid, False, self._prefix_tokens(held, prompt))
 
-    async def _headerless_call_id(self, scope: str, rhash: str, retry: int) -> str:
-        """Two runs of one task send the same first request, and must be two calls: a
-        first attempt is a new call; an SDK's retry (`x-stainless-retry-count` > 0) is the
-        latest first attempt of the same request. (A client that retries without saying
-        so gets a second call: generated twice, each delivered once.)"""
+    async def _attempt_call_id(self, scope: str, rhash: str, retry: int) -> str:
+        """A first attempt is a new call, so an identical request is a second sample as
+        the APIs make it (a regenerate, parallel samples of one conversation, two runs of
+        one task sending the same first request); an SDK's retry
+        (`x-stainless-retry-count` > 0) is the latest first attempt of the same request in
+        the same session (or, header-less, tenant and model). A client that retries
+        without saying so gets a second call: generated twice, each delivered once."""
         assert self.redis is not None
         key = self.rkeys.gateway_request(scope, rhash)
         if retry > 0:

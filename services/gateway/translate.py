@@ -5,7 +5,8 @@ each API's own shapes (no I/O; the service around it does the HTTP and NATS).
 - sessions: `session_name` takes the agent's own session header, in the
   documented order (`SESSION_HEADERS`); `talaria_session_id` namespaces it by
   tenant, agent id and model, so two tenants' `x-session-id: 1` never meet.
-- calls: `call_id_for` gives an HTTP retry the first attempt's call id, so the
+- calls: an `Idempotency-Key` names its call (`idempotent_call_id`); otherwise the
+  service gives an SDK's retry its first attempt's call id (`retry_count`), so the
   router answers it from the call record instead of running a second call.
 - tokens: a prompt's stand-in token ids (`services/gateway/prefix.py`: about
   four UTF-8 bytes a token plus four per message for the role framing, the
@@ -102,15 +103,13 @@ def session_name(headers: Mapping[str, str], body: Mapping[str, Any]) -> tuple[s
         v = headers.get(h, "").strip()
         if v:
             return h, v
-    user = body.get("user")
-    if isinstance(user, str) and user.strip():
-        return "user", user.strip()
+    # (not `user` nor `metadata.user_id`: an end user's id spans all their conversations,
+    # which as one session would each read the other's last call as their prefix)
     meta = body.get("metadata")
     if isinstance(meta, Mapping):
-        for k in ("session_id", "user_id"):
-            v = meta.get(k)
-            if isinstance(v, str) and v.strip():
-                return f"metadata.{k}", v.strip()
+        v = meta.get("session_id")
+        if isinstance(v, str) and v.strip():
+            return "metadata.session_id", v.strip()
     return None
 
 
@@ -146,12 +145,9 @@ def request_hash(path: str, body: bytes) -> str:
     return _digest("request", path, hashlib.sha256(body).hexdigest())
 
 
-def call_id_for(tenant: str, session_id: str, req_hash: str, idempotency_key: str | None) -> str:
-    """`Idempotency-Key` when sent (per tenant), else the session and the request's hash.
-    The SDK's retry count is left out on purpose: attempt 1 must be attempt 0's call."""
-    if idempotency_key:
-        return "gwc-" + _digest("idempotency", tenant, idempotency_key)
-    return "gwc-" + _digest("call", session_id, req_hash)
+def idempotent_call_id(tenant: str, idempotency_key: str) -> str:
+    """The call an `Idempotency-Key` names (per tenant): every attempt that sends it."""
+    return "gwc-" + _digest("idempotency", tenant, idempotency_key)
 
 
 def is_final(headers: Mapping[str, str]) -> bool:
