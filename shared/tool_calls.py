@@ -87,13 +87,25 @@ def anthropic_tools(body: Mapping[str, Any]) -> tuple[list[Tool], str | None]:
     cannot run (Claude Code offers web search this way wherever it is pointed)."""
     raw = body.get("tools")
     if isinstance(raw, list):
+        for i, t in enumerate(raw):
+            kind = t.get("type") if isinstance(t, Mapping) else None
+            if kind is not None and kind != "custom" and not anthropic_builtin(t):
+                raise ToolsError(f"tools[{i}].type {str(kind)[:100]!r} is not a Messages tool (custom, or one of "
+                                 "Anthropic's own such as web_search_20250305); an OpenAI function tool is "
+                                 "written {name, description, input_schema} here", f"tools[{i}].type")
         raw = [t for t in raw if not anthropic_builtin(t)]
     return _tools(raw, "tools", lambda t: t, "input_schema"), _anthropic_choice(body.get("tool_choice"))
 
 
+# Anthropic's own tools are typed by name and version date (`bash_20250124`); the MCP
+# connector's tool set is the one without a date
+_ANTHROPIC_TOOL_TYPE = re.compile(r"[a-z][a-z0-9_]*_\d{8}|mcp_toolset")
+
+
 def anthropic_builtin(tool: Any) -> bool:
-    """One of Anthropic's own typed tools (any `type` but `custom`)."""
-    return isinstance(tool, Mapping) and isinstance(tool.get("type"), str) and tool["type"] != "custom"
+    """One of Anthropic's own typed tools (`web_search_20250305`, `mcp_toolset`, ...)."""
+    return isinstance(tool, Mapping) and isinstance(tool.get("type"), str) \
+        and _ANTHROPIC_TOOL_TYPE.fullmatch(tool["type"]) is not None
 
 
 def _tools(raw: Any, param: str, inner: Any, schema_field: str) -> list[Tool]:

@@ -126,11 +126,18 @@ def test_sampling_fields_are_carried_or_refused_by_name() -> None:
     assert (sp.temperature, sp.top_p, sp.stop, sp.seed) == (0.3, 0.9, ["END"], 7)
     assert tr.sampling_of({"stop_sequences": ["a", "b"], "top_k": 5}, "anthropic").stop == ["a", "b"]
     assert tr.sampling_of({"modalities": ["text"]}, "openai") == tr.sampling_of({}, "openai")  # text output: served
+    # the values that ask for nothing, as clients that write out every field send them
+    asks_nothing = {"functions": [], "function_call": "auto", "echo": False, "suffix": "", "best_of": 1}
+    assert tr.sampling_of(asks_nothing, "openai") == tr.sampling_of({}, "openai")
     for body, api, field in (({"temperature": 5}, "openai", "temperature"), ({"logprobs": True}, "openai", "logprobs"),
                              ({"stop": ["a"] * 5}, "openai", "stop"), ({"temperature": 1.5}, "anthropic", "temperature"),
                              ({"top_p": "x"}, "openai", "top_p"), ({"stop_sequences": [""]}, "anthropic", "stop_sequences"),
                              ({"audio": {"voice": "alloy", "format": "wav"}}, "openai", "audio"),
-                             ({"modalities": ["text", "audio"]}, "openai", "modalities"), ({"modalities": "text"}, "openai", "modalities")):
+                             ({"modalities": ["text", "audio"]}, "openai", "modalities"), ({"modalities": "text"}, "openai", "modalities"),
+                             ({"functions": [{"name": "f", "parameters": {}}]}, "openai", "functions"),
+                             ({"function_call": {"name": "f"}}, "openai", "function_call"),
+                             ({"echo": True}, "openai", "echo"), ({"suffix": "}"}, "openai", "suffix"),
+                             ({"best_of": 3}, "openai", "best_of")):
         with pytest.raises(tr.BadRequest) as e:
             tr.sampling_of(body, api)
         assert e.value.param == field, (body, e.value)

@@ -151,3 +151,10 @@ def test_anthropics_own_typed_tools_are_left_out() -> None:
     tools, choice = tc.anthropic_tools(body)
     assert [t.name for t in tools] == ["Bash", "Read"] and choice is None
     assert tc.anthropic_tools({"tools": [{"type": "web_search_20250305", "name": "web_search"}]})[0] == []
+    assert tc.anthropic_tools({"tools": [{"type": "mcp_toolset", "mcp_server_name": "docs"}]})[0] == []
+    # an OpenAI function tool sent to Messages is a mistake to name, not a tool to drop in silence
+    for wrong in ({"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}},
+                  {"type": "web_search", "name": "w"}, {"type": 7, "name": "x"}):
+        with pytest.raises(tc.ToolsError) as e:
+            tc.anthropic_tools({"tools": [body["tools"][0], wrong]})
+        assert e.value.param == "tools[1].type"

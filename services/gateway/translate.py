@@ -431,6 +431,10 @@ _OPENAI_SAMPLING = {"temperature": "temperature", "top_p": "top_p", "top_k": "to
 _ANTHROPIC_SAMPLING = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "stop_sequences": "stop"}
 # asked for and not served: refused with a 400 that names the field, never silently dropped
 _OPENAI_REFUSED = ("logprobs", "top_logprobs", "logit_bias", "audio")
+# ... and each with the values that ask for nothing, which are served: chat's legacy function
+# calling (`tools` serves it), the legacy completions' echo, suffix and several candidates
+_OPENAI_REFUSED_UNLESS = {"functions": (None, []), "function_call": (None, "none", "auto"),
+                          "echo": (None, False), "suffix": (None, ""), "best_of": (None, 1)}
 
 
 _OUTPUT_KINDS = ("text", "json_object", "json_schema")
@@ -506,6 +510,10 @@ def sampling_of(body: Mapping[str, Any], api: str) -> Sampling:
         for f in _OPENAI_REFUSED:
             if body.get(f) not in (None, False, {}, 0):
                 raise BadRequest(f"{f} is not served", f)
+        for f, fine in _OPENAI_REFUSED_UNLESS.items():
+            if not any(body.get(f) == v and type(body.get(f)) is type(v) for v in fine):
+                hint = " (send `tools` and `tool_choice`)" if f.startswith("function") else ""
+                raise BadRequest(f"{f} is not served{hint}", f)
         modalities = body.get("modalities")
         if modalities is not None and (not isinstance(modalities, list) or set(modalities) - {"text"}):
             raise BadRequest("modalities: only text output is served", "modalities")
