@@ -364,6 +364,17 @@ async def test_chat_completion_whole_and_streamed_with_usage(stack: EmbeddedStac
     c = await client.completions.create(model=MODEL, prompt="def f():", max_tokens=5)
     assert c.object == "text_completion" and c.usage.completion_tokens == 5
 
+    # each answer names its call as the APIs do, so an agent's log meets the services' logs
+    assert r._request_id == r.id.removeprefix("chatcmpl-") and c._request_id == c.id.removeprefix("cmpl-")
+    async with client.chat.completions.with_streaming_response.create(
+            model=MODEL, max_tokens=4, stream=True, messages=[{"role": "user", "content": "x"}]) as raw:
+        assert raw.headers["x-request-id"].startswith("gwc-")
+    m = await ant(stack).messages.create(model=MODEL, max_tokens=4, messages=[{"role": "user", "content": "hi"}])
+    assert m._request_id == m.id.removeprefix("msg_")
+    with pytest.raises(openai.NotFoundError) as e:
+        await client.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "x"}])
+    assert e.value.request_id and e.value.request_id.startswith("req_")
+
 
 @pytest.mark.timeout(120)
 async def test_structured_output_on_the_sim_engine_parses_as_its_schema(stack: EmbeddedStack) -> None:
@@ -516,6 +527,11 @@ async def test_a_disconnect_cancels_the_running_call(stack: EmbeddedStack) -> No
     while not [e for e in events(stack, f"engine-s0-{MODEL}", "engine.cancel") if e.get("call_id") == cid]:
         assert time.monotonic() < deadline, "the engine never heard the cancel"
         await asyncio.sleep(0.1)
+    # logged as a call no one received (nginx's 499), not a fast success
+    while not [e for e in events(stack, "gateway", "gateway.call") if e.get("call_id") == cid]:
+        assert time.monotonic() < deadline, "the gateway never logged the call"
+        await asyncio.sleep(0.1)
+    assert [e["status"] for e in events(stack, "gateway", "gateway.call") if e.get("call_id") == cid] == [499]
 
 
 # --------------------------------------------------------------------------- a router that refuses

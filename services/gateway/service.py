@@ -34,6 +34,7 @@ import json
 import signal
 import sys
 import time
+import uuid
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -66,6 +67,9 @@ SESSIONS_KEPT = 50_000         # opened sessions remembered (a forgotten one is 
 MODELS_TTL_S = 5.0             # how long the served-model list is reused
 BUSY_TTL_S = 3600.0            # a header-less session's in-flight mark outlives any call (and is deleted after it)
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+REQUEST_ID_HEADER, ANTHROPIC_REQUEST_ID_HEADER = "x-request-id", "request-id"
+REQUEST_ID_KEY = "talaria.call_id"  # where a request keeps its call's id for its answer's headers
+CLIENT_GONE_KEY = "talaria.client_gone"  # set when the client left before its answer: counted as 499
 SSE_KEEPALIVE = b": keep-alive\n\n"  # an SSE comment: clients skip it; writing it finds a client that has gone
 
 OPENAI, ANTHROPIC = "openai", "anthropic"
@@ -173,7 +177,18 @@ class Gateway:
         app.router.add_post("/v1/responses", self.responses)
         app.router.add_post("/v1/messages/count_tokens", self.count_tokens)
         app.router.add_post("/v1/responses/input_tokens", self.input_tokens)
+        app.on_response_prepare.append(self._request_id)
         return app
+
+    @staticmethod
+    async def _request_id(request: web.Request, resp: web.StreamResponse) -> None:
+        """Every answer names itself as the APIs do (`x-request-id` for OpenAI's SDKs,
+        `request-id` for Anthropic's, which show it as the reply's `_request_id`): a call's
+        own id, the one the services' logs and traces carry (`talaria logs`), else a fresh
+        one for an answer that made no call."""
+        rid = request.get(REQUEST_ID_KEY) or "req_" + uuid.uuid4().hex
+        resp.headers.setdefault(REQUEST_ID_HEADER, rid)
+        resp.headers.setdefault(ANTHROPIC_REQUEST_ID_HEADER, rid)
 
     @web.middleware
     async def _errors(self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -185,7 +200,7 @@ class Gateway:
         t0, status = time.monotonic(), 500
         try:
             resp = await self._answer(request, handler, shape)
-            status = resp.status
+            status = 499 if request.get(CLIENT_GONE_KEY) else resp.status
             return resp
         except web.HTTPException as exc:  # aiohttp's own answers (it writes them)
             status = exc.status
@@ -538,6 +553,7 @@ class Gateway:
         t0 = time.monotonic()
         tenant, ids, model, prompt, stream = p.tenant, p.ids, p.model, p.prompt, p.stream
         sid, cid = ids.session_id, ids.call_id
+        request[REQUEST_ID_KEY] = cid
         final = tr.is_final(request.headers)
         status = 200
         with structlog.contextvars.bound_contextvars(tenant=tenant, session_id=sid, call_id=cid), tracing.span(
@@ -568,6 +584,7 @@ class Gateway:
                     reply = await task
                 finally:
                     if not task.done():
+                        status = request[CLIENT_GONE_KEY] = 499  # (nginx's "client closed request")
                         task.cancel()  # the client went away: the agent client sends CancelCall
                         self.log.info("gateway.cancelled", reason="client disconnected")
                         with contextlib.suppress(BaseException):
