@@ -215,6 +215,7 @@ class CallReply(Base, tag="reply"):
     wall_decode_s: float | None = None
     wall_total_s: float | None = None
     aborted: bool = False
+    stop_sequence: str | None = None  # the stop string that ended the output (real engine; the sim engine samples none)
 
 
 class CallTokens(Base, tag="tokens"):

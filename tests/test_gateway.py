@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import msgspec
 import anthropic
 import openai
 import pytest
@@ -27,7 +28,7 @@ from shared.logs import read_log_events
 from shared.policy import resolve_policy
 from shared.costmodel import MEDIAN_OUTPUT_TOKENS
 from shared.schema import (
-    ApiError, CallQueued, Info, SessionOpened, api_request_decoder, CallRequest, InfoRequest, OpenSession, EndSession, Ok, Sampling, encode,
+    ApiError, CallQueued, CallReply, Info, SessionOpened, api_request_decoder, CallRequest, InfoRequest, OpenSession, EndSession, Ok, Sampling, encode,
 )
 from shared.settings import Settings
 from shared.subjects import GATEWAY_NAMESPACE
@@ -203,6 +204,19 @@ def test_the_reply_text_leaves_out_what_stopped_it() -> None:
     assert reply_text(Letters(), [1, 2, 3], "length", None) == "abc"  # cut at max_tokens: all of it
 
 
+def test_a_stop_sequence_is_named_as_the_reason_messages_stopped() -> None:
+    reply = CallReply(call_id="c", session_id="s", server_id="s0", model=MODEL, prompt_tokens=9, cached_tokens=0,
+                      restored_tokens=0, reprefill_tokens=0, output_tokens=3, arrived_at=0, finished_at=1, waited_s=0,
+                      switch_wait_s=0, round_wait=False, restore_s=0, prefill_s=0, decode_s=0, text="ab",
+                      stop_sequence="cd")
+    m = tr.anthropic_message("c", MODEL, reply, 100)
+    assert (m["stop_reason"], m["stop_sequence"]) == ("stop_sequence", "cd")
+    assert tr.chat_completion("c", MODEL, reply, 100)["choices"][0]["finish_reason"] == "stop"
+    plain = msgspec.structs.replace(reply, stop_sequence=None)
+    assert (tr.anthropic_message("c", MODEL, plain, 100)["stop_reason"], tr.anthropic_message("c", MODEL, plain, 3)["stop_reason"]) \
+        == ("end_turn", "max_tokens")
+
+
 def test_error_shapes() -> None:
     assert tr.openai_error("context_limit", "m")[1]["error"]["code"] == "context_length_exceeded"
     assert tr.openai_error("no_capacity", "m")[0] == 429
@@ -272,6 +286,7 @@ def test_a_streamed_response_has_the_apis_events_in_order() -> None:
     assert last[0][1]["delta"] == " there" and last[1][1]["text"] == "hello there"
     final = last[-1][1]["response"]
     assert final["status"] == "incomplete" and final["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert final["output"][0]["status"] == last[3][1]["item"]["status"] == "incomplete"  # the message cut off too
     assert final["usage"]["input_tokens_details"]["cached_tokens"] == 64 and final["usage"]["total_tokens"] == 112
     assert [e["sequence_number"] for _, e in first + last] == list(range(len(first + last)))
     # with tools the text is held; a call is a function_call item with its arguments in one delta
@@ -903,7 +918,7 @@ async def test_responses_api_as_codex_calls_it_round_trips_tool_calls_keeping_th
     client, hdr = oai(stack), {"session_id": "codex-conv-1"}
     r = await client.responses.create(model=MODEL, input="hello " * 100, max_output_tokens=8, instructions="be brief")
     assert r.object == "response" and r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
-    assert r.output[0].type == "message" and r.output_text.startswith("[synthetic text")
+    assert r.output[0].type == "message" and r.output[0].status == "incomplete" and r.output_text.startswith("[synthetic text")
     assert r.usage.output_tokens == 8 and r.usage.total_tokens == r.usage.input_tokens + 8
     assert r.usage.input_tokens_details.cached_tokens == 0
 

@@ -270,6 +270,14 @@ async def _a_response_format_gets_json_of_its_schema(stack) -> None:  # type: ig
         output_config={"format": {"type": "json_schema", "schema": schema}})
     answer = json.loads(msg.content[0].text)
     assert answer["verdict"] in ("fix", "skip") and isinstance(answer["done"], bool), answer
+    # a stop sequence the grammar makes the model write is named as what stopped it
+    only_fix = {"type": "object", "properties": {"verdict": {"enum": ["fix"]}}, "required": ["verdict"],
+                "additionalProperties": False}
+    stopped = await anthropic.AsyncAnthropic(base_url=stack.gateway_url, api_key=stack.api_key, max_retries=0).messages.create(
+        model=vb.MODEL, max_tokens=64, messages=[{"role": "user", "content": "judge the patch"}], stop_sequences=["fix"],
+        output_config={"format": {"type": "json_schema", "schema": only_fix}})
+    assert (stopped.stop_reason, stopped.stop_sequence) == ("stop_sequence", "fix"), stopped
+    assert "fix" not in stopped.content[0].text, stopped
     with pytest.raises(openai.BadRequestError):
         await client.chat.completions.create(
             model=vb.MODEL, max_tokens=8, messages=[{"role": "user", "content": "x"}],

@@ -68,8 +68,8 @@ MODELS_TTL_S = 5.0             # how long the served-model list is reused
 BUSY_TTL_S = 3600.0            # a header-less session's in-flight mark outlives any call (and is deleted after it)
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 REQUEST_ID_HEADER, ANTHROPIC_REQUEST_ID_HEADER = "x-request-id", "request-id"
-REQUEST_ID_KEY = "talaria.call_id"  # where a request keeps its call's id for its answer's headers
-CLIENT_GONE_KEY = "talaria.client_gone"  # set when the client left before its answer: counted as 499
+REQUEST_ID_KEY = web.RequestKey("talaria.call_id", str)  # a request's call id, for its answer's headers
+CLIENT_GONE_KEY = web.RequestKey("talaria.client_gone", int)  # set when the client left before its answer: 499
 SSE_KEEPALIVE = b": keep-alive\n\n"  # an SSE comment: clients skip it; writing it finds a client that has gone
 
 OPENAI, ANTHROPIC = "openai", "anthropic"
@@ -766,8 +766,9 @@ class Gateway:
 
         def whole(reply: CallReply) -> dict[str, Any]:
             answer = tr.answer_of(reply, fmt, tools)
-            return tr.response_object(cid, model, created, original, status=tr.response_status(reply, max_tokens, answer),
-                                      output=tr.response_output(cid, answer), usage=tr.response_usage(reply))
+            status = tr.response_status(reply, max_tokens, answer)
+            return tr.response_object(cid, model, created, original, status=status,
+                                      output=tr.response_output(cid, answer, status), usage=tr.response_usage(reply))
 
         async def streamer(req: web.Request, task: "asyncio.Task[CallReply]", events: "asyncio.Queue[Any]"
                            ) -> web.StreamResponse:
@@ -850,7 +851,8 @@ class Gateway:
                             sse({"type": "content_block_stop", "index": i}, "content_block_stop")]
                 return [*out,
                         sse({"type": "message_delta", "delta": {"stop_reason": tr.anthropic_stop_reason(reply, max_tokens, answer),
-                                                                "stop_sequence": None}, "usage": usage}, "message_delta"),
+                                                                "stop_sequence": tr.anthropic_stop_sequence(reply, answer)},
+                                     "usage": usage}, "message_delta"),
                         sse({"type": "message_stop"}, "message_stop")]
 
             def on_error(exc: TalariaError) -> list[bytes]:

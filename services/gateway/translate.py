@@ -647,7 +647,16 @@ def text_chunk(call_id: str, model: str, created: int, text: str, finish: str | 
 def anthropic_stop_reason(reply: Any, max_tokens: int, answer: Answer | None = None) -> str:
     if answer is not None and answer.calls:
         return "tool_use"
+    if anthropic_stop_sequence(reply, answer) is not None:
+        return "stop_sequence"
     return "max_tokens" if reply.output_tokens >= max_tokens else "end_turn"
+
+
+def anthropic_stop_sequence(reply: Any, answer: Answer | None = None) -> str | None:
+    """The stop sequence that ended the reply (Messages' `stop_sequence`), where the engine says."""
+    if answer is not None and answer.calls:
+        return None
+    return getattr(reply, "stop_sequence", None)
 
 
 def anthropic_blocks(answer: Answer) -> list[dict[str, Any]]:
@@ -660,7 +669,8 @@ def anthropic_message(call_id: str, model: str, reply: Any, max_tokens: int, ans
     answer = answer or answer_of(reply)
     return {"id": f"msg_{call_id}", "type": "message", "role": "assistant", "model": model,
             "content": anthropic_blocks(answer),
-            "stop_reason": anthropic_stop_reason(reply, max_tokens, answer), "stop_sequence": None,
+            "stop_reason": anthropic_stop_reason(reply, max_tokens, answer),
+            "stop_sequence": anthropic_stop_sequence(reply, answer),
             "usage": usage_of(reply).anthropic()}
 
 
@@ -865,10 +875,12 @@ def response_call_item(call: tool_calls.ToolCall, status: str) -> dict[str, Any]
             "arguments": json.dumps(call.arguments) if status != "in_progress" else "", "status": status}
 
 
-def response_output(call_id: str, answer: Answer) -> list[dict[str, Any]]:
+def response_output(call_id: str, answer: Answer, status: str = "completed") -> list[dict[str, Any]]:
     """The reply's output items: its text as a message (none where the model only called
-    tools), then each tool call as a `function_call` item."""
-    items = [response_message_item(call_id, answer.content, "completed")] if answer.content or not answer.calls else []
+    tools; `incomplete` as the response is, where it stopped at max_output_tokens), then
+    each tool call as a `function_call` item."""
+    text_status = "incomplete" if status == "incomplete" else "completed"
+    items = [response_message_item(call_id, answer.content, text_status)] if answer.content or not answer.calls else []
     return items + [response_call_item(c, "completed") for c in answer.calls]
 
 
@@ -942,7 +954,8 @@ class ResponseEvents:
 
     def finish(self, reply: Any, max_tokens: int, answer: Answer) -> list[tuple[str, dict[str, Any]]]:
         out: list[tuple[str, dict[str, Any]]] = []
-        items = response_output(self.call_id, answer)
+        status = response_status(reply, max_tokens, answer)
+        items = response_output(self.call_id, answer, status)
         if items and items[0]["type"] == "message" and not self.message_open:
             out += self._open_message()
         if self.message_open:
@@ -952,7 +965,7 @@ class ResponseEvents:
                 out.append(self._ev("response.output_text.delta", item_id=item_id, output_index=0, content_index=0,
                                     delta=rest, logprobs=[]))
             part = {"type": "output_text", "text": final, "annotations": [], "logprobs": []}
-            item = items[0] = response_message_item(self.call_id, final, "completed")  # (no tools: no calls either)
+            item = items[0] = response_message_item(self.call_id, final, items[0]["status"])  # (no tools: no calls either)
             out += [self._ev("response.output_text.done", item_id=item_id, output_index=0, content_index=0,
                              text=final, logprobs=[]),
                     self._ev("response.content_part.done", item_id=item_id, output_index=0, content_index=0, part=part),
@@ -964,7 +977,6 @@ class ResponseEvents:
                     self._ev("response.function_call_arguments.delta", item_id=item_id, output_index=i, delta=args),
                     self._ev("response.function_call_arguments.done", item_id=item_id, output_index=i, arguments=args),
                     self._ev("response.output_item.done", output_index=i, item=items[i])]
-        status = response_status(reply, max_tokens, answer)
         kind = "response.incomplete" if status == "incomplete" else "response.completed"
         return [*out, self._ev(kind, response=self._response(status, items, response_usage(reply)))]
 
