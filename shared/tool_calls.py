@@ -228,13 +228,15 @@ def _parse_glm45(text: str, tools: Sequence[Tool], call_key: str) -> tuple[str, 
         for k, v in _GLM_ARG.findall(m.group(2)):
             k = k.strip()
             typ = (props.get(k) or {}).get("type") if isinstance(props.get(k), Mapping) else None
+            # a string as written, edge newlines too (GLM's template writes the value bare
+            # between its tags, so a file's trailing newline is the file's)
             if typ == "string" or typ is None and not _looks_json(v):
-                args[k] = v.strip("\n")
+                args[k] = v
             else:
                 try:
                     args[k] = json.loads(v)
                 except ValueError:
-                    args[k] = v.strip("\n")
+                    args[k] = v
         kept.append(text[last:m.start()])
         last = m.end()
         calls.append(ToolCall(_call_id(call_key, len(calls)), name, args))

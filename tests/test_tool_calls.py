@@ -60,6 +60,9 @@ def test_render_is_what_parse_reads(fmt: str) -> None:
     calls = [("read_file", {"path": "a b/c.py", "limit": 7}), ("run_tests", {"verbose": False, "only": ["x", "y"]})]
     content, parsed = tc.parse(tc.render(calls, fmt), fmt, TOOLS, "r")
     assert content == "" and [(c.name, c.arguments) for c in parsed] == calls
+    # a file's body keeps its edge newlines and spaces (a write tool's content is the file)
+    body = [("read_file", {"path": "\n  x = 1\n\n"})]
+    assert [c.arguments for c in tc.parse(tc.render(body, fmt), fmt, TOOLS, "r")[1]] == [body[0][1]]
 
 
 def test_synthetic_calls_fill_the_schema_and_follow_the_choice() -> None:
