@@ -122,6 +122,21 @@ def test_parts_a_text_only_model_cannot_read_become_a_note_and_past_thinking_is_
     assert tr.chat_prompt(chat["messages"]).text.count("not shown") == 2 and tr.chat_prompt(chat["messages"]).tokens < 100
 
 
+def test_a_prefill_continues_the_assistants_turn() -> None:
+    user, prefill = {"role": "user", "content": "x"}, {"role": "assistant", "content": "{"}
+    assert tr.continues_final_message({"messages": [user, prefill]}, "anthropic")
+    assert not tr.continues_final_message({"messages": [user]}, "anthropic")
+    calls = {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}]}
+    assert not tr.continues_final_message({"messages": [user, calls]}, "anthropic")  # calls: a new turn
+    assert not tr.continues_final_message({"messages": [user, prefill]}, "openai")  # chat asks by name
+    assert tr.continues_final_message({"messages": [user, prefill], "continue_final_message": True}, "openai")
+    for bad in ({"messages": [user], "continue_final_message": True},
+                {"messages": [user, prefill], "continue_final_message": "yes"}):
+        with pytest.raises(tr.BadRequest) as e:
+            tr.continues_final_message(bad, "openai")
+        assert e.value.param == "continue_final_message"
+
+
 def test_sampling_fields_are_carried_or_refused_by_name() -> None:
     sp = tr.sampling_of({"temperature": 0.3, "top_p": 0.9, "stop": "END", "seed": 7}, "openai")
     assert (sp.temperature, sp.top_p, sp.stop, sp.seed) == (0.3, 0.9, ["END"], 7)

@@ -59,12 +59,14 @@ def oai(url: str, key: str) -> openai.AsyncOpenAI:
 _OWN: dict[Path, Any] = {}
 
 
-def own_count(folder: Path, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+def own_count(folder: Path, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+              continue_final: bool = False) -> list[int]:
     """The tokenizer's own ids of a conversation (transformers alone, not the gateway's code)."""
     from transformers import AutoTokenizer
 
     tok = _OWN.get(folder) or _OWN.setdefault(folder, AutoTokenizer.from_pretrained(str(folder)))
-    text = tok.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+    text = tok.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=not continue_final,
+                                   continue_final_message=continue_final)
     return list(tok(text, add_special_tokens=False)["input_ids"])
 
 
@@ -89,6 +91,30 @@ async def test_prompts_are_the_tokenizers_own_ids_and_continuations_reuse_them(
     assert m.usage.input_tokens + m.usage.cache_read_input_tokens == len(own_count(tiny_folder, msgs[:2]))
     counted = await ant.messages.count_tokens(model=MODEL, system=msgs[0]["content"], messages=[msgs[1]])
     assert counted.input_tokens == len(own_count(tiny_folder, msgs[:2]))
+
+
+@pytest.mark.timeout(180)
+async def test_a_prefilled_assistant_turn_is_continued_not_closed(stack: EmbeddedStack, tiny_folder: Path) -> None:
+    """Anthropic's prefill (a conversation ending in the assistant's own words, `{` to start
+    JSON) and chat's `continue_final_message` (vLLM's field) leave that turn open for the
+    model to go on; before, the template closed it and began another."""
+    msgs: list[dict[str, Any]] = [{"role": "user", "content": "judge the patch, in JSON " * 20},
+                                  {"role": "assistant", "content": '{"verdict": "'}]
+    open_turn, closed = own_count(tiny_folder, msgs, continue_final=True), own_count(tiny_folder, msgs)
+    assert len(open_turn) < len(closed)
+    ant = anthropic.AsyncAnthropic(base_url=stack.gateway_url, api_key=stack.api_key)
+    m = await ant.messages.create(model=MODEL, max_tokens=8, messages=msgs)
+    assert m.usage.input_tokens + m.usage.cache_read_input_tokens == len(open_turn)
+    client = oai(stack.openai_base_url, stack.api_key)
+    r = await client.chat.completions.create(model=MODEL, max_tokens=8, messages=msgs,
+                                             extra_body={"continue_final_message": True})
+    assert r.usage.prompt_tokens == len(open_turn)
+    r = await client.chat.completions.create(model=MODEL, max_tokens=8, messages=msgs)  # chat asks for a new turn
+    assert r.usage.prompt_tokens == len(closed)
+    with pytest.raises(openai.BadRequestError) as e:
+        await client.chat.completions.create(model=MODEL, max_tokens=8, messages=msgs[:1],
+                                             extra_body={"continue_final_message": True})
+    assert e.value.body["param"] == "continue_final_message"
 
 
 @pytest.mark.timeout(180)

@@ -341,6 +341,7 @@ class Gateway:
         system = body.get("system") if api == ANTHROPIC else None
         tok = self.tokenizers.get(model)
         try:
+            continue_final = tr.continues_final_message(body, api)
             if tok is None:
                 roles = ("user", "assistant") if api == ANTHROPIC else tr.CHAT_ROLES
                 return tr.chat_prompt(body.get("messages"), system, roles=roles, tool_format=fmt, tools_json=tools_json)
@@ -351,7 +352,7 @@ class Gateway:
                                                      "parameters": t.parameters}} for t in tools]
 
         def render_and_encode() -> tuple[str, Any]:
-            text = tok.render(messages, schemas)
+            text = tok.render(messages, schemas, continue_final)
             return text, tok.encode(_cache_scope(tenant, model), text)
 
         try:  # (off the event loop: a long conversation's render and encode take milliseconds)

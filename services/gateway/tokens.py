@@ -179,10 +179,13 @@ class ChatTokenizer:
 
         self.encoder = IncrementalEncoder(encode, added, max_chars)
 
-    def render(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None) -> str:
-        """The conversation as the model sees it, ending in the assistant's turn."""
-        return str(self.hf.apply_chat_template(list(messages), tools=list(tools) if tools else None,
-                                               tokenize=False, add_generation_prompt=True))
+    def render(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None,
+               continue_final: bool = False) -> str:
+        """The conversation as the model sees it, ending in the assistant's turn: a new one,
+        or (`continue_final`) the last message's own, left open for the model to go on."""
+        return str(self.hf.apply_chat_template(list(messages), tools=list(tools) if tools else None, tokenize=False,
+                                               add_generation_prompt=not continue_final,
+                                               continue_final_message=continue_final))
 
     def encode(self, scope: str, text: str) -> array:
         return self.encoder.encode(scope, text)

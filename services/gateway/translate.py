@@ -352,6 +352,27 @@ def template_messages(messages: Any, system: Any = None, *, api: str = "openai")
     return out
 
 
+def continues_final_message(body: Mapping[str, Any], api: str) -> bool:
+    """Whether the model goes on with the last message instead of starting a turn: an
+    Anthropic conversation that ends with the assistant's own words (a prefill, such as
+    `{` to start JSON), or chat's `continue_final_message` (vLLM's field) over a last
+    assistant message."""
+    messages = body.get("messages")
+    last = messages[-1] if isinstance(messages, list) and messages and isinstance(messages[-1], Mapping) else {}
+    if api == "anthropic":  # (a last turn of tool calls is not a prefill: it starts a turn as before)
+        content = last.get("content")
+        return last.get("role") == "assistant" and not (isinstance(content, list) and any(
+            isinstance(b, Mapping) and b.get("type") == "tool_use" for b in content))
+    asked = body.get("continue_final_message")
+    if asked is None or asked is False:
+        return False
+    if asked is not True:
+        raise BadRequest("continue_final_message must be a boolean", "continue_final_message")
+    if last.get("role") != "assistant":
+        raise BadRequest("continue_final_message needs the last message to be the assistant's", "continue_final_message")
+    return True
+
+
 def _template_call(c: Any, where: str) -> dict[str, Any]:
     f = c.get("function") if isinstance(c, Mapping) else None
     if not isinstance(f, Mapping) or not isinstance(f.get("name"), str):
