@@ -137,6 +137,20 @@ def test_a_prefill_continues_the_assistants_turn() -> None:
         assert e.value.param == "continue_final_message"
 
 
+def test_parallel_tool_calls_turned_off_answer_the_first_call_only() -> None:
+    tools = [tc.Tool("read_file", "", {"type": "object", "properties": {"path": {"type": "string"}}})]
+    two = type("Reply", (), {"call_id": "c", "text": tc.render([("read_file", {"path": "a"}), ("read_file", {"path": "b"})],
+                                                                "hermes")})
+    assert [c.arguments for c in tr.answer_of(two, "hermes", tools).calls] == [{"path": "a"}, {"path": "b"}]
+    assert [c.arguments for c in tr.answer_of(two, "hermes", tools, one_call=True).calls] == [{"path": "a"}]
+    assert tr.one_call_only({"parallel_tool_calls": False}, "openai")
+    assert not tr.one_call_only({"parallel_tool_calls": True}, "openai") and not tr.one_call_only({}, "openai")
+    assert tr.one_call_only({"tool_choice": {"type": "auto", "disable_parallel_tool_use": True}}, "anthropic")
+    assert not tr.one_call_only({"tool_choice": {"type": "auto"}}, "anthropic")
+    # the Responses API's field reaches the chat request it reads as
+    assert tr.one_call_only(tr.responses_request({"model": MODEL, "input": "x", "parallel_tool_calls": False}), "openai")
+
+
 def test_sampling_fields_are_carried_or_refused_by_name() -> None:
     sp = tr.sampling_of({"temperature": 0.3, "top_p": 0.9, "stop": "END", "seed": 7}, "openai")
     assert (sp.temperature, sp.top_p, sp.stop, sp.seed) == (0.3, 0.9, ["END"], 7)

@@ -128,6 +128,11 @@ class Prepared:
     tool_format: str = "none"  # the model's tool-call format ("none": no tools asked for)
     tools_json: str | None = None
     tool_rounds: int = 0  # tool results since the user's last message
+    one_call: bool = False  # parallel tool calls turned off: the first call only
+
+    def answer(self, reply: CallReply) -> tr.Answer:
+        """The reply read as the model wrote it, with the tool calls this request allows."""
+        return tr.answer_of(reply, self.tool_format, list(self.tools), self.one_call)
 
 
 def _cache_scope(tenant: str, model: str) -> str:
@@ -379,7 +384,8 @@ class Gateway:
         sampling = self._sampling(body, dialect)
         ids = await self._ids(request, tenant, raw, original if original is not None else body, model, prompt)
         return Prepared(tenant, model, stream, prompt, max_tokens, sampling, ids, sim_output, tuple(tools), choice, fmt,
-                        tools_json, tc.tool_rounds(body.get("messages")) if tools else 0)
+                        tools_json, tc.tool_rounds(body.get("messages")) if tools else 0,
+                        tr.one_call_only(body, dialect))
 
     async def _prompt_only(self, tenant: str, body: dict[str, Any], dialect: str) -> Prompt:
         """The prompt a chat-shaped body would send (for the token counts: no call)."""
@@ -681,13 +687,13 @@ class Gateway:
         tenant = self._tenant(request)
         raw, body = await self._body(request)
         p = await self._prepare_chat(request, tenant, raw, body, OPENAI, ("max_completion_tokens", "max_tokens"))
-        model, max_tokens, fmt, tools, cid = p.model, p.max_tokens, p.tool_format, list(p.tools), p.ids.call_id
+        model, max_tokens, tools, cid = p.model, p.max_tokens, list(p.tools), p.ids.call_id
         opts = body.get("stream_options") or {}
         include_usage = isinstance(opts, dict) and opts.get("include_usage") is True
         created = int(time.time())
 
         def whole(reply: CallReply) -> dict[str, Any]:
-            return tr.chat_completion(reply.call_id, model, reply, max_tokens, tr.answer_of(reply, fmt, tools))
+            return tr.chat_completion(reply.call_id, model, reply, max_tokens, p.answer(reply))
 
         async def streamer(req: web.Request, task: "asyncio.Task[CallReply]", events: "asyncio.Queue[Any]"
                            ) -> web.StreamResponse:
@@ -697,7 +703,7 @@ class Gateway:
                 return sse(tr.chat_chunk(cid, model, created, delta, finish, None, include_usage))
 
             def on_reply(reply: CallReply) -> list[bytes]:
-                answer = tr.answer_of(reply, fmt, tools)
+                answer = p.answer(reply)
                 rest = text.rest(answer.content)
                 out = [chunk({"content": rest})] if rest else []
                 if answer.calls:
@@ -762,11 +768,11 @@ class Gateway:
         raw, original = await self._body(request)
         body = self._responses_as_chat(original)
         p = await self._prepare_chat(request, tenant, raw, body, OPENAI, ("max_output_tokens",), original=original)
-        model, max_tokens, fmt, tools = p.model, p.max_tokens, p.tool_format, list(p.tools)
+        model, max_tokens, tools = p.model, p.max_tokens, list(p.tools)
         cid, created = p.ids.call_id, int(time.time())
 
         def whole(reply: CallReply) -> dict[str, Any]:
-            answer = tr.answer_of(reply, fmt, tools)
+            answer = p.answer(reply)
             status = tr.response_status(reply, max_tokens, answer)
             return tr.response_object(cid, model, created, original, status=status,
                                       output=tr.response_output(cid, answer, status), usage=tr.response_usage(reply))
@@ -781,7 +787,7 @@ class Gateway:
             return await self._stream_events(
                 req, task, events, on_start=lambda: written(out.start()),
                 on_tokens=lambda ev: written(out.tokens(ev.text)),
-                on_reply=lambda reply: written(out.finish(reply, max_tokens, tr.answer_of(reply, fmt, tools))),
+                on_reply=lambda reply: written(out.finish(reply, max_tokens, p.answer(reply))),
                 on_error=lambda exc: written(out.failed(exc.code, exc.message)))
 
         return await self._call(request, RESPONSES, p, streamer, whole)
@@ -801,11 +807,11 @@ class Gateway:
         tenant = self._tenant(request)
         raw, body = await self._body(request)
         p = await self._prepare_chat(request, tenant, raw, body, ANTHROPIC, ("max_tokens",))
-        model, max_tokens, fmt, tools, prompt = p.model, p.max_tokens, p.tool_format, list(p.tools), p.prompt
+        model, max_tokens, tools, prompt = p.model, p.max_tokens, list(p.tools), p.prompt
         cid = p.ids.call_id
 
         def whole(reply: CallReply) -> dict[str, Any]:
-            return tr.anthropic_message(reply.call_id, model, reply, max_tokens, tr.answer_of(reply, fmt, tools))
+            return tr.anthropic_message(reply.call_id, model, reply, max_tokens, p.answer(reply))
 
         async def streamer(req: web.Request, task: "asyncio.Task[CallReply]", events: "asyncio.Queue[Any]"
                            ) -> web.StreamResponse:
@@ -834,7 +840,7 @@ class Gateway:
 
             def on_reply(reply: CallReply) -> list[bytes]:
                 usage = tr.usage_of(reply).anthropic()
-                answer = tr.answer_of(reply, fmt, tools)
+                answer = p.answer(reply)
                 out = []
                 rest = text.rest(answer.content)
                 if rest or (not text_open[0] and not answer.calls):  # (a reply of no text and no call: one empty block)

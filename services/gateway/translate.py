@@ -611,13 +611,25 @@ class Answer:
     calls: list[tool_calls.ToolCall]
 
 
-def answer_of(reply: Any, tool_format: str = "none", tools: list[tool_calls.Tool] | None = None) -> Answer:
-    """A reply read as the model wrote it: tool calls are looked for only when the request offered tools."""
+def answer_of(reply: Any, tool_format: str = "none", tools: list[tool_calls.Tool] | None = None,
+              one_call: bool = False) -> Answer:
+    """A reply read as the model wrote it: tool calls are looked for only when the request
+    offered tools; with `one_call` (parallel calls turned off) only the first is answered,
+    as vLLM answers `parallel_tool_calls: false`."""
     text = reply.text or ""
     if not tools:
         return Answer(text, [])
     content, calls = tool_calls.parse(text, tool_format, tools, reply.call_id)
-    return Answer(content, calls)
+    return Answer(content, calls[:1] if one_call else calls)
+
+
+def one_call_only(body: Mapping[str, Any], api: str) -> bool:
+    """Whether the request turned parallel tool calls off: chat's and Responses'
+    `parallel_tool_calls: false`, Anthropic's `tool_choice.disable_parallel_tool_use`."""
+    if api == "anthropic":
+        choice = body.get("tool_choice")
+        return isinstance(choice, Mapping) and choice.get("disable_parallel_tool_use") is True
+    return body.get("parallel_tool_calls") is False
 
 
 def finish_reason(reply: Any, max_tokens: int, answer: Answer | None = None) -> str:
@@ -790,7 +802,7 @@ def responses_request(body: Mapping[str, Any]) -> dict[str, Any]:
         choice = {"type": "function", "function": {"name": choice.get("name")}}
     if choice is not None:
         out["tool_choice"] = choice
-    for name in ("max_output_tokens", "temperature", "top_p", "top_logprobs", EXTENSION_FIELD):
+    for name in ("max_output_tokens", "temperature", "top_p", "top_logprobs", "parallel_tool_calls", EXTENSION_FIELD):
         if body.get(name) is not None:
             out[name] = body[name]
     if structured is not None:  # the same structured output as chat's
