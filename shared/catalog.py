@@ -36,6 +36,7 @@ class ModelSpec:
     decode_itl_scale: float
     sources: str
     tool_call_format: str = "none"  # how the model writes a tool call (shared/tool_calls.py: hermes, glm45, none)
+    reasoning_format: str = "none"  # how it writes its reasoning (services/gateway/reasoning.py: think, none)
 
     @property
     def weights_bytes(self) -> float:

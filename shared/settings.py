@@ -130,6 +130,7 @@ class Settings:
     gateway_max_body: int = 4 * 1024 * 1024  # bytes of an HTTP request body above which the gateway answers 413
     gateway_tokenizers: str = ""    # `model=FOLDER,...` (`*` every model): chat template and tokenizer per model; else stand-in ids
     gateway_tool_parsers: str = ""  # `model=FORMAT,...` (`*` every model): a tool-call format over the catalog's
+    gateway_reasoning_parsers: str = ""  # `model=FORMAT,...` (`*` every model; think, none): over the catalog's
     call_record_replicas: int = 1   # JetStream replicas of the at-most-once call record and the prompt store (3 on a 3-node cluster)
     prompt_store_max_bytes: int = 1024 ** 3  # bytes each namespace's prompt store may hold (prompts sent by reference)
     loop_stall_exit_s: float = 0.0  # wall seconds of a stuck event loop after which the process exits (0 = off)
@@ -208,6 +209,9 @@ class Settings:
         p.add_argument("--gateway-tool-parsers", default=_env("TALARIA_GATEWAY_TOOL_PARSERS", ""),
                        help="model=FORMAT,... (* for every model; hermes, glm45): the tool-call format over the "
                             "catalog's, as vLLM's --tool-call-parser (a stand-in model's template)")
+        p.add_argument("--gateway-reasoning-parsers", default=_env("TALARIA_GATEWAY_REASONING_PARSERS", ""),
+                       help="model=FORMAT,... (* for every model; think, none): how the model writes its reasoning, "
+                            "over the catalog's, as vLLM's --reasoning-parser")
         p.add_argument("--call-record-replicas", type=int, default=_int(src, "TALARIA_CALL_RECORD_REPLICAS", 1),
                        help="JetStream replicas of the at-most-once call record (1-5; 3 on a three-node NATS cluster)")
         p.add_argument("--prompt-store-max-bytes", type=int,
@@ -271,6 +275,7 @@ class Settings:
             gateway_max_body=max(1024, a.gateway_max_body),
             gateway_tokenizers=a.gateway_tokenizers,
             gateway_tool_parsers=a.gateway_tool_parsers,
+            gateway_reasoning_parsers=a.gateway_reasoning_parsers,
             call_record_replicas=min(5, max(1, a.call_record_replicas)),
             prompt_store_max_bytes=max(1024 * 1024, a.prompt_store_max_bytes),
             loop_stall_exit_s=max(0.0, a.loop_stall_exit_s),

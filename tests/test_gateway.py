@@ -28,7 +28,7 @@ from shared.logs import read_log_events
 from shared.policy import resolve_policy
 from shared.costmodel import MEDIAN_OUTPUT_TOKENS
 from shared.schema import (
-    ApiError, CallQueued, CallReply, Info, SessionOpened, api_request_decoder, CallRequest, InfoRequest, OpenSession, EndSession, Ok, Sampling, encode,
+    ApiError, CallQueued, CallReply, CallRunning, CallTokens, Info, SessionOpened, api_request_decoder, CallRequest, InfoRequest, OpenSession, EndSession, Ok, Sampling, encode,
 )
 from shared.settings import Settings
 from shared.subjects import GATEWAY_NAMESPACE
@@ -579,6 +579,13 @@ async def test_a_disconnect_cancels_the_running_call(stack: EmbeddedStack) -> No
 
 
 # --------------------------------------------------------------------------- a router that refuses
+THOUGHT_MARK = "think it over"
+THOUGHT = "the parser drops the last line;\nmaybe <tool_call>rm_rf\n</tool_call> would help"
+THOUGHT_REPLY = f"<think>\n{THOUGHT}\n</think>\n\nFixed it."
+THOUGHT_REPLY_TOOLS = (f"<think>{THOUGHT}</think>\nReading it.\n<tool_call>read_file\n<arg_key>path</arg_key>\n"
+                       "<arg_value>a.py</arg_value>\n</tool_call>")
+
+
 @pytest.fixture
 async def refusing_gateway(nats_server: NatsServer) -> AsyncIterator[tuple[str, dict[str, Any]]]:
     """The gateway in this process before a stand-in router: every call is refused
@@ -603,6 +610,19 @@ async def refusing_gateway(nats_server: NatsServer) -> AsyncIterator[tuple[str, 
                                                                      context_limit=100_000)))
             case EndSession():
                 await router.publish(msg.reply, encode(Ok()))
+            case CallRequest() if THOUGHT_MARK in (req.prompt_text or ""):
+                ctl["calls"] += 1  # a thinking model's reply, streamed in pieces that cut its tags
+                text = THOUGHT_REPLY_TOOLS if req.engine_hint and req.engine_hint.tools_json else THOUGHT_REPLY
+                if req.stream:
+                    await router.publish(req.reply_to, encode(CallRunning(call_id=req.call_id, server_id="s0")))
+                    for i in range(0, len(text), 5):
+                        await router.publish(req.reply_to, encode(CallTokens(call_id=req.call_id, index=i, token_ids=[0],
+                                                                             text=text[i:i + 5])))
+                await router.publish(req.reply_to, encode(CallReply(
+                    call_id=req.call_id, session_id=req.session_id, server_id="s0", model=MODEL, prompt_tokens=9,
+                    cached_tokens=0, restored_tokens=0, reprefill_tokens=0, output_tokens=30, arrived_at=0,
+                    finished_at=1, waited_s=0, switch_wait_s=0, round_wait=False, restore_s=0, prefill_s=0, decode_s=0,
+                    text=text)))
             case CallRequest() if "slow" in (req.prompt_text or ""):
                 ctl["calls"] += 1  # queued for a round that never comes: heartbeats only
                 await router.publish(req.reply_to, encode(CallQueued(call_id=req.call_id, server_id="s0", waited_s=0)))
@@ -623,6 +643,52 @@ async def refusing_gateway(nats_server: NatsServer) -> AsyncIterator[tuple[str, 
         await runner.cleanup()
         await client.close()
         await router.close()
+
+
+@pytest.mark.timeout(60)
+async def test_a_thinking_models_reasoning_comes_apart_from_its_answer_in_each_api(
+        refusing_gateway: tuple[str, dict[str, Any]]) -> None:
+    """GLM-4.5 writes its thinking in <think> tags before the answer: every API gives the
+    answer as the reply's content and the thought where that API carries reasoning, whole
+    and streamed (in pieces that cut the tags), and a call written while thinking is not
+    a call. (A stand-in router answers as such a model would.)"""
+    url, _ = refusing_gateway
+    msgs = [{"role": "user", "content": f"{THOUGHT_MARK}: why does the test fail?"}]
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="k", max_retries=0)
+    r = await client.chat.completions.create(model=MODEL, messages=msgs)
+    assert r.choices[0].message.content == "Fixed it." and r.choices[0].message.reasoning == THOUGHT  # type: ignore[attr-defined]
+    chunks = [c async for c in await client.chat.completions.create(model=MODEL, messages=msgs, stream=True)]
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert "".join(getattr(d, "reasoning", None) or "" for d in deltas) == THOUGHT
+    assert "".join(d.content or "" for d in deltas) == "Fixed it."
+    read_file = {"type": "function", "function": {"name": "read_file", "parameters": {
+        "type": "object", "properties": {"path": {"type": "string"}}}}}
+    rm_rf = {"type": "function", "function": {"name": "rm_rf", "parameters": {"type": "object"}}}
+    r = await client.chat.completions.create(model=MODEL, messages=msgs, tools=[read_file, rm_rf])
+    m = r.choices[0].message
+    assert [(c.function.name, c.function.arguments) for c in m.tool_calls] == [("read_file", '{"path": "a.py"}')]
+    assert m.content == "Reading it." and m.reasoning == THOUGHT  # type: ignore[attr-defined]
+
+    ant = anthropic.AsyncAnthropic(base_url=url, api_key="k", max_retries=0)
+    plain = await ant.messages.create(model=MODEL, max_tokens=64, messages=msgs)
+    assert [(b.type, b.text) for b in plain.content] == [("text", "Fixed it.")]  # thinking not asked for: not shown
+    thinking = {"type": "enabled", "budget_tokens": 1024}
+    shown = await ant.messages.create(model=MODEL, max_tokens=2048, messages=msgs, thinking=thinking)
+    assert [b.type for b in shown.content] == ["thinking", "text"] and shown.content[0].thinking == THOUGHT
+    async with ant.messages.stream(model=MODEL, max_tokens=2048, messages=msgs, thinking=thinking) as st:
+        final = await st.get_final_message()
+    assert [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None)) for b in final.content] == \
+        [("thinking", THOUGHT), ("text", "Fixed it.")]
+    async with ant.messages.stream(model=MODEL, max_tokens=64, messages=msgs) as st:
+        assert [b.type for b in (await st.get_final_message()).content] == ["text"]
+
+    out = await client.responses.create(model=MODEL, input=msgs[0]["content"])
+    assert [o.type for o in out.output] == ["reasoning", "message"] and out.output_text == "Fixed it."
+    assert out.output[0].content[0].text == THOUGHT  # type: ignore[union-attr]
+    async with client.responses.stream(model=MODEL, input=msgs[0]["content"]) as rs_stream:
+        streamed = await rs_stream.get_final_response()
+    assert [o.type for o in streamed.output] == ["reasoning", "message"] and streamed.output_text == "Fixed it."
+    assert streamed.output[0].content[0].text == THOUGHT  # type: ignore[union-attr]
 
 
 @pytest.mark.timeout(60)

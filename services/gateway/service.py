@@ -47,6 +47,7 @@ from aiohttp import web
 from opentelemetry.trace import SpanKind
 
 from services.gateway import prefix as px
+from services.gateway import reasoning as rs
 from services.gateway import tokens as tk
 from services.gateway import translate as tr
 from services.gateway.translate import BadRequest, Prompt
@@ -129,10 +130,13 @@ class Prepared:
     tools_json: str | None = None
     tool_rounds: int = 0  # tool results since the user's last message
     one_call: bool = False  # parallel tool calls turned off: the first call only
+    reasoning_format: str = "none"  # how the model writes its reasoning (reasoning.py)
+    show_reasoning: bool = True  # the reply carries the reasoning (Anthropic: where thinking was asked for)
 
     def answer(self, reply: CallReply) -> tr.Answer:
-        """The reply read as the model wrote it, with the tool calls this request allows."""
-        return tr.answer_of(reply, self.tool_format, list(self.tools), self.one_call)
+        """The reply read as the model wrote it: its reasoning apart, and the tool calls
+        this request allows in what it answered."""
+        return tr.answer_of(reply, self.tool_format, list(self.tools), self.one_call, self.reasoning_format)
 
 
 def _cache_scope(tenant: str, model: str) -> str:
@@ -164,6 +168,10 @@ class Gateway:
         for m, fmt in self.tool_parsers.items():
             if fmt not in tc.FORMATS:
                 raise tk.TokenizerError(f"TALARIA_GATEWAY_TOOL_PARSERS: {m}={fmt}: not a format ({', '.join(tc.FORMATS)})")
+        self.reasoning_parsers = tk.parse_model_map(settings.gateway_reasoning_parsers, "TALARIA_GATEWAY_REASONING_PARSERS")
+        for m, fmt in self.reasoning_parsers.items():
+            if fmt not in rs.FORMATS:
+                raise tk.TokenizerError(f"TALARIA_GATEWAY_REASONING_PARSERS: {m}={fmt}: not a format ({', '.join(rs.FORMATS)})")
         self.log = structlog.get_logger("gateway")
         self.sessions: OrderedDict[str, Session] = OrderedDict()
         self._models: tuple[float, list[str]] | None = None
@@ -385,7 +393,11 @@ class Gateway:
         ids = await self._ids(request, tenant, raw, original if original is not None else body, model, prompt)
         return Prepared(tenant, model, stream, prompt, max_tokens, sampling, ids, sim_output, tuple(tools), choice, fmt,
                         tools_json, tc.tool_rounds(body.get("messages")) if tools else 0,
-                        tr.one_call_only(body, dialect))
+                        tr.one_call_only(body, dialect), self._reasoning_format(model),
+                        tr.thinking_asked(body) if anthropic else True)
+
+    def _reasoning_format(self, model: str) -> str:
+        return tk.for_model(self.reasoning_parsers, model) or self.catalog.model(model).reasoning_format
 
     async def _prompt_only(self, tenant: str, body: dict[str, Any], dialect: str) -> Prompt:
         """The prompt a chat-shaped body would send (for the token counts: no call)."""
@@ -697,15 +709,21 @@ class Gateway:
 
         async def streamer(req: web.Request, task: "asyncio.Task[CallReply]", events: "asyncio.Queue[Any]"
                            ) -> web.StreamResponse:
-            text = tr.TextStream(held=bool(tools))
+            text, thought = tr.TextStream(held=bool(tools)), rs.Splitter(p.reasoning_format)
 
             def chunk(delta: dict[str, Any], finish: str | None = None) -> bytes:
                 return sse(tr.chat_chunk(cid, model, created, delta, finish, None, include_usage))
 
+            def on_tokens(ev: CallTokens) -> list[bytes]:
+                reasoning, answer = thought.feed(ev.text)
+                out = [chunk({"reasoning": reasoning})] if reasoning else []
+                return out + ([chunk({"content": piece})] if (piece := text.delta(answer)) else [])
+
             def on_reply(reply: CallReply) -> list[bytes]:
                 answer = p.answer(reply)
-                rest = text.rest(answer.content)
-                out = [chunk({"content": rest})] if rest else []
+                reasoning, rest = thought.reasoning_rest(answer.reasoning), text.rest(answer.content)
+                out = [chunk({"reasoning": reasoning})] if reasoning else []
+                out += [chunk({"content": rest})] if rest else []
                 if answer.calls:
                     out.append(chunk({"tool_calls": [c.openai(i) for i, c in enumerate(answer.calls)]}))
                 out.append(chunk({}, tr.finish_reason(reply, max_tokens, answer)))
@@ -719,8 +737,7 @@ class Gateway:
 
             return await self._stream_events(
                 req, task, events, on_start=lambda: [chunk({"role": "assistant", "content": ""})],
-                on_tokens=lambda ev: [chunk({"content": piece})] if (piece := text.delta(ev.text)) else [],
-                on_reply=on_reply, on_error=on_error)
+                on_tokens=on_tokens, on_reply=on_reply, on_error=on_error)
 
         return await self._call(request, OPENAI, p, streamer, whole)
 
@@ -779,7 +796,7 @@ class Gateway:
 
         async def streamer(req: web.Request, task: "asyncio.Task[CallReply]", events: "asyncio.Queue[Any]"
                            ) -> web.StreamResponse:
-            out = tr.ResponseEvents(cid, model, created, original, held=bool(tools))
+            out = tr.ResponseEvents(cid, model, created, original, held=bool(tools), reasoning_format=p.reasoning_format)
 
             def written(evs: list[tuple[str, dict[str, Any]]]) -> list[bytes]:
                 return [sse(data, kind) for kind, data in evs]
@@ -811,7 +828,7 @@ class Gateway:
         cid = p.ids.call_id
 
         def whole(reply: CallReply) -> dict[str, Any]:
-            return tr.anthropic_message(reply.call_id, model, reply, max_tokens, p.answer(reply))
+            return tr.anthropic_message(reply.call_id, model, reply, max_tokens, p.answer(reply), p.show_reasoning)
 
         async def streamer(req: web.Request, task: "asyncio.Task[CallReply]", events: "asyncio.Queue[Any]"
                            ) -> web.StreamResponse:
@@ -821,34 +838,52 @@ class Gateway:
                        "usage": {"input_tokens": prompt.tokens, "output_tokens": 0}}
                 return [sse({"type": "message_start", "message": msg}, "message_start"), sse({"type": "ping"}, "ping")]
 
-            text = tr.TextStream(held=bool(tools))
-            text_open = [False]  # the text block starts with the first text, as the whole reply's blocks do
+            text, thought = tr.TextStream(held=bool(tools)), rs.Splitter(p.reasoning_format)
+            # each block opens with its first piece, as the whole reply's blocks are: the
+            # thinking (where asked for), the text, then each call
+            index: dict[str, int] = {}  # block kind -> its index, once opened
+            closed: set[str] = set()
+
+            def block(kind: str, start: dict[str, Any], delta: dict[str, Any]) -> list[bytes]:
+                out = []
+                if kind not in index:
+                    index[kind] = len(index)
+                    out.append(sse({"type": "content_block_start", "index": index[kind], "content_block": start},
+                                   "content_block_start"))
+                return out + [sse({"type": "content_block_delta", "index": index[kind], "delta": delta},
+                                  "content_block_delta")]
+
+            def stop(kind: str) -> list[bytes]:
+                if kind not in index or kind in closed:
+                    return []
+                closed.add(kind)
+                return [sse({"type": "content_block_stop", "index": index[kind]}, "content_block_stop")]
+
+            def thinking_delta(piece: str) -> list[bytes]:
+                return block("thinking", tr.thinking_block(""), {"type": "thinking_delta", "thinking": piece})
 
             def text_delta(piece: str) -> list[bytes]:
-                out = []
-                if not text_open[0]:
-                    text_open[0] = True
-                    out.append(sse({"type": "content_block_start", "index": 0,
-                                    "content_block": {"type": "text", "text": ""}}, "content_block_start"))
-                out.append(sse({"type": "content_block_delta", "index": 0,
-                                "delta": {"type": "text_delta", "text": piece}}, "content_block_delta"))
-                return out
+                return stop("thinking") + block("text", {"type": "text", "text": ""}, {"type": "text_delta", "text": piece})
 
             def on_tokens(ev: CallTokens) -> list[bytes]:
-                piece = text.delta(ev.text)
-                return text_delta(piece) if piece else []
+                reasoning, answer = thought.feed(ev.text)
+                out = thinking_delta(reasoning) if reasoning and p.show_reasoning else []
+                piece = text.delta(answer)
+                return out + (text_delta(piece) if piece else [])
 
             def on_reply(reply: CallReply) -> list[bytes]:
                 usage = tr.usage_of(reply).anthropic()
                 answer = p.answer(reply)
                 out = []
+                if p.show_reasoning and answer.reasoning:
+                    rest_thought = thought.reasoning_rest(answer.reasoning) if "thinking" in index else answer.reasoning
+                    out += thinking_delta(rest_thought) if rest_thought else []
+                out += stop("thinking")
                 rest = text.rest(answer.content)
-                if rest or (not text_open[0] and not answer.calls):  # (a reply of no text and no call: one empty block)
+                if rest or ("text" not in index and not answer.calls):  # (a reply of no text and no call: one empty block)
                     out += text_delta(rest)
-                if text_open[0]:
-                    out.append(sse({"type": "content_block_stop", "index": 0}, "content_block_stop"))
-                first = 1 if text_open[0] else 0
-                for i, c in enumerate(answer.calls, start=first):  # each call a block of its own, its input as JSON deltas
+                out += stop("text")
+                for i, c in enumerate(answer.calls, start=len(index)):  # each call a block of its own, its input as JSON deltas
                     out += [sse({"type": "content_block_start", "index": i,
                                  "content_block": {"type": "tool_use", "id": c.id, "name": c.name, "input": {}}},
                                 "content_block_start"),

