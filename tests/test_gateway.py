@@ -151,6 +151,16 @@ def test_parallel_tool_calls_turned_off_answer_the_first_call_only() -> None:
     assert tr.one_call_only(tr.responses_request({"model": MODEL, "input": "x", "parallel_tool_calls": False}), "openai")
 
 
+def test_a_body_json_allows_is_read_though_msgspec_refuses_it() -> None:
+    # a JavaScript agent that cut a tool's output inside an emoji sends a lone surrogate escape
+    body = tr.lenient_json('{"messages": [{"role": "user", "content": "ok \\ud83d"}], "\\udc00k": 1}'.encode())
+    assert body == {"messages": [{"role": "user", "content": "ok \ufffd"}], "\ufffdk": 1}
+    assert tr.lenient_json(b"\xef\xbb\xbf{}") == {}  # a byte-order mark
+    for bad in (b"{", b'{"temperature": NaN}', b'{"a": Infinity}', b"\xff"):
+        with pytest.raises(ValueError):
+            tr.lenient_json(bad)
+
+
 def test_sampling_fields_are_carried_or_refused_by_name() -> None:
     sp = tr.sampling_of({"temperature": 0.3, "top_p": 0.9, "stop": "END", "seed": 7}, "openai")
     assert (sp.temperature, sp.top_p, sp.stop, sp.seed) == (0.3, 0.9, ["END"], 7)
@@ -418,6 +428,12 @@ async def test_chat_completion_whole_and_streamed_with_usage(stack: EmbeddedStac
     with pytest.raises(openai.NotFoundError) as e:
         await client.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "x"}])
     assert e.value.request_id and e.value.request_id.startswith("req_")
+    # a lone surrogate escape (a JavaScript agent's string cut inside an emoji) is served
+    cut = b'{"model": "' + MODEL.encode() + b'", "max_tokens": 4, "messages": [{"role": "user", "content": "log \\ud83d"}]}'
+    async with aiohttp.ClientSession() as http, http.post(
+            f"{stack.openai_base_url}/chat/completions", data=cut,
+            headers={"Authorization": f"Bearer {stack.api_key}", "Content-Type": "application/json"}) as resp:
+        assert resp.status == 200, await resp.text()
 
 
 @pytest.mark.timeout(120)

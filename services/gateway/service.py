@@ -255,9 +255,12 @@ class Gateway:
     async def _body(self, request: web.Request) -> tuple[bytes, dict[str, Any]]:
         raw = await request.read()
         try:
-            body = msgspec.json.decode(raw)
-        except msgspec.DecodeError as exc:
-            raise HttpError("malformed", f"the body is not JSON: {exc}") from None
+            try:
+                body = msgspec.json.decode(raw)
+            except msgspec.DecodeError:
+                body = tr.lenient_json(raw)  # (what JSON allows that msgspec refuses, or the parser's own words)
+        except ValueError as exc:
+            raise HttpError("malformed", f"the body is not JSON: {exc}"[:500]) from None
         except RecursionError:  # (msgspec's answer to nesting thousands deep)
             raise HttpError("malformed", "the body is nested too deeply") from None
         if not isinstance(body, dict):

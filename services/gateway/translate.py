@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import time
 import uuid
 from array import array
@@ -95,6 +96,34 @@ def _eq(a: str, b: str) -> bool:
     import hmac
 
     return hmac.compare_digest(a.encode(), b.encode())
+
+
+# -- bodies -----------------------------------------------------------------------------------
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def lenient_json(raw: bytes) -> Any:
+    """A body msgspec refused, read as JSON allows it: a lone UTF-16 surrogate escape
+    (`"\\ud83d"`, what a JavaScript agent writes when it cuts a string inside an emoji)
+    becomes U+FFFD, as a tokenizer would read it, and a leading UTF-8 byte-order mark is
+    skipped. A ValueError (the stdlib parser's, with the position) where it is not JSON."""
+    if raw.startswith(b"\xef\xbb\xbf"):
+        raw = raw[3:]
+    return _without_lone_surrogates(json.loads(raw, parse_constant=_no_constant))
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _without_lone_surrogates(v: Any) -> Any:
+    if isinstance(v, str):
+        return _LONE_SURROGATE.sub("\ufffd", v)
+    if isinstance(v, list):
+        return [_without_lone_surrogates(x) for x in v]
+    if isinstance(v, dict):
+        return {_without_lone_surrogates(k): _without_lone_surrogates(x) for k, x in v.items()}
+    return v
 
 
 # -- sessions ---------------------------------------------------------------------------------
