@@ -6,6 +6,7 @@ the simulator, so a policy means the same thing everywhere.
 
 from __future__ import annotations
 
+import math
 import tomllib
 from functools import lru_cache
 from pathlib import Path
@@ -26,6 +27,47 @@ Placement = Literal["load", "talaria", "least-loaded", "session-affinity", "kv-o
 Retention = Literal["reservation", "ttl"]
 # order of admission within a model's queue: per call (FIFO) or per program (Continuum)
 AdmissionOrder = Literal["call", "program", "auto"]  # auto: program-level FCFS only while KV-bound
+
+INF = math.inf
+# Allowed range of each numeric field, both ends included; every value must be finite too.
+# A quantum far below a call's prefill never lets the clock pass the slot's end (at 0.01 s the
+# simulator hangs), so 1 model second at least; weights, holds and budgets are >= 0 (0 turns
+# them off); a bounded-load factor or an SGLang relative threshold below 1 puts every server
+# out of balance; a ring needs a virtual node per server, and thousands only slow placement.
+FIELD_RANGES: dict[str, tuple[float, float]] = {
+    "slot_s": (1.0, INF),
+    "sp_overrun_s": (0.0, INF),
+    "hold_quantile": (0.0, 1.0),
+    "hold_factor": (0.0, INF),
+    "hold_min_s": (0.0, INF),
+    "hold_max_s": (0.0, INF),
+    "idle_hold_max_s": (0.0, INF),
+    "w_residency": (0.0, INF),
+    "w_kv_locality": (0.0, INF),
+    "w_pressure": (0.0, INF),
+    "w_reservation": (0.0, INF),
+    "w_contention": (0.0, INF),
+    "ttl_quantile": (0.0, 1.0),
+    "ttl_default_s": (0.0, INF),
+    "ttl_max_s": (0.0, INF),
+    "affinity_load_factor": (1.0, INF),
+    "affinity_vnodes": (1, 4096),
+    "overlap_weight": (0.0, INF),
+    "kv_block_tokens": (1, INF),
+    "cache_threshold": (0.0, 1.0),
+    "balance_abs_threshold": (0, INF),
+    "balance_rel_threshold": (1.0, INF),
+}
+# (lower, upper): the lower may not pass the upper
+FIELD_ORDER: tuple[tuple[str, str], ...] = (("hold_min_s", "hold_max_s"), ("ttl_default_s", "ttl_max_s"))
+
+
+class PolicyError(ValueError):
+    pass
+
+
+def _range_text(lo: float, hi: float) -> str:
+    return f"{lo:g} or more" if hi == INF else f"in {lo:g}..{hi:g}"
 
 
 class PolicyConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -67,6 +109,16 @@ class PolicyConfig(msgspec.Struct, frozen=True, kw_only=True):
     cache_threshold: float = 0.5           # cache-aware: SGLang router's cache_threshold
     balance_abs_threshold: int = 32        # cache-aware: SGLang router's balance_abs_threshold
     balance_rel_threshold: float = 1.0001  # cache-aware: SGLang router's balance_rel_threshold
+
+    def __post_init__(self) -> None:
+        # every way a policy is built (presets, tuned.toml, variants, the services' environment) passes here
+        for name, (lo, hi) in FIELD_RANGES.items():
+            v = getattr(self, name)
+            if not (math.isfinite(v) and lo <= v <= hi):
+                raise PolicyError(f"{name} must be finite and {_range_text(lo, hi)}, got {v}")
+        for low, high in FIELD_ORDER:
+            if getattr(self, low) > getattr(self, high):
+                raise PolicyError(f"{low} ({getattr(self, low)}) must not exceed {high} ({getattr(self, high)})")
 
 
 BASELINE = PolicyConfig(name="baseline")
@@ -118,10 +170,6 @@ for _peer, _rule in PEER_RULES.items():
 BASELINE_SUFFIX = "@baseline"
 
 
-class PolicyError(ValueError):
-    pass
-
-
 @lru_cache(maxsize=1)
 def tuned_overrides() -> dict[str, dict[str, object]]:
     """Parameters chosen by `talaria study tune` (shared/data/tuned.toml):
@@ -155,7 +203,10 @@ def resolve_policy(name: str, overrides: dict[str, object] | None = None, *, tun
     if unknown:
         raise PolicyError(f"unknown policy fields {sorted(unknown)}")
     data = msgspec.structs.asdict(base) | merged
-    return msgspec.convert(data, PolicyConfig)
+    try:
+        return msgspec.convert(data, PolicyConfig)
+    except msgspec.ValidationError as exc:  # a field's type or range (PolicyConfig.__post_init__)
+        raise PolicyError(f"policy {name!r}: {exc}") from None
 
 
 def encode_policy(p: PolicyConfig) -> str:

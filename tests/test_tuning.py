@@ -10,7 +10,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from shared.policy import PolicyConfig, resolve_policy, tuned_overrides
+from shared.policy import FIELD_RANGES, PEERS, PRESETS, PolicyConfig, PolicyError, resolve_policy, tuned_overrides
 from talaria.lab import experiments as ex
 from talaria.workload.scenarios import load_scenario
 
@@ -90,3 +90,42 @@ def test_sharing_study_lays_out_turns_three_servers_and_thirds() -> None:
     assert servers["sct_mean_s"] < turns["sct_mean_s"]
     assert thirds["decode_per_session_s"] > 2.5 * servers["decode_per_session_s"]
     assert len([line for line in md if line.startswith("| ") and "---" not in line]) == 4
+
+
+def test_every_preset_and_tuned_toml_pass_the_field_ranges() -> None:
+    for name in [*PRESETS, *(f"{peer}@baseline" for peer in PEERS)]:
+        resolve_policy(name)  # with shared/data/tuned.toml applied; raises PolicyError when out of range
+
+
+def test_every_numeric_policy_field_has_a_range() -> None:
+    numeric = {f.name for f in msgspec.structs.fields(PolicyConfig) if f.type in (int, float)}
+    assert numeric == set(FIELD_RANGES)
+
+
+@pytest.mark.parametrize("field,value,fragment", [
+    ("slot_s", 0, "slot_s must be finite and 1 or more, got 0"),  # a zero quantum hung paired and sim
+    ("slot_s", -30, "slot_s must be finite and 1 or more"),
+    ("slot_s", float("inf"), "slot_s must be finite"),
+    ("affinity_vnodes", 0, "affinity_vnodes must be finite and in 1..4096"),  # ZeroDivisionError in placement
+    ("hold_factor", -1, "hold_factor must be finite and 0 or more"),
+    ("hold_max_s", -1, "hold_max_s must be finite and 0 or more"),
+    ("hold_min_s", 40, "hold_min_s (40.0) must not exceed hold_max_s (30.0)"),
+    ("ttl_max_s", -1, "ttl_max_s must be finite and 0 or more"),
+    ("sp_overrun_s", -100, "sp_overrun_s must be finite and 0 or more"),
+    ("kv_block_tokens", 0, "kv_block_tokens must be finite and 1 or more"),
+    ("affinity_load_factor", 0, "affinity_load_factor must be finite and 1 or more"),
+    ("balance_rel_threshold", 0, "balance_rel_threshold must be finite and 1 or more"),
+    ("cache_threshold", float("nan"), "cache_threshold must be finite and in 0..1"),
+    ("slot_s", "soon", "Expected `float`, got `str`"),
+])
+def test_a_policy_field_out_of_range_is_one_line_naming_field_and_range(field: str, value: object,
+                                                                        fragment: str) -> None:
+    with pytest.raises(PolicyError) as exc:
+        resolve_policy("talaria", {field: value})
+    assert str(exc.value).startswith("policy 'talaria': ") and fragment in str(exc.value)
+    assert "\n" not in str(exc.value)
+
+
+def test_a_policy_built_in_code_is_checked_as_well() -> None:
+    with pytest.raises(PolicyError, match="slot_s must be finite and 1 or more"):
+        msgspec.structs.replace(PRESETS["baseline"], slot_s=0.0)
