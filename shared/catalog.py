@@ -6,6 +6,7 @@ in the TOML file; this module only gives it types.
 
 from __future__ import annotations
 
+import math
 import tomllib
 from dataclasses import dataclass, MISSING
 from functools import lru_cache
@@ -98,12 +99,48 @@ class Catalog:
             raise CatalogError(f"unknown server profile {name!r}; the catalog has {sorted(self.servers)}") from None
 
 
+# Figures that may be 0 (no such cost or term); every other number must be above 0: a zero rate
+# divides by zero in the cost model, a negative size never lets a session finish.
+_MAY_BE_ZERO = frozenset({"kv_bytes_per_seq", "attn_flops_per_pair", "runtime_reserve_frac",
+                          "wake_residual_s", "sleep_residual_s", "remap_s", "reinit_s"})
+
+
 def _build(cls: type, name: str, table: dict) -> object:
     fields = [f for f in cls.__dataclass_fields__ if f != "name"]
     missing = [f for f in fields if f not in table and cls.__dataclass_fields__[f].default is MISSING]
     if missing:
         raise CatalogError(f"{cls.__name__} {name!r} lacks {missing}")
+    for f in fields:
+        if cls.__dataclass_fields__[f].type not in ("int", "float") or f not in table:
+            continue
+        v = table[f]
+        least = "0 or more" if f in _MAY_BE_ZERO else "above 0"
+        if (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
+                or v < 0 or (v == 0 and f not in _MAY_BE_ZERO)):
+            raise CatalogError(f"{cls.__name__} {name!r}: {f} must be a finite number {least}, got {v!r}")
+    if cls is ServerProfile and not table["runtime_reserve_frac"] < 1:
+        raise CatalogError(f"ServerProfile {name!r}: runtime_reserve_frac must be below 1 (the share of HBM "
+                           f"kept from weights and KV), got {table['runtime_reserve_frac']!r}")
     return cls(name=name, **{f: table[f] for f in fields if f in table})
+
+
+def check_fit(server: ServerProfile, models: list[ModelSpec]) -> None:
+    """That `models` can be served together on `server`: the largest model's weights leave HBM for
+    one full context of every model (else a long call is never admitted), and host DRAM holds a
+    copy of every model's weights (where a switch puts them)."""
+    largest = max(models, key=lambda m: m.weights_bytes)
+    kv_room = server.usable_hbm_bytes - largest.weights_bytes
+    for m in models:
+        need = m.kv_bytes(m.context_limit)
+        if kv_room < need:
+            raise CatalogError(f"server profile {server.name!r}: {largest.name}'s weights ({largest.weights_gb:g} GB) "
+                               f"leave {max(0.0, kv_room) / GB:.3g} GB of the {server.usable_hbm_bytes / GB:.3g} GB "
+                               f"usable HBM for KV; {m.name}'s context of {m.context_limit} tokens needs "
+                               f"{need / GB:.3g} GB")
+    weights = sum(m.weights_bytes for m in models)
+    if weights > server.host_bytes:
+        raise CatalogError(f"server profile {server.name!r}: host DRAM ({server.host_dram_gb:g} GB) cannot hold "
+                           f"every model's weights ({weights / GB:g} GB)")
 
 
 @lru_cache(maxsize=8)
@@ -113,9 +150,18 @@ def load_catalog(path: str | Path | None = None) -> Catalog:
         raw = tomllib.loads(p.read_text())
     except (OSError, tomllib.TOMLDecodeError) as exc:
         raise CatalogError(f"cannot read catalog {p}: {exc}") from exc
-    models = {n: _build(ModelSpec, n, t) for n, t in raw.get("models", {}).items()}
-    servers = {n: _build(ServerProfile, n, t) for n, t in raw.get("servers", {}).items()}
+    try:
+        models = {n: _build(ModelSpec, n, t) for n, t in raw.get("models", {}).items()}
+        servers = {n: _build(ServerProfile, n, t) for n, t in raw.get("servers", {}).items()}
+    except CatalogError as exc:
+        raise CatalogError(f"catalog {p}: {exc}") from None
     itl = raw.get("decode_itl_ms", {})
     if not models or not servers or len(itl.get("batch", [])) != len(itl.get("ms", [])) or not itl.get("batch"):
         raise CatalogError(f"catalog {p} needs [models.*], [servers.*] and [decode_itl_ms] with batch and ms of equal length")
+    batch, ms = itl["batch"], itl["ms"]
+    # the cost model interpolates between the points (bisect): batches must rise, latencies be real
+    if (any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in batch) or sorted(set(batch)) != batch
+            or any(not isinstance(x, (int, float)) or isinstance(x, bool) or not 0 < x < math.inf for x in ms)):
+        raise CatalogError(f"catalog {p}: [decode_itl_ms] needs rising whole batch sizes >= 1 and finite "
+                           f"latencies above 0, got batch {batch} and ms {ms}")
     return Catalog(models=models, servers=servers, itl_batch=tuple(itl["batch"]), itl_ms=tuple(itl["ms"]))  # type: ignore[arg-type]

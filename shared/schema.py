@@ -15,7 +15,8 @@ from msgspec import Meta
 
 Tokens = Annotated[int, Meta(ge=1, le=10_000_000)]
 TokensOrZero = Annotated[int, Meta(ge=0, le=10_000_000)]
-Id = Annotated[str, Meta(min_length=1, max_length=200)]
+ID_MAX_CHARS = 200  # a session or call id; trace files are held to it too (talaria/workload/trace.py)
+Id = Annotated[str, Meta(min_length=1, max_length=ID_MAX_CHARS)]
 Count = Annotated[int, Meta(ge=0)]  # a size with no front-door cap (e.g. a KV budget in tokens)
 # a subject a service publishes to (reply_to): no whitespace (the NATS client refuses it) and short
 # enough for the server's 4 KiB protocol line (a longer one makes the server drop the publisher)

@@ -37,6 +37,20 @@ def positive_float(text: str) -> float:
     return v
 
 
+SPEED_SCALE_RANGE = (0.01, 100.0)
+
+
+def speed_scale(text: str) -> float:
+    """A factor on the catalog's speeds, in SPEED_SCALE_RANGE: a hundred times faster or slower
+    than the measured hardware is past any sensitivity question, and far beyond it a step
+    falls below the clock's float precision and the simulated clock stops (1e9 hung `sim`)."""
+    v = _number(text)
+    lo, hi = SPEED_SCALE_RANGE
+    if not lo <= v <= hi:
+        raise argparse.ArgumentTypeError(f"must be in {lo:g}..{hi:g}, got {text}")
+    return v
+
+
 def positive_int(text: str) -> int:
     """A whole number, one or more (servers, replicas, processes)."""
     try:
@@ -57,6 +71,21 @@ def int_list(text: str) -> tuple[int, ...]:
         return tuple(int(x) for x in parts)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not comma-separated whole numbers: {text!r}") from None
+
+
+def seed_list(text: str) -> tuple[int, ...]:
+    """Seeds as `1-10`, `2001,2003` or both (`1-3,7`); each at most once (a seed run twice
+    only weighs its trace double)."""
+    out: list[int] = []
+    try:
+        for part in (p.strip() for p in text.split(",") if p.strip()):
+            lo, _, hi = part.partition("-")
+            out.extend(range(int(lo), int(hi) + 1) if hi else [int(lo)])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a seed list: {text!r} (e.g. 2001-2020 or 1,2,3)") from None
+    if not out or len(set(out)) != len(out):
+        raise argparse.ArgumentTypeError(f"seeds must be non-empty and distinct: {text!r}")
+    return tuple(out)
 
 
 def positive_float_list(text: str) -> tuple[float, ...]:

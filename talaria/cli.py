@@ -18,7 +18,9 @@ from shared.catalog import CatalogError, load_catalog
 from shared.policy import PRESETS, PolicyError, resolve_policy
 from talaria.workload.trace import TraceError, TraceSession, load_runnable_trace
 from talaria.workload import generate as gen
-from talaria.argtypes import OutputError, output_file, output_folder, positive_float, positive_int, seconds
+from talaria.argtypes import (
+    SPEED_SCALE_RANGE, OutputError, output_file, output_folder, positive_float, positive_int, seconds, speed_scale,
+)
 from talaria.client import AgentLogin, Deployment
 from talaria.results.report import add_speedups, format_table, oracle_sct, slowest_sessions, summarize
 from talaria.ops.stack import DEFAULT_MODELS, EmbeddedStack, StackSpec, default_log_dir
@@ -36,6 +38,9 @@ def _policies(arg: str) -> list:
     names = [p.strip() for p in arg.split(",") if p.strip()]
     if not names:  # `--policy ,` printed an empty table and exited 0
         raise PolicyError(f"--policy {arg!r} names no policy (one or more of {', '.join(PRESETS)}, comma-separated)")
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:  # the same row run again only costs the time of its run
+        raise PolicyError(f"--policy {arg!r} names {', '.join(twice)} more than once")
     return [resolve_policy(n) for n in names]
 
 
@@ -147,6 +152,8 @@ def cmd_replay(a: argparse.Namespace) -> int:
     from talaria.replay import ReplayTargetError, replay_embedded, replay_external, write_json
 
     sessions = _load(a.trace)
+    # checked before a stack starts: a bad name later in the list had the first policy replayed for nothing
+    policies = _policies(a.policy or "baseline")
     catalog = load_catalog()
     oracle = oracle_sct(sessions, catalog, a.server_profile)
     outcomes = []
@@ -169,7 +176,7 @@ def cmd_replay(a: argparse.Namespace) -> int:
         # one folder per run (a policy's logs under it): two replays never append to the same files
         run_dir = new_run_dir(Path(a.log_dir))
         print(f"logs of this run in {run_dir}", file=sys.stderr, flush=True)
-        for pol in _policies(a.policy or "baseline"):
+        for pol in policies:
             spec = StackSpec(policy=pol, models=_models_of(sessions), servers=a.servers, routers=a.routers,
                              server_profile=a.server_profile, time_scale=a.time_scale, log_dir=run_dir / pol.name,
                              switch_cost_scale=a.switch_cost_scale, prefill_speed_scale=a.prefill_speed_scale)
@@ -294,7 +301,9 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--servers", type=positive_int, default=1, help="number of servers (default 1)")
         sp.add_argument("--server-profile", default="h100x8", help="server profile from the catalog (default h100x8)")
         sp.add_argument("--switch-cost-scale", type=positive_float, default=1.0, help="sensitivity: scale model-switch costs")
-        sp.add_argument("--prefill-speed-scale", type=positive_float, default=1.0, help="sensitivity: scale prefill speed")
+        sp.add_argument("--prefill-speed-scale", type=speed_scale, default=1.0,
+                        help=f"sensitivity: scale prefill speed ({SPEED_SCALE_RANGE[0]:g}..{SPEED_SCALE_RANGE[1]:g}; "
+                             "default 1, the catalog's)")
 
     s = sub.add_parser("sim", help="simulate policies on a trace on a virtual clock (same policy code)")
     s.add_argument("trace", help="a trace (JSONL), or a scenario file (scenarios/*.toml: its first seed, servers and policies)")

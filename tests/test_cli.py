@@ -25,6 +25,12 @@ TRACE = str(ROOT / "traces" / "swebench-30.jsonl")
         (["sim", TRACE, "--servers=0"], "--servers: must be 1 or more"),
         (["sim", TRACE, "--switch-cost-scale=-1"], "--switch-cost-scale: must be above zero"),
         (["sim", TRACE, "--prefill-speed-scale=inf"], "--prefill-speed-scale: must be a finite number"),
+        # past the range a prefill step fell below the clock's precision and the run never ended
+        (["sim", TRACE, "--prefill-speed-scale=1e9"], "--prefill-speed-scale: must be in 0.01..100, got 1e9"),
+        (["replay", TRACE, "--prefill-speed-scale=1e-300"], "--prefill-speed-scale: must be in 0.01..100"),
+        (["status", "--timeout=-1"], "--timeout: must be above zero"),
+        (["status", "--timeout=0"], "--timeout: must be above zero"),
+        (["chaos", TRACE, "--seeds=1,1"], "--seeds: seeds must be non-empty and distinct"),
         (["replay", TRACE, "--time-scale=0"], "--time-scale: must be above zero"),
         (["replay", TRACE, "--routers=0"], "--routers: must be 1 or more"),
         (["replay", TRACE, "--max-lag-s=-5"], "--max-lag-s: must be above zero"),
@@ -65,6 +71,8 @@ def test_bad_numbers_are_usage_errors(argv: list[str], fragment: str, capsys: py
         (["up", "--models", ","], "--models names no model"),
         (["up", "--server-profile", "tpu"], "unknown server profile 'tpu'"),
         (["up", "--policy", "nonsense"], "unknown policy 'nonsense'"),
+        (["sim", TRACE, "--policy", "baseline,talaria,baseline"], "names baseline more than once"),
+        (["replay", TRACE, "--policy", "talaria, talaria"], "names talaria more than once"),
     ],
 )
 def test_bad_inputs_fail_before_anything_starts(argv: list[str], fragment: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -266,3 +274,49 @@ def test_up_serves_with_talarias_policy_unless_told() -> None:
     # the serving command runs the system, as compose's defaults do; the baseline is asked for by name
     assert build_parser().parse_args(["up"]).policy == "talaria"
     assert build_parser().parse_args(["up", "--policy", "baseline"]).policy == "baseline"
+
+
+def test_a_bad_policy_is_refused_before_any_run_or_earlier_logs_are_touched(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    import talaria.replay
+
+    def started(*args: object, **kw: object) -> None:
+        raise AssertionError("a stack was started before the policy list was checked")
+
+    monkeypatch.setattr(talaria.replay, "replay_embedded", started)
+    assert main(["replay", TRACE, "--policy", "baseline,nonsense", "--log-dir", str(tmp_path / "replays")]) == 2
+    assert not (tmp_path / "replays").exists()
+    err = capsys.readouterr().err  # no run folder announced for a run that never starts
+    assert err.startswith("talaria: error: unknown policy 'nonsense'") and err.count("\n") == 1
+    earlier = tmp_path / "chaos" / "chaos-0-reference" / "reference" / "router.log"
+    earlier.parent.mkdir(parents=True)
+    earlier.write_text("an earlier run\n")
+    assert main(["chaos", TRACE, "--policy", "nonsense", "--log-dir", str(tmp_path / "chaos")]) == 2
+    assert earlier.read_text() == "an earlier run\n"
+    err = capsys.readouterr().err
+    assert err.startswith("talaria: error: unknown policy 'nonsense'") and err.count("\n") == 1
+
+
+CATALOG = ROOT / "shared" / "data" / "catalog.toml"
+
+
+@pytest.mark.parametrize("before,after,fragment", [
+    # the largest model's weights left no HBM for KV: a ValueError traceback from the ledger
+    ("weights_gb = 355.0", "weights_gb = 5000.0", "glm-4.5-fp8's weights (5000 GB) leave 0 GB of the 576 GB"),
+    ("prefill_tok_s = 20625.0", "prefill_tok_s = 0.0", "prefill_tok_s must be a finite number above 0, got 0.0"),
+    ("kv_bytes_per_token = 376832", "kv_bytes_per_token = -5", "kv_bytes_per_token must be a finite number above 0"),
+    ("hbm_tb_s_per_gpu = 3.35", "hbm_tb_s_per_gpu = inf", "hbm_tb_s_per_gpu must be a finite number above 0"),
+    ("runtime_reserve_frac = 0.10 ", "runtime_reserve_frac = 1.0 ", "runtime_reserve_frac must be below 1"),
+])
+def test_a_scenarios_own_catalog_is_checked_when_loaded(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                        before: str, after: str, fragment: str) -> None:
+    text = CATALOG.read_text()
+    assert before in text
+    catalog = tmp_path / "catalog.toml"
+    catalog.write_text(text.replace(before, after, 1))
+    scenario = tmp_path / "scenario.toml"
+    scenario.write_text(f'name = "x"\ncatalog = "{catalog}"\n[trace]\nsessions = 3\ncalls_total = 6\n')
+    assert main(["compare", str(scenario), "--check"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("talaria compare: error: ") and fragment in err
+    assert err.count("\n") == 1 and "Traceback" not in err

@@ -25,6 +25,7 @@ DEFAULT_TOML = ROOT / "traces" / "swebench-30.toml"
 DEFAULT_JSONL = ROOT / "traces" / "swebench-30.jsonl"
 # Pinned so the headline trace cannot drift silently: regenerate deliberately and update this.
 DEFAULT_SHA256 = "d1931686479e693cc4af31b19025de1271151700c2801862e201c077436d1da3"
+LONGEST_CONTEXT = max(m.context_limit for m in load_catalog().models.values())
 
 
 def _args(*argv: str) -> argparse.Namespace:
@@ -123,6 +124,15 @@ def test_cli_writes_trace_and_stats(tmp_path: Path, capsys: pytest.CaptureFixtur
         ("tool_gap_style = 'aider'", "tool_gap_style"),
         ("server = 'tpu'", "tpu"),
         ("this is not toml", "invalid TOML"),
+        # past these bounds a draw overflowed (a traceback) or the trace was absurd (arrivals ~1e300 s)
+        ("calls_sigma = inf", "calls_sigma: Expected `float` <= 5.0"),
+        ("calls_sigma = 1000", "calls_sigma: Expected `float` <= 5.0"),
+        ("output_sigma = 1000", "output_sigma: Expected `float` <= 5.0"),
+        ("output_median = inf", f"output_median must be at most {LONGEST_CONTEXT} tokens"),
+        ("append_median = 1e308", f"append_median must be at most {LONGEST_CONTEXT} tokens"),
+        ("popularity_skew = 1e300", "popularity_skew: Expected `float` <= 50.0"),
+        ("arrival_rate_per_s = 1e-300", "arrival_rate_per_s: Expected `float` >= 1e-06"),
+        ("arrival_rate_per_s = 1e-6\nsessions = 1000\ncalls_total = 2000", "arrival_rate_per_s (1e-06) spreads 1000"),
     ],
 )
 def test_cli_bad_settings_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str], content: str, fragment: str) -> None:
@@ -140,3 +150,17 @@ def test_cli_missing_settings_file(tmp_path: Path, capsys: pytest.CaptureFixture
 
 def test_settings_struct_decodes_defaults() -> None:
     assert msgspec.toml.decode(b"", type=GeneratorSettings) == GeneratorSettings()
+
+
+def test_the_bounds_leave_every_real_setting_and_keep_extremes_finite(tmp_path: Path) -> None:
+    """Each knob at its bound still gives a trace the loader accepts; an infinite rate (every
+    session at 0) stays allowed."""
+    p = tmp_path / "edge.toml"
+    p.write_text("calls_sigma = 5\nappend_sigma = 5\nappend_large_sigma = 5\noutput_sigma = 5\n"
+                 f"append_median = {LONGEST_CONTEXT}\noutput_median = {LONGEST_CONTEXT}\npopularity_skew = 50\n"
+                 "arrival_rate_per_s = 1e-6\nsessions = 5\ncalls_total = 100\n")
+    out = tmp_path / "edge.jsonl"
+    out.write_bytes(encode_trace(generate(load_settings(p))))
+    assert len(load_trace(out, known_models=load_catalog().models)) == 5
+    p.write_text("arrival_rate_per_s = inf\n")
+    assert {s.arrival_s for s in generate(load_settings(p))} == {0.0}

@@ -151,6 +151,11 @@ def test_variant_is_a_preset_with_fields_changed() -> None:
     for bad in ("x=nosuch:", "x=talaria:nosuch=1", "=talaria:"):
         with pytest.raises(argparse.ArgumentTypeError):
             variant(bad)
+    # a zero quantum hung the simulator; a ring of no virtual nodes divided by zero in placement
+    for bad, fragment in (("x=baseline:slot_s=0", "slot_s must be finite and 1 or more, got 0"),
+                          ("x=session-affinity:affinity_vnodes=0", "affinity_vnodes must be finite and in 1..4096")):
+        with pytest.raises(argparse.ArgumentTypeError, match=fragment):
+            variant(bad)
 
 
 def test_merge_keeps_each_setting_with_its_own_seeds_and_policies() -> None:

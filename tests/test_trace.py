@@ -8,7 +8,9 @@ from pathlib import Path
 import pytest
 
 from shared.catalog import load_catalog
+from shared.schema import ID_MAX_CHARS
 from talaria.workload.trace import (
+    MAX_MODEL_S,
     TraceCall,
     TraceError,
     TraceSession,
@@ -92,6 +94,16 @@ BAD_CASES = [
     (_line("z", calls=[_call(compact="yes")]), "calls[0].compact", "true or false"),
     (_line("z", model=5), "model", "string"),
     (_line(5), "session_id", "string"),
+    # ids the live stack cannot carry: the bus schema's Id, and a newline breaks an HTTP header
+    (_line(""), "session_id", f"string of 1-{ID_MAX_CHARS} characters"),
+    (_line("x" * (ID_MAX_CHARS + 1)), "session_id", f"string of 1-{ID_MAX_CHARS} characters"),
+    (_line("ends\n"), "session_id", "no control characters"),
+    (_line("a\x00b"), "session_id", "no control characters"),
+    # model seconds past MAX_MODEL_S lose precision (1e300 read as an SCT of 2.97e+284 s)
+    (_line("z", arrival=1e300), "arrival_s", "at most 1,000,000,000"),
+    (_line("z", arrival=MAX_MODEL_S + 1), "arrival_s", "at most 1,000,000,000"),
+    (_line("z", calls=[_call(t=1e300), _call()]), "calls[0].tool_s", "past 1,000,000,000 s"),
+    (_line("z", arrival=6e8, calls=[_call(t=3e8), _call(t=3e8), _call()]), "calls[1].tool_s", "reach 1.2e+09 s"),
     (json.dumps({"model": "m", "arrival_s": 0, "calls": [_call()]}), "session_id", "missing"),
     (json.dumps({"session_id": "z", "model": "m", "arrival_s": 0, "calls": [{"new_input_tokens": 1, "tool_s": 0}]}),
      "calls[0].output_tokens", "missing"),
@@ -108,6 +120,13 @@ def test_rejections_name_line_and_field(bad: str, field: str, fragment: str) -> 
     assert (err.line, err.field) == (4, field), str(err)
     assert str(err).startswith("trace.jsonl line 4" + (f", field {field}: " if field else ": "))
     assert fragment in str(err)
+
+
+def test_the_longest_id_and_latest_times_still_load() -> None:
+    """The limits are inclusive; unicode and punctuation in an id are the bus's to carry."""
+    text = "\n".join([_line("x" * ID_MAX_CHARS, arrival=MAX_MODEL_S, calls=[_call(t=0.0)]),
+                      _line("日本語 a.b:c*>", arrival=MAX_MODEL_S - 3.0, calls=[_call(t=2.0), _call(t=1.0)])])
+    assert [s.arrival_s for s in parse_trace(text)] == [MAX_MODEL_S, MAX_MODEL_S - 3.0]
 
 
 def test_error_message_format() -> None:

@@ -59,7 +59,7 @@ from shared.policy import resolve_policy
 from shared.catalog import load_catalog
 from shared.subjects import Subjects
 from talaria.workload.trace import TraceSession, load_runnable_trace
-from talaria.argtypes import output_file, positive_float, positive_int
+from talaria.argtypes import output_file, positive_float, positive_int, seed_list
 from talaria.client import TalariaClient
 from talaria.replay import ReplayOutcome, drive, write_json
 from talaria.ops.stack import EmbeddedStack, StackSpec, default_log_dir
@@ -587,16 +587,6 @@ def format_table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _seed_list(text: str) -> list[int]:
-    try:
-        seeds = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--seeds takes integers separated by commas, e.g. 0,1,2 (got {text!r})") from None
-    if not seeds:
-        raise argparse.ArgumentTypeError("--seeds needs at least one seed")
-    return seeds
-
-
 def _kind_list(text: str) -> tuple[str, ...]:
     kinds = tuple(k.strip() for k in text.split(",") if k.strip())
     bad = [k for k in kinds if k not in FAULT_KINDS]
@@ -609,8 +599,8 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("trace", help="the trace to replay under faults (JSON Lines)")
     seeds = p.add_mutually_exclusive_group()
     seeds.add_argument("--seed", type=int, default=0, help="seed of the fault schedule (what is killed when; default 0)")
-    seeds.add_argument("--seeds", type=_seed_list, default=None,
-                       help="several seeds, e.g. 0,1,2: one reference run, a chaos run per seed, a table")
+    seeds.add_argument("--seeds", type=seed_list, default=None,
+                       help="several distinct seeds, e.g. 0,1,2 or 0-4: one reference run, a chaos run per seed, a table")
     p.add_argument("--kinds", type=_kind_list, default=FAULT_KINDS,
                    help=f"fault kinds, comma-separated (default all: {','.join(FAULT_KINDS)})")
     p.add_argument("--out", type=output_file, default=None, help="write the figures as JSON")
@@ -639,6 +629,7 @@ async def _run_seeds(sessions: list[TraceSession], a: argparse.Namespace) -> lis
 
 def run(a: argparse.Namespace) -> int:
     """Exit 0 when every run lost nothing, generated and delivered nothing twice and never stalled; else 1."""
+    resolve_policy(a.policy)  # an unknown policy is refused before any earlier run's logs are cleared
     sessions = load_runnable_trace(a.trace, load_catalog())
     if a.seeds:
         results = asyncio.run(_run_seeds(sessions, a))

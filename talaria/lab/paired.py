@@ -27,7 +27,7 @@ import msgspec
 
 from shared.catalog import load_catalog
 from shared.policy import PolicyError, resolve_policy
-from talaria.argtypes import output_file, positive_int, write_output
+from talaria.argtypes import output_file, positive_int, seed_list, write_output
 from talaria.results.bound import trace_bound
 from talaria.results.paired import Paired, meets, paired
 from talaria.workload.scenarios import (
@@ -38,20 +38,6 @@ REFERENCE = "talaria"
 PEER_POLICIES = ("baseline", "least-loaded", "session-affinity", "kv-overlap", "cache-aware", "kv-ttl")
 METRICS = ("sct_p50_s", "sct_p95_s")
 DEFAULT_SETTINGS_SCENARIO = ROOT / "scenarios" / "1x30x3.toml"
-
-
-def seed_list(text: str) -> tuple[int, ...]:
-    """Seeds as `1-10`, `2001,2003` or both (`1-3,7`)."""
-    out: list[int] = []
-    try:
-        for part in (p.strip() for p in text.split(",") if p.strip()):
-            lo, _, hi = part.partition("-")
-            out.extend(range(int(lo), int(hi) + 1) if hi else [int(lo)])
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a seed list: {text!r} (e.g. 2001-2020 or 1,2,3)") from None
-    if not out or len(set(out)) != len(out):
-        raise argparse.ArgumentTypeError(f"seeds must be non-empty and distinct: {text!r}")
-    return tuple(out)
 
 
 Variants = dict[str, tuple[str, dict[str, Any]]]  # label -> (preset, field overrides)

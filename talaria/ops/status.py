@@ -21,6 +21,7 @@ import redis.asyncio as aioredis
 
 from shared.keys import Keys
 from shared.state import decode_server
+from talaria.argtypes import positive_float
 from talaria.client import Deployment, TalariaClient, TalariaError
 
 ROUTER_SERVICE = "talaria-router"  # the NATS micro service name of every router replica (shared/bus.py)
@@ -153,5 +154,5 @@ def cmd_status(a: argparse.Namespace) -> int:
 def configure_parser(p: argparse.ArgumentParser, default_credentials: Path) -> None:
     p.add_argument("--credentials", metavar="FILE", default=str(default_credentials),
                    help=f"the credentials file `talaria up` writes (default {default_credentials})")
-    p.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for each answer (default 3)")
+    p.add_argument("--timeout", type=positive_float, default=3.0, help="seconds to wait for each answer (default 3)")
     p.set_defaults(fn=cmd_status)

@@ -26,7 +26,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from shared.catalog import CatalogError, load_catalog
-from talaria.workload.trace import TraceCall, TraceSession, encode_trace, session_prompts
+from talaria.workload.trace import MAX_MODEL_S, TraceCall, TraceSession, encode_trace, session_prompts
 from talaria.workload.tomlfile import load_toml_struct
 
 __all__ = [
@@ -44,6 +44,14 @@ Pos = Annotated[int, msgspec.Meta(ge=1)]
 NonNeg = Annotated[float, msgspec.Meta(ge=0.0)]
 PosF = Annotated[float, msgspec.Meta(gt=0.0)]
 Frac = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
+# Bounds no real workload reaches but that keep the draws finite: a lognormal's σ of 5 already
+# spans e^±15 around its median (at 1000 a draw overflows), and a Zipf exponent of 50 already
+# gives every model but the first its one guaranteed session (at 1e300 the weights overflow).
+Sigma = Annotated[float, msgspec.Meta(ge=0.0, le=5.0)]
+Skew = Annotated[float, msgspec.Meta(ge=0.0, le=50.0)]
+# Sessions per second: below one in about 12 days a handful of arrivals nears the trace format's
+# MAX_MODEL_S (1e-300 put them at ~1e300 s); inf is allowed (every session at 0).
+Rate = Annotated[float, msgspec.Meta(ge=1e-6)]
 
 
 class SettingsError(ValueError):
@@ -58,26 +66,26 @@ class GeneratorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True,
     calls_total: Pos = 960  # calls over all sessions, hit exactly (Talaria's replay: 960)
     # Per-session call counts: lognormal with median calls_total/sessions and this σ, then rescaled
     # to sum to calls_total. 0.4 matches the spread of nilenso's SWE-agent runs (p10/p50/p90 29/52/77).
-    calls_sigma: NonNeg = 0.4
+    calls_sigma: Sigma = 0.4
     min_calls: Annotated[int, msgspec.Meta(ge=2)] = 2  # fewest calls per session
     models: list[str] = msgspec.field(
         default_factory=lambda: ["glm-4.5-fp8", "qwen3-235b-a22b-fp8", "glm-4.5-air-fp8"]
     )  # catalog names; order is popularity rank
-    popularity_skew: NonNeg = 0.5  # Zipf exponent over `models` (0 = uniform); every model gets >= 1 session
+    popularity_skew: Skew = 0.5  # Zipf exponent over `models` (0 = uniform); every model gets >= 1 session
     arrival: Literal["poisson"] = "poisson"  # inter-arrival process; the first session arrives at 0
-    arrival_rate_per_s: PosF = 0.1  # Poisson rate (sessions per second)
+    arrival_rate_per_s: Rate = 0.1  # Poisson rate (sessions per second)
     initial_prompt_min: Pos = 4000  # first call's prompt ~ uniform[min, max] (assumption: system prompt + issue)
     initial_prompt_max: Pos = 12000
     # Appended tokens per later call (TraceLab fit): mixture of two lognormals.
     append_median: PosF = 700.0
-    append_sigma: NonNeg = 0.6
+    append_sigma: Sigma = 0.6
     append_large_share: Frac = 0.1
     append_large_median: PosF = 10000.0
-    append_large_sigma: NonNeg = 1.0
+    append_large_sigma: Sigma = 1.0
     append_max: Pos = 65536  # clip: a single tool output beyond this is truncated by any agent
     # Output tokens per call (TraceLab, nilenso): lognormal, clipped to [1, output_max].
     output_median: PosF = 200.0
-    output_sigma: NonNeg = 1.0
+    output_sigma: Sigma = 1.0
     output_max: Pos = 4096
     # Tool gap between calls. swe-agent: 97% LN(0.5 s, 1.0) + 3% LN(60 s, 1.0), cap 600 s (nilenso fit);
     # claude-code: LN(0.3 s, 2.9), cap 3600 s (TraceLab fit).
@@ -108,8 +116,19 @@ def check_settings(s: GeneratorSettings) -> GeneratorSettings:
         problems.append("initial_prompt_min must be <= initial_prompt_max")
     if s.compact_summary_min > s.compact_summary_max:
         problems.append("compact_summary_min must be <= compact_summary_max")
+    # a few sessions over a span near the format's cap could draw an arrival past it
+    if s.sessions > 1 and (s.sessions - 1) / s.arrival_rate_per_s > MAX_MODEL_S / 10:
+        problems.append(f"arrival_rate_per_s ({s.arrival_rate_per_s:g}) spreads {s.sessions} sessions over "
+                        f"~{(s.sessions - 1) / s.arrival_rate_per_s:.3g} s; at most {MAX_MODEL_S / 10:.3g} s "
+                        f"keeps every arrival within a trace's limit")
     try:
         cat = load_catalog()
+        # a median past every context would only be clipped (and an infinite one breaks the rounding)
+        longest = max(m.context_limit for m in cat.models.values())
+        for name in ("append_median", "append_large_median", "output_median"):
+            if not getattr(s, name) <= longest:
+                problems.append(f"{name} must be at most {longest} tokens (the catalog's longest context), "
+                                f"got {getattr(s, name):g}")
         for m in s.models:
             limit = cat.model(m).context_limit
             budget = int(s.compact_at_fraction * limit)

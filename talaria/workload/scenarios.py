@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import msgspec
 
-from shared.catalog import Catalog, CatalogError, load_catalog
+from shared.catalog import Catalog, CatalogError, check_fit, load_catalog
 from shared.policy import PolicyConfig, PolicyError, resolve_policy
 from talaria.workload.trace import TraceSession
 from talaria.workload.tomlfile import load_toml_struct
@@ -82,9 +82,8 @@ def load_scenario(path: str | Path) -> Scenario:
         problems.append(f"trace: {exc}")
     try:
         cat = load_catalog(_catalog_path(sc))
-        cat.server(sc.server_profile)
-        for m in sc.trace.models:
-            cat.model(m)
+        server = cat.server(sc.server_profile)
+        check_fit(server, [cat.model(m) for m in sc.trace.models])
     except (CatalogError, OSError) as exc:
         problems.append(f"catalog: {exc}")
     if not sc.policies:

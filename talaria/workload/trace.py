@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import msgspec
 
+from shared.schema import ID_MAX_CHARS, Id
+
 if TYPE_CHECKING:
     from shared.catalog import Catalog
 
@@ -33,6 +35,12 @@ __all__ = [
 
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
 NonNegFloat = Annotated[float, msgspec.Meta(ge=0.0)]
+# Latest model second a session may reach (its arrival plus its tool gaps): past it a float's
+# step passes the engines' microsecond timings and the simulator's 1e-9 s tolerances, and at
+# 1e300 a session's completion time read 2.97e+284 s.
+MAX_MODEL_S = 1e9
+# C0 and C1 control characters: a newline in an id breaks the HTTP session header of `replay --via-gateway`
+_CONTROL_RE = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 
 
 class TraceCall(msgspec.Struct, frozen=True, forbid_unknown_fields=False, omit_defaults=True):
@@ -45,7 +53,7 @@ class TraceCall(msgspec.Struct, frozen=True, forbid_unknown_fields=False, omit_d
 
 
 class TraceSession(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
-    session_id: str
+    session_id: Id  # the bus schema's id: what the live stack can carry
     model: str
     arrival_s: NonNegFloat
     calls: Annotated[list[TraceCall], msgspec.Meta(min_length=1)]
@@ -66,9 +74,9 @@ class TraceError(ValueError):
 
 # What each field must be, in words, for error messages (keyed by the last path element).
 _REQUIREMENT = {
-    "session_id": "must be a string",
+    "session_id": f"must be a string of 1-{ID_MAX_CHARS} characters, no control characters",
     "model": "must be a string",
-    "arrival_s": "must be a finite number >= 0",
+    "arrival_s": f"must be a finite number >= 0, at most {MAX_MODEL_S:,.0f}",
     "calls": "must be a non-empty list of call objects",
     "new_input_tokens": "must be an integer >= 1",
     "output_tokens": "must be an integer >= 1",
@@ -128,13 +136,22 @@ def _translate(exc: msgspec.ValidationError, raw: Any, source: str, line: int) -
     return TraceError(source, line, _fmt_path(parts), f"{need} (got {got})")
 
 
-def _check_finite(s: TraceSession, source: str, line: int) -> None:
-    # msgspec's ge=0 rejects NaN and -inf but lets +inf through (JSON 1e999 or Infinity).
-    if not math.isfinite(s.arrival_s):
+def _check_values(s: TraceSession, source: str, line: int) -> None:
+    """What the types cannot say: no control character in the id, and times that stay finite and
+    within MAX_MODEL_S (msgspec's ge=0 rejects NaN and -inf but lets +inf through: JSON 1e999)."""
+    if _CONTROL_RE.search(s.session_id):
+        raise TraceError(source, line, "session_id", f"{_REQUIREMENT['session_id']} (got {_short(s.session_id)})")
+    if not s.arrival_s <= MAX_MODEL_S:
         raise TraceError(source, line, "arrival_s", f"{_REQUIREMENT['arrival_s']} (got {_short(s.arrival_s)})")
+    end = s.arrival_s
     for i, c in enumerate(s.calls):
         if not math.isfinite(c.tool_s):
             raise TraceError(source, line, f"calls[{i}].tool_s", f"{_REQUIREMENT['tool_s']} (got {_short(c.tool_s)})")
+        end += c.tool_s
+        if end > MAX_MODEL_S:
+            raise TraceError(source, line, f"calls[{i}].tool_s",
+                             f"arrival_s plus the tool gaps so far reach {end:g} s, past {MAX_MODEL_S:,.0f} s "
+                             f"(model-second arithmetic would lose precision)")
 
 
 def parse_trace(
@@ -164,7 +181,7 @@ def parse_trace(
             session = msgspec.convert(raw, TraceSession)
         except msgspec.ValidationError as exc:
             raise _translate(exc, raw, source, lineno) from None
-        _check_finite(session, source, lineno)
+        _check_values(session, source, lineno)
         if session.session_id in first_line:
             raise TraceError(
                 source,
