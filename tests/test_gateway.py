@@ -122,6 +122,15 @@ def test_parts_a_text_only_model_cannot_read_become_a_note_and_past_thinking_is_
     assert tr.chat_prompt(chat["messages"]).text.count("not shown") == 2 and tr.chat_prompt(chat["messages"]).tokens < 100
 
 
+def test_chat_template_kwargs_are_template_variables_or_a_400() -> None:
+    assert tr.chat_template_kwargs({}) == {}
+    assert tr.chat_template_kwargs({"chat_template_kwargs": {"enable_thinking": False}}) == {"enable_thinking": False}
+    for bad in ("x", {"tokenize": True}, {"add_generation_prompt": False}, {"not a name": 1}, {"_private": 1}):
+        with pytest.raises(tr.BadRequest) as e:
+            tr.chat_template_kwargs({"chat_template_kwargs": bad})
+        assert e.value.param == "chat_template_kwargs"
+
+
 def test_a_prefill_continues_the_assistants_turn() -> None:
     user, prefill = {"role": "user", "content": "x"}, {"role": "assistant", "content": "{"}
     assert tr.continues_final_message({"messages": [user, prefill]}, "anthropic")

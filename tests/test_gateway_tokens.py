@@ -60,13 +60,13 @@ _OWN: dict[Path, Any] = {}
 
 
 def own_count(folder: Path, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
-              continue_final: bool = False) -> list[int]:
+              continue_final: bool = False, **template_kwargs: Any) -> list[int]:
     """The tokenizer's own ids of a conversation (transformers alone, not the gateway's code)."""
     from transformers import AutoTokenizer
 
     tok = _OWN.get(folder) or _OWN.setdefault(folder, AutoTokenizer.from_pretrained(str(folder)))
     text = tok.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=not continue_final,
-                                   continue_final_message=continue_final)
+                                   continue_final_message=continue_final, **template_kwargs)
     return list(tok(text, add_special_tokens=False)["input_ids"])
 
 
@@ -115,6 +115,23 @@ async def test_a_prefilled_assistant_turn_is_continued_not_closed(stack: Embedde
         await client.chat.completions.create(model=MODEL, max_tokens=8, messages=msgs[:1],
                                              extra_body={"continue_final_message": True})
     assert e.value.body["param"] == "continue_final_message"
+
+
+@pytest.mark.timeout(180)
+async def test_chat_template_kwargs_reach_the_template(stack: EmbeddedStack, tiny_folder: Path) -> None:
+    """vLLM's `chat_template_kwargs`: Qwen3's `enable_thinking: false` (which the tiny
+    model's template follows as Qwen3's does) renders the turn with an empty thought."""
+    msgs: list[dict[str, Any]] = [{"role": "user", "content": "answer at once " * 20}]
+    off = own_count(tiny_folder, msgs, enable_thinking=False)
+    assert len(off) > len(own_count(tiny_folder, msgs))
+    client = oai(stack.openai_base_url, stack.api_key)
+    r = await client.chat.completions.create(model=MODEL, max_tokens=8, messages=msgs,
+                                             extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert r.usage.prompt_tokens == len(off)
+    with pytest.raises(openai.BadRequestError) as e:
+        await client.chat.completions.create(model=MODEL, max_tokens=8, messages=msgs,
+                                             extra_body={"chat_template_kwargs": {"tokenize": True}})
+    assert e.value.body["param"] == "chat_template_kwargs"
 
 
 @pytest.mark.timeout(180)

@@ -358,6 +358,7 @@ class Gateway:
         tok = self.tokenizers.get(model)
         try:
             continue_final = tr.continues_final_message(body, api)
+            template_kwargs = tr.chat_template_kwargs(body)
             if tok is None:
                 roles = ("user", "assistant") if api == ANTHROPIC else tr.CHAT_ROLES
                 return tr.chat_prompt(body.get("messages"), system, roles=roles, tool_format=fmt, tools_json=tools_json)
@@ -368,7 +369,7 @@ class Gateway:
                                                      "parameters": t.parameters}} for t in tools]
 
         def render_and_encode() -> tuple[str, Any]:
-            text = tok.render(messages, schemas, continue_final)
+            text = tok.render(messages, schemas, continue_final, template_kwargs)
             return text, tok.encode(_cache_scope(tenant, model), text)
 
         try:  # (off the event loop: a long conversation's render and encode take milliseconds)

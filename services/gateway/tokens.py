@@ -180,12 +180,13 @@ class ChatTokenizer:
         self.encoder = IncrementalEncoder(encode, added, max_chars)
 
     def render(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None,
-               continue_final: bool = False) -> str:
+               continue_final: bool = False, template_kwargs: Mapping[str, Any] | None = None) -> str:
         """The conversation as the model sees it, ending in the assistant's turn: a new one,
-        or (`continue_final`) the last message's own, left open for the model to go on."""
+        or (`continue_final`) the last message's own, left open for the model to go on;
+        `template_kwargs` are the template's own variables (Qwen3's `enable_thinking`)."""
         return str(self.hf.apply_chat_template(list(messages), tools=list(tools) if tools else None, tokenize=False,
                                                add_generation_prompt=not continue_final,
-                                               continue_final_message=continue_final))
+                                               continue_final_message=continue_final, **(template_kwargs or {})))
 
     def encode(self, scope: str, text: str) -> array:
         return self.encoder.encode(scope, text)

@@ -382,6 +382,28 @@ def template_messages(messages: Any, system: Any = None, *, api: str = "openai")
     return out
 
 
+# apply_chat_template's own parameters: a template variable may not take their names
+_TEMPLATE_RESERVED = frozenset({"conversation", "messages", "tools", "documents", "chat_template", "tokenize",
+                                "add_generation_prompt", "continue_final_message", "padding", "truncation",
+                                "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
+                                "tokenizer_kwargs"})
+
+
+def chat_template_kwargs(body: Mapping[str, Any]) -> dict[str, Any]:
+    """vLLM's `chat_template_kwargs`: variables of the model's chat template (Qwen3's
+    `enable_thinking: false` renders the turn with thinking off); a 400 naming the field
+    for anything but an object of variable names."""
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, Mapping):
+        raise BadRequest("chat_template_kwargs must be an object", "chat_template_kwargs")
+    for k in kwargs:
+        if not k.isidentifier() or k in _TEMPLATE_RESERVED or k.startswith("_"):
+            raise BadRequest(f"chat_template_kwargs: {k[:100]!r} is not a template variable", "chat_template_kwargs")
+    return dict(kwargs)
+
+
 def continues_final_message(body: Mapping[str, Any], api: str) -> bool:
     """Whether the model goes on with the last message instead of starting a turn: an
     Anthropic conversation that ends with the assistant's own words (a prefill, such as

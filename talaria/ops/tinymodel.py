@@ -40,7 +40,7 @@ class TinySpec:
     max_position_embeddings: int = 4096
     seed: int = 0
     dtype: str = "float32"             # CPU: float32 works everywhere; bfloat16 needs AVX512-BF16
-    chat_template: int = 1             # the version of CHAT_TEMPLATE below (part of the cache key)
+    chat_template: int = 2             # the version of CHAT_TEMPLATE below (part of the cache key)
 
     def key(self) -> str:
         return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
@@ -112,7 +112,11 @@ Write each call as <tool_call>
 {% endif %}
 {%- endfor %}
 {%- if add_generation_prompt %}<|im_start|>assistant
-{% endif %}"""
+{% if enable_thinking is defined and enable_thinking is false %}<think>
+
+</think>
+
+{% endif %}{% endif %}"""
 
 
 def build_tokenizer(spec: TinySpec, out: Path) -> None:
