@@ -131,6 +131,28 @@ def test_chat_template_kwargs_are_template_variables_or_a_400() -> None:
         assert e.value.param == "chat_template_kwargs"
 
 
+def test_the_model_list_pages_as_anthropics_does() -> None:
+    served = [("a", 100), ("b", 200), ("c", 300)]
+    whole = tr.models_list(served)
+    assert [m["id"] for m in whole["data"]] == ["a", "b", "c"] and whole["has_more"] is False
+    assert whole["data"][1]["max_input_tokens"] == whole["data"][1]["context_length"] == 200
+    seen, query = [], {"limit": "2"}
+    while True:  # as the SDK's auto-pagination walks it: after the last id while there is more
+        page = tr.models_list(served, query)
+        seen += [m["id"] for m in page["data"]]
+        if not page["has_more"]:
+            break
+        query = {"limit": "2", "after_id": page["last_id"]}
+    assert seen == ["a", "b", "c"]
+    back = tr.models_list(served, {"limit": "1", "before_id": "c"})
+    assert [m["id"] for m in back["data"]] == ["b"] and back["has_more"] is True
+    for bad, param in (({"limit": "0"}, "limit"), ({"limit": "x"}, "limit"), ({"after_id": "zz"}, "after_id"),
+                       ({"after_id": "a", "before_id": "c"}, "before_id")):
+        with pytest.raises(tr.BadRequest) as e:
+            tr.models_list(served, bad)
+        assert e.value.param == param
+
+
 def test_a_prefill_continues_the_assistants_turn() -> None:
     user, prefill = {"role": "user", "content": "x"}, {"role": "assistant", "content": "{"}
     assert tr.continues_final_message({"messages": [user, prefill]}, "anthropic")

@@ -816,7 +816,11 @@ class Gateway:
     async def models(self, request: web.Request) -> web.Response:
         self._tenant(request)
         served = [m for m in await self.served_models() if m in self.catalog.models]
-        return web.json_response(tr.models_list([(m, self.context_limit(m)) for m in served]))
+        try:
+            page = tr.models_list([(m, self.context_limit(m)) for m in served], request.query)
+        except BadRequest as exc:
+            raise HttpError("malformed", str(exc), exc.param) from None
+        return web.json_response(page)
 
     async def model_info(self, request: web.Request) -> web.Response:
         self._tenant(request)

@@ -783,13 +783,37 @@ def model_entry(model: str, context_limit: int) -> dict[str, Any]:
     (each SDK ignores the other's fields), with its context limit as vLLM names it."""
     return {"id": model, "object": "model", "created": 0, "owned_by": "talaria",
             "type": "model", "display_name": model, "created_at": "1970-01-01T00:00:00Z",
-            "context_length": context_limit, "max_model_len": context_limit}
+            "context_length": context_limit, "max_model_len": context_limit,
+            # (Anthropic's: a prompt and an output may each take the whole context, not both)
+            "max_input_tokens": context_limit, "max_tokens": context_limit}
 
 
-def models_list(models: list[tuple[str, int]]) -> dict[str, Any]:
-    """`GET /v1/models` for either API: OpenAI's list, with Anthropic's page fields (one page)."""
-    data = [model_entry(m, limit) for m, limit in models]
-    return {"object": "list", "data": data, "has_more": False,
+def models_list(models: list[tuple[str, int]], query: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """`GET /v1/models` for either API: OpenAI's list, with Anthropic's page fields. Anthropic's
+    `limit` (1-1000), `after_id` and `before_id` page it; OpenAI sends none of them."""
+    query = query or {}
+    try:
+        limit = int(query.get("limit", "1000"))
+    except ValueError:
+        raise BadRequest("limit must be a whole number in 1..1000", "limit") from None
+    if not 1 <= limit <= 1000:
+        raise BadRequest("limit must be a whole number in 1..1000", "limit")
+    names = [m for m, _ in models]
+    for param in ("after_id", "before_id"):
+        if param in query and query[param] not in names:
+            raise BadRequest(f"{param}: no model {query[param][:200]!r} is served here", param)
+    if "after_id" in query and "before_id" in query:
+        raise BadRequest("send after_id or before_id, not both", "before_id")
+    if "before_id" in query:  # the page just before it; more where it does not reach the first
+        end = names.index(query["before_id"])
+        start = max(0, end - limit)
+        has_more = start > 0
+    else:
+        start = names.index(query["after_id"]) + 1 if "after_id" in query else 0
+        end = min(len(names), start + limit)
+        has_more = end < len(names)
+    data = [model_entry(m, ctx) for m, ctx in models[start:end]]
+    return {"object": "list", "data": data, "has_more": has_more,
             "first_id": data[0]["id"] if data else None, "last_id": data[-1]["id"] if data else None}
 
 
