@@ -80,11 +80,14 @@ def openai_tools(body: Mapping[str, Any]) -> tuple[list[Tool], str | None]:
 
 
 def anthropic_tools(body: Mapping[str, Any]) -> tuple[list[Tool], str | None]:
-    """Messages' tools as the model sees them: the custom ones (a name and an `input_schema`).
-    Anthropic's own typed tools (`web_search_20250305`, `bash_20250124`, `text_editor_...`, ...)
-    are left out: their schemas and behaviour are Anthropic's, and the server ones run on
-    Anthropic's servers, so a model here that called one would hand the agent a call it
-    cannot run (Claude Code offers web search this way wherever it is pointed)."""
+    """Messages' tools as the model sees them: the custom ones (a name and an `input_schema`),
+    and Anthropic's typed tools that the agent itself runs (`bash_...`, `text_editor_...`,
+    `memory_...`) with the arguments Anthropic documents for them (`anthropic_client_tool`).
+    Anthropic's other typed tools (`web_search_...`, `web_fetch_...`, `code_execution_...`,
+    `computer_...`, the MCP connector's) are left out: the server ones run on Anthropic's
+    servers and the computer needs screenshots, so a model here that called one would hand
+    the agent a call it cannot run (Claude Code offers web search this way wherever it is
+    pointed)."""
     raw = body.get("tools")
     if isinstance(raw, list):
         for i, t in enumerate(raw):
@@ -93,7 +96,7 @@ def anthropic_tools(body: Mapping[str, Any]) -> tuple[list[Tool], str | None]:
                 raise ToolsError(f"tools[{i}].type {str(kind)[:100]!r} is not a Messages tool (custom, or one of "
                                  "Anthropic's own such as web_search_20250305); an OpenAI function tool is "
                                  "written {name, description, input_schema} here", f"tools[{i}].type")
-        raw = [t for t in raw if not anthropic_builtin(t)]
+        raw = [anthropic_client_tool(t) or t for t in raw if not anthropic_left_out(t)]
     return _tools(raw, "tools", lambda t: t, "input_schema"), _anthropic_choice(body.get("tool_choice"))
 
 
@@ -106,6 +109,54 @@ def anthropic_builtin(tool: Any) -> bool:
     """One of Anthropic's own typed tools (`web_search_20250305`, `mcp_toolset`, ...)."""
     return isinstance(tool, Mapping) and isinstance(tool.get("type"), str) \
         and _ANTHROPIC_TOOL_TYPE.fullmatch(tool["type"]) is not None
+
+
+def anthropic_left_out(tool: Any) -> bool:
+    """One of Anthropic's typed tools that no model here is offered (no agent-run schema)."""
+    return anthropic_builtin(tool) and anthropic_client_tool(tool) is None
+
+
+# The arguments of Anthropic's client-run tools, as its tool docs describe them (the request
+# names the tool; its schema is Anthropic's, not in the request). The text editor lost
+# `undo_edit` in its 2025-04-29 version; the memory tool works on files under /memories.
+_STR = {"type": "string"}
+_EDITOR = {"path": {"type": "string", "description": "absolute path of the file or folder"},
+           "file_text": {"type": "string", "description": "the new file's content (create)"},
+           "old_str": {"type": "string", "description": "the exact text to replace, found once (str_replace)"},
+           "new_str": {"type": "string", "description": "the replacement (str_replace) or the text to insert (insert)"},
+           "insert_line": {"type": "integer", "minimum": 0, "description": "insert after this line, 0 for the top"},
+           "view_range": {"type": "array", "items": {"type": "integer"}, "minItems": 2, "maxItems": 2,
+                          "description": "first and last line to view, from 1; -1 for the end"}}
+_MEMORY = {"path": _STR, "file_text": _STR, "old_str": _STR, "new_str": _STR,
+           "insert_line": {"type": "integer", "minimum": 0}, "insert_text": _STR,
+           "view_range": _EDITOR["view_range"], "old_path": _STR, "new_path": _STR}
+
+
+def _object(props: dict[str, Any], required: list[str]) -> dict[str, Any]:
+    return {"type": "object", "properties": props, "required": required}
+
+
+def anthropic_client_tool(tool: Any) -> dict[str, Any] | None:
+    """A typed tool the agent runs, as a custom tool (its name, a description, the schema of
+    the arguments Anthropic documents for it); None for any other."""
+    if not anthropic_builtin(tool) or not isinstance(tool.get("name"), str):
+        return None
+    family, _, version = str(tool["type"]).rpartition("_")
+    if family == "bash":
+        schema = _object({"command": {"type": "string", "description": "the shell command to run"},
+                          "restart": {"type": "boolean", "description": "restart the shell instead"}}, [])
+        desc = "Run a command in a persistent bash shell; its output comes back."
+    elif family == "text_editor":
+        commands = ["view", "create", "str_replace", "insert"] + (["undo_edit"] if version < "20250429" else [])
+        schema = _object({"command": {"type": "string", "enum": commands}, **_EDITOR}, ["command", "path"])
+        desc = "View, create and edit text files: " + ", ".join(commands) + "."
+    elif family == "memory":
+        commands = ["view", "create", "str_replace", "insert", "delete", "rename"]
+        schema = _object({"command": {"type": "string", "enum": commands}, **_MEMORY}, ["command"])
+        desc = "Keep notes across conversations as files under /memories: " + ", ".join(commands) + "."
+    else:
+        return None
+    return {"name": tool["name"], "description": desc, "input_schema": schema}
 
 
 def _tools(raw: Any, param: str, inner: Any, schema_field: str) -> list[Tool]:

@@ -1157,6 +1157,13 @@ async def test_anthropics_server_tools_are_not_offered_to_the_model(stack: Embed
         names |= {b.name for b in m.content if b.type == "tool_use"}
     assert names == {"Bash"}
     assert any(e.get("tools") == ["web_search"] for e in events(stack, "gateway", "gateway.tools_left_out"))
+    # Anthropic's text editor the agent runs itself: offered, and called with its documented arguments
+    editor = {"type": "text_editor_20250728", "name": "str_replace_based_edit_tool"}
+    m = await ant(stack).messages.create(model=MODEL, max_tokens=300, tools=[editor],  # type: ignore[list-item]
+                                         tool_choice={"type": "tool", "name": "str_replace_based_edit_tool"},
+                                         messages=[{"role": "user", "content": "fix the typo"}])
+    use = [b for b in m.content if b.type == "tool_use"]
+    assert [b.name for b in use] == ["str_replace_based_edit_tool"] and {"command", "path"} <= set(use[0].input)
 
 
 @pytest.mark.timeout(60)

@@ -144,15 +144,16 @@ def test_tool_rounds_count_the_tool_results_since_the_user_last_spoke() -> None:
     assert tc.tool_rounds(ant + [{"role": "user", "content": [result, {"type": "text", "text": "and now?"}]}]) == 0
 
 
-def test_anthropics_own_typed_tools_are_left_out() -> None:
+def test_anthropics_server_tools_are_left_out_and_its_client_tools_offered() -> None:
     # Claude Code offers web search as Anthropic's server tool wherever it is pointed; a model
-    # here that called it would hand the agent a call it cannot run
+    # here that called it would hand the agent a call it cannot run. The text editor, bash and
+    # memory tools the agent runs itself: offered with the arguments Anthropic documents
     body = {"tools": [{"name": "Bash", "input_schema": {"type": "object", "properties": {"command": {"type": "string"}}}},
                       {"type": "web_search_20250305", "name": "web_search", "max_uses": 5},
                       {"type": "text_editor_20250728", "name": "str_replace_based_edit_tool"},
                       {"type": "custom", "name": "Read", "input_schema": {"type": "object"}}]}
     tools, choice = tc.anthropic_tools(body)
-    assert [t.name for t in tools] == ["Bash", "Read"] and choice is None
+    assert [t.name for t in tools] == ["Bash", "str_replace_based_edit_tool", "Read"] and choice is None
     assert tc.anthropic_tools({"tools": [{"type": "web_search_20250305", "name": "web_search"}]})[0] == []
     assert tc.anthropic_tools({"tools": [{"type": "mcp_toolset", "mcp_server_name": "docs"}]})[0] == []
     # an OpenAI function tool sent to Messages is a mistake to name, not a tool to drop in silence
@@ -161,3 +162,28 @@ def test_anthropics_own_typed_tools_are_left_out() -> None:
         with pytest.raises(tc.ToolsError) as e:
             tc.anthropic_tools({"tools": [body["tools"][0], wrong]})
         assert e.value.param == "tools[1].type"
+    import jsonschema
+
+    typed = [{"type": "bash_20250124", "name": "bash"}, {"type": "text_editor_20250124", "name": "str_replace_editor"},
+             {"type": "text_editor_20250728", "name": "str_replace_based_edit_tool", "max_characters": 10000},
+             {"type": "memory_20250818", "name": "memory"}, {"type": "computer_20250124", "name": "computer",
+                                                             "display_width_px": 1024, "display_height_px": 768},
+             {"type": "code_execution_20250825", "name": "code_execution"}]
+    offered = {t.name: t for t in tc.anthropic_tools({"tools": typed})[0]}
+    assert list(offered) == ["bash", "str_replace_editor", "str_replace_based_edit_tool", "memory"]
+    assert [tc.anthropic_left_out(t) for t in typed] == [False, False, False, False, True, True]
+    # calls as Anthropic documents them are valid; the 2025-07-28 editor has no undo_edit
+    for name, args in (("bash", {"command": "ls -la"}), ("bash", {"restart": True}),
+                       ("str_replace_editor", {"command": "undo_edit", "path": "/repo/a.py"}),
+                       ("str_replace_based_edit_tool", {"command": "view", "path": "/repo", "view_range": [1, -1]}),
+                       ("str_replace_based_edit_tool", {"command": "str_replace", "path": "/a.py", "old_str": "x",
+                                                        "new_str": "y"}),
+                       ("memory", {"command": "rename", "old_path": "/memories/a", "new_path": "/memories/b"})):
+        jsonschema.validate(args, offered[name].parameters)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"command": "undo_edit", "path": "/a.py"}, offered["str_replace_based_edit_tool"].parameters)
+    # the synthetic model's calls of them are valid too
+    for name, tool in offered.items():
+        called, args = tc.synthetic_call([tool], name, f"k-{name}")  # type: ignore[misc]
+        assert called == name
+        jsonschema.validate(args, tool.parameters)

@@ -337,7 +337,7 @@ class Gateway:
         except tc.ToolsError as exc:
             raise HttpError("malformed", str(exc), exc.param) from None
         if api == ANTHROPIC and isinstance(body.get("tools"), list):
-            left_out = [t.get("name") or t["type"] for t in body["tools"] if tc.anthropic_builtin(t)]
+            left_out = [t.get("name") or t["type"] for t in body["tools"] if tc.anthropic_left_out(t)]
             if left_out:  # Anthropic's own tools: not offered to this model (tool_calls.anthropic_tools)
                 self.log.info("gateway.tools_left_out", tools=left_out)
         fmt = tk.for_model(self.tool_parsers, model) or self.catalog.model(model).tool_call_format

@@ -571,8 +571,8 @@ def messages_output_schema(body: Mapping[str, Any]) -> str | None:
     if not isinstance(fmt, Mapping) or fmt.get("type") != "json_schema":
         raise BadRequest(f"{label}: type must be json_schema", param)
     choice = body.get("tool_choice")
-    # (Anthropic's own typed tools are not offered to the model: they leave the grammar free)
-    offered = [t for t in body.get("tools") or [] if not tool_calls.anthropic_builtin(t)]
+    # (Anthropic's server-run typed tools are not offered to the model: they leave the grammar free)
+    offered = [t for t in body.get("tools") or [] if not tool_calls.anthropic_left_out(t)]
     tools_on = bool(offered) and not (isinstance(choice, Mapping) and choice.get("type") == "none")
     return output_schema("json_schema", fmt.get("schema"), tools_on, label, param)
 
