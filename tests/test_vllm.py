@@ -240,6 +240,16 @@ async def _a_named_tool_choice_is_a_well_formed_call(stack) -> None:  # type: ig
     assert c.finish_reason == "tool_calls" and c.message.tool_calls, c
     assert c.message.tool_calls[0].function.name in ("read_file", "ls"), c
     json.loads(c.message.tool_calls[0].function.arguments)
+    # Anthropic's text editor, offered with the arguments written down for it: vLLM compiles
+    # its schema into the grammar (one it could not enforce would be a 400); the random model's
+    # free strings run past a few tokens, so the call is not awaited whole
+    import anthropic
+
+    msg = await anthropic.AsyncAnthropic(base_url=stack.gateway_url, api_key=stack.api_key, max_retries=0).messages.create(
+        model=vb.MODEL, max_tokens=24, messages=[{"role": "user", "content": "fix the typo"}],
+        tools=[{"type": "text_editor_20250728", "name": "str_replace_based_edit_tool"}],
+        tool_choice={"type": "tool", "name": "str_replace_based_edit_tool"})
+    assert msg.usage.output_tokens > 0, msg
 
 
 async def _a_response_format_gets_json_of_its_schema(stack) -> None:  # type: ignore[no-untyped-def]
