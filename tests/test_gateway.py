@@ -207,6 +207,7 @@ def test_sampling_fields_are_carried_or_refused_by_name() -> None:
                              ({"modalities": ["text", "audio"]}, "openai", "modalities"), ({"modalities": "text"}, "openai", "modalities"),
                              ({"functions": [{"name": "f", "parameters": {}}]}, "openai", "functions"),
                              ({"function_call": {"name": "f"}}, "openai", "function_call"),
+                             ({"function_call": "none"}, "openai", "function_call"),  # (with tools: tool_choice)
                              ({"echo": True}, "openai", "echo"), ({"suffix": "}"}, "openai", "suffix"),
                              ({"best_of": 3}, "openai", "best_of")):
         with pytest.raises(tr.BadRequest) as e:
@@ -625,6 +626,19 @@ async def test_a_disconnect_cancels_the_running_call(stack: EmbeddedStack) -> No
         assert time.monotonic() < deadline, "the gateway never logged the call"
         await asyncio.sleep(0.1)
     assert [e["status"] for e in events(stack, "gateway", "gateway.call") if e.get("call_id") == cid] == [499]
+    # a whole (not streamed) call whose client times out: cancelled and logged the same way
+    whole = {**body, "stream": False, "messages": [{"role": "user", "content": "a long whole answer " * 10}],
+             "talaria": {"sim_output_tokens": 60_000}}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1.5)) as http:
+        with pytest.raises(asyncio.TimeoutError):
+            await http.post(f"{stack.openai_base_url}/chat/completions", json=whole,
+                            headers={"Authorization": f"Bearer {stack.api_key}", "x-session-id": "gone-whole"})
+    deadline = time.monotonic() + 10
+    while not (gone := [e for e in events(stack, "gateway", "gateway.call") if e.get("session_name") == "gone-whole"]):
+        assert time.monotonic() < deadline, "the gateway never logged the whole call"
+        await asyncio.sleep(0.1)
+    assert [e["status"] for e in gone] == [499]
+    assert any(e.get("call_id") == gone[0]["call_id"] for e in events(stack, "gateway", "gateway.cancelled"))
 
 
 # --------------------------------------------------------------------------- a router that refuses

@@ -143,3 +143,20 @@ def test_json_into_a_closed_pipe_ends_quietly(tmp_path: Path) -> None:
     err = proc.stderr.read().decode()
     proc.wait(timeout=30)
     assert "Traceback" not in err and "BrokenPipeError" not in err, err
+
+
+def test_an_http_agent_finds_its_calls_by_its_session_name_or_a_request_id(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # what an HTTP agent holds: the x-session-id it sent, and each reply's x-request-id
+    sid, first, second = "gw-5a3540d561ec91c4", "gwc-4782ea75", "gwc-9f00c1d2"
+    _write(tmp_path / "up" / "gateway.log",
+           _line("38.000000", "gateway.call", session=sid, call=first, session_name="my-task-1", status=200),
+           _line("39.000000", "gateway.call", session=sid, call=second, session_name="my-task-1", status=200))
+    _write(tmp_path / "up" / "router-0.log",
+           _line("37.900000", "router.placed", session=sid, call=first),
+           _line("38.900000", "router.placed", session=sid, call=second))
+    assert main(["logs", "my-task-1", "--log-dir", str(tmp_path), "--json"]) == 0
+    assert {json.loads(x)["call_id"] for x in capsys.readouterr().out.splitlines()} == {first, second}
+    assert main(["logs", second, "--log-dir", str(tmp_path), "--json"]) == 0
+    recs = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert {r["call_id"] for r in recs} == {second} and {r["source"] for r in recs} == {"gateway", "router-0"}

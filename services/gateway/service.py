@@ -111,6 +111,7 @@ class CallIds:
     call_id: str
     named: bool          # the agent named its session (a header); else matched by its prefix
     prefix_tokens: int   # what the session's engine holds of this prompt (block-rounded)
+    session_name: str = ""  # the agent's own name for it (logged, so `talaria logs NAME` finds it)
 
 
 @dataclass(frozen=True)
@@ -471,7 +472,7 @@ class Gateway:
                await self._soft(lambda: self._attempt_call_id(scope, rhash, retry), tr.fresh_call_id()))
         if named is not None:
             held = await self._soft(lambda: self._held_blocks(scope, chain), 0)
-            return CallIds(scope, cid, True, self._prefix_tokens(held, prompt))
+            return CallIds(scope, cid, True, self._prefix_tokens(held, prompt), named[1][:200])
         sid, held = await self._soft(lambda: self._join_or_fork(tenant, model, cid, chain),
                                      (tr.forked_session_id(tenant, model, cid), 0))
         return CallIds(sid, cid, False, self._prefix_tokens(held, prompt))
@@ -604,7 +605,8 @@ class Gateway:
                 try:
                     if stream:
                         return await streamer(request, task, events)
-                    reply = await task
+                    # (the client leaving cancels this wait, not the task: it is cancelled below, and logged)
+                    reply = await asyncio.shield(task)
                 finally:
                     if not task.done():
                         status = request[CLIENT_GONE_KEY] = 499  # (nginx's "client closed request")
@@ -622,6 +624,7 @@ class Gateway:
             finally:
                 self.log.info("gateway.call", api=api, path=request.path, model=model, stream=stream, status=status,
                               prompt_tokens=prompt.tokens, prefix_tokens=ids.prefix_tokens, named_session=ids.named,
+                              session_name=ids.session_name,
                               retry=tr.retry_count(request.headers), ms=round((time.monotonic() - t0) * 1000, 2))
                 if not ids.named:
                     await self._soft(lambda: self._release(ids), None)

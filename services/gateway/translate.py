@@ -506,7 +506,7 @@ _ANTHROPIC_SAMPLING = {"temperature": "temperature", "top_p": "top_p", "top_k": 
 _OPENAI_REFUSED = ("logprobs", "top_logprobs", "logit_bias", "audio")
 # ... and each with the values that ask for nothing, which are served: chat's legacy function
 # calling (`tools` serves it), the legacy completions' echo, suffix and several candidates
-_OPENAI_REFUSED_UNLESS = {"functions": (None, []), "function_call": (None, "none", "auto"),
+_OPENAI_REFUSED_UNLESS = {"functions": (None, []), "function_call": (None, "auto"),
                           "echo": (None, False), "suffix": (None, ""), "best_of": (None, 1)}
 
 

@@ -149,6 +149,21 @@ def _run_roots(log_dir: Path, run: str) -> list[Path]:
     return sorted(d for d in log_dir.rglob(run) if d.is_dir())
 
 
+def session_named(log_dir: Path, name: str) -> tuple[str, str | None] | None:
+    """The session a gateway call's id or an agent's own session name stands for: (its
+    session id, the call id where `name` is one), from the gateway's lines."""
+    for path in sorted(log_dir.rglob("*.log")):
+        for rec in read_log_events(path):
+            sid = rec.get("session_id")
+            if not isinstance(sid, str):
+                continue
+            if rec.get("call_id") == name:
+                return sid, name
+            if rec.get("event") == "gateway.call" and rec.get("session_name") == name:
+                return sid, None
+    return None
+
+
 def renamed_as(log_dir: Path, session_id: str) -> list[str]:
     """Session ids ending in `-<session_id>`: the names a replay against a
     running deployment gave the trace's session (its prefix, then the id)."""
@@ -195,6 +210,14 @@ def cmd_logs(a: argparse.Namespace) -> int:
     if not runs:
         for root in roots:
             runs.update(session_lines(root, session, call))
+    if not runs and call is None:
+        # what an HTTP agent holds: its own session name (the gateway logs it) or a call's id
+        # (a reply's `x-request-id`): the session they name, and with a call id that call alone
+        for root in roots:
+            found = session_named(root, session)
+            if found is not None:
+                session, call = found
+                runs.update(session_lines(root, session, call))
     if not runs:
         what = f"call {call} of session {session}" if call else f"session {session}"
         n = sum(1 for root in roots for _ in root.rglob("*.log"))
@@ -214,7 +237,8 @@ def cmd_logs(a: argparse.Namespace) -> int:
 
 
 def configure_parser(p: argparse.ArgumentParser, default_log_dir: Path) -> None:
-    p.add_argument("session", help="session id as in the trace, e.g. swe-007")
+    p.add_argument("session", help="session id as in the trace, e.g. swe-007; or, for an HTTP agent, its own "
+                                   "session name (the x-session-id it sent) or a call's x-request-id")
     p.add_argument("--call", default=None, help="only this call id, e.g. swe-007#003")
     p.add_argument("--log-dir", default=str(default_log_dir),
                    help=f"a log folder of a replay or of `talaria up` (default {default_log_dir}; every *.log below it)")
