@@ -316,6 +316,7 @@ def render(calls: Sequence[tuple[str, Mapping[str, Any]]], fmt: str) -> str:
 # A call forced by `tool_choice` naming a tool: its text before and after the JSON object
 # {"name": ..., "arguments": ...} (formats whose calls are one JSON object only)
 _JSON_CALL_TAGS = {"hermes": ("<tool_call>\n", "\n</tool_call>")}
+CALL_OPEN = "<tool_call>"  # how every format here opens a call
 
 
 def forced_call(tools: Sequence[Tool], choice: str | None, fmt: str) -> tuple[str, dict[str, Any], str] | None:

@@ -236,29 +236,30 @@ def test_response_format_is_the_schema_the_engine_enforces_or_a_400_by_name() ->
     assert json.loads(tr.sampling_of(chat, "openai").json_schema) == schema
     for body, field in (({"response_format": {"type": "xml"}}, "response_format"),
                         ({"response_format": {"type": "json_schema", "json_schema": {"schema": 3}}}, "response_format"),
-                        ({"response_format": {"type": "json_object"}, "tools": [{"type": "function"}]}, "response_format"),
                         ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"x": "y" * 70000}}}},
                          "response_format")):
         with pytest.raises(tr.BadRequest) as e:
             tr.sampling_of(body, "openai")
         assert e.value.param == field, (body, e.value)
-    for body in ({"text": {"format": {"type": "json_schema", "name": "r"}}},
-                 {"text": {"format": {"type": "json_object"}}, "tools": [{"type": "function", "name": "f"}]}):
-        with pytest.raises(tr.BadRequest) as e:
-            tr.responses_request({"model": MODEL, "input": "x", **body})
-        assert e.value.param == "text", body
+    with pytest.raises(tr.BadRequest) as e:
+        tr.responses_request({"model": MODEL, "input": "x", "text": {"format": {"type": "json_schema", "name": "r"}}})
+    assert e.value.param == "text"
+    # beside tools it is the answer's schema (an agent with tools and a typed output), in every API
+    assert tr.sampling_of({**asked, "tools": [{"type": "function"}]}, "openai").json_schema is not None
+    chat = tr.responses_request({"model": MODEL, "input": "x", "tools": [{"type": "function", "name": "f"}],
+                                 "text": {"format": {"type": "json_object"}}})
+    assert tr.sampling_of(chat, "openai").json_schema == '{"type":"object"}'
     # Anthropic's Messages: output_config.format, or the structured-outputs beta's output_format
     fmt = {"type": "json_schema", "schema": schema}
     for body in ({"output_config": {"format": fmt, "effort": "low"}}, {"output_format": fmt},
                  {"output_format": fmt, "tools": [{"name": "f"}], "tool_choice": {"type": "none"}},
-                 # Claude Code's web search is Anthropic's own tool: not offered, so no call to forbid
-                 {"output_config": {"format": fmt}, "tools": [{"type": "web_search_20250305", "name": "web_search"}]}):
+                 {"output_config": {"format": fmt}, "tools": [{"type": "web_search_20250305", "name": "web_search"}]},
+                 {"output_format": fmt, "tools": [{"name": "f"}]}):
         assert json.loads(tr.sampling_of(body, "anthropic").json_schema) == schema, body
     assert tr.sampling_of({"output_config": {"effort": "high"}}, "anthropic").json_schema is None
     for body, field in (({"output_config": "json"}, "output_config"),
                         ({"output_config": {"format": {"type": "json_object"}}}, "output_config"),
-                        ({"output_format": {"type": "json_schema", "schema": [1]}}, "output_format"),
-                        ({"output_format": fmt, "tools": [{"name": "f"}]}, "output_format")):
+                        ({"output_format": {"type": "json_schema", "schema": [1]}}, "output_format")):
         with pytest.raises(tr.BadRequest) as e:
             tr.sampling_of(body, "anthropic")
         assert e.value.param == field, (body, e.value)
@@ -502,6 +503,35 @@ async def test_structured_output_on_the_sim_engine_parses_as_its_schema(stack: E
     m = await ant(stack).messages.parse(model=MODEL, max_tokens=200, output_format=Plan,
                                         messages=[{"role": "user", "content": "plan the fix"}])
     assert isinstance(m.parsed_output, Plan) and m.stop_reason == "end_turn"
+
+
+@pytest.mark.timeout(120)
+async def test_an_agent_with_tools_and_a_typed_output_calls_tools_then_answers_in_its_type(stack: EmbeddedStack) -> None:
+    # what the OpenAI Agents SDK sends for an agent with tools and an output_type (and
+    # pydantic-ai's native output): both, every turn; each reply a call or the typed answer
+    schema = {"type": "object", "properties": {"verdict": {"enum": ["fix", "skip"]}, "files": {"type": "array",
+              "items": {"type": "string"}}}, "required": ["verdict", "files"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "Report", "schema": schema, "strict": True}}
+    client, hdr = oai(stack), {"x-session-id": "typed-agent"}
+    msgs: list[dict[str, Any]] = [{"role": "user", "content": "triage the failing test"}]
+    for turn in range(6):
+        r = await client.chat.completions.create(model=MODEL, messages=msgs, tools=[{"type": "function", "function": READ_FILE}],
+                                                 response_format=fmt, extra_headers=hdr)  # type: ignore[arg-type]
+        m = r.choices[0].message
+        if not m.tool_calls:
+            break
+        msgs += [m.model_dump(exclude_none=True)] + [{"role": "tool", "tool_call_id": c.id, "content": "def f(): ..."}
+                                                     for c in m.tool_calls]
+    else:
+        raise AssertionError("the agent never got its typed answer")
+    answer = json.loads(m.content or "")
+    assert turn == 4 and answer["verdict"] in ("fix", "skip") and isinstance(answer["files"], list)
+    # the same through Messages: a call first, with output_config.format beside the tools
+    first = await ant(stack).messages.create(
+        model=MODEL, max_tokens=300, messages=[{"role": "user", "content": "triage"}],
+        tools=[{"name": "read_file", "input_schema": READ_FILE["parameters"]}],  # type: ignore[list-item]
+        extra_body={"output_config": {"format": {"type": "json_schema", "schema": schema}}})
+    assert [b.type for b in first.content] == ["tool_use"]
 
 
 @pytest.mark.timeout(120)

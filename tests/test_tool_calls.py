@@ -123,6 +123,23 @@ def test_a_named_tool_choice_forces_a_call_the_parser_reads() -> None:
     assert re.fullmatch(any_call.regex, text) and re.fullmatch(any_call.regex, tc.render([("ls", {})], "hermes"))
     assert not re.fullmatch(any_call.regex, "plain text") and not re.fullmatch(
         any_call.regex, tc.render([("rm", {})], "hermes"))
+    # a typed answer beside tools the model may call: the answer's JSON, or a call of any tool
+    from services.engine.vllm_backend import structured_output
+    from shared.schema import Sampling
+
+    answer = {"type": "object", "properties": {"verdict": {"enum": ["fix", "skip"]}}, "required": ["verdict"]}
+    either = structured_output(EngineHint(tools_json=tc.tools_text(tools), tool_call_format="hermes"),
+                               Sampling(json_schema=json.dumps(answer)), "hermes")
+    assert re.fullmatch(either.regex, '{"verdict": "fix"}') and re.fullmatch(either.regex, text)
+    assert not re.fullmatch(either.regex, "plain text") and not re.fullmatch(either.regex, '{"verdict": "maybe"}')
+    # tools turned off: the answer alone; GLM's calls (not one JSON object): anything after the opening tag
+    alone = structured_output(EngineHint(tools_json=tc.tools_text(tools), tool_choice="none", tool_call_format="hermes"),
+                              Sampling(json_schema=json.dumps(answer)), "hermes")
+    assert not re.fullmatch(alone.regex, text) and re.fullmatch(alone.regex, '{"verdict": "skip"}')
+    glm = structured_output(EngineHint(tools_json=tc.tools_text(tools), tool_call_format="glm45"),
+                            Sampling(json_schema=json.dumps(answer)), "glm45")
+    glm_call = tc.render([("read_file", {"path": "a.py", "whole": True})], "glm45")
+    assert re.fullmatch(glm.regex, glm_call) and not re.fullmatch(glm.regex, "plain text")
 
 
 def test_tool_rounds_count_the_tool_results_since_the_user_last_spoke() -> None:

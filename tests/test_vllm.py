@@ -280,6 +280,20 @@ async def _a_response_format_gets_json_of_its_schema(stack) -> None:  # type: ig
         output_config={"format": {"type": "json_schema", "schema": schema}})
     answer = json.loads(msg.content[0].text)
     assert answer["verdict"] in ("fix", "skip") and isinstance(answer["done"], bool), answer
+    # beside tools the model may call, the grammar admits that answer or a well-formed call
+    pick = {"type": "function", "function": {"name": "pick", "parameters": {
+        "type": "object", "properties": {"side": {"enum": ["left", "right"]}}, "required": ["side"]}}}
+    for i in range(3):
+        r = await client.chat.completions.create(
+            model=vb.MODEL, max_tokens=64, messages=[{"role": "user", "content": f"judge the patch {i}"}], tools=[pick],
+            response_format={"type": "json_schema", "json_schema": {"name": "judgement", "schema": schema}})
+        c = r.choices[0]
+        if c.message.tool_calls:
+            assert c.finish_reason == "tool_calls" and c.message.tool_calls[0].function.name == "pick", c
+            assert json.loads(c.message.tool_calls[0].function.arguments)["side"] in ("left", "right"), c
+        else:
+            answer = json.loads(c.message.content)
+            assert answer["verdict"] in ("fix", "skip") and isinstance(answer["done"], bool), answer
     # a stop sequence the grammar makes the model write is named as what stopped it
     only_fix = {"type": "object", "properties": {"verdict": {"enum": ["fix"]}}, "required": ["verdict"],
                 "additionalProperties": False}

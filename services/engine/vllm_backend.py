@@ -160,8 +160,9 @@ def reply_text(tokenizer: Any, tokens: list[int], finish_reason: str | None, sto
 def structured_output(hint: EngineHint | None, sampling: Sampling | None, fmt: str) -> Any:
     """The call's structured output: a named tool_choice's call (`forced_tool_call`), else the
     JSON Schema its output format asks for (`Sampling.json_schema`), as the same
-    whitespace-bounded regex. None: free text. A ValueError names a schema the regex builder
-    cannot take."""
+    whitespace-bounded regex, or, where tools are offered beside it and the model may choose,
+    that answer or a tool call (`_any_call_regex`). None: free text. A ValueError names a
+    schema the regex builder cannot take."""
     forced = forced_tool_call(hint, fmt)
     if forced is not None or sampling is None or sampling.json_schema is None:
         return forced
@@ -169,9 +170,31 @@ def structured_output(hint: EngineHint | None, sampling: Sampling | None, fmt: s
     from vllm.sampling_params import StructuredOutputsParams
 
     try:
-        return StructuredOutputsParams(regex=build_regex_from_schema(sampling.json_schema, whitespace_pattern=" ?"))
+        answer = build_regex_from_schema(sampling.json_schema, whitespace_pattern=" ?")
+        calls = _any_call_regex(hint, fmt)
     except Exception as exc:  # noqa: BLE001 - outlines-core's own error types; the agent hears why
         raise ValueError(f"structured output: the schema cannot be enforced: {exc}") from None
+    return StructuredOutputsParams(regex=answer if calls is None else f"(?:{answer})|(?:{calls})")
+
+
+def _any_call_regex(hint: EngineHint | None, fmt: str) -> str | None:
+    """A tool call the model may write instead of the structured answer, where the request
+    offers tools and leaves the choice on: a well-formed call of any of them where the format
+    writes a call as one JSON object, else (GLM's key/value pairs) anything after the
+    format's opening tag, as vLLM leaves an `auto` call unconstrained. None: no tools."""
+    if hint is None or not hint.tools_json or hint.tool_choice == "none":
+        return None
+    fmt = hint.tool_call_format or fmt
+    if fmt not in tool_calls.FORMATS or fmt == "none":
+        return None
+    from outlines_core.json_schema import build_regex_from_schema
+
+    tools = tool_calls.tools_from_json(hint.tools_json)
+    any_call = tool_calls.forced_call(tools, tool_calls.ANY_TOOL, fmt)
+    if any_call is None:
+        return _literal(tool_calls.CALL_OPEN) + r"[\s\S]*"
+    begin, schema, end = any_call
+    return _literal(begin) + build_regex_from_schema(json.dumps(schema), whitespace_pattern=" ?") + _literal(end)
 
 
 def _literal(text: str) -> str:

@@ -524,20 +524,16 @@ def response_format_schema(body: Mapping[str, Any]) -> str | None:
         raise BadRequest("response_format: type must be text, json_object or json_schema", "response_format")
     spec = rf.get("json_schema")
     schema = spec.get("schema", {}) if isinstance(spec, Mapping) else None
-    return output_schema(rf.get("type"), schema, _openai_tools_on(body), "response_format", "response_format")
+    return output_schema(rf.get("type"), schema, "response_format", "response_format")
 
 
-def _openai_tools_on(body: Mapping[str, Any]) -> bool:
-    """Chat's or the Responses API's tools are offered and `tool_choice` leaves them on."""
-    return bool(body.get("tools")) and body.get("tool_choice") != "none"
-
-
-def output_schema(kind: Any, schema: Any, tools_on: bool, label: str, param: str) -> str | None:
+def output_schema(kind: Any, schema: Any, label: str, param: str) -> str | None:
     """The schema an output format of `kind` asks for, as JSON text (None: plain text);
-    refused, naming `param`, for an unknown kind, a schema that is not an object or is too
-    long, and beside tools the request leaves on (`tools_on`): a JSON grammar would forbid
-    the tool calls. Chat's `response_format`, the Responses API's `text.format` and
-    Messages' `output_config.format` (`label`) share it."""
+    refused, naming `param`, for an unknown kind and a schema that is not an object or is
+    too long. Beside tools it is the schema of the model's answer, not of its calls (an
+    agent with tools and a typed output: each turn a tool call or the typed answer). Chat's
+    `response_format`, the Responses API's `text.format` and Messages'
+    `output_config.format` (`label`) share it."""
     if kind not in _OUTPUT_KINDS:
         raise BadRequest(f"{label}: type must be text, json_object or json_schema", param)
     if kind == "text":
@@ -549,9 +545,6 @@ def output_schema(kind: Any, schema: Any, tools_on: bool, label: str, param: str
     text = json.dumps(schema, separators=(",", ":"))
     if len(text.encode()) > JSON_SCHEMA_MAX_BYTES:
         raise BadRequest(f"{label}: the schema is over {JSON_SCHEMA_MAX_BYTES} bytes", param)
-    if tools_on:
-        raise BadRequest(f"{label}: a JSON output format with tools is not served (its grammar would forbid "
-                         "the tool calls)", param)
     return text
 
 
@@ -570,11 +563,7 @@ def messages_output_schema(body: Mapping[str, Any]) -> str | None:
     param = label.split(".", 1)[0]
     if not isinstance(fmt, Mapping) or fmt.get("type") != "json_schema":
         raise BadRequest(f"{label}: type must be json_schema", param)
-    choice = body.get("tool_choice")
-    # (Anthropic's server-run typed tools are not offered to the model: they leave the grammar free)
-    offered = [t for t in body.get("tools") or [] if not tool_calls.anthropic_left_out(t)]
-    tools_on = bool(offered) and not (isinstance(choice, Mapping) and choice.get("type") == "none")
-    return output_schema("json_schema", fmt.get("schema"), tools_on, label, param)
+    return output_schema("json_schema", fmt.get("schema"), label, param)
 
 
 def sampling_of(body: Mapping[str, Any], api: str) -> Sampling:
@@ -881,7 +870,7 @@ def responses_request(body: Mapping[str, Any]) -> dict[str, Any]:
     if fmt is not None and not isinstance(fmt, Mapping):
         raise BadRequest("text.format: type must be text, json_object or json_schema", "text")
     # checked here, so a refusal names the Responses field; the chat path reads the same format
-    structured = (output_schema(fmt.get("type"), fmt.get("schema"), _openai_tools_on(body), "text.format", "text")
+    structured = (output_schema(fmt.get("type"), fmt.get("schema"), "text.format", "text")
                   if fmt is not None else None)
     messages: list[dict[str, Any]] = []
     instructions = body.get("instructions")
