@@ -65,6 +65,7 @@ def test_an_idempotency_key_names_its_call_per_tenant() -> None:
     assert tr.idempotent_call_id("t", "k1") == tr.idempotent_call_id("t", "k1") != tr.idempotent_call_id("u", "k1")
     assert tr.idempotent_call_id("t", "k1") != tr.idempotent_call_id("t", "k2")
     assert tr.retry_count({"x-stainless-retry-count": "2"}) == 2 and tr.retry_count({"x-stainless-retry-count": "x"}) == 0
+    assert tr.retry_count({}) is None  # a client that does not count its attempts
 
 
 def test_keys_and_token_estimate() -> None:
@@ -625,6 +626,25 @@ async def test_an_sdk_retry_does_not_run_a_second_call(stack: EmbeddedStack) -> 
     regen_retry = await client.chat.completions.create(model=MODEL, max_tokens=8, messages=msgs,
                                                        extra_headers={**hdr, "x-stainless-retry-count": "2"})
     assert regen_retry.id == regen.id
+    # only a client that counts its attempts can come back marked: only its first attempts are
+    # written down, and for the retry window, not the session's hours
+    import redis.asyncio as aioredis
+
+    scope = tr.talaria_session_id("default", "retry-2", "", MODEL)
+    pattern = Keys(stack.key_prefix).gateway_request(scope, "*")
+    r = aioredis.Redis.from_url(stack.redis_url)
+    try:
+        async with aiohttp.ClientSession() as http:
+            for counted, headers in ((0, {}), (1, {"x-stainless-retry-count": "0"})):
+                async with http.post(f"{stack.openai_base_url}/chat/completions", json={
+                        "model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "uncounted"}]},
+                        headers={"Authorization": f"Bearer {stack.api_key}", "x-session-id": "retry-2", **headers}) as resp:
+                    assert resp.status == 200
+                written = [k async for k in r.scan_iter(match=pattern)]
+                assert len(written) == counted, (headers, written)
+        assert 0 < await r.ttl(written[0]) <= 3600
+    finally:
+        await r.aclose()
     call_id = first.id.removeprefix("chatcmpl-")
     deadline = time.monotonic() + 5
     while not [e for e in events(stack, "router-0", "call.duplicate") if e.get("call_id") == call_id]:

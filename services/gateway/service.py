@@ -67,6 +67,7 @@ DEFAULT_MAX_TOKENS = 4096      # a request naming no bound gets this much, cappe
 SESSIONS_KEPT = 50_000         # opened sessions remembered (a forgotten one is just opened again)
 MODELS_TTL_S = 5.0             # how long the served-model list is reused
 BUSY_TTL_S = 3600.0            # a header-less session's in-flight mark outlives any call (and is deleted after it)
+RETRY_WINDOW_S = 3600          # how long a first attempt's call id waits for its SDK's retries (timeouts x retries: minutes)
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 REQUEST_ID_HEADER, ANTHROPIC_REQUEST_ID_HEADER = "x-request-id", "request-id"
 REQUEST_ID_KEY = web.RequestKey("talaria.call_id", str)  # a request's call id, for its answer's headers
@@ -477,21 +478,24 @@ class Gateway:
                                      (tr.forked_session_id(tenant, model, cid), 0))
         return CallIds(sid, cid, False, self._prefix_tokens(held, prompt))
 
-    async def _attempt_call_id(self, scope: str, rhash: str, retry: int) -> str:
+    async def _attempt_call_id(self, scope: str, rhash: str, retry: int | None) -> str:
         """A first attempt is a new call, so an identical request is a second sample as
         the APIs make it (a regenerate, parallel samples of one conversation, two runs of
         one task sending the same first request); an SDK's retry
         (`x-stainless-retry-count` > 0) is the latest first attempt of the same request in
         the same session (or, header-less, tenant and model). A client that retries
-        without saying so gets a second call: generated twice, each delivered once."""
+        without saying so gets a second call: generated twice, each delivered once. Only
+        a client that counts its attempts (`retry` not None) can come back marked, so
+        only its first attempts are written down, for as long as a retry may follow."""
         assert self.redis is not None
         key = self.rkeys.gateway_request(scope, rhash)
-        if retry > 0:
+        if retry:
             known = await self.redis.get(key)
             if known is not None:
                 return known.decode()
         cid = tr.fresh_call_id()
-        await self.redis.set(key, cid, ex=SESSION_TTL_S)
+        if retry is not None:
+            await self.redis.set(key, cid, ex=RETRY_WINDOW_S)
         return cid
 
     @staticmethod

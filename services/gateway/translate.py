@@ -184,9 +184,13 @@ def is_final(headers: Mapping[str, str]) -> bool:
     return headers.get(SESSION_FINAL_HEADER, "").strip().lower() in ("1", "true", "yes")
 
 
-def retry_count(headers: Mapping[str, str]) -> int:
+def retry_count(headers: Mapping[str, str]) -> int | None:
+    """The SDK's attempt number (0: the first); None where the client does not count its attempts."""
+    raw = headers.get(RETRY_COUNT_HEADER)
+    if raw is None:
+        return None
     try:
-        return max(0, int(headers.get(RETRY_COUNT_HEADER, "0")))
+        return max(0, int(raw))
     except ValueError:
         return 0
 
