@@ -61,6 +61,14 @@ def test_sessions_are_namespaced_by_tenant_agent_and_model() -> None:
                 tr.talaria_session_id("tenant-a", "1", "", "glm-4.5-fp8")}) == 4
 
 
+def test_a_parser_setting_names_a_format_it_has() -> None:
+    from services.gateway import reasoning, tokens
+
+    assert tokens.parse_model_map("*=think, glm-4.5-fp8=none", "S", reasoning.FORMATS) == {"*": "think", "glm-4.5-fp8": "none"}
+    with pytest.raises(tokens.TokenizerError, match="S: \\*=xml: not a format"):
+        tokens.parse_model_map("*=xml", "S", tc.FORMATS)
+
+
 def test_an_idempotency_key_names_its_call_per_tenant() -> None:
     assert tr.idempotent_call_id("t", "k1") == tr.idempotent_call_id("t", "k1") != tr.idempotent_call_id("u", "k1")
     assert tr.idempotent_call_id("t", "k1") != tr.idempotent_call_id("t", "k2")

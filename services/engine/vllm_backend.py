@@ -135,12 +135,9 @@ def forced_tool_call(hint: EngineHint | None, fmt: str) -> Any:
                                     hint.tool_call_format or fmt)
     if forced is None:
         return None
-    from outlines_core.json_schema import build_regex_from_schema
     from vllm.sampling_params import StructuredOutputsParams
 
-    begin, schema, end = forced
-    body = build_regex_from_schema(json.dumps(schema), whitespace_pattern=" ?")
-    return StructuredOutputsParams(regex=_literal(begin) + body + _literal(end))
+    return StructuredOutputsParams(regex=_call_regex(forced))
 
 
 def reply_text(tokenizer: Any, tokens: list[int], finish_reason: str | None, stop_reason: int | str | None) -> str:
@@ -187,13 +184,16 @@ def _any_call_regex(hint: EngineHint | None, fmt: str) -> str | None:
     fmt = hint.tool_call_format or fmt
     if fmt not in tool_calls.FORMATS or fmt == "none":
         return None
+    any_call = tool_calls.forced_call(tool_calls.tools_from_json(hint.tools_json), tool_calls.ANY_TOOL, fmt)
+    return _literal(tool_calls.CALL_OPEN) + r"[\s\S]*" if any_call is None else _call_regex(any_call)
+
+
+def _call_regex(call: tuple[str, dict[str, Any], str]) -> str:
+    """A call in the model's format as a regex: the text before it, the JSON its schema allows
+    (outlines-core; at most one space where JSON allows whitespace), the text after."""
     from outlines_core.json_schema import build_regex_from_schema
 
-    tools = tool_calls.tools_from_json(hint.tools_json)
-    any_call = tool_calls.forced_call(tools, tool_calls.ANY_TOOL, fmt)
-    if any_call is None:
-        return _literal(tool_calls.CALL_OPEN) + r"[\s\S]*"
-    begin, schema, end = any_call
+    begin, schema, end = call
     return _literal(begin) + build_regex_from_schema(json.dumps(schema), whitespace_pattern=" ?") + _literal(end)
 
 

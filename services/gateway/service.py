@@ -110,9 +110,13 @@ def sse(data: Any, event: str | None = None) -> bytes:
 class CallIds:
     session_id: str
     call_id: str
-    named: bool          # the agent named its session (a header); else matched by its prefix
     prefix_tokens: int   # what the session's engine holds of this prompt (block-rounded)
     session_name: str = ""  # the agent's own name for it (logged, so `talaria logs NAME` finds it)
+
+    @property
+    def named(self) -> bool:
+        """The agent named its session (a header); else it was matched by its prefix."""
+        return bool(self.session_name)
 
 
 @dataclass(frozen=True)
@@ -166,14 +170,9 @@ class Gateway:
         # (loaded now, so a bad folder stops the gateway at start, not a call)
         self.tokenizers = tk.Tokenizers(settings.gateway_tokenizers)
         self.tokenizers.load_all()
-        self.tool_parsers = tk.parse_model_map(settings.gateway_tool_parsers, "TALARIA_GATEWAY_TOOL_PARSERS")
-        for m, fmt in self.tool_parsers.items():
-            if fmt not in tc.FORMATS:
-                raise tk.TokenizerError(f"TALARIA_GATEWAY_TOOL_PARSERS: {m}={fmt}: not a format ({', '.join(tc.FORMATS)})")
-        self.reasoning_parsers = tk.parse_model_map(settings.gateway_reasoning_parsers, "TALARIA_GATEWAY_REASONING_PARSERS")
-        for m, fmt in self.reasoning_parsers.items():
-            if fmt not in rs.FORMATS:
-                raise tk.TokenizerError(f"TALARIA_GATEWAY_REASONING_PARSERS: {m}={fmt}: not a format ({', '.join(rs.FORMATS)})")
+        self.tool_parsers = tk.parse_model_map(settings.gateway_tool_parsers, "TALARIA_GATEWAY_TOOL_PARSERS", tc.FORMATS)
+        self.reasoning_parsers = tk.parse_model_map(settings.gateway_reasoning_parsers,
+                                                    "TALARIA_GATEWAY_REASONING_PARSERS", rs.FORMATS)
         self.log = structlog.get_logger("gateway")
         self.sessions: OrderedDict[str, Session] = OrderedDict()
         self._models: tuple[float, list[str]] | None = None
@@ -473,10 +472,10 @@ class Gateway:
                await self._soft(lambda: self._attempt_call_id(scope, rhash, retry), tr.fresh_call_id()))
         if named is not None:
             held = await self._soft(lambda: self._held_blocks(scope, chain), 0)
-            return CallIds(scope, cid, True, self._prefix_tokens(held, prompt), named[1][:200])
+            return CallIds(scope, cid, self._prefix_tokens(held, prompt), named[1][:200])
         sid, held = await self._soft(lambda: self._join_or_fork(tenant, model, cid, chain),
                                      (tr.forked_session_id(tenant, model, cid), 0))
-        return CallIds(sid, cid, False, self._prefix_tokens(held, prompt))
+        return CallIds(sid, cid, self._prefix_tokens(held, prompt))
 
     async def _attempt_call_id(self, scope: str, rhash: str, retry: int | None) -> str:
         """A first attempt is a new call, so an identical request is a second sample as

@@ -41,8 +41,9 @@ class TokenizerError(ValueError):
     """A tokenizer folder the gateway cannot use (named in the message)."""
 
 
-def parse_model_map(spec: str, setting: str) -> dict[str, str]:
-    """`model=VALUE,model2=VALUE` (`*` for every model without an entry of its own)."""
+def parse_model_map(spec: str, setting: str, formats: Sequence[str] | None = None) -> dict[str, str]:
+    """`model=VALUE,model2=VALUE` (`*` for every model without an entry of its own); with
+    `formats`, each value one of them."""
     out: dict[str, str] = {}
     for item in spec.split(","):
         item = item.strip()
@@ -51,6 +52,8 @@ def parse_model_map(spec: str, setting: str) -> dict[str, str]:
         model, sep, value = item.partition("=")
         if not sep or not model.strip() or not value.strip():
             raise TokenizerError(f"{setting}: {item!r} is not model=value (use * for every model)")
+        if formats is not None and value.strip() not in formats:
+            raise TokenizerError(f"{setting}: {model.strip()}={value.strip()}: not a format ({', '.join(formats)})")
         out[model.strip()] = value.strip()
     return out
 

@@ -1061,7 +1061,11 @@ class ResponseEvents:
         self.seq = 0
         self.reasoning_open = self.reasoning_done = False
         self.message_open = False
-        self.message_index = 0
+
+    @property
+    def message_index(self) -> int:
+        """The message's output index: after the reasoning item, where there is one."""
+        return 1 if self.reasoning_open else 0
 
     def _ev(self, kind: str, **fields: Any) -> tuple[str, dict[str, Any]]:
         ev = {"type": kind, "sequence_number": self.seq, **fields}
@@ -1085,7 +1089,7 @@ class ResponseEvents:
         """The reasoning item opened (at index 0, before the message) and `piece` of its text."""
         out = []
         if not self.reasoning_open:
-            self.reasoning_open, self.message_index = True, 1
+            self.reasoning_open = True
             out.append(self._ev("response.output_item.added", output_index=0,
                                 item={**response_reasoning_item(self.call_id, ""), "content": []}))
         if piece:
