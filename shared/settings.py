@@ -127,6 +127,7 @@ class Settings:
     gateway_port: int = 8080        # the HTTP gateway's port
     api_keys: str = ""              # the gateway's API keys, `tenant:key,...` (a bare key: its own tenant)
     gateway_keepalive_s: float = 10.0  # wall seconds between SSE keep-alive comments while a call waits
+    gateway_retry_grace_s: float = 10.0  # wall seconds a whole call runs on after its retrying client left (0: cancel at once)
     gateway_max_body: int = 4 * 1024 * 1024  # bytes of an HTTP request body above which the gateway answers 413
     gateway_tokenizers: str = ""    # `model=FOLDER,...` (`*` every model): chat template and tokenizer per model; else stand-in ids
     gateway_tool_parsers: str = ""  # `model=FORMAT,...` (`*` every model): a tool-call format over the catalog's
@@ -201,6 +202,10 @@ class Settings:
                        help="the HTTP gateway's port (0 = a free one)")
         p.add_argument("--gateway-keepalive-s", type=float, default=float(_env("TALARIA_GATEWAY_KEEPALIVE_S", "10")),
                        help="wall seconds between SSE keep-alive comments while a streamed call waits")
+        p.add_argument("--gateway-retry-grace-s", type=float,
+                       default=float(_env("TALARIA_GATEWAY_RETRY_GRACE_S", "10")),
+                       help="wall seconds a whole call keeps running after its client left, when that client "
+                            "retries (an SDK, or an Idempotency-Key), for the retry to join it (0: cancel at once)")
         p.add_argument("--gateway-max-body", type=int, default=_int(src, "TALARIA_GATEWAY_MAX_BODY", 4 * 1024 * 1024),
                        help="largest HTTP request body in bytes (larger: 413)")
         p.add_argument("--gateway-tokenizers", default=_env("TALARIA_GATEWAY_TOKENIZERS", ""),
@@ -272,6 +277,7 @@ class Settings:
             # keys only from the environment (a flag would show them in `ps`)
             api_keys=src.get("TALARIA_API_KEYS", ""),
             gateway_keepalive_s=max(0.05, a.gateway_keepalive_s),
+            gateway_retry_grace_s=max(0.0, a.gateway_retry_grace_s),
             gateway_max_body=max(1024, a.gateway_max_body),
             gateway_tokenizers=a.gateway_tokenizers,
             gateway_tool_parsers=a.gateway_tool_parsers,

@@ -397,7 +397,7 @@ def test_a_streamed_response_has_the_apis_events_in_order() -> None:
 async def stack(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[EmbeddedStack]:
     spec = StackSpec(policy=resolve_policy("talaria"), models=[MODEL], time_scale=100.0,
                      log_dir=tmp_path_factory.mktemp("gw") / "logs", gateway=True, api_keys={"tenant-b": OTHER_KEY},
-                     extra_env={"TALARIA_HEARTBEAT_WALL_S": "0.2"})
+                     extra_env={"TALARIA_HEARTBEAT_WALL_S": "0.2", "TALARIA_GATEWAY_RETRY_GRACE_S": "3"})
     async with EmbeddedStack(spec) as s:
         yield s
 
@@ -697,6 +697,58 @@ async def test_a_disconnect_cancels_the_running_call(stack: EmbeddedStack) -> No
         await asyncio.sleep(0.1)
     assert [e["status"] for e in gone] == [499]
     assert any(e.get("call_id") == gone[0]["call_id"] for e in events(stack, "gateway", "gateway.cancelled"))
+
+
+async def _whole_call_wall_s(stack: EmbeddedStack, body: dict[str, Any], session: str) -> float:
+    t0 = time.monotonic()
+    await oai(stack).chat.completions.create(**body, extra_headers={"x-session-id": session})
+    return time.monotonic() - t0
+
+
+@pytest.mark.timeout(180)
+async def test_an_sdk_whose_timeout_is_shorter_than_the_call_gets_its_reply_from_its_retries(
+        stack: EmbeddedStack) -> None:
+    body: dict[str, Any] = {"model": MODEL, "max_tokens": 60_000, "extra_body": {"talaria": {"sim_output_tokens": 12_000}},
+                            "messages": [{"role": "user", "content": "a long answer, please " * 10}]}
+    took = await _whole_call_wall_s(stack, body, "timed-alone")
+    assert took > 1.0, f"the call must outlast a short timeout ({took:.2f} s)"
+    # each attempt gives up after a third of the call: started again at every retry, it would
+    # never finish; each retry joins the run its first attempt left, and the last one gets it
+    client = oai(stack, timeout=took / 3, max_retries=8)
+    reply = await client.chat.completions.create(**body, extra_headers={"x-session-id": "timed-out"})
+    assert reply.usage is not None and reply.usage.completion_tokens == 12_000
+    cid = reply.id.removeprefix("chatcmpl-")
+    statuses = [e["status"] for e in events(stack, "gateway", "gateway.call") if e.get("call_id") == cid]
+    assert statuses[-1] == 200 and len(statuses) >= 2 and set(statuses[:-1]) == {499}, statuses
+    assert len([e for e in events(stack, "gateway", "gateway.joined") if e.get("call_id") == cid]) == len(statuses) - 1
+    # generated once, never cancelled
+    assert not [e for e in events(stack, f"engine-s0-{MODEL}", "engine.cancel") if e.get("call_id") == cid]
+    assert not [e for e in events(stack, "gateway", "gateway.cancelled") if e.get("call_id") == cid]
+
+
+@pytest.mark.timeout(120)
+async def test_a_call_held_for_a_retry_that_never_comes_is_cancelled_after_the_grace(stack: EmbeddedStack) -> None:
+    # (about 11 s of wall at this stack's time scale: it outlasts the client and the grace)
+    body: dict[str, Any] = {"model": MODEL, "max_tokens": 120_000,
+                            "extra_body": {"talaria": {"sim_output_tokens": 120_000}},
+                            "messages": [{"role": "user", "content": "an answer no one waits for " * 10}]}
+    client = oai(stack, timeout=1.0, max_retries=0)  # counts its attempts, and makes no second one
+    with pytest.raises(openai.APITimeoutError):
+        await client.chat.completions.create(**body, extra_headers={"x-session-id": "held-alone"})
+    left = time.monotonic()
+    deadline = left + 30
+    while not (gone := [e for e in events(stack, "gateway", "gateway.call") if e.get("session_name") == "held-alone"]):
+        assert time.monotonic() < deadline, "the gateway never logged the call"
+        await asyncio.sleep(0.1)
+    cid = gone[0]["call_id"]
+    assert [e["status"] for e in gone] == [499]
+    assert [e for e in events(stack, "gateway", "gateway.held_for_retry") if e.get("call_id") == cid]
+    while not [e for e in events(stack, f"engine-s0-{MODEL}", "engine.cancel") if e.get("call_id") == cid]:
+        assert time.monotonic() < deadline, "the held call was never cancelled"
+        await asyncio.sleep(0.1)
+    assert time.monotonic() - left >= 2.5, "cancelled before the grace was out"
+    assert [e["reason"] for e in events(stack, "gateway", "gateway.cancelled")
+            if e.get("call_id") == cid] == ["client disconnected; no retry within the grace"]
 
 
 # --------------------------------------------------------------------------- a router that refuses

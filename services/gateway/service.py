@@ -150,6 +150,22 @@ def _cache_scope(tenant: str, model: str) -> str:
     return f"{tenant}\0{model}"
 
 
+@dataclass
+class SharedCall:
+    """A whole call running here and the requests waiting for its reply: its first
+    attempt and any retry that joined it (an SDK whose timeout was shorter than the
+    call retries, and the retry takes the reply the call was making rather than
+    starting it again). When the last waiter leaves a call whose client retries, the
+    call runs on for the retry grace; `cleanup` is what that waiter left undone (the
+    session's release or end), done when the call ends unjoined."""
+
+    task: "asyncio.Task[CallReply]"
+    tenant: str
+    waiters: int = 0
+    grace: asyncio.TimerHandle | None = None
+    cleanup: Callable[[], Awaitable[None]] | None = None
+
+
 # delete a header-less session's in-flight mark only if it is this call's
 _RELEASE = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
 
@@ -175,6 +191,8 @@ class Gateway:
                                                     "TALARIA_GATEWAY_REASONING_PARSERS", rs.FORMATS)
         self.log = structlog.get_logger("gateway")
         self.sessions: OrderedDict[str, Session] = OrderedDict()
+        self.shared_calls: dict[str, SharedCall] = {}  # call id -> a whole call running here
+        self._background: set[asyncio.Task[Any]] = set()  # held calls' cleanups (a reference, so none is collected)
         self._models: tuple[float, list[str]] | None = None
         self._limits: dict[str, int] = {}
         self.metrics = Metrics()
@@ -566,6 +584,64 @@ class Gateway:
         assert self.redis is not None
         await self.redis.eval(_RELEASE, 1, self.rkeys.gateway_busy(ids.session_id), ids.call_id)
 
+    async def _after_call(self, ids: CallIds, final: bool) -> None:
+        """A call's request is done with its session: a header-less session is free for
+        its next call, and a session its agent said was finished ends."""
+        if not ids.named:
+            await self._soft(lambda: self._release(ids), None)
+        if final:
+            await self._end(ids.session_id)
+
+    # -- a whole call shared by its attempts --------------------------------------------------------
+    def _share(self, cid: str, tenant: str, task: "asyncio.Task[CallReply]") -> SharedCall:
+        shared = self.shared_calls[cid] = SharedCall(task, tenant)
+        task.add_done_callback(lambda t: self._settled(cid, shared, t))
+        return shared
+
+    def _join(self, cid: str, shared: SharedCall) -> None:
+        """A retry joins the call its first attempt left running: the grace ends, and the
+        cleanup the leaver left is now the retry's own (its request does it)."""
+        if shared.grace is not None:
+            shared.grace.cancel()
+            shared.grace = None
+        shared.cleanup = None
+        self.log.info("gateway.joined", reason="a retry of a call still running")
+
+    def _left(self, cid: str, shared: SharedCall, retries: bool) -> bool:
+        """The last waiter of a running call left (its client went away). A client that
+        retries (an SDK counting its attempts, or an Idempotency-Key) comes back for the
+        same call after its backoff: the call runs on for the grace, for the retry to
+        join. Any other is cancelled now. True when the call was held."""
+        grace = self.settings.gateway_retry_grace_s
+        if retries and grace > 0:
+            shared.grace = asyncio.get_running_loop().call_later(grace, self._expire, cid, shared)
+            self.log.info("gateway.held_for_retry", grace_s=grace)
+            return True
+        shared.task.cancel()  # the agent client sends CancelCall
+        self.log.info("gateway.cancelled", reason="client disconnected")
+        return False
+
+    def _expire(self, cid: str, shared: SharedCall) -> None:
+        shared.grace = None
+        if shared.waiters == 0 and not shared.task.done():
+            shared.task.cancel()
+            with structlog.contextvars.bound_contextvars(call_id=cid):
+                self.log.info("gateway.cancelled", reason="client disconnected; no retry within the grace")
+
+    def _settled(self, cid: str, shared: SharedCall, task: "asyncio.Task[CallReply]") -> None:
+        """The call ended (a reply, an error, or cancelled): a later retry is answered
+        from the router's call record; what a held call's leaver left undone is done."""
+        if self.shared_calls.get(cid) is shared:
+            del self.shared_calls[cid]
+        if shared.grace is not None:
+            shared.grace.cancel()
+        if not task.cancelled():
+            task.exception()  # (retrieved: a held call's error has no one else to read it)
+        if shared.cleanup is not None:
+            cleanup = asyncio.ensure_future(shared.cleanup())
+            self._background.add(cleanup)
+            cleanup.add_done_callback(self._background.discard)
+
     async def _end(self, sid: str) -> None:
         self.sessions.pop(sid, None)
         with contextlib.suppress(TalariaError):
@@ -582,7 +658,7 @@ class Gateway:
         sid, cid = ids.session_id, ids.call_id
         request[REQUEST_ID_KEY] = cid
         final = tr.is_final(request.headers)
-        status = 200
+        status, deferred = 200, False
         with structlog.contextvars.bound_contextvars(tenant=tenant, session_id=sid, call_id=cid), tracing.span(
                 f"chat {model}", tracing.traceparent_of(request.headers), kind=SpanKind.SERVER,
                 attributes=tracing.call_attributes(model, sid, cid, **{"talaria.api": api,
@@ -604,19 +680,37 @@ class Gateway:
                     await self._soft(lambda: self._remember(tenant, model, ids, prompt, reply), None)
                     return reply
 
-                task = asyncio.ensure_future(call_and_remember())
-                try:
-                    if stream:
+                if stream:
+                    task = asyncio.ensure_future(call_and_remember())
+                    try:
                         return await streamer(request, task, events)
-                    # (the client leaving cancels this wait, not the task: it is cancelled below, and logged)
-                    reply = await asyncio.shield(task)
+                    finally:
+                        if not task.done():
+                            status = request[CLIENT_GONE_KEY] = 499  # (nginx's "client closed request")
+                            task.cancel()  # the client went away: the agent client sends CancelCall
+                            self.log.info("gateway.cancelled", reason="client disconnected")
+                            with contextlib.suppress(BaseException):
+                                await task
+                shared = self.shared_calls.get(cid)
+                if shared is not None and shared.tenant == tenant and not shared.task.done():
+                    # a retry of a call still running here: it waits for that call's reply
+                    self._join(cid, shared)
+                else:
+                    shared = self._share(cid, tenant, asyncio.ensure_future(call_and_remember()))
+                shared.waiters += 1
+                try:
+                    # (the client leaving cancels this wait, not the call: what happens to the call is decided below)
+                    reply = await asyncio.shield(shared.task)
                 finally:
-                    if not task.done():
+                    shared.waiters -= 1
+                    if not shared.task.done():
                         status = request[CLIENT_GONE_KEY] = 499  # (nginx's "client closed request")
-                        task.cancel()  # the client went away: the agent client sends CancelCall
-                        self.log.info("gateway.cancelled", reason="client disconnected")
-                        with contextlib.suppress(BaseException):
-                            await task
+                        if shared.waiters == 0:
+                            held = self._left(cid, shared, retries=tr.retry_count(request.headers) is not None
+                                              or request.headers.get(tr.IDEMPOTENCY_HEADER) is not None)
+                            if held:  # the session's release or end waits for the call's end
+                                shared.cleanup = lambda: self._after_call(ids, final)
+                                deferred = True
                 return web.Response(body=msgspec.json.encode(whole(reply)), content_type="application/json")
             except TalariaError as exc:
                 status = tr.error_status(exc.code, api)
@@ -629,10 +723,8 @@ class Gateway:
                               prompt_tokens=prompt.tokens, prefix_tokens=ids.prefix_tokens, named_session=ids.named,
                               session_name=ids.session_name,
                               retry=tr.retry_count(request.headers), ms=round((time.monotonic() - t0) * 1000, 2))
-                if not ids.named:
-                    await self._soft(lambda: self._release(ids), None)
-                if final:
-                    await self._end(sid)
+                if not deferred:
+                    await self._after_call(ids, final)
 
     async def _stream_events(self, request: web.Request, task: "asyncio.Task[CallReply]", events: "asyncio.Queue[Any]",
                              on_start: Callable[[], list[bytes]], on_tokens: Callable[[CallTokens], list[bytes]],
