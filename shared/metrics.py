@@ -1,8 +1,8 @@
 """Every Prometheus metric Talaria exposes, in one place (prometheus_client).
 
 Each service process serves its own registry on its own port
-(`TALARIA_METRICS_PORT`; 0 = off) from prometheus_client's HTTP server, a
-thread of its own, so a scrape still answers while the event loop is busy.
+(`TALARIA_METRICS_PORT`; 0 = off) from prometheus_client's WSGI app, in
+Prometheus's text format, on a thread of its own, so a scrape still answers while the event loop is busy.
 prometheus_client rather than OpenTelemetry's Prometheus exporter: it is what
 the field's servers expose with (vLLM's `vllm:*` among them), it needs no SDK
 pipeline, and its exposition is Prometheus's own.
@@ -25,8 +25,16 @@ Rules (docs/observability.md has the table):
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable, Iterable
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, make_server
+
 import structlog
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, make_wsgi_app
+from prometheus_client.exposition import ThreadingWSGIServer
+
+WSGIApp = Callable[[dict[str, Any], Any], Iterable[bytes]]
 
 disable_created_metrics()  # no `_created` series beside each counter
 
@@ -139,13 +147,34 @@ class Metrics:
             return 0
         log = structlog.get_logger("metrics")
         try:
-            server, _ = start_http_server(port, addr=host, registry=self.registry)
+            server = make_server(host, port, _text_exposition(make_wsgi_app(self.registry)), ThreadingWSGIServer,
+                                 handler_class=_QuietHandler)
         except OSError as exc:  # the service still serves calls: metrics are not worth an outage
             log.error("metrics.unavailable", port=port, error=str(exc))
             return 0
+        threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
         bound = int(server.server_address[1])
         log.info("metrics.listening", port=bound)
         return bound
+
+
+def _text_exposition(app: WSGIApp) -> WSGIApp:
+    """Always Prometheus's text format (0.0.4), whatever the scraper asks for. Asked for
+    OpenMetrics (every Prometheus 2.x scrape is), prometheus_client writes a name with a
+    colon as `vllm_...` in its samples but `vllm:...` in its TYPE line, so Prometheus
+    stored no series under the `vllm:*` names llm-d's contract and dashboards query
+    (prometheus/client_python#1177); the text format keeps the names as they are."""
+
+    def app_text(environ: dict[str, Any], start_response: Any) -> Iterable[bytes]:
+        environ["HTTP_ACCEPT"] = "text/plain; version=0.0.4"
+        return app(environ, start_response)
+
+    return app_text
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - (the base class's name)
+        """Scrapes are not logged (one a second per target)."""
 
 
 CONTRACT_NAMES = frozenset({"vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc"})

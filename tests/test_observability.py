@@ -185,6 +185,12 @@ async def test_prometheus_totals_equal_the_clients_records_and_the_logs(tmp_path
             assert made > 0 and ended <= made  # (the killed admission's own were lost with it)
             # a histogram of model seconds counts each completed call once
             assert prom.value(total("talaria_admission_wait_model_seconds_count")) == answered
+            # llm-d's model-server contract is stored under its own names (with their colon), one
+            # series per (server, model), not as `vllm_*`
+            for name in ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc"):
+                assert prom.value(f"count(count by (server, model) (last_over_time({name}[1h])))") == len(models), name
+            stored = prom.get("/api/v1/label/__name__/values")["data"]
+            assert not [n for n in stored if n.startswith("vllm_")], stored
             # no session or call label anywhere, and no `instance` label of ours
             names = prom.get("/api/v1/labels")["data"]
             assert not {"session_id", "call_id", "session", "call"} & set(names), names
