@@ -23,7 +23,7 @@ from talaria.argtypes import (
 )
 from talaria.client import AgentLogin, Deployment
 from talaria.results.report import add_speedups, format_table, oracle_sct, slowest_sessions, summarize
-from talaria.ops.stack import DEFAULT_MODELS, EmbeddedStack, StackSpec, default_log_dir
+from talaria.ops.stack import DEFAULT_MODELS, EmbeddedStack, LogDirInUse, StackSpec, default_log_dir
 
 if TYPE_CHECKING:
     from talaria.replay import ReplayOutcome
@@ -272,9 +272,10 @@ def cmd_up(a: argparse.Namespace) -> int:
                   f"time scale {spec.time_scale:g}x\n  logs in {stack.log_dir}; Ctrl-C stops everything", flush=True)
             await stop.wait()
         finally:
-            print("stopping ...", flush=True)
-            # its passwords die with the stack: a stale file would only mislead `replay --credentials`
-            cred_file.unlink(missing_ok=True)
+            if stack.holds_log_dir:  # (else another stack runs from it: its files are not this one's)
+                print("stopping ...", flush=True)
+                # its passwords die with the stack: a stale file would only mislead `replay --credentials`
+                cred_file.unlink(missing_ok=True)
             await stack.stop()
 
     asyncio.run(run())
@@ -359,7 +360,7 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--key-prefix", default=None, help="prefix of every Redis key (default: a fresh one)")
     u.add_argument("--log-dir", default=str(default_log_dir() / "up"),
                    help=f"the services' logs and credentials.json (default {default_log_dir() / 'up'}, "
-                        "apart from the replays' run folders)")
+                        "apart from the replays' run folders; one running stack per folder)")
     u.add_argument("--servers", type=positive_int, default=1, help="GPU servers to emulate (default 1)")
     u.add_argument("--routers", type=positive_int, default=1, help="router replicas (one queue group)")
     u.add_argument("--server-profile", default="h100x8", help="hardware profile from the catalog (default h100x8)")
@@ -443,7 +444,7 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(sig, _exit_on_signal)
     try:
         return int(args.fn(args) or 0)
-    except (TraceError, CatalogError, PolicyError, OutputError) as exc:
+    except (TraceError, CatalogError, PolicyError, OutputError, LogDirInUse) as exc:
         return _fail(str(exc))
     except KeyboardInterrupt:
         return 130

@@ -270,6 +270,25 @@ def test_the_transport_floor_passes_every_call_through_its_hops_in_every_layout(
     assert rows["1 proc"]["nats_msgs_per_call"] == pytest.approx(7.0, abs=0.5)
 
 
+def test_a_second_up_in_a_running_stacks_log_folder_is_refused_and_leaves_its_files(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import os
+
+    from talaria.ops.stack import lock_log_dir
+
+    held = lock_log_dir(tmp_path)  # a stack running from this folder
+    creds = tmp_path / "credentials.json"
+    creds.write_text('{"first": true}')
+    try:
+        assert main(["up", "--log-dir", str(tmp_path)]) == 2
+        err = capsys.readouterr().err
+        assert f"a stack already runs from {tmp_path} (pid {os.getpid()})" in err and "--log-dir" in err, err
+        assert creds.read_text() == '{"first": true}'  # its credentials are still there
+    finally:
+        os.close(held)
+    os.close(lock_log_dir(tmp_path))  # free again once the first has stopped
+
+
 def test_up_serves_with_talarias_policy_unless_told() -> None:
     # the serving command runs the system, as compose's defaults do; the baseline is asked for by name
     assert build_parser().parse_args(["up"]).policy == "talaria"

@@ -9,6 +9,7 @@ never written to unless its URL is passed explicitly.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import os
 import secrets
 import sys
@@ -34,6 +35,29 @@ from talaria.ops.prometheus import write_atomically
 from talaria.ops.redis_server import RedisServer
 
 DEFAULT_MODELS = ["glm-4.5-fp8", "qwen3-235b-a22b-fp8", "glm-4.5-air-fp8"]
+LOCK_FILE = ".stack.lock"  # in the log folder: held while a stack runs from it
+
+
+class LogDirInUse(RuntimeError):
+    """Another running stack writes to this log folder (its logs, credentials and
+    Prometheus targets): a second one there would overwrite them."""
+
+
+def lock_log_dir(log_dir: Path) -> int:
+    """Hold `log_dir` for this stack (released when the process ends, however it ends);
+    the lock file's descriptor. LogDirInUse if another process holds it."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(log_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise LogDirInUse(f"a stack already runs from {log_dir} (pid {holder}); stop it first, or give this one "
+                          f"a log folder of its own (--log-dir)") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    return fd
 
 
 @dataclass
@@ -78,6 +102,7 @@ class EmbeddedStack:
         self.metrics_ports: dict[str, int] = {}  # process -> its metrics port now
         self.clock_epoch = time.time()
         self.log_dir = Path(spec.log_dir)
+        self._lock_fd: int | None = None  # the log folder's lock while this stack runs
         self._supervisor: asyncio.Task | None = None
         self._liveness: asyncio.Task | None = None
         # credentials only when we start the servers ourselves
@@ -173,8 +198,13 @@ class EmbeddedStack:
             return {}
         return {"TALARIA_NATS_USER": role, "TALARIA_NATS_PASSWORD": self.creds.nats[role]}
 
+    @property
+    def holds_log_dir(self) -> bool:
+        """This stack has its log folder to itself (from a start until its stop)."""
+        return self._lock_fd is not None
+
     async def start(self, timeout_s: float = 90.0) -> None:
-        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self._lock_fd = lock_log_dir(self.log_dir)
         c = self.creds
         if not self.spec.nats_urls and self.spec.nats_cluster > 1:
             self.nats_nodes = await asyncio.to_thread(
@@ -359,6 +389,9 @@ class EmbeddedStack:
             await self.redis.astop()
         for node in self.nats_nodes:
             await node.astop()
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # (closing releases the lock)
+            self._lock_fd = None
 
     async def __aenter__(self) -> "EmbeddedStack":
         try:
