@@ -90,9 +90,12 @@ async def test_one_trace_per_call_with_its_parents_across_the_services(tmp_path:
         assert client["parent"] == root["id"] and place["parent"] == client["id"]
         assert wait["parent"] == place["id"] and gen["parent"] == wait["id"]
         assert gen["name"] == f"chat {MODEL}" and gen["attrs"]["gen_ai.usage.output_tokens"] > 0
-        for s in (root, client, place, wait, gen):
-            assert s["attrs"]["gen_ai.conversation.id"] == root["attrs"]["gen_ai.conversation.id"]
-            assert s["attrs"]["gen_ai.request.model"] == MODEL
+        for s in spans:  # every span of the call names it (a switch's wait too, where there was one)
+            assert s["attrs"]["gen_ai.conversation.id"] == root["attrs"]["gen_ai.conversation.id"], s
+            assert s["attrs"]["gen_ai.request.model"] == MODEL, s
+            assert s["attrs"]["talaria.call_id"] == root["attrs"]["talaria.call_id"], s
+        # found by the agent's own name for its session, as `talaria logs` finds it
+        assert root["attrs"]["talaria.session_name"] == "traced-1"
         sessions.add(root["attrs"]["gen_ai.conversation.id"])
     assert len(sessions) == 1  # both calls of the session, linked by its id
 

@@ -447,8 +447,9 @@ class AdmissionService(ServiceProcess):
         tp = tracing.record_span("admission.wait", sub.traceparent, start, end, attrs)
         if a.switch_wait_s > 0 and tp is not None:
             wall = min(end - start, a.switch_wait_s / max(self.settings.time_scale, 1e-9))
-            tracing.record_span("admission.switch_wait", tp, end - wall, end,
-                                {"talaria.switch_wait_model_s": round(a.switch_wait_s, 3)})
+            tracing.record_span("admission.switch_wait", tp, end - wall, end, tracing.call_attributes(
+                c.model, c.session_id, c.call_id, **{"talaria.server_id": self.settings.server_id,
+                                                     "talaria.switch_wait_model_s": round(a.switch_wait_s, 3)}))
         return tp
 
     def _gauge(self) -> None:

@@ -661,8 +661,8 @@ class Gateway:
         status, deferred = 200, False
         with structlog.contextvars.bound_contextvars(tenant=tenant, session_id=sid, call_id=cid), tracing.span(
                 f"chat {model}", tracing.traceparent_of(request.headers), kind=SpanKind.SERVER,
-                attributes=tracing.call_attributes(model, sid, cid, **{"talaria.api": api,
-                                                                        "http.route": request.path})):
+                attributes=tracing.call_attributes(model, sid, cid, **{"talaria.api": api, "http.route": request.path,
+                                                                        "talaria.session_name": ids.session_name or None})):
             try:
                 session = await self._session(sid, model)
                 events: asyncio.Queue[Any] = asyncio.Queue()
