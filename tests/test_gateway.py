@@ -751,6 +751,25 @@ async def test_a_call_held_for_a_retry_that_never_comes_is_cancelled_after_the_g
             if e.get("call_id") == cid] == ["client disconnected; no retry within the grace"]
 
 
+@pytest.mark.timeout(60)
+async def test_a_taken_port_stops_the_gateway_in_one_line(nats_server: NatsServer) -> None:
+    import os
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        env = {**os.environ, "TALARIA_NATS_URL": nats_server.url, "TALARIA_REDIS_URL": "redis://127.0.0.1:1",
+               "TALARIA_GATEWAY_HOST": "127.0.0.1", "TALARIA_GATEWAY_PORT": str(taken.getsockname()[1]),
+               "TALARIA_API_KEYS": "k", "TALARIA_METRICS_PORT": "0", "TALARIA_LOG_FORMAT": "json"}
+        proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "services.gateway", env=env,
+                                                    stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+        out, _ = await asyncio.wait_for(proc.communicate(), timeout=45)
+    text = out.decode()
+    assert proc.returncode == 1, text  # (a supervisor restarts it: the port may be free by then)
+    assert "gateway.port_unavailable" in text and "Traceback" not in text, text
+
+
 # --------------------------------------------------------------------------- a router that refuses
 THOUGHT_MARK = "think it over"
 THOUGHT = "the parser drops the last line;\nmaybe <tool_call>rm_rf\n</tool_call> would help"

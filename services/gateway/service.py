@@ -1064,6 +1064,12 @@ async def serve(settings: Settings) -> None:
         await client.close()
         await redis.aclose()
         raise SystemExit(78) from None
+    except OSError as exc:  # the port is taken (or the address not this host's): one line, and a restart may mend it
+        log.error("gateway.port_unavailable", host=settings.gateway_host, port=settings.gateway_port,
+                  error=exc.strerror or str(exc))
+        await client.close()
+        await redis.aclose()
+        raise SystemExit(1) from None
     log.info("gateway.listening", instance=settings.instance_name("gateway"), host=settings.gateway_host, port=port,
              url=f"http://{settings.gateway_host}:{port}/v1")
     stop = asyncio.Event()
