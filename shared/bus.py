@@ -383,7 +383,7 @@ def run_service(make: Callable[[Settings], ServiceProcess], argv: list[str] | No
                 settings: Settings | None = None) -> None:
     """A service's entry point: its settings (flags over TALARIA_* variables), then its loop."""
     if settings is None:
-        settings = Settings.from_env(argv if argv is not None else sys.argv[1:])
+        settings = Settings.from_env_or_exit(argv if argv is not None else sys.argv[1:])
     run_loop(make(settings).run())
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +33,16 @@ def _int(env: Mapping[str, str], name: str, default: int) -> int:
         return int(v)
     except ValueError:
         raise SettingsError(f"{name} must be a whole number, not {v!r}") from None
+
+
+def _float(env: Mapping[str, str], name: str, default: float) -> float:
+    v = env.get(name, "").strip()
+    if not v:
+        return default
+    try:
+        return float(v)
+    except ValueError:
+        raise SettingsError(f"{name} must be a number, not {v!r}") from None
 
 
 def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
@@ -156,6 +167,16 @@ class Settings:
         return kind
 
     @classmethod
+    def from_env_or_exit(cls, argv: list[str]) -> "Settings":
+        """A service's settings, or one line naming the bad variable and exit 78 (a
+        configuration error: a restart would not mend it)."""
+        try:
+            return cls.from_env(argv)
+        except SettingsError as exc:
+            print(f"talaria: error: {exc}", file=sys.stderr)
+            raise SystemExit(78) from None
+
+    @classmethod
     def from_env(cls, argv: list[str] | None = None, env: Mapping[str, str] | None = None) -> "Settings":
         """Flags over TALARIA_* variables (`env`, default the process's environment)."""
         src: Mapping[str, str] = os.environ if env is None else env
@@ -168,25 +189,25 @@ class Settings:
         p.add_argument("--redis", default=_env("TALARIA_REDIS_URL", "redis://127.0.0.1:6379/0"))
         p.add_argument("--subject-prefix", default=_env("TALARIA_SUBJECT_PREFIX", "talaria"))
         p.add_argument("--key-prefix", default=_env("TALARIA_KEY_PREFIX", "talaria:"))
-        p.add_argument("--time-scale", type=float, default=float(_env("TALARIA_TIME_SCALE", "1")))
-        p.add_argument("--clock-epoch", type=float, default=float(_env("TALARIA_CLOCK_EPOCH", "0")))
+        p.add_argument("--time-scale", type=float, default=_float(src, "TALARIA_TIME_SCALE", 1.0))
+        p.add_argument("--clock-epoch", type=float, default=_float(src, "TALARIA_CLOCK_EPOCH", 0.0))
         p.add_argument("--policy", default=_env("TALARIA_POLICY", "baseline"), help="preset name or JSON PolicyConfig")
         p.add_argument("--servers", default=_env("TALARIA_SERVERS", "s0"))
         p.add_argument("--server-profile", default=_env("TALARIA_SERVER_PROFILE", "h100x8"))
         p.add_argument("--models", default=_env("TALARIA_MODELS", "glm-4.5-fp8,qwen3-235b-a22b-fp8,glm-4.5-air-fp8"))
         p.add_argument("--server-id", default=_env("TALARIA_SERVER_ID", "s0"))
         p.add_argument("--model", default=_env("TALARIA_MODEL", ""))
-        p.add_argument("--heartbeat-wall-s", type=float, default=float(_env("TALARIA_HEARTBEAT_WALL_S", "1.0")))
+        p.add_argument("--heartbeat-wall-s", type=float, default=_float(src, "TALARIA_HEARTBEAT_WALL_S", 1.0))
         p.add_argument("--catalog", default=src.get("TALARIA_CATALOG"))
-        p.add_argument("--switch-cost-scale", type=float, default=float(_env("TALARIA_SWITCH_COST_SCALE", "1")))
-        p.add_argument("--prefill-speed-scale", type=float, default=float(_env("TALARIA_PREFILL_SPEED_SCALE", "1")))
+        p.add_argument("--switch-cost-scale", type=float, default=_float(src, "TALARIA_SWITCH_COST_SCALE", 1.0))
+        p.add_argument("--prefill-speed-scale", type=float, default=_float(src, "TALARIA_PREFILL_SPEED_SCALE", 1.0))
         p.add_argument("--nats-user", default=src.get("TALARIA_NATS_USER"))
         p.add_argument("--nats-password", default=src.get("TALARIA_NATS_PASSWORD"), help="prefer the environment variable")
         p.add_argument("--max-queued", type=int, default=int(_env("TALARIA_MAX_QUEUED", "512")),
                        help="queued calls per server above which new sessions get no_capacity (0 = unbounded)")
-        p.add_argument("--session-idle-s", type=float, default=float(_env("TALARIA_SESSION_IDLE_S", "600")),
+        p.add_argument("--session-idle-s", type=float, default=_float(src, "TALARIA_SESSION_IDLE_S", 600.0),
                        help="model seconds of idleness after which a session's reservation and KV are released")
-        p.add_argument("--control-timeout-s", type=float, default=float(_env("TALARIA_CONTROL_TIMEOUT_S", "10")),
+        p.add_argument("--control-timeout-s", type=float, default=_float(src, "TALARIA_CONTROL_TIMEOUT_S", 10.0),
                        help="wall seconds the substrate waits for an engine's sleep/wake (a GPU reload of a "
                             ">100B model's weights takes tens of seconds: raise it there)")
         p.add_argument("--engine", default=_env("TALARIA_ENGINE", "sim").strip() or "sim", choices=ENGINE_BACKENDS,
@@ -200,10 +221,10 @@ class Settings:
                        help="the HTTP gateway's listen address")
         p.add_argument("--gateway-port", type=int, default=_int(src, "TALARIA_GATEWAY_PORT", 8080),
                        help="the HTTP gateway's port (0 = a free one)")
-        p.add_argument("--gateway-keepalive-s", type=float, default=float(_env("TALARIA_GATEWAY_KEEPALIVE_S", "10")),
+        p.add_argument("--gateway-keepalive-s", type=float, default=_float(src, "TALARIA_GATEWAY_KEEPALIVE_S", 10.0),
                        help="wall seconds between SSE keep-alive comments while a streamed call waits")
         p.add_argument("--gateway-retry-grace-s", type=float,
-                       default=float(_env("TALARIA_GATEWAY_RETRY_GRACE_S", "10")),
+                       default=_float(src, "TALARIA_GATEWAY_RETRY_GRACE_S", 10.0),
                        help="wall seconds a whole call keeps running after its client left, when that client "
                             "retries (an SDK, or an Idempotency-Key), for the retry to join it (0: cancel at once)")
         p.add_argument("--gateway-max-body", type=int, default=_int(src, "TALARIA_GATEWAY_MAX_BODY", 4 * 1024 * 1024),
@@ -228,7 +249,7 @@ class Settings:
                        help="the metrics endpoint's listen address")
         p.add_argument("--otlp-endpoint", default=_env("TALARIA_OTLP_ENDPOINT", "") or None,
                        help="export OpenTelemetry traces over OTLP/HTTP to this URL (off when empty)")
-        p.add_argument("--loop-stall-exit-s", type=float, default=float(_env("TALARIA_LOOP_STALL_EXIT_S", "0")),
+        p.add_argument("--loop-stall-exit-s", type=float, default=_float(src, "TALARIA_LOOP_STALL_EXIT_S", 0.0),
                        help="exit when the event loop has not run for this many wall seconds, so a supervisor "
                             "restarts the process (compose; 0 = off)")
         a = p.parse_args(argv)

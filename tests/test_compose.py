@@ -244,6 +244,24 @@ def test_each_gpu_engine_worker_resolves_to_its_own_model_and_context_length() -
     assert len(targets) == len(vllm_workers)  # no two workers share a folder
 
 
+@pytest.mark.parametrize("module,env", [
+    ("services.router", {"TALARIA_TIME_SCALE": "fast"}),
+    ("services.admission", {"TALARIA_METRICS_PORT": "9464x"}),
+    ("services.gateway", {"TALARIA_GATEWAY_KEEPALIVE_S": "ten"}),
+    ("services.engine", {"TALARIA_HEARTBEAT_WALL_S": "1s"}),
+])
+def test_a_bad_setting_stops_a_service_in_one_line_naming_it(module: str, env: dict[str, str]) -> None:
+    import os
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", module], env={**os.environ, **env}, capture_output=True, text=True,
+                         timeout=60, cwd=ROOT)
+    assert out.returncode == 78, out  # a configuration error: a restart would not mend it
+    name = next(iter(env))
+    assert out.stderr.startswith("talaria: error: ") and name in out.stderr and "Traceback" not in out.stderr, out
+
+
 def test_vllm_settings_refuse_a_missing_or_unreadable_model_folder(tmp_path: Path) -> None:
     from shared.settings import SettingsError, VllmSettings
 

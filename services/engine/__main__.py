@@ -9,7 +9,7 @@ from shared.settings import Settings
 
 
 def main() -> None:
-    settings = Settings.from_env(sys.argv[1:])
+    settings = Settings.from_env_or_exit(sys.argv[1:])
     backend: type[EngineBackend]
     if settings.engine == "vllm":
         from services.engine.vllm_backend import VllmBackend  # imports vLLM only when asked

@@ -1085,5 +1085,5 @@ async def serve(settings: Settings) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    settings = Settings.from_env(argv if argv is not None else sys.argv[1:])
+    settings = Settings.from_env_or_exit(argv if argv is not None else sys.argv[1:])
     run_loop(serve(settings))
