@@ -9,7 +9,7 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,23 +26,22 @@ class SettingsError(ValueError):
 
 
 def _int(env: Mapping[str, str], name: str, default: int) -> int:
-    v = env.get(name, "").strip()
-    if not v:
-        return default
-    try:
-        return int(v)
-    except ValueError:
-        raise SettingsError(f"{name} must be a whole number, not {v!r}") from None
+    return int(_number(env, name, default, int, "a whole number"))
 
 
 def _float(env: Mapping[str, str], name: str, default: float) -> float:
+    return float(_number(env, name, default, float, "a number"))
+
+
+def _number(env: Mapping[str, str], name: str, default: float, parse: Callable[[str], float], what: str) -> float:
+    """A numeric variable (empty or unset: `default`), or a SettingsError naming it."""
     v = env.get(name, "").strip()
     if not v:
         return default
     try:
-        return float(v)
+        return parse(v)
     except ValueError:
-        raise SettingsError(f"{name} must be a number, not {v!r}") from None
+        raise SettingsError(f"{name} must be {what}, not {v!r}") from None
 
 
 def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
