@@ -41,6 +41,8 @@ disable_created_metrics()  # no `_created` series beside each counter
 # model seconds: a round wait under the baseline is minutes, a session's duration hours
 MODEL_SECONDS_BUCKETS = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0, 1800.0, 3600.0,
                          7200.0, 14400.0)
+# model seconds per output token: a decode step is milliseconds to tens of them, more in a large batch
+TOKEN_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0)
 WALL_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
@@ -75,6 +77,24 @@ class Metrics:
         self.switch_wait = Histogram(
             "talaria_switch_wait_model_seconds", "Model seconds a completed call waited for its model's switch.",
             ["server", "model"], buckets=MODEL_SECONDS_BUCKETS, registry=r)
+        # the latencies and tokens operators read off vLLM (e2e_request_latency, time_to_first_token,
+        # inter_token_latency, generation_tokens), per completed call, on the stack's clock: under
+        # round scheduling a call's wait for its model's turn is most of them, and is in them
+        self.call_duration = Histogram(
+            "talaria_call_duration_model_seconds", "Model seconds from a completed call's arrival at the router "
+            "to its last token: its waits, switch, restore, prefill and decode (vLLM's e2e request latency).",
+            ["server", "model"], buckets=MODEL_SECONDS_BUCKETS, registry=r)
+        self.time_to_first_token = Histogram(
+            "talaria_time_to_first_token_model_seconds", "Model seconds from a completed call's arrival at the "
+            "router to its first output token: its waits, switch, restore and prefill.", ["server", "model"],
+            buckets=MODEL_SECONDS_BUCKETS, registry=r)
+        self.time_per_output_token = Histogram(
+            "talaria_time_per_output_token_model_seconds", "Model seconds per output token after the first, per "
+            "completed call of two or more tokens (its decode over its tokens; vLLM's inter-token latency).",
+            ["server", "model"], buckets=TOKEN_SECONDS_BUCKETS, registry=r)
+        self.generation_tokens = Counter(
+            "talaria_generation_tokens", "Output tokens of completed calls (prompt tokens: "
+            "talaria_prefix_tokens_total over its sources).", ["server", "model"], registry=r)
         self.session_duration = Histogram(
             "talaria_session_duration_model_seconds", "Model seconds from a session's first call to its end "
             "(an agent's end), per model.", ["model"], buckets=MODEL_SECONDS_BUCKETS, registry=r)

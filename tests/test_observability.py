@@ -149,6 +149,7 @@ async def test_prometheus_totals_equal_the_clients_records_and_the_logs(tmp_path
                     async with http.post(f"{stack.openai_base_url}/chat/completions", json=body,
                                          headers={"Authorization": f"Bearer {stack.api_key}"}) as r:
                         assert r.status == 200, await r.text()
+                        http_tokens = (await r.json())["usage"]["completion_tokens"]
             finally:
                 await client.close()
             await asyncio.sleep(3.5)  # the last scrapes (every second)
@@ -185,6 +186,13 @@ async def test_prometheus_totals_equal_the_clients_records_and_the_logs(tmp_path
             assert made > 0 and ended <= made  # (the killed admission's own were lost with it)
             # a histogram of model seconds counts each completed call once
             assert prom.value(total("talaria_admission_wait_model_seconds_count")) == answered
+            # the latencies and tokens operators read off vLLM, once per completed call
+            for latency in ("talaria_call_duration_model_seconds", "talaria_time_to_first_token_model_seconds"):
+                assert prom.value(total(f"{latency}_count")) == answered, latency
+            assert prom.value(total("talaria_time_to_first_token_model_seconds_sum")) \
+                < prom.value(total("talaria_call_duration_model_seconds_sum"))
+            assert prom.value(total("talaria_generation_tokens_total")) \
+                == sum(r.output_tokens for r in out.records) + http_tokens
             # llm-d's model-server contract is stored under its own names (with their colon), one
             # series per (server, model), not as `vllm_*`
             for name in ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc"):

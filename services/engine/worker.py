@@ -309,6 +309,15 @@ class EngineWorker(ServiceProcess):
         m.calls_completed.labels(**labels).inc()
         m.admission_wait.labels(**labels, kind="round" if rc.round_wait else "in_slot").observe(rc.waited_s)
         m.switch_wait.labels(**labels).observe(rc.switch_wait_s)
+        took = max(0.0, reply.finished_at - reply.arrived_at)
+        # the decode on the stack's clock: the cost model's, or a real engine's wall time scaled as the clock is
+        decode = reply.decode_s if reply.wall_decode_s is None else reply.wall_decode_s * self.settings.time_scale
+        decode = min(took, decode)
+        m.call_duration.labels(**labels).observe(took)
+        m.time_to_first_token.labels(**labels).observe(took - decode)
+        if reply.output_tokens > 1:
+            m.time_per_output_token.labels(**labels).observe(decode / (reply.output_tokens - 1))
+        m.generation_tokens.labels(**labels).inc(reply.output_tokens)
         if rc.sp_admit:
             m.sp_admissions.labels(**labels).inc()
         new = max(0, reply.prompt_tokens - reply.cached_tokens - reply.restored_tokens - reply.reprefill_tokens)
