@@ -9,8 +9,9 @@ pipeline, and its exposition is Prometheus's own.
 
 Rules (docs/observability.md has the table):
 
-- Labels are `server`, `model` and a few bounded enums (`code`, `kind`,
-  `reason`, `residency`, `kv`): never a session or call id (cardinality), and
+- Labels are `server`, `model` (`to_model` for a switch's target) and a few
+  bounded enums (`code`, `kind`, `reason`, `source`, `residency`, `kv`,
+  `outcome`, `api`, `status`): never a session or call id (cardinality), and
   never `instance` or `job` (Prometheus sets those from the target).
 - Counted where it cannot double: a call's outcome at its durable transition
   (accepted when the router creates its call record, completed when an
@@ -58,7 +59,7 @@ class Metrics:
             "talaria_calls_accepted", "Calls taken for the first time (the router created their call record).",
             ["model"], registry=r)
         self.calls_failed = Counter(
-            "talaria_calls_failed", "Calls answered with an error, by error code (router and engine-worker).",
+            "talaria_calls_failed", "Calls answered with an error, by error code (router, admission and engine-worker).",
             ["code"], registry=r)
         self.calls_completed = Counter(
             "talaria_calls_completed", "Calls answered to the agent, once each: an engine-worker stored its "
