@@ -724,6 +724,13 @@ async def test_an_sdk_whose_timeout_is_shorter_than_the_call_gets_its_reply_from
     # generated once, never cancelled
     assert not [e for e in events(stack, f"engine-s0-{MODEL}", "engine.cancel") if e.get("call_id") == cid]
     assert not [e for e in events(stack, "gateway", "gateway.cancelled") if e.get("call_id") == cid]
+    # the Anthropic SDK's retries the same way
+    message = await ant(stack, timeout=took / 3, max_retries=8).messages.create(
+        model=MODEL, max_tokens=12_000, messages=[{"role": "user", "content": "a long answer, Anthropic " * 10}],
+        extra_body={"talaria": {"sim_output_tokens": 12_000}}, extra_headers={"x-session-id": "timed-out-2"})
+    assert message.usage.output_tokens == 12_000
+    joined = [e for e in events(stack, "gateway", "gateway.joined") if e.get("call_id") == message.id.removeprefix("msg_")]
+    assert joined, "the Anthropic SDK's retry did not join its call"
 
 
 @pytest.mark.timeout(120)
