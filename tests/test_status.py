@@ -8,6 +8,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from shared.net import LOOPBACK, free_port
 from shared.policy import resolve_policy
 from talaria.cli import main
 from talaria.client import AgentLogin, TalariaClient
@@ -29,16 +30,29 @@ def test_version_comes_from_the_package_metadata(capsys: pytest.CaptureFixture[s
 @pytest.mark.timeout(180)
 async def test_status_names_every_service_and_each_servers_active_model(tmp_path: Path) -> None:
     models = ["glm-4.5-fp8", "glm-4.5-air-fp8"]
-    spec = StackSpec(policy=resolve_policy("talaria"), models=models, time_scale=50.0, log_dir=tmp_path / "logs")
+    # with the HTTP gateway, as `talaria up` starts it
+    spec = StackSpec(policy=resolve_policy("talaria"), models=models, time_scale=50.0, log_dir=tmp_path / "logs",
+                     gateway=True)
     async with EmbeddedStack(spec) as stack:
         dep = msgspec.structs.replace(stack.deployment(), operator=AgentLogin(**stack.nats_auth("operator")))
         creds = tmp_path / "credentials.json"
         dep.write(creds)
         before = await status.gather(dep)
         assert before.healthy, status.render(before)
-        assert set(before.health) == {"router-0", "admission-s0", "substrate-s0",
+        assert set(before.health) == {"router-0", "admission-s0", "substrate-s0", "gateway",
                                       "engine-s0-glm-4.5-fp8", "engine-s0-glm-4.5-air-fp8"}
         assert before.policy == "talaria" and before.time_scale == 50.0 and before.active == {"s0": ""}
+
+        # the gateway is asked over HTTP (it has no health subject): one nobody serves is a failing row
+        port = free_port()
+        no_gateway = await status.gather(msgspec.structs.replace(dep, openai_base_url=f"http://{LOOPBACK}:{port}/v1"),
+                                         timeout_s=1.0)
+        assert not no_gateway.healthy
+        assert no_gateway.health["gateway"] == f"unreachable at http://{LOOPBACK}:{port}/health"
+        assert all(v == "ok" for k, v in no_gateway.health.items() if k != "gateway"), status.render(no_gateway)
+        # a file that names no gateway: no row for one
+        without = await status.gather(msgspec.structs.replace(dep, openai_base_url=None))
+        assert without.healthy and "gateway" not in without.health, status.render(without)
 
         # one call makes a model active on s0
         client = await TalariaClient.from_deployment(stack.deployment())
@@ -52,6 +66,7 @@ async def test_status_names_every_service_and_each_servers_active_model(tmp_path
         assert after.active == {"s0": "glm-4.5-air-fp8"}, status.render(after)
         text = status.render(after)
         assert "engine-s0-glm-4.5-fp8" in text and "glm-4.5-air-fp8" in text
+        assert any(line.split() == ["gateway", "ok"] for line in text.splitlines()), text
 
         # the command itself: exit 0 when everything answers
         assert await _cli(["status", "--credentials", str(creds)]) == 0

@@ -2,8 +2,10 @@
 
 Every service's health (its `<prefix>.health.<instance>` endpoint, as the
 compose health checks ask it; routers are found by a NATS micro ping, as
-their ids are free), what the router reports (policy, time scale, servers,
-models), and each server's active model from the admission's mirror in Redis.
+their ids are free; the HTTP gateway, an agent with no health subject, by its
+GET /health when the file names its URL), what the router reports (policy,
+time scale, servers, models), and each server's active model from the
+admission's mirror in Redis.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import aiohttp
 import nats
 import nats.errors
 import redis.asyncio as aioredis
@@ -61,6 +64,29 @@ async def _routers(nc: nats.NATS, wait_s: float) -> list[str]:
     return sorted(set(found))
 
 
+def gateway_health_url(openai_base_url: str) -> str:
+    """The gateway's GET /health, at the root of the OpenAI-style base URL (`<root>/v1`) the file names."""
+    return f"{openai_base_url.rstrip('/').removesuffix('/v1')}/health"
+
+
+async def _gateway_health(url: str, timeout_s: float) -> str:
+    """`ok`, or what went wrong, worded as the NATS rows are."""
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as http:
+            async with http.get(url) as r:
+                if r.status == 200:
+                    return "ok"
+                try:  # the gateway says why ({"status": "nats disconnected"})
+                    why = str((await r.json(content_type=None))["status"])
+                except (ValueError, KeyError, TypeError, aiohttp.ClientError):
+                    why = r.reason or ""
+                return f"HTTP {r.status}" + (f" ({why})" if why else "")
+    except asyncio.TimeoutError:
+        return f"no answer within {timeout_s:g} s"
+    except aiohttp.ClientError:
+        return f"unreachable at {url}"
+
+
 async def gather(dep: Deployment, timeout_s: float = 3.0) -> Status:
     st = Status(where=",".join(dep.nats_urls))
     try:
@@ -105,6 +131,8 @@ async def gather(dep: Deployment, timeout_s: float = 3.0) -> Status:
             await asyncio.gather(*(health(i) for i in routers + others))
         finally:
             await nc.close()
+    if dep.openai_base_url:  # the gateway has no health subject (an agent of Talaria): its HTTP /health, no login
+        st.health["gateway"] = await _gateway_health(gateway_health_url(dep.openai_base_url), timeout_s)
 
     if dep.redis_url and st.servers:
         r = aioredis.Redis.from_url(dep.redis_url, socket_connect_timeout=timeout_s)
