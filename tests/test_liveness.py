@@ -42,6 +42,18 @@ def test_a_child_that_never_answers_is_judged_after_its_start_up_allowance() -> 
     assert w.round({"a": False}, 5.0) == [] and w.round({"a": False}, 5.5) == ["a"]
 
 
+def test_a_real_engine_keeps_its_weight_load_allowance_while_quick_services_are_judged_soon() -> None:
+    w = LivenessWatch(misses=2, grace_s=2.0, startup_s=10.0)
+    w.allow("engine", 300.0, 300.0)
+    for name in ("router", "engine"):
+        w.started(name, 0.0)
+        w.round({name: True}, 0.5)
+    assert w.round({"router": False, "engine": False}, 3.0) == []
+    assert w.round({"router": False, "engine": False}, 3.5) == ["router"]  # a quick service: judged after 2 s
+    assert [w.round({"engine": False}, t) for t in (100.0, 200.0, 299.0)] == [[]] * 3  # still loading
+    assert w.round({"engine": False}, 300.0) == [] and w.round({"engine": False}, 300.5) == ["engine"]
+
+
 def test_an_answer_resets_the_count() -> None:
     w = LivenessWatch(misses=2, grace_s=0.0)
     w.started("a", 0.0)

@@ -24,6 +24,8 @@ LIVENESS_MISSES = 3         # rounds in a row without an answer before a kill (a
                             # start every interval, each judged when its pings answer or time out)
 LIVENESS_TICK_S = 0.05      # wall seconds between two looks at the rounds out (a finished one is judged then)
 STARTUP_GRACE_S = 300.0     # wall seconds after a (re)start in which a child is never judged (a real engine loads its weights)
+SERVICE_GRACE_S = 2.0       # ... for every other child (a sim service answers within a second of its start)
+SERVICE_STARTUP_S = 10.0    # ... and, if it has not answered since its start, this long (a loaded machine starts slowly)
 
 
 @dataclass
@@ -31,9 +33,14 @@ class LivenessWatch:
     misses: int = LIVENESS_MISSES
     grace_s: float = STARTUP_GRACE_S
     startup_s: float = STARTUP_GRACE_S  # a child that never answered is judged this long after its start
+    allowances: dict[str, tuple[float, float]] = field(default_factory=dict)  # per child: (grace_s, startup_s)
     started_at: dict[str, float] = field(default_factory=dict)
     answered: set[str] = field(default_factory=set)   # answered since its (re)start
     missed: dict[str, int] = field(default_factory=dict)
+
+    def allow(self, name: str, grace_s: float, startup_s: float) -> None:
+        """A child of its own allowances (a real engine's weight load among quick services)."""
+        self.allowances[name] = (grace_s, startup_s)
 
     def started(self, name: str, at: float) -> None:
         """The child (re)started at wall time `at`: not judged until it answers and its grace is over."""
@@ -50,7 +57,8 @@ class LivenessWatch:
                 self.missed.pop(name, None)
                 continue
             age = now - self.started_at.get(name, now)
-            if age < (self.grace_s if name in self.answered else max(self.grace_s, self.startup_s)):
+            grace_s, startup_s = self.allowances.get(name, (self.grace_s, self.startup_s))
+            if age < (grace_s if name in self.answered else max(grace_s, startup_s)):
                 continue
             self.missed[name] = self.missed.get(name, 0) + 1
             if self.missed[name] >= self.misses:

@@ -27,7 +27,8 @@ from shared.policy import PolicyConfig, encode_policy
 from shared.schema import HEALTH_OK
 from shared.subjects import Subjects
 from talaria.client import AgentLogin, Deployment
-from talaria.ops.liveness import LIVENESS_INTERVAL_S, LIVENESS_TICK_S, LIVENESS_TIMEOUT_S, STARTUP_GRACE_S, LivenessWatch, PingRounds
+from talaria.ops.liveness import (LIVENESS_INTERVAL_S, LIVENESS_TICK_S, LIVENESS_TIMEOUT_S, SERVICE_GRACE_S,
+                                  SERVICE_STARTUP_S, STARTUP_GRACE_S, LivenessWatch, PingRounds)
 from talaria.ops.nats_server import NatsServer, start_cluster
 from talaria.ops import prometheus
 from talaria.ops.processes import Child, ProcessGroup
@@ -80,8 +81,9 @@ class StackSpec:
     auth: bool = True  # embedded NATS/Redis: per-role NATS users and a Redis ACL user, fresh passwords
     nats_cluster: int = 1  # embedded NATS nodes; 3 = a routed cluster on loopback, clients given every URL
     liveness: bool = False  # watch for hung services (`talaria up`, chaos); off for replays, whose driver shares this loop
-    liveness_grace_s: float = STARTUP_GRACE_S  # a service is judged hung only this long after its (re)start
-    liveness_startup_s: float = STARTUP_GRACE_S  # ... and, if it never answered since, only this long after it
+    liveness_grace_s: float = SERVICE_GRACE_S  # a service is judged hung only this long after its (re)start
+    liveness_startup_s: float = SERVICE_STARTUP_S  # ... and, if it never answered since, only this long after it
+    # (a real engine-worker, loading its weights, gets STARTUP_GRACE_S for both)
     gateway: bool = False  # the HTTP gateway (services/gateway) on a free loopback port (`talaria up` starts it)
     api_keys: dict[str, str] = field(default_factory=dict)  # tenant -> key beside the generated `default` one
 
@@ -103,6 +105,7 @@ class EmbeddedStack:
         self.clock_epoch = time.time()
         self.log_dir = Path(spec.log_dir)
         self._lock_fd: int | None = None  # the log folder's lock while this stack runs
+        self.real_engine = False  # its engine-workers run vLLM (TALARIA_ENGINE=vllm), known at start
         self._supervisor: asyncio.Task | None = None
         self._liveness: asyncio.Task | None = None
         # credentials only when we start the servers ourselves
@@ -227,7 +230,8 @@ class EmbeddedStack:
         # (the children inherit this process's environment under the stack's own settings:
         # `TALARIA_ENGINE=vllm talaria up` crash-looped every service for want of a model)
         seen = {**os.environ, **env}
-        if seen.get("TALARIA_ENGINE") == "vllm" and not seen.get("TALARIA_VLLM_MODEL"):
+        self.real_engine = seen.get("TALARIA_ENGINE") == "vllm"
+        if self.real_engine and not seen.get("TALARIA_VLLM_MODEL"):
             # the embedded stack's real engines serve the tiny local model (a deployment names its own)
             from talaria.ops.tinymodel import ensure_tiny_model
 
@@ -299,6 +303,11 @@ class EmbeddedStack:
         watch = LivenessWatch(grace_s=self.spec.liveness_grace_s, startup_s=self.spec.liveness_startup_s)
         subjects = Subjects(self.subject_prefix)
         names = [name for name, _, _ in self.service_table()]
+        if self.real_engine:  # loading weights blocks a real engine's loop for long after its start
+            for name in names:
+                if name.startswith("engine-"):
+                    watch.allow(name, max(STARTUP_GRACE_S, self.spec.liveness_grace_s),
+                                max(STARTUP_GRACE_S, self.spec.liveness_startup_s))
         if self.spec.gateway:
             names.append("gateway")  # (judged by its HTTP health: it has no NATS endpoint, being an agent)
         pids: dict[str, int | None] = {}
