@@ -241,7 +241,7 @@ def cmd_up(a: argparse.Namespace) -> int:
     policy = resolve_policy(a.policy)
 
     async def run() -> None:
-        spec = StackSpec(policy=policy, models=models, servers=a.servers, liveness=True,
+        spec = StackSpec(policy=policy, models=models, servers=a.servers, liveness=True, supervise_stores=True,
                          routers=a.routers, server_profile=a.server_profile, time_scale=a.time_scale, log_dir=Path(a.log_dir),
                          nats_urls=a.nats.split(",") if a.nats else None, redis_url=a.redis,
                          subject_prefix=a.subject_prefix, key_prefix=a.key_prefix, gateway=not a.no_gateway)

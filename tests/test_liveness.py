@@ -201,3 +201,34 @@ async def test_the_watchdog_passes_a_services_own_exit_through(tmp_path: Path) -
     code = await asyncio.to_thread(subprocess.call, [sys.executable, "-m", "talaria.ops.watchdog", "--service", "gateway",
                                                     "--", sys.executable, "-c", "raise SystemExit(3)"])
     assert code == 3
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(180)
+async def test_a_killed_redis_and_nats_are_started_again_and_calls_go_on(tmp_path: Path) -> None:
+    """`talaria up` supervises its own NATS and Redis as it does the services: each comes
+    back on its port (Redis empty, NATS with its JetStream store) and the services
+    reconnect, where a killed one had left every call failing."""
+    spec = StackSpec(policy=resolve_policy("talaria"), models=[AIR], time_scale=20.0, log_dir=tmp_path / "logs",
+                     supervise_stores=True)
+    async with EmbeddedStack(spec) as stack:
+        client = await TalariaClient.connect(stack.nats_urls, subject_prefix=stack.subject_prefix, silence_s=10.0,
+                                             retries=6, **stack.nats_auth("agent"))
+        try:
+            sess = await client.open_session(AIR)
+            assert (await sess.call(prompt_tokens=800, max_tokens=16, sim_output_tokens=4)).output_tokens == 4
+            for store in (stack.redis, stack.nats):
+                assert store is not None
+                pid = store.pid
+                store.kill()
+                t0 = time.monotonic()
+                while not store.running or store.pid == pid:
+                    assert time.monotonic() - t0 < 30, f"{store.log_file} was never started again"
+                    await asyncio.sleep(0.1)
+                await stack.wait_healthy(60)
+                # (a session's state in Redis went with it: the next call opens a new one)
+                fresh = await client.open_session(AIR)
+                r = await asyncio.wait_for(fresh.call(prompt_tokens=900, max_tokens=16, sim_output_tokens=5), 60)
+                assert r.output_tokens == 5
+        finally:
+            await client.close()

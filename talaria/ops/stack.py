@@ -31,11 +31,13 @@ from talaria.ops.liveness import (LIVENESS_INTERVAL_S, LIVENESS_TICK_S, LIVENESS
                                   SERVICE_STARTUP_S, STARTUP_GRACE_S, LivenessWatch, PingRounds)
 from talaria.ops.nats_server import NatsServer, start_cluster
 from talaria.ops import prometheus
-from talaria.ops.processes import Child, ProcessGroup
+from talaria.ops.processes import Child, ProcessGroup, ServerBase
 from talaria.ops.prometheus import write_atomically
 from talaria.ops.redis_server import RedisServer
 
 DEFAULT_MODELS = ["glm-4.5-fp8", "qwen3-235b-a22b-fp8", "glm-4.5-air-fp8"]
+STORE_CHECK_S = 0.25        # wall seconds between looks at the embedded NATS and Redis processes
+STORE_RESTART_MIN_S, STORE_RESTART_MAX_S = 1.0, 30.0  # back-off between failed restarts of one
 LOCK_FILE = ".stack.lock"  # in the log folder: held while a stack runs from it
 
 
@@ -85,6 +87,9 @@ class StackSpec:
     liveness_startup_s: float = SERVICE_STARTUP_S  # ... and, if it never answered since, only this long after it
     # (a real engine-worker, loading its weights, gets STARTUP_GRACE_S for both)
     gateway: bool = False  # the HTTP gateway (services/gateway) on a free loopback port (`talaria up` starts it)
+    # restart an embedded NATS node or Redis that exits (`talaria up`); off where a harness kills and
+    # restarts them itself on its own schedule (chaos) and for replays
+    supervise_stores: bool = False
     api_keys: dict[str, str] = field(default_factory=dict)  # tenant -> key beside the generated `default` one
 
 
@@ -108,6 +113,7 @@ class EmbeddedStack:
         self.real_engine = False  # its engine-workers run vLLM (TALARIA_ENGINE=vllm), known at start
         self._supervisor: asyncio.Task | None = None
         self._liveness: asyncio.Task | None = None
+        self._stores: asyncio.Task | None = None
         # credentials only when we start the servers ourselves
         self.creds: Credentials | None = (
             generate_credentials() if spec.auth and not spec.nats_urls and not spec.redis_url else None
@@ -265,6 +271,32 @@ class EmbeddedStack:
             await self.wait_gateway(timeout_s)
         if self.spec.liveness:
             self._liveness = asyncio.ensure_future(self.watch_liveness())
+        if self.spec.supervise_stores:
+            self._stores = asyncio.ensure_future(self.supervise_stores())
+
+    async def supervise_stores(self) -> None:
+        """An embedded NATS node or Redis that exited is started again on its port (NATS
+        with its JetStream store, Redis empty: the services rebuild what it held,
+        docs/reliability.md); the services only reconnect. Without this a killed Redis
+        or NATS left `talaria up` failing every call, with nothing said."""
+        stores: list[ServerBase] = [*self.nats_nodes, *([self.redis] if self.redis is not None else [])]
+        backoff = {id(x): STORE_RESTART_MIN_S for x in stores}
+        while not self._stop_supervising.is_set():
+            await done_within(self._stop_supervising.wait(), STORE_CHECK_S)
+            for store in stores:
+                if store.running or self._stop_supervising.is_set():
+                    continue
+                name = Path(store.log_file).stem
+                print(f"[talaria] {name} exited: starting it again on port {store.port}", file=sys.stderr, flush=True)
+                try:
+                    await asyncio.to_thread(store.start, 30.0)
+                    backoff[id(store)] = STORE_RESTART_MIN_S
+                    print(f"[talaria] {name} is back", file=sys.stderr, flush=True)
+                except Exception as exc:  # (its port taken meanwhile, say): said, and tried again later
+                    print(f"[talaria] {name} did not start again ({exc}); retrying in {backoff[id(store)]:g} s",
+                          file=sys.stderr, flush=True)
+                    await done_within(self._stop_supervising.wait(), backoff[id(store)])
+                    backoff[id(store)] = min(STORE_RESTART_MAX_S, 2 * backoff[id(store)])
 
     def _metrics_port(self, child: Child) -> None:
         """Before each (re)start: a fresh metrics port, and the targets file says so (a new
@@ -390,7 +422,7 @@ class EmbeddedStack:
 
     async def stop(self) -> None:
         self._stop_supervising.set()
-        waits = [t for t in (self._supervisor, self._liveness) if t is not None]
+        waits = [t for t in (self._supervisor, self._liveness, self._stores) if t is not None]
         if waits:
             await asyncio.wait(waits, timeout=5)
         await self.group.astop_all(timeout=10)
