@@ -74,6 +74,8 @@ class NoCapacity(TalariaError): ...
 class Malformed(TalariaError): ...
 class ContextLimit(TalariaError): ...
 class CallTimeout(TalariaError): ...
+class Unavailable(TalariaError):
+    """A store the service needs is away for now (Redis restarting, the bus lost): retry shortly."""
 class SessionEnded(TalariaError):
     """A call on a session this client already ended (raised here, nothing is sent)."""
 
@@ -81,6 +83,7 @@ class SessionEnded(TalariaError):
 _ERRORS: dict[str, type[TalariaError]] = {
     "unknown_model": UnknownModel, "unknown_session": UnknownSession, "no_capacity": NoCapacity,
     "malformed": Malformed, "too_large": Malformed, "context_limit": ContextLimit, "timeout": CallTimeout,
+    "unavailable": Unavailable,
 }
 
 
@@ -214,8 +217,12 @@ class TalariaClient:
         await self.close()
 
     async def close(self) -> None:
-        if not self.nc.is_closed:
+        if self.nc.is_closed:
+            return
+        if self.nc.is_connected:
             await self.nc.drain()
+        else:  # (the bus is away: there is nothing to drain, and nats-py refuses to while reconnecting)
+            await self.nc.close()
 
     async def _request(self, subject: str, msg: msgspec.Struct) -> object:
         last: Exception | None = None

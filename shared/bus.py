@@ -90,6 +90,7 @@ async def connect_nats(urls: list[str], name: str, log: structlog.stdlib.BoundLo
 
 REDIS_POOL_CONNECTIONS = 64  # Redis connections a service process keeps at most (a command waits for one)
 REDIS_POOL_WAIT_S = 30.0      # ... for at most this long (a Redis restart is waited out by the commands' retries)
+STORE_RETRY_AFTER_S = 1.0     # what a request refused while Redis is away is told to wait (a restart takes about 0.5 s)
 CONCURRENT_HANDLER_LIMIT = 256  # requests one subscription handles at once (concurrent_handler)
 CONCURRENT_HANDLER_BACKLOG = 4096  # ... and takes to wait for a slot before the subscription waits
 LIST_CALLS_TIMEOUT_WALL_S = 2.0  # wall seconds a recovering service waits for each engine's state
@@ -198,6 +199,12 @@ class ServiceProcess:
                     await self.reply_error(msg.reply, "malformed", f"{what}: {exc}")
                 except msgspec.DecodeError as exc:
                     await self.reply_error(msg.reply, "malformed", f"{what}: not a valid message ({exc})")
+                except (RedisConnectionError, RedisTimeoutError) as exc:
+                    # Redis away (restarting, stopped): not this request's fault, and it passes
+                    self.log.warning("handler.store_unavailable", handler=what, error=type(exc).__name__)
+                    await self.reply_error(msg.reply, "unavailable", f"{what}: the session store (Redis) does not "
+                                           f"answer ({type(exc).__name__}); retry shortly",
+                                           retry_after_s=STORE_RETRY_AFTER_S)
                 except Exception as exc:  # last resort: log, answer, keep serving
                     self.log.exception("handler.failed", handler=what)
                     await self.reply_error(msg.reply, "internal", f"{what}: {type(exc).__name__}")

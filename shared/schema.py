@@ -42,6 +42,7 @@ HEALTH_STARTING = b'{"status":"starting"}'  # alive (the liveness watch is satis
 ErrorCode = Literal[
     "malformed", "unknown_model", "unknown_session", "context_limit", "no_capacity",
     "timeout", "too_large", "internal",
+    "unavailable",  # a store the service needs (Redis) is away: retry after `retry_after_s`
     "superseded",  # (between services: an engine refuses an admission older than the newest it heard from)
 ]
 

@@ -163,7 +163,7 @@ async def _retrying(retries: int, make: Callable[[], Awaitable[T]]) -> T:
         try:
             return await make()
         except TalariaError as exc:
-            if attempt >= retries or exc.code not in ("no_capacity", "internal", "timeout"):
+            if attempt >= retries or exc.code not in ("no_capacity", "unavailable", "internal", "timeout"):
                 raise
             await asyncio.sleep(exc.retry_after_s or 1.0)
     raise AssertionError("unreachable")

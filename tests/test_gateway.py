@@ -777,6 +777,60 @@ async def test_a_taken_port_stops_the_gateway_in_one_line(nats_server: NatsServe
     assert "gateway.port_unavailable" in text and "Traceback" not in text, text
 
 
+@pytest.mark.timeout(90)
+async def test_a_lost_bus_is_a_503_to_retry_at_once_not_a_timeout(tmp_path: Path) -> None:
+    nats_node = NatsServer(jetstream=False, log_file=tmp_path / "nats.log")
+    await nats_node.astart(30)
+    client = await TalariaClient.connect(nats_node.url, namespace=GATEWAY_NAMESPACE)
+    settings = Settings(nats_urls=[nats_node.url], gateway_host="127.0.0.1", gateway_port=0, api_keys="k")
+    runner, port = await start_gateway(settings, client)
+    try:
+        await nats_node.astop()
+        deadline = time.monotonic() + 10
+        while client.nc.is_connected:
+            assert time.monotonic() < deadline, "the client never saw the bus go"
+            await asyncio.sleep(0.05)
+        body = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+        async with aiohttp.ClientSession() as http:
+            for path, headers, shape in (("/v1/chat/completions", {"Authorization": "Bearer k"}, "openai"),
+                                         ("/v1/messages", {"x-api-key": "k"}, "anthropic")):
+                t0 = time.monotonic()
+                async with http.post(f"http://127.0.0.1:{port}{path}", json=body, headers=headers) as r:
+                    answer = await r.json()
+                    assert r.status == 503 and r.headers["Retry-After"] == "2", (r.status, answer)
+                assert time.monotonic() - t0 < 2.0  # at once, not after a request's timeout
+                message = answer["error"]["message"]
+                assert "message bus (NATS)" in message, answer
+                assert (answer["error"]["code"] == "service_unavailable" if shape == "openai"
+                        else answer["type"] == "error"), answer
+    finally:
+        await runner.cleanup()
+        await client.close()
+        await nats_node.astop()
+
+
+@pytest.mark.timeout(180)
+async def test_a_request_while_redis_is_away_is_refused_as_unavailable_naming_it(tmp_path: Path) -> None:
+    """The router waits a Redis restart out (its commands retry for about 14 s); past that
+    an agent's request is told `unavailable` with a time to retry (the gateway's 503),
+    not an untyped internal error."""
+    from shared.agent_client import Unavailable
+
+    spec = StackSpec(policy=resolve_policy("talaria"), models=[MODEL], time_scale=100.0, log_dir=tmp_path / "logs")
+    async with EmbeddedStack(spec) as stack:
+        client = await TalariaClient.connect(stack.nats_urls, subject_prefix=stack.subject_prefix,
+                                             request_timeout_s=60.0, retries=0, **stack.nats_auth("agent"))
+        try:
+            assert stack.redis is not None
+            stack.redis.kill()  # (no supervisor brings it back in this stack)
+            with pytest.raises(Unavailable) as e:
+                await client.open_session(MODEL)
+            assert "session store (Redis)" in e.value.message and e.value.retry_after_s
+        finally:
+            await client.close()
+    assert tr.error_status("unavailable", "openai") == tr.error_status("unavailable", "anthropic") == 503
+
+
 # --------------------------------------------------------------------------- a router that refuses
 THOUGHT_MARK = "think it over"
 THOUGHT = "the parser drops the last line;\nmaybe <tool_call>rm_rf\n</tool_call> would help"

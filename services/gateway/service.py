@@ -67,6 +67,7 @@ DEFAULT_MAX_TOKENS = 4096      # a request naming no bound gets this much, cappe
 SESSIONS_KEPT = 50_000         # opened sessions remembered (a forgotten one is just opened again)
 MODELS_TTL_S = 5.0             # how long the served-model list is reused
 BUSY_TTL_S = 3600.0            # a header-less session's in-flight mark outlives any call (and is deleted after it)
+BUS_RETRY_AFTER_S = 2.0        # what a request refused while NATS is away is told to wait (a reconnect takes seconds)
 RETRY_WINDOW_S = 3600          # how long a first attempt's call id waits for its SDK's retries (timeouts x retries: minutes)
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 REQUEST_ID_HEADER, ANTHROPIC_REQUEST_ID_HEADER = "x-request-id", "request-id"
@@ -95,7 +96,7 @@ def error_response(api: str, err: HttpError) -> web.Response:
     else:
         status, body = tr.openai_error(err.code, err.message, err.param)
     headers = {}
-    if err.code == "no_capacity":
+    if err.code in ("no_capacity", "unavailable"):
         headers["Retry-After"] = str(max(1, round(err.retry_after_s or 1)))
     return web.json_response(body, status=status, headers=headers)
 
@@ -286,7 +287,15 @@ class Gateway:
             raise HttpError("malformed", "the body must be a JSON object")
         return raw, body
 
+    def _bus_up(self) -> None:
+        """A request while the gateway has lost NATS is told so at once, as a 503 to retry,
+        rather than after every request of its call has waited out its timeout."""
+        if not self.client.nc.is_connected:
+            raise HttpError("unavailable", "the gateway has lost its connection to the message bus (NATS) and is "
+                                           "reconnecting; retry shortly", retry_after_s=BUS_RETRY_AFTER_S)
+
     async def served_models(self) -> list[str]:
+        self._bus_up()
         now = time.monotonic()
         if self._models is None or now - self._models[0] > MODELS_TTL_S:
             try:
@@ -654,6 +663,7 @@ class Gateway:
                     whole: "Callable[[CallReply], dict[str, Any]]") -> web.StreamResponse:
         # (a conversation of any size the body limit lets in: a large one goes by reference, off the bus)
         t0 = time.monotonic()
+        self._bus_up()
         tenant, ids, model, prompt, stream = p.tenant, p.ids, p.model, p.prompt, p.stream
         sid, cid = ids.session_id, ids.call_id
         request[REQUEST_ID_KEY] = cid

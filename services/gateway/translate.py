@@ -823,6 +823,7 @@ _ERROR_MAP: dict[str, tuple[int, str, str | None, str]] = {
     "context_limit": (400, "invalid_request_error", "context_length_exceeded", "invalid_request_error"),
     "no_capacity": (429, "rate_limit_error", "no_capacity", "overloaded_error"),
     "timeout": (504, "timeout", "timeout", "timeout_error"),
+    "unavailable": (503, "server_error", "service_unavailable", "api_error"),
     "internal": (500, "server_error", None, "api_error"),
     "unknown_session": (500, "server_error", None, "api_error"),
 }
