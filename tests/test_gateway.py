@@ -826,6 +826,10 @@ async def test_a_request_while_redis_is_away_is_refused_as_unavailable_naming_it
             with pytest.raises(Unavailable) as e:
                 await client.open_session(MODEL)
             assert "session store (Redis)" in e.value.message and e.value.retry_after_s
+            # what the router knows without Redis it still says (the gateway's model list, `talaria status`)
+            t0 = time.monotonic()
+            assert MODEL in (await client.info()).models
+            assert time.monotonic() - t0 < 5.0
         finally:
             await client.close()
     assert tr.error_status("unavailable", "openai") == tr.error_status("unavailable", "anthropic") == 503

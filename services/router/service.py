@@ -23,7 +23,7 @@ import structlog
 from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
-from redis.exceptions import NoScriptError
+from redis.exceptions import NoScriptError, RedisError
 
 from services.router.placement import InFlight, InFlightPlacements, ServerView, rank, server_view, with_in_flight
 from shared import state, tracing
@@ -96,6 +96,7 @@ class PendingPlacement:
 
 IN_FLIGHT_MAX_WALL_S = 2.0  # forget an in-flight placement the mirror never counted (e.g. admission restarted)
 ENGINE_LIMITS_TTL_WALL_S = 5.0  # how long the engines' reported context limits are reused
+ENGINE_LIMITS_READ_WALL_S = 1.0  # ... and how long a fresh read may take (Redis away: the last known ones serve)
 
 
 class Router(ServiceProcess):
@@ -188,8 +189,14 @@ class Router(ServiceProcess):
         pipe = self.redis.pipeline(transaction=False)
         for srv, m in pairs:
             pipe.hget(self.keys.engine(srv, m), "context_limit")
+        try:
+            # (Redis away: its commands retry for seconds, and `api.info` would not be answered)
+            raws = await asyncio.wait_for(pipe.execute(), ENGINE_LIMITS_READ_WALL_S)
+        except (asyncio.TimeoutError, RedisError) as exc:
+            self.log.warning("router.engine_limits_unread", error=type(exc).__name__, using="the last known")
+            return limits
         limits = {}
-        for (_, m), raw in zip(pairs, await pipe.execute()):
+        for (_, m), raw in zip(pairs, raws):
             if raw is not None and int(raw) > 0:
                 limits[m] = min(limits.get(m, int(raw)), int(raw))
         self._engine_limits = (time.monotonic(), limits)
