@@ -607,7 +607,7 @@ class Gateway:
         task.add_done_callback(lambda t: self._settled(cid, shared, t))
         return shared
 
-    def _join(self, cid: str, shared: SharedCall) -> None:
+    def _join(self, shared: SharedCall) -> None:
         """A retry joins the call its first attempt left running: the grace ends, and the
         cleanup the leaver left is now the retry's own (its request does it)."""
         if shared.grace is not None:
@@ -704,7 +704,7 @@ class Gateway:
                 shared = self.shared_calls.get(cid)
                 if shared is not None and shared.tenant == tenant and not shared.task.done():
                     # a retry of a call still running here: it waits for that call's reply
-                    self._join(cid, shared)
+                    self._join(shared)
                 else:
                     shared = self._share(cid, tenant, asyncio.ensure_future(call_and_remember()))
                 shared.waiters += 1
