@@ -346,7 +346,10 @@ class ServiceProcess:
             retry_on_error=[RedisConnectionError, RedisTimeoutError])
         self.redis = aioredis.Redis.from_pool(pool)  # (closing the client closes its pool)
         svc = await add_service(self.nc, ServiceConfig(name=f"talaria-{self.name}", version=VERSION,
-                                                       description=f"Talaria {self.name}", metadata={"instance": self.instance}))
+                                                       description=f"Talaria {self.name}", metadata={
+                                                           "instance": self.instance,
+                                                           # (`talaria status` tells deployments sharing a NATS apart)
+                                                           "subject_prefix": self.settings.subject_prefix}))
 
         # alive from here on (any answer: the liveness watch); "ok" only once set up and serving
         # (readiness: a restarted admission is "starting" while it recovers its calls)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import tomllib
+import os
+import signal
 from pathlib import Path
 
 import msgspec
@@ -70,6 +72,19 @@ async def test_status_names_every_service_and_each_servers_active_model(tmp_path
 
         # the command itself: exit 0 when everything answers
         assert await _cli(["status", "--credentials", str(creds)]) == 0
+
+        # a router that does not answer (stopped): every other service is still listed, found by its ping
+        router = stack.group.pids()["router-0"]
+        assert router is not None
+        os.kill(router, signal.SIGSTOP)
+        try:
+            hung = await status.gather(dep, timeout_s=1.0)
+        finally:
+            os.kill(router, signal.SIGCONT)
+        assert not hung.healthy and hung.health["router-*"] == "no router answers its ping", status.render(hung)
+        assert {k for k, v in hung.health.items() if v == "ok"} == {
+            "admission-s0", "substrate-s0", "gateway", "engine-s0-glm-4.5-fp8", "engine-s0-glm-4.5-air-fp8"}, \
+            status.render(hung)
     # the stack is gone: the status is a clean failure, not a traceback
     down = await status.gather(dep, timeout_s=1.0)
     assert not down.healthy and down.problems

@@ -27,7 +27,6 @@ from shared.state import decode_server
 from talaria.argtypes import positive_float
 from talaria.client import Deployment, TalariaClient, TalariaError
 
-ROUTER_SERVICE = "talaria-router"  # the NATS micro service name of every router replica (shared/bus.py)
 
 
 @dataclass
@@ -46,19 +45,23 @@ class Status:
         return not self.problems and bool(self.health) and all(v == "ok" for v in self.health.values())
 
 
-async def _routers(nc: nats.NATS, wait_s: float) -> list[str]:
-    """Router instances: each answers $SRV.PING.<name> with its metadata."""
+async def _instances(nc: nats.NATS, wait_s: float, subject_prefix: str) -> list[str]:
+    """Service instances of this deployment that answer NATS micro's $SRV.PING: each
+    answers with its metadata, the instance name and the subject prefix, so a router's
+    replicas, and the services of a deployment whose router does not answer, are found."""
     inbox = nc.new_inbox()
     found: list[str] = []
 
     async def answer(msg) -> None:  # type: ignore[no-untyped-def]
         try:
-            found.append(str(json.loads(msg.data)["metadata"]["instance"]))
-        except (ValueError, KeyError, TypeError):
+            meta = json.loads(msg.data)["metadata"]
+            if meta.get("subject_prefix", subject_prefix) == subject_prefix:
+                found.append(str(meta["instance"]))
+        except (ValueError, KeyError, TypeError, AttributeError):
             pass
 
     sub = await nc.subscribe(inbox, cb=answer)
-    await nc.publish(f"$SRV.PING.{ROUTER_SERVICE}", b"", reply=inbox)
+    await nc.publish("$SRV.PING", b"", reply=inbox)
     await asyncio.sleep(wait_s)
     await sub.unsubscribe()
     return sorted(set(found))
@@ -113,11 +116,14 @@ async def gather(dep: Deployment, timeout_s: float = 3.0) -> Status:
                                 connect_timeout=timeout_s, allow_reconnect=False, error_cb=quiet,
                                 name="talaria-status")
         try:
-            routers = await _routers(nc, min(1.0, timeout_s))
+            found = await _instances(nc, min(1.0, timeout_s), dep.subject_prefix)
+            routers = [i for i in found if i.startswith("router-")]
             if not routers:
                 st.health["router-*"] = "no router answers its ping"
+            # what the router says should run, and what answered (all of it, when no router answers)
             others = [f"{kind}-{sid}" for sid in st.servers for kind in ("admission", "substrate")]
             others += [f"engine-{sid}-{m}" for sid in st.servers for m in st.models]
+            others += [i for i in found if i not in routers and i not in others]
 
             async def health(instance: str) -> None:
                 try:
