@@ -274,7 +274,10 @@ class SimBackend(EngineBackend):
             try:
                 await self._finish(self.engine.advance(w.clock.now()))
             except Exception:  # e.g. Redis away longer than its retries: keep the clock running, try again
-                w.log.exception("engine.finish_failed", undelivered=len(self.undelivered))
+                w.log.exception("engine.finish_failed", undelivered=len(self.undelivered),
+                                # (the call that failed first, so a search by call id finds the wait)
+                                call_id=self.undelivered[0].call_id if self.undelivered else None,
+                                session_id=self.undelivered[0].session_id if self.undelivered else None)
                 await asyncio.sleep(0.2)
 
         await drive_timer(w.clock, next_due, self.wakeup, on_due)
