@@ -252,3 +252,23 @@ def test_call_latency_delays_each_return_by_exactly_that() -> None:
     with pytest.raises(ValueError, match="call_latency_s"):
         Simulator(alone, CAT, PRESETS["talaria"], call_latency_s=-0.1)
 
+
+
+def test_sessions_that_start_at_the_same_instant_are_served_as_sessions_a_moment_apart() -> None:
+    """Program order is oldest session first; a burst's tied sessions must not turn it into
+    call order (a session's return behind every tied first call), which the live stack,
+    whose clock never ties, does not do."""
+    from talaria.workload.trace import TraceCall
+
+    calls = [TraceCall(new_input_tokens=100_000, output_tokens=100, tool_s=0.5),
+             TraceCall(new_input_tokens=20_000, output_tokens=100, tool_s=0.0)]
+    models = ["glm-4.5-fp8", "glm-4.5-fp8", "qwen3-235b-a22b-fp8"]
+
+    def burst(spread_s: float) -> list[TraceSession]:
+        return [TraceSession(session_id=f"b{i:02d}", model=models[i % 3], arrival_s=i * spread_s, calls=calls)
+                for i in range(24)]
+
+    tied = simulate(burst(0.0), CAT, PRESETS["talaria"])
+    apart = simulate(burst(0.001), CAT, PRESETS["talaria"])
+    p50 = {name: sorted(r.sct.values())[len(r.sct) // 2] for name, r in (("tied", tied), ("apart", apart))}
+    assert p50["tied"] == pytest.approx(p50["apart"], rel=0.02), p50

@@ -584,6 +584,10 @@ class RoundScheduler:
             self._close(now, actions, "drained" if now < self.slot_deadline else "quantum")
 
 
-def _program_key(call: AdmissionCall) -> tuple[float, float]:
+def _program_key(call: AdmissionCall) -> tuple[float, str, float]:
+    """Oldest session first, then the call's own arrival. Sessions that started at the same
+    instant (a trace's burst; never on a live clock) are ordered by id, so each keeps its
+    calls together as sessions a moment apart do: ordered by arrival alone, a session's
+    return fell behind every tied session's first call."""
     started = call.session_started_at if call.session_started_at is not None else call.arrived_at
-    return (started, call.arrived_at)
+    return (started, call.session_id, call.arrived_at)
