@@ -9,6 +9,8 @@ import pytest
 
 from shared.catalog import load_catalog
 from shared.schema import ID_MAX_CHARS
+from talaria.workload.agent import call_id_for
+from talaria.workload.trace import SESSION_ID_MAX_CHARS
 from talaria.workload.trace import (
     MAX_MODEL_S,
     TraceCall,
@@ -94,9 +96,11 @@ BAD_CASES = [
     (_line("z", calls=[_call(compact="yes")]), "calls[0].compact", "true or false"),
     (_line("z", model=5), "model", "string"),
     (_line(5), "session_id", "string"),
-    # ids the live stack cannot carry: the bus schema's Id, and a newline breaks an HTTP header
-    (_line(""), "session_id", f"string of 1-{ID_MAX_CHARS} characters"),
-    (_line("x" * (ID_MAX_CHARS + 1)), "session_id", f"string of 1-{ID_MAX_CHARS} characters"),
+    # ids the live stack cannot carry: the bus schema's Id less a replay's run tag and call
+    # index (a 200-character one failed mid-replay), and a newline breaks an HTTP header
+    (_line(""), "session_id", f"string of 1-{SESSION_ID_MAX_CHARS} characters"),
+    (_line("x" * (SESSION_ID_MAX_CHARS + 1)), "session_id", f"string of 1-{SESSION_ID_MAX_CHARS} characters"),
+    (_line("x" * ID_MAX_CHARS), "session_id", f"string of 1-{SESSION_ID_MAX_CHARS} characters"),
     (_line("ends\n"), "session_id", "no control characters"),
     (_line("a\x00b"), "session_id", "no control characters"),
     # model seconds past MAX_MODEL_S lose precision (1e300 read as an SCT of 2.97e+284 s)
@@ -124,9 +128,16 @@ def test_rejections_name_line_and_field(bad: str, field: str, fragment: str) -> 
 
 def test_the_longest_id_and_latest_times_still_load() -> None:
     """The limits are inclusive; unicode and punctuation in an id are the bus's to carry."""
-    text = "\n".join([_line("x" * ID_MAX_CHARS, arrival=MAX_MODEL_S, calls=[_call(t=0.0)]),
+    text = "\n".join([_line("x" * SESSION_ID_MAX_CHARS, arrival=MAX_MODEL_S, calls=[_call(t=0.0)]),
                       _line("日本語 a.b:c*>", arrival=MAX_MODEL_S - 3.0, calls=[_call(t=2.0), _call(t=1.0)])])
     assert [s.arrival_s for s in parse_trace(text)] == [MAX_MODEL_S, MAX_MODEL_S - 3.0]
+
+
+def test_the_longest_session_id_leaves_room_for_the_ids_a_replay_makes_of_it() -> None:
+    longest = "x" * SESSION_ID_MAX_CHARS
+    run_tag = "r1a2b3c-"  # a replay against a running deployment
+    assert len(run_tag + longest) <= ID_MAX_CHARS
+    assert len(call_id_for(longest, 99_999, run_tag)) <= ID_MAX_CHARS
 
 
 def test_error_message_format() -> None:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import msgspec
 
-from shared.schema import ID_MAX_CHARS, Id
+from shared.schema import ID_MAX_CHARS
 
 if TYPE_CHECKING:
     from shared.catalog import Catalog
@@ -43,6 +43,14 @@ MAX_MODEL_S = 1e9
 _CONTROL_RE = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 
 
+# A replay names each call `<run tag><session id>#<index>` (`call_id_for`: a run tag such as
+# `r1a2b3c-` against a running deployment, an index of up to 5 digits), and the bus carries
+# ids of at most ID_MAX_CHARS: a trace's session id leaves room for both.
+CALL_ID_ROOM_CHARS = 20
+SESSION_ID_MAX_CHARS = ID_MAX_CHARS - CALL_ID_ROOM_CHARS
+SessionId = Annotated[str, msgspec.Meta(min_length=1, max_length=SESSION_ID_MAX_CHARS)]
+
+
 class TraceCall(msgspec.Struct, frozen=True, forbid_unknown_fields=False, omit_defaults=True):
     """One LLM call of a session (omit_defaults: `compact` is written only when true)."""
 
@@ -53,7 +61,7 @@ class TraceCall(msgspec.Struct, frozen=True, forbid_unknown_fields=False, omit_d
 
 
 class TraceSession(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
-    session_id: Id  # the bus schema's id: what the live stack can carry
+    session_id: SessionId  # within the bus schema's ids, with room for what a replay adds
     model: str
     arrival_s: NonNegFloat
     calls: Annotated[list[TraceCall], msgspec.Meta(min_length=1)]
@@ -74,7 +82,7 @@ class TraceError(ValueError):
 
 # What each field must be, in words, for error messages (keyed by the last path element).
 _REQUIREMENT = {
-    "session_id": f"must be a string of 1-{ID_MAX_CHARS} characters, no control characters",
+    "session_id": f"must be a string of 1-{SESSION_ID_MAX_CHARS} characters, no control characters",
     "model": "must be a string",
     "arrival_s": f"must be a finite number >= 0, at most {MAX_MODEL_S:,.0f}",
     "calls": "must be a non-empty list of call objects",
