@@ -69,8 +69,9 @@ def _print_results(runs: list[dict]) -> None:
     for r in runs:
         slow = ", ".join(f"{sid} {v:.0f}s" for sid, v in slowest_sessions(r, 3))
         busy = f"; servers busy {r['utilisation']:.0%} of the run" if "utilisation" in r else ""
-        print(f"  {r['policy']}: slowest sessions {slow}; longest wait for a slot by model "
-              + ", ".join(f"{m} {w:.0f}s" for m, w in r["max_wait_s_by_model"].items()) + busy)
+        waits = ("not measured (an HTTP reply carries no waits)" if r["max_wait_s_by_model"] is None else
+                 ", ".join(f"{m} {w:.0f}s" for m, w in r["max_wait_s_by_model"].items()))
+        print(f"  {r['policy']}: slowest sessions {slow}; longest wait for a slot by model {waits}{busy}")
 
 
 # -- sim ---------------------------------------------------------------------------
@@ -194,6 +195,10 @@ def cmd_replay(a: argparse.Namespace) -> int:
             "reservations": {k: out.server_stats.get(k, 0) for k in ("reservations_made", "reservations_hit", "reservations_expired", "reserved_idle_s")},
             **live_utilisation(out, a.servers),
         })
+        if a.via_gateway:
+            # an HTTP reply carries no waits, prefix sources or timings: not measured, not zero
+            run.update(calls_reprefilled=None, reprefill_tokens=None, round_waits=None, kv_tokens_restored=None,
+                       time_breakdown_s=None, max_wait_s_by_model=None)
         runs.append(run)
         if out.worst_lag_model_s > a.max_lag_s:
             lag_bad.append(f"{out.policy}: {out.worst_lag_service} lagged {out.worst_lag_model_s:.2f} model s")

@@ -339,3 +339,16 @@ def test_a_scenarios_own_catalog_is_checked_when_loaded(tmp_path: Path, capsys: 
     err = capsys.readouterr().err
     assert err.startswith("talaria compare: error: ") and fragment in err
     assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_figures_a_gateway_replay_cannot_measure_print_as_not_measured(capsys: pytest.CaptureFixture[str]) -> None:
+    from talaria.cli import _print_results
+
+    run = {"policy": "talaria", "calls_completed": 4, "calls_total": 4, "sct_p50_s": 10.0, "sct_p95_s": 12.0,
+           "sct_mean_s": 11.0, "ratio_to_oracle_p50": 1.5, "calls_reprefilled": None, "round_waits": None,
+           "switches": 2, "max_wait_s_by_model": None, "sessions": [{"session_id": "a", "sct_s": 10.0}]}
+    _print_results([run])
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith("talaria"))
+    assert row.split()[-3:] == ["-", "2", "-"], row  # reprefill, switches, round waits: not a 0 never measured
+    assert "not measured" in out

@@ -113,7 +113,8 @@ def add_speedups(runs: list[dict]) -> None:
 
 
 def _num(v: float | None, width: int, spec: str = ".2f") -> str:
-    """A figure, or "-" where there is none (no baseline run to compare with)."""
+    """A figure, or "-" where there is none (no baseline run to compare with, or a figure a
+    replay through the gateway cannot measure)."""
     if v is None or (isinstance(v, float) and math.isnan(v)):
         return f"{'-':>{width}}"
     return f"{v:>{width}{spec}}"
@@ -127,7 +128,8 @@ def format_table(runs: list[dict]) -> str:
         lines.append(
             f"{r['policy']:<26}{r['calls_completed']:>5}/{r['calls_total']:<4}{r['sct_p50_s']:>9.1f}{r['sct_p95_s']:>9.1f}"
             f"{r['sct_mean_s']:>9.1f}{_num(r.get('speedup_p50'), 7)}{_num(r.get('speedup_p95'), 7)}"
-            f"{_num(r.get('ratio_to_oracle_p50'), 11)}{r['calls_reprefilled']:>10}{r.get('switches', 0):>9}{r['round_waits']:>12}"
+            f"{_num(r.get('ratio_to_oracle_p50'), 11)}{_num(r['calls_reprefilled'], 10, 'd')}{r.get('switches', 0):>9}"
+            f"{_num(r['round_waits'], 12, 'd')}"
         )
     no_base = not any(r["policy"] == "baseline" for r in runs)
     lines.append("(model seconds from the sim engine's cost model. x p50, x p95: speedup over baseline"
@@ -135,6 +137,8 @@ def format_table(runs: list[dict]) -> str:
                  " p50/oracle: p50 SCT over the oracle's (each session alone, its model active, its prefix cached); reprefill: calls\n"
                  " whose cached prefix had to be computed again; switches: model switches; round waits: calls that\n"
                  " waited for their model's next turn on the server)")
+    if any(r["calls_reprefilled"] is None for r in runs):
+        lines.append("(reprefill, round waits -: not measured; a replay through the gateway sees only HTTP replies)")
     return "\n".join(lines)
 
 
