@@ -23,6 +23,7 @@ from talaria.argtypes import (
 )
 from talaria.client import AgentLogin, Deployment
 from talaria.results.report import add_speedups, format_table, oracle_sct, slowest_sessions, summarize
+from talaria.workload.agent import DEFAULT_MAX_TOKENS
 from talaria.ops.stack import DEFAULT_MODELS, EmbeddedStack, LogDirInUse, StackSpec, default_log_dir
 
 if TYPE_CHECKING:
@@ -45,7 +46,12 @@ def _policies(arg: str) -> list:
 
 
 def _load(path: str) -> list[TraceSession]:
-    return load_runnable_trace(path, load_catalog())
+    sessions = load_runnable_trace(path, load_catalog())
+    long = sum(1 for s in sessions for c in s.calls if c.output_tokens > DEFAULT_MAX_TOKENS)
+    if long:  # (what the agents ask for; the trace is not wrong, but its figure is not what runs)
+        print(f"talaria: note: {long} calls of {path} write more than {DEFAULT_MAX_TOKENS} tokens; each stops there, "
+              "at the max_tokens the agents ask for (docs/trace-format.md)", file=sys.stderr)
+    return sessions
 
 
 def _models_of(sessions: list[TraceSession]) -> list[str]:

@@ -352,3 +352,15 @@ def test_figures_a_gateway_replay_cannot_measure_print_as_not_measured(capsys: p
     row = next(line for line in out.splitlines() if line.startswith("talaria"))
     assert row.split()[-3:] == ["-", "2", "-"], row  # reprefill, switches, round waits: not a 0 never measured
     assert "not measured" in out
+
+
+def test_a_trace_output_past_the_agents_max_tokens_is_said_to_stop_there(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    trace = tmp_path / "long-out.jsonl"
+    trace.write_text(json.dumps({"session_id": "long-out", "model": "glm-4.5-air-fp8", "arrival_s": 0, "calls": [
+        {"new_input_tokens": 300, "output_tokens": 8000, "tool_s": 1},
+        {"new_input_tokens": 300, "output_tokens": 5, "tool_s": 0}]}) + "\n")
+    assert main(["sim", str(trace)]) == 0
+    assert "note: 1 calls of" in capsys.readouterr().err
