@@ -2,7 +2,9 @@
 
 The same driver as the NATS replay (`talaria.replay.drive`) through the front door an
 agent in use calls: each session is a conversation sent to `POST /v1/chat/completions`
-under its `x-session-id`, each call's `Idempotency-Key` its call id. A trace carries
+under its `x-session-id`, each call's `Idempotency-Key` its call id (the services' logs
+carry the id the gateway makes of that key, `gwc-...`; `talaria logs` finds a session by
+its trace id, the agent's name for it). A trace carries
 token counts, not text, so each call appends a user message of filler sized to bring
 the conversation to the trace's prompt tokens (the gateway's stand-in count: four per
 message and one per four bytes), and asks for the trace's output length through the
