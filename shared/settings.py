@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from shared.auth import nats_password_from_env
 from shared.policy import PolicyConfig, decode_policy, resolve_policy
 
@@ -254,14 +256,14 @@ class Settings:
         a = p.parse_args(argv)
         vllm = None
         if a.engine == "vllm":
-            try:
-                vllm = VllmSettings.from_env(src)
-            except SettingsError as exc:
-                p.error(str(exc))
+            vllm = VllmSettings.from_env(src)
         pol = a.policy.strip()
-        policy = decode_policy(pol) if pol.startswith("{") else resolve_policy(pol)
+        try:
+            policy = decode_policy(pol) if pol.startswith("{") else resolve_policy(pol)
+        except (ValueError, msgspec.ValidationError, msgspec.DecodeError) as exc:  # (PolicyError is a ValueError)
+            raise SettingsError(f"TALARIA_POLICY: {exc}") from None
         if a.time_scale <= 0:
-            p.error("--time-scale must be > 0")
+            raise SettingsError(f"TALARIA_TIME_SCALE (--time-scale) must be above 0, not {a.time_scale:g}")
         return cls(
             nats_urls=[u.strip() for u in a.nats.split(",") if u.strip()],
             redis_url=a.redis,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import asyncio
 import os
 import signal
@@ -24,7 +25,7 @@ from talaria.argtypes import (
 from talaria.client import AgentLogin, Deployment
 from talaria.results.report import add_speedups, format_table, oracle_sct, slowest_sessions, summarize
 from talaria.workload.agent import DEFAULT_MAX_TOKENS
-from talaria.ops.stack import DEFAULT_MODELS, EmbeddedStack, LogDirInUse, StackSpec, default_log_dir
+from talaria.ops.stack import DEFAULT_MODELS, EmbeddedStack, LogDirInUse, StackSpec, StackStartError, default_log_dir
 
 if TYPE_CHECKING:
     from talaria.replay import ReplayOutcome
@@ -262,10 +263,21 @@ def cmd_up(a: argparse.Namespace) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             loop.add_signal_handler(sig, stop.set)
         cred_file = Path(a.log_dir) / "credentials.json"
+        stack.claim_log_dir()  # (refused before anything is said or started when another stack runs from it)
         try:
             print(f"starting NATS, Redis and the services: policy {policy.name}, time scale {a.time_scale:g}x, "
                   f"logs in {spec.log_dir} ...", flush=True)
-            await stack.start()
+            # Ctrl-C while it starts stops it then, not once the start has waited out its health checks
+            starting = asyncio.ensure_future(stack.start())
+            asked_to_stop = asyncio.ensure_future(stop.wait())
+            await asyncio.wait({starting, asked_to_stop}, return_when=asyncio.FIRST_COMPLETED)
+            if not starting.done():
+                starting.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await starting
+                return
+            asked_to_stop.cancel()
+            starting.result()  # (its error, if it failed)
             dep = stack.deployment()
             if stack.creds is not None:  # `talaria status` checks health as the operator role
                 dep = msgspec.structs.replace(dep, operator=AgentLogin(**stack.nats_auth("operator")))
@@ -455,7 +467,7 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(sig, _exit_on_signal)
     try:
         return int(args.fn(args) or 0)
-    except (TraceError, CatalogError, PolicyError, OutputError, LogDirInUse) as exc:
+    except (TraceError, CatalogError, PolicyError, OutputError, LogDirInUse, StackStartError) as exc:
         return _fail(str(exc))
     except KeyboardInterrupt:
         return 130

@@ -364,3 +364,14 @@ def test_a_trace_output_past_the_agents_max_tokens_is_said_to_stop_there(
         {"new_input_tokens": 300, "output_tokens": 5, "tool_s": 0}]}) + "\n")
     assert main(["sim", str(trace)]) == 0
     assert "note: 1 calls of" in capsys.readouterr().err
+
+
+def test_a_bad_setting_in_the_environment_stops_up_in_one_line(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """Every service would refuse it and crash-loop, the reason only in their logs: `up`
+    checks the services' settings once and says which is wrong."""
+    monkeypatch.setenv("TALARIA_GATEWAY_RETRY_GRACE_S", "abc")
+    assert main(["up", "--log-dir", str(tmp_path / "up")]) == 2
+    err = capsys.readouterr().err
+    assert "TALARIA_GATEWAY_RETRY_GRACE_S must be a number, not 'abc'" in err and "Traceback" not in err, err
+    assert not (tmp_path / "up" / "credentials.json").exists()

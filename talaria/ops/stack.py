@@ -25,6 +25,7 @@ from shared.clock import done_within
 from shared.net import LOOPBACK, free_port
 from shared.policy import PolicyConfig, encode_policy
 from shared.schema import HEALTH_OK
+from shared.settings import Settings, SettingsError
 from shared.subjects import Subjects
 from talaria.client import AgentLogin, Deployment
 from talaria.ops.liveness import (LIVENESS_INTERVAL_S, LIVENESS_TICK_S, LIVENESS_TIMEOUT_S, SERVICE_GRACE_S,
@@ -39,6 +40,11 @@ DEFAULT_MODELS = ["glm-4.5-fp8", "qwen3-235b-a22b-fp8", "glm-4.5-air-fp8"]
 STORE_CHECK_S = 0.25        # wall seconds between looks at the embedded NATS and Redis processes
 STORE_RESTART_MIN_S, STORE_RESTART_MAX_S = 1.0, 30.0  # back-off between failed restarts of one
 LOCK_FILE = ".stack.lock"  # in the log folder: held while a stack runs from it
+
+
+class StackStartError(RuntimeError):
+    """The stack could not start: a setting its services refuse, or a service that never
+    became healthy (the message says which, and where its log is)."""
 
 
 class LogDirInUse(RuntimeError):
@@ -212,8 +218,13 @@ class EmbeddedStack:
         """This stack has its log folder to itself (from a start until its stop)."""
         return self._lock_fd is not None
 
+    def claim_log_dir(self) -> None:
+        """Hold the log folder for this stack (LogDirInUse if another runs from it); start does."""
+        if self._lock_fd is None:
+            self._lock_fd = lock_log_dir(self.log_dir)
+
     async def start(self, timeout_s: float = 90.0) -> None:
-        self._lock_fd = lock_log_dir(self.log_dir)
+        self.claim_log_dir()
         c = self.creds
         if not self.spec.nats_urls and self.spec.nats_cluster > 1:
             self.nats_nodes = await asyncio.to_thread(
@@ -225,8 +236,8 @@ class EmbeddedStack:
             self.nats = NatsServer(jetstream=True, log_file=self.log_dir / "nats-server.log", max_payload=2 * 1024 * 1024,
                                    users=c.nats_users() if c else None,
                                    permissions=nats_permissions(self.subject_prefix) if c else None)
+            self.nats_nodes = [self.nats]  # (before its start: a start cut short is still stopped)
             await self.nats.astart()
-            self.nats_nodes = [self.nats]
         if not self.spec.redis_url:
             self.redis = RedisServer(log_file=self.log_dir / "redis-server.log",
                                      acl_users={c.redis_user: c.redis_password} if c else None,
@@ -254,6 +265,12 @@ class EmbeddedStack:
             # the gateway renders and tokenizes with the engines' own model folder, so the ids
             # it reckons prefixes by are the ones the engines cache
             env["TALARIA_GATEWAY_TOKENIZERS"] = "*=" + (env.get("TALARIA_VLLM_MODEL") or seen["TALARIA_VLLM_MODEL"])
+        # the settings every service reads, checked once here: a bad TALARIA_* variable in this
+        # process's environment would otherwise crash-loop every child with the reason in its log only
+        try:
+            Settings.from_env([], env={**seen, **env})
+        except SettingsError as exc:
+            raise StackStartError(f"the services' settings are refused: {exc}") from None
         for name, module, extra in self.service_table():
             self.group.add(name, [sys.executable, "-m", module], env={**env, **extra}, log_path=self.log_dir / f"{name}.log")
         if self.spec.gateway:
@@ -392,7 +409,7 @@ class EmbeddedStack:
         deadline = time.monotonic() + timeout_s
         while not await self._gateway_answers(1.0):
             if time.monotonic() > deadline:
-                raise RuntimeError(f"the gateway did not become healthy in {timeout_s:.0f} s; "
+                raise StackStartError(f"the gateway did not become healthy in {timeout_s:.0f} s; "
                                    f"see {self.log_dir}/gateway.log")
             await asyncio.sleep(0.2)
 
@@ -415,7 +432,7 @@ class EmbeddedStack:
                     pending.pop(0)
                 except Exception:
                     if time.monotonic() > deadline:
-                        raise RuntimeError(f"service {name} did not become healthy in {timeout_s:.0f} s; see {self.log_dir}/{name}.log") from None
+                        raise StackStartError(f"service {name} did not become healthy in {timeout_s:.0f} s; see {self.log_dir}/{name}.log") from None
                     await asyncio.sleep(0.2)
         finally:
             await nc.close()
