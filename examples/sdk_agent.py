@@ -90,6 +90,13 @@ def record(a: argparse.Namespace, messages: list[dict[str, Any]], tools: list[di
             f.write(json.dumps({"messages": messages, "tools": tools, "usage": usage}) + "\n")
 
 
+def note_request(a: argparse.Namespace, reply: Any) -> None:
+    """Keep the first reply's request id (the SDKs' `_request_id`, the gateway's
+    `x-request-id`): `talaria logs` follows that call through the services by it."""
+    if getattr(a, "first_request_id", None) is None:
+        a.first_request_id = getattr(reply, "_request_id", None)
+
+
 def openai_loop(a: argparse.Namespace, tools: Tools, headers: dict[str, str]) -> list[tuple[float, int, int, str]]:
     from openai import OpenAI
 
@@ -102,6 +109,7 @@ def openai_loop(a: argparse.Namespace, tools: Tools, headers: dict[str, str]) ->
         t0 = time.monotonic()
         r = client.chat.completions.create(model=a.model, messages=messages, tools=offered, max_tokens=a.max_tokens)
         wait = time.monotonic() - t0
+        note_request(a, r)
         record(a, messages, offered, r.usage.model_dump())
         msg = r.choices[0].message
         details = r.usage.prompt_tokens_details
@@ -132,6 +140,7 @@ def anthropic_loop(a: argparse.Namespace, tools: Tools, headers: dict[str, str])
         m = client.messages.create(model=a.model, system="You are a careful coding agent.", messages=messages,
                                    tools=offered, max_tokens=a.max_tokens)
         wait = time.monotonic() - t0
+        note_request(a, m)
         record(a, messages, offered, m.usage.model_dump())
         messages.append({"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in m.content]})
         uses = [b for b in m.content if b.type == "tool_use"]
@@ -156,6 +165,7 @@ def responses_loop(a: argparse.Namespace, tools: Tools, headers: dict[str, str])
         r = client.responses.create(model=a.model, instructions="You are a careful coding agent.", input=items,
                                     tools=offered, max_output_tokens=a.max_tokens, store=False)
         wait = time.monotonic() - t0
+        note_request(a, r)
         record(a, items, offered, r.usage.model_dump())
         items += [o.model_dump(exclude_none=True) for o in r.output]
         calls = [o for o in r.output if o.type == "function_call"]
@@ -212,6 +222,9 @@ def main(argv: list[str] | None = None) -> int:
     share = sum(c for _, _, c, _ in later) / max(1, sum(p for _, p, _, _ in later))
     print(f"SCT {sct:.2f} s wall for {len(rows)} calls ({a.api} API, model {a.model}); "
           f"cached {100 * share:.0f}% of the later calls' prompts")
+    if getattr(a, "first_request_id", None):
+        print(f"follow the first call through the services: talaria logs {a.first_request_id} "
+              f"(--log-dir the stack's log folder)" + (f"; the session: talaria logs {a.session}" if a.session else ""))
     return 0
 
 
