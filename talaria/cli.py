@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import asyncio
+import contextlib
 import os
 import signal
 import sys
