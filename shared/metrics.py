@@ -2,8 +2,8 @@
 
 Each service process serves its own registry on its own port
 (`TALARIA_METRICS_PORT`; 0 = off) from prometheus_client's WSGI app, in
-Prometheus's text format, on a thread of its own, so a scrape still answers while the event loop is busy.
-prometheus_client rather than OpenTelemetry's Prometheus exporter: it is what
+Prometheus's text format, on a thread of its own, so a scrape still answers
+while the event loop is busy. prometheus_client rather than OpenTelemetry's Prometheus exporter: it is what
 the field's servers expose with (vLLM's `vllm:*` among them), it needs no SDK
 pipeline, and its exposition is Prometheus's own.
 

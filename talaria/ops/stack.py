@@ -297,7 +297,7 @@ class EmbeddedStack:
         docs/reliability.md); the services only reconnect. Without this a killed Redis
         or NATS left `talaria up` failing every call, with nothing said."""
         stores: list[ServerBase] = [*self.nats_nodes, *([self.redis] if self.redis is not None else [])]
-        backoff = {id(x): STORE_RESTART_MIN_S for x in stores}
+        backoff = {store: STORE_RESTART_MIN_S for store in stores}
         while not self._stop_supervising.is_set():
             await done_within(self._stop_supervising.wait(), STORE_CHECK_S)
             for store in stores:
@@ -307,13 +307,13 @@ class EmbeddedStack:
                 print(f"[talaria] {name} exited: starting it again on port {store.port}", file=sys.stderr, flush=True)
                 try:
                     await asyncio.to_thread(store.start, 30.0)
-                    backoff[id(store)] = STORE_RESTART_MIN_S
+                    backoff[store] = STORE_RESTART_MIN_S
                     print(f"[talaria] {name} is back", file=sys.stderr, flush=True)
                 except Exception as exc:  # (its port taken meanwhile, say): said, and tried again later
-                    print(f"[talaria] {name} did not start again ({exc}); retrying in {backoff[id(store)]:g} s",
+                    print(f"[talaria] {name} did not start again ({exc}); retrying in {backoff[store]:g} s",
                           file=sys.stderr, flush=True)
-                    await done_within(self._stop_supervising.wait(), backoff[id(store)])
-                    backoff[id(store)] = min(STORE_RESTART_MAX_S, 2 * backoff[id(store)])
+                    await done_within(self._stop_supervising.wait(), backoff[store])
+                    backoff[store] = min(STORE_RESTART_MAX_S, 2 * backoff[store])
 
     def _metrics_port(self, child: Child) -> None:
         """Before each (re)start: a fresh metrics port, and the targets file says so (a new

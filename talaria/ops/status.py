@@ -28,7 +28,6 @@ from talaria.argtypes import positive_float
 from talaria.client import Deployment, TalariaClient, TalariaError
 
 
-
 @dataclass
 class Status:
     where: str
