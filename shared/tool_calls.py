@@ -57,8 +57,13 @@ class ToolCall:
         out = {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": json.dumps(self.arguments)}}
         return out if index is None else {"index": index, **out}
 
+    @property
+    def anthropic_id(self) -> str:
+        """The id in Anthropic's style (`toolu_...`, as its API writes them), the same hash."""
+        return "toolu_" + self.id.removeprefix("call_")
+
     def anthropic(self) -> dict[str, Any]:
-        return {"type": "tool_use", "id": self.id, "name": self.name, "input": self.arguments}
+        return {"type": "tool_use", "id": self.anthropic_id, "name": self.name, "input": self.arguments}
 
 
 @dataclass(frozen=True)

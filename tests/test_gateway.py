@@ -1342,6 +1342,7 @@ async def test_tool_use_round_trips_through_the_anthropic_sdk(stack: EmbeddedSta
     assert m1.stop_reason == "tool_use"
     use = [b for b in m1.content if b.type == "tool_use"]
     assert len(use) == 1 and use[0].name == "read_file" and set(use[0].input) == {"path", "limit"}
+    assert use[0].id.startswith("toolu_")  # Anthropic's own style of id, whole and streamed (below)
     msgs += [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in m1.content]},
              {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use[0].id, "content": "def f(): ..."}]}]
     async with client.messages.stream(model=MODEL, max_tokens=300, messages=msgs, tools=tools, extra_headers=hdr) as s:
@@ -1349,6 +1350,7 @@ async def test_tool_use_round_trips_through_the_anthropic_sdk(stack: EmbeddedSta
     # the stream's blocks are the whole reply's: a tool call alone, no empty text block before it
     # (Anthropic's API refuses an empty text block when the agent sends the turn back)
     assert final.stop_reason == "tool_use" and [b.type for b in final.content] == ["tool_use"]
+    assert final.content[0].id.startswith("toolu_") and final.content[0].id != use[0].id
     assert final.usage.cache_read_input_tokens >= (m1.usage.input_tokens // px.BLOCK_TOKENS) * px.BLOCK_TOKENS
 
 

@@ -1001,7 +1001,7 @@ class Gateway:
                 out += stop("text")
                 for i, c in enumerate(answer.calls, start=len(index)):  # each call a block of its own, its input as JSON deltas
                     out += [sse({"type": "content_block_start", "index": i,
-                                 "content_block": {"type": "tool_use", "id": c.id, "name": c.name, "input": {}}},
+                                 "content_block": {"type": "tool_use", "id": c.anthropic_id, "name": c.name, "input": {}}},
                                 "content_block_start"),
                             sse({"type": "content_block_delta", "index": i,
                                  "delta": {"type": "input_json_delta", "partial_json": json.dumps(c.arguments)}},
