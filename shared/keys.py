@@ -129,6 +129,10 @@ class Keys:
         """String: the call id of a request's latest first attempt in a session (or a header-less scope): its SDK retries land there."""
         return f"{self.prefix}gw:req:{scope}:{request_hash}"
 
+    def gateway_idempotency(self, key_digest: str) -> str:
+        """String: the request (path and body hash) an `Idempotency-Key` was first sent with, per tenant."""
+        return f"{self.prefix}gw:idem:{key_digest}"
+
     def gateway_call(self, call_id: str) -> str:
         """String: the session a header-less call was given, so its HTTP retry lands there too."""
         return f"{self.prefix}gw:call:{call_id}"
@@ -157,5 +161,6 @@ DURABILITY: dict[str, Durability] = {
     "gateway_open": "soft",
     "gateway_busy": "soft",
     "gateway_request": "soft",         # (lost: an SDK retry becomes a call of its own)
+    "gateway_idempotency": "soft",     # (lost: a key reused with another request is its own call, never refused)
     "gateway_call": "soft",            # (a retry after its loss is answered by the call record if its session matches again)
 }

@@ -21,6 +21,7 @@ from shared.policy import PolicyConfig, decode_policy, resolve_policy
 
 
 ENGINE_BACKENDS = ("sim", "vllm")
+GATEWAY_MAX_BODY = 32 * 1024 * 1024  # the default request body limit: Anthropic's own 32 MB, for conversations carrying images
 
 
 class SettingsError(ValueError):
@@ -140,7 +141,7 @@ class Settings:
     api_keys: str = ""              # the gateway's API keys, `tenant:key,...` (a bare key: its own tenant)
     gateway_keepalive_s: float = 10.0  # wall seconds between SSE keep-alive comments while a call waits
     gateway_retry_grace_s: float = 10.0  # wall seconds a whole call runs on after its retrying client left (0: cancel at once)
-    gateway_max_body: int = 4 * 1024 * 1024  # bytes of an HTTP request body above which the gateway answers 413
+    gateway_max_body: int = GATEWAY_MAX_BODY  # bytes of an HTTP request body (decoded) above which the gateway answers 413 (Anthropic: 32 MB)
     gateway_tokenizers: str = ""    # `model=FOLDER,...` (`*` every model): chat template and tokenizer per model; else stand-in ids
     gateway_tool_parsers: str = ""  # `model=FORMAT,...` (`*` every model): a tool-call format over the catalog's
     gateway_reasoning_parsers: str = ""  # `model=FORMAT,...` (`*` every model; think, none): over the catalog's
@@ -228,7 +229,7 @@ class Settings:
                        default=_float(src, "TALARIA_GATEWAY_RETRY_GRACE_S", 10.0),
                        help="wall seconds a whole call keeps running after its client left, when that client "
                             "retries (an SDK, or an Idempotency-Key), for the retry to join it (0: cancel at once)")
-        p.add_argument("--gateway-max-body", type=int, default=_int(src, "TALARIA_GATEWAY_MAX_BODY", 4 * 1024 * 1024),
+        p.add_argument("--gateway-max-body", type=int, default=_int(src, "TALARIA_GATEWAY_MAX_BODY", GATEWAY_MAX_BODY),
                        help="largest HTTP request body in bytes (larger: 413)")
         p.add_argument("--gateway-tokenizers", default=_env("TALARIA_GATEWAY_TOKENIZERS", ""),
                        help="model=FOLDER,... (* for every model): render and tokenize with that folder's chat "

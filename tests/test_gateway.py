@@ -30,7 +30,7 @@ from shared.costmodel import MEDIAN_OUTPUT_TOKENS
 from shared.schema import (
     ApiError, CallQueued, CallReply, CallRunning, CallTokens, Info, SessionOpened, api_request_decoder, CallRequest, InfoRequest, OpenSession, EndSession, Ok, Sampling, encode,
 )
-from shared.settings import Settings
+from shared.settings import GATEWAY_MAX_BODY, Settings
 from shared.subjects import GATEWAY_NAMESPACE
 from talaria.ops.nats_server import NatsServer
 from talaria.ops.stack import EmbeddedStack, StackSpec
@@ -70,10 +70,32 @@ def test_a_parser_setting_names_a_format_it_has() -> None:
 
 
 def test_an_idempotency_key_names_its_call_per_tenant() -> None:
-    assert tr.idempotent_call_id("t", "k1") == tr.idempotent_call_id("t", "k1") != tr.idempotent_call_id("u", "k1")
-    assert tr.idempotent_call_id("t", "k1") != tr.idempotent_call_id("t", "k2")
+    r = tr.request_hash("/v1/chat/completions", b"{}")
+    assert tr.idempotent_call_id("t", "k1", r) == tr.idempotent_call_id("t", "k1", r) != tr.idempotent_call_id("u", "k1", r)
+    assert tr.idempotent_call_id("t", "k1", r) != tr.idempotent_call_id("t", "k2", r)
+    # the key with another request is another call: never answered with the first's reply
+    assert tr.idempotent_call_id("t", "k1", r) != tr.idempotent_call_id("t", "k1", tr.request_hash("/v1/messages", b"{}"))
     assert tr.retry_count({"x-stainless-retry-count": "2"}) == 2 and tr.retry_count({"x-stainless-retry-count": "x"}) == 0
     assert tr.retry_count({}) is None  # a client that does not count its attempts
+
+
+def test_a_compressed_body_is_decoded_bounded_and_a_bad_one_refused_by_name() -> None:
+    import gzip
+    import zlib
+
+    body = b'{"model": "m"}'
+    assert tr.decode_body(gzip.compress(body), "gzip", 100) == body
+    assert tr.decode_body(zlib.compress(body), "deflate", 100) == body
+    raw_deflate = zlib.compressobj(wbits=-zlib.MAX_WBITS)
+    assert tr.decode_body(raw_deflate.compress(body) + raw_deflate.flush(), "deflate", 100) == body
+    assert tr.decode_body(gzip.compress(gzip.compress(body)), "gzip, gzip", 100) == body
+    assert tr.decode_body(body, None, 100) == tr.decode_body(body, "identity", 100) == body
+    for data, coding, code in ((body, "gzip", "malformed"), (gzip.compress(body)[:-6], "gzip", "malformed"),
+                               (body, "br", "unsupported_encoding"), (body, "zstd", "unsupported_encoding"),
+                               (gzip.compress(b" " * 10_000), "gzip", "too_large")):  # (a small body that inflates)
+        with pytest.raises(tr.BodyEncodingError) as e:
+            tr.decode_body(data, coding, 1_000)
+        assert e.value.code == code, (coding, e.value)
 
 
 def test_keys_and_token_estimate() -> None:
@@ -1081,6 +1103,50 @@ async def test_a_retry_without_a_session_header_is_the_same_call(stack: Embedded
 
 
 @pytest.mark.timeout(120)
+async def test_an_idempotency_key_reused_with_another_request_is_refused_not_answered(stack: EmbeddedStack) -> None:
+    # the same key with the same request is the same call; with another (a later step, another
+    # session or model, another API) it had been answered with the first request's reply
+    key = {"Idempotency-Key": "step-1"}
+    msgs = [{"role": "user", "content": "the first step " * 10}]
+    first = await oai(stack).chat.completions.create(model=MODEL, max_tokens=6, messages=msgs, extra_headers=key)
+    again = await oai(stack).chat.completions.create(model=MODEL, max_tokens=6, messages=msgs, extra_headers=key)
+    assert again.id == first.id
+    with pytest.raises(openai.UnprocessableEntityError) as e:
+        await oai(stack).chat.completions.create(model=MODEL, max_tokens=6, extra_headers={**key, "x-session-id": "other"},
+                                                 messages=[{"role": "user", "content": "another step"}])
+    assert e.value.body["code"] == "idempotency_key_reused"
+    with pytest.raises(anthropic.UnprocessableEntityError) as ea:
+        await ant(stack).messages.create(model=MODEL, max_tokens=6, messages=msgs, extra_headers=key)  # type: ignore[arg-type]
+    assert ea.value.body["error"]["type"] == "invalid_request_error"
+    # per tenant: the other tenant's key of the same name is its own
+    other = await oai(stack, OTHER_KEY).chat.completions.create(model=MODEL, max_tokens=6, extra_headers=key,
+                                                               messages=[{"role": "user", "content": "its own"}])
+    assert other.id != first.id
+
+
+@pytest.mark.timeout(60)
+async def test_compressed_bodies_and_wrong_methods_are_answered_in_the_apis_shape(stack: EmbeddedStack) -> None:
+    import gzip
+
+    body = json.dumps({"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "zipped"}]}).encode()
+    auth = {"Authorization": f"Bearer {stack.api_key}", "Content-Type": "application/json"}
+    url = f"{stack.openai_base_url}/chat/completions"
+    async with aiohttp.ClientSession() as http:  # one connection: each answer leaves it usable
+        for data, coding, status in ((gzip.compress(body), "gzip", 200), (body, "gzip", 400), (body, "br", 415),
+                                     (gzip.compress(b" " * (64 << 20)), "gzip", 413),
+                                     (gzip.compress(body), "gzip", 200)):
+            async with http.post(url, data=data, headers={**auth, "Content-Encoding": coding}) as r:
+                answer = await r.json()
+                assert r.status == status, (coding, status, answer)
+                assert status == 200 or set(answer["error"]) == {"message", "type", "param", "code"}
+        async with http.get(url, headers=auth) as r:
+            assert r.status == 405 and r.headers["Allow"] == "POST" and (await r.json())["error"]["code"] == "method_not_allowed"
+        async with http.put(f"{stack.openai_base_url}/messages", headers=auth) as r:
+            assert r.status == 405 and (await r.json())["type"] == "error"
+    assert "RequestPayloadError" not in (Path(stack.log_dir) / "gateway.log").read_text()  # (aiohttp's traceback)
+
+
+@pytest.mark.timeout(120)
 async def test_hostile_requests_get_typed_errors_and_reach_nothing(refusing_gateway: tuple[str, dict[str, Any]]) -> None:
     """A few hundred malformed or hostile requests (the seeded short form of the fuzz):
     each gets a 4xx in the API's shape, none reaches the router, the gateway stays healthy."""
@@ -1112,7 +1178,7 @@ async def test_hostile_requests_get_typed_errors_and_reach_nothing(refusing_gate
                 assert 400 <= r.status < 500, (body[:200], r.status)
                 out = await r.json()
                 assert ("error" in out and "message" in out["error"]) if path != "/v1/messages" else out["type"] == "error"
-        async with http.post(url + "/v1/chat/completions", data=b"x" * (5 * 1024 * 1024), headers=auth) as r:
+        async with http.post(url + "/v1/chat/completions", data=b"x" * (GATEWAY_MAX_BODY + 1), headers=auth) as r:
             assert r.status == 413 and (await r.json())["error"]["code"] == "request_too_large"
         for hdr in ({"Authorization": "Bearer \u00ff\u00fe"}, {"x-session-id": "a" * 8000}, {"Authorization": "Basic k"}):
             async with http.post(url + "/v1/chat/completions", json=good, headers=hdr) as r:

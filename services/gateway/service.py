@@ -55,7 +55,7 @@ from shared import tool_calls as tc
 from shared.bus import run_loop
 from shared.agent_client import Session, TalariaClient, TalariaError
 from shared.catalog import Catalog, load_catalog
-from shared.keys import SESSION_TTL_S, Keys
+from shared.keys import CALL_TTL_S, SESSION_TTL_S, Keys
 from shared.logs import configure_logging
 from shared.schema import CallReply, CallRunning, CallTokens, Sampling
 from shared import tracing
@@ -257,8 +257,10 @@ class Gateway:
             return error_response(shape, HttpError("too_large", f"request body over {self.settings.gateway_max_body} bytes"))
         except web.HTTPNotFound:
             return error_response(shape, HttpError("not_found", f"no such endpoint: {request.method} {request.path}"))
-        except web.HTTPMethodNotAllowed:
-            return error_response(shape, HttpError("malformed", f"{request.method} is not allowed on {request.path}"))
+        except web.HTTPMethodNotAllowed as exc:
+            resp = error_response(shape, HttpError("method_not_allowed", f"{request.method} is not allowed on {request.path}"))
+            resp.headers["Allow"] = ", ".join(sorted(exc.allowed_methods))
+            return resp
 
     async def health(self, request: web.Request) -> web.Response:
         ok = self.client.nc.is_connected
@@ -273,7 +275,11 @@ class Gateway:
         return tenant
 
     async def _body(self, request: web.Request) -> tuple[bytes, dict[str, Any]]:
-        raw = await request.read()
+        try:  # (the gateway decodes a compressed body itself: aiohttp's answer to a corrupt one is a 500)
+            raw = tr.decode_body(await request.read(), request.headers.get("Content-Encoding"),
+                                 self.settings.gateway_max_body)
+        except tr.BodyEncodingError as exc:
+            raise HttpError(exc.code, str(exc)) from None
         try:
             try:
                 body = msgspec.json.decode(raw)
@@ -495,7 +501,7 @@ class Gateway:
         # same call wherever it lands
         scope = (tr.talaria_session_id(tenant, named[1], request.headers.get(tr.AGENT_ID_HEADER, ""), model)
                  if named is not None else tr.headerless_scope(tenant, model))
-        cid = (tr.idempotent_call_id(tenant, idem) if idem is not None else
+        cid = (await self._idempotent_call_id(tenant, idem, rhash) if idem is not None else
                await self._soft(lambda: self._attempt_call_id(scope, rhash, retry), tr.fresh_call_id()))
         if named is not None:
             held = await self._soft(lambda: self._held_blocks(scope, chain), 0)
@@ -503,6 +509,26 @@ class Gateway:
         sid, held = await self._soft(lambda: self._join_or_fork(tenant, model, cid, chain),
                                      (tr.forked_session_id(tenant, model, cid), 0))
         return CallIds(sid, cid, self._prefix_tokens(held, prompt))
+
+    async def _idempotent_call_id(self, tenant: str, key: str, rhash: str) -> str:
+        """The call an `Idempotency-Key` names, bound to the request it was first sent
+        with (path and body): sent again with another request it is refused (422), as
+        the IETF Idempotency-Key draft asks, where it had been answered with the first
+        request's reply. Without Redis the two are two calls (the id hashes the request)."""
+        first = await self._soft(lambda: self._bind_idempotency_key(tenant, key, rhash), rhash)
+        if first != rhash:
+            raise HttpError("idempotency_key_reused", "this Idempotency-Key was already sent with another request "
+                            "(another path or body); a retry sends the same request, a new call a new key")
+        return tr.idempotent_call_id(tenant, key, rhash)
+
+    async def _bind_idempotency_key(self, tenant: str, key: str, rhash: str) -> str:
+        """The request the key was first sent with (this one, if it is the first)."""
+        assert self.redis is not None
+        name = self.rkeys.gateway_idempotency(tr.idempotency_key_digest(tenant, key))
+        if await self.redis.set(name, rhash, nx=True, ex=CALL_TTL_S):
+            return rhash
+        known = await self.redis.get(name)
+        return known.decode() if known is not None else rhash
 
     async def _attempt_call_id(self, scope: str, rhash: str, retry: int | None) -> str:
         """A first attempt is a new call, so an identical request is a second sample as
@@ -1047,7 +1073,8 @@ async def start_gateway(settings: Settings, client: TalariaClient, redis: aiored
     gw.metrics.serve(settings.metrics_port, settings.metrics_host)
     if not gw.keys:
         gw.log.warning("gateway.no_keys", reason="TALARIA_API_KEYS is empty: every API request gets 401")
-    runner = web.AppRunner(gw.app(), handler_cancellation=True, access_log=None)
+    # auto_decompress off: `Gateway._body` decodes a compressed body, bounded, and refuses a corrupt one by name
+    runner = web.AppRunner(gw.app(), handler_cancellation=True, access_log=None, auto_decompress=False)
     await runner.setup()
     site = web.TCPSite(runner, settings.gateway_host, settings.gateway_port)
     await site.start()

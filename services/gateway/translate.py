@@ -23,6 +23,7 @@ import json
 import re
 import time
 import uuid
+import zlib
 from array import array
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -175,9 +176,16 @@ def request_hash(path: str, body: bytes) -> str:
     return _digest("request", path, hashlib.sha256(body).hexdigest())
 
 
-def idempotent_call_id(tenant: str, idempotency_key: str) -> str:
-    """The call an `Idempotency-Key` names (per tenant): every attempt that sends it."""
-    return "gwc-" + _digest("idempotency", tenant, idempotency_key)
+def idempotent_call_id(tenant: str, idempotency_key: str, request: str) -> str:
+    """The call an `Idempotency-Key` names (per tenant) with the request it came with
+    (`request_hash`): every attempt that sends both. The key reused with another request
+    is another call, so it can never be answered with the first request's reply."""
+    return "gwc-" + _digest("idempotency", tenant, idempotency_key, request)
+
+
+def idempotency_key_digest(tenant: str, idempotency_key: str) -> str:
+    """The key's name in the gateway's state (bounded, whatever the client sent)."""
+    return _digest("idempotency-key", tenant, idempotency_key)
 
 
 def is_final(headers: Mapping[str, str]) -> bool:
@@ -283,6 +291,49 @@ def _openai_tool_calls_text(raw: Any, tool_format: str) -> str:
         else:
             return tool_calls.render(calls, tool_format)
     return json.dumps(raw, sort_keys=True)
+
+
+class BodyEncodingError(ValueError):
+    """A body whose `Content-Encoding` cannot be decoded: `code` is the error to answer
+    (`unsupported_encoding`, `malformed`, or `too_large` once decoded past the limit)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+# gzip's and zlib's wrappers, and raw deflate, which some clients send as `deflate`
+_DECODERS: dict[str, tuple[int, ...]] = {"gzip": (16 + zlib.MAX_WBITS,), "x-gzip": (16 + zlib.MAX_WBITS,),
+                                         "deflate": (zlib.MAX_WBITS, -zlib.MAX_WBITS)}
+
+
+def decode_body(raw: bytes, content_encoding: str | None, limit: int) -> bytes:
+    """The body as sent before its `Content-Encoding` (codings undone last first), at most
+    `limit` bytes once decoded: a corrupt or truncated body is refused by name, not a 500,
+    and a small body that inflates past the limit (a zip bomb) is refused as too large."""
+    codings = [c.strip().lower() for c in (content_encoding or "").split(",") if c.strip()]
+    for coding in reversed(codings):
+        if coding == "identity":
+            continue
+        if coding not in _DECODERS:
+            raise BodyEncodingError("unsupported_encoding", f"Content-Encoding {coding!r} is not served "
+                                    f"(gzip, deflate or identity)")
+        raw = _inflate(raw, coding, limit)
+    return raw
+
+
+def _inflate(raw: bytes, coding: str, limit: int) -> bytes:
+    for wbits in _DECODERS[coding]:
+        d = zlib.decompressobj(wbits)
+        try:
+            out = d.decompress(raw, limit + 1)
+        except zlib.error:
+            continue
+        if len(out) > limit:
+            raise BodyEncodingError("too_large", f"request body over {limit} bytes once decoded ({coding})")
+        if d.eof:
+            return out
+    raise BodyEncodingError("malformed", f"the body is not valid {coding} (Content-Encoding: {coding})")
 
 
 class BadRequest(ValueError):
@@ -826,6 +877,10 @@ _ERROR_MAP: dict[str, tuple[int, str, str | None, str]] = {
     "unavailable": (503, "server_error", "service_unavailable", "api_error"),
     "internal": (500, "server_error", None, "api_error"),
     "unknown_session": (500, "server_error", None, "api_error"),
+    "unsupported_encoding": (415, "invalid_request_error", "unsupported_content_encoding", "invalid_request_error"),
+    "method_not_allowed": (405, "invalid_request_error", "method_not_allowed", "invalid_request_error"),
+    # the IETF Idempotency-Key draft's answer to a key reused with another request
+    "idempotency_key_reused": (422, "invalid_request_error", "idempotency_key_reused", "invalid_request_error"),
 }
 ANTHROPIC_OVERLOADED_STATUS = 529  # Anthropic's own status for no capacity
 

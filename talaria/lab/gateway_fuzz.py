@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import random
 import time
@@ -30,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from shared.settings import GATEWAY_MAX_BODY
 from talaria.argtypes import positive_int
 
 MODEL = "glm-4.5-air-fp8"
@@ -38,6 +40,12 @@ COUNT_TOKENS, INPUT_TOKENS = "/v1/messages/count_tokens", "/v1/responses/input_t
 # Redis keys that name a session (`shared/keys.py`): what a request could make the services write
 SESSION_KEY_HEADS = ("session:", "kv:", "resv:")
 HEADER_LINE_MAX = 8190  # aiohttp's limit on one header line: past it, its parser answers a plain 400
+
+
+@functools.cache
+def _huge_body() -> bytes:
+    """A body past the default limit: one object, shared by every huge-body probe."""
+    return b"x" * (GATEWAY_MAX_BODY + 1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,7 +149,7 @@ def hostile_requests(n: int, seed: int, key: str) -> list[Probe]:
                                         ("POST", "/v1/chat/completions/x"), ("PATCH", "/health")))
             out.append(Probe("bad-route", method=method, path=where, headers=hdrs, body=b"{}"))
         elif r < 0.86:
-            out.append(Probe("huge-body", path=path, headers=hdrs, body=b"x" * (5 * 1024 * 1024)))
+            out.append(Probe("huge-body", path=path, headers=hdrs, body=_huge_body()))
         elif r < 0.93:  # raw bytes in the request line and headers, the parser's own refusals
             junk = bytes(rng.randrange(1, 256) for _ in range(rng.randint(1, 40)))
             line = rng.choice((b"POST " + path.encode() + b" HTTP/1.1\r\n", b"POST /" + junk + b" HTTP/1.1\r\n",
