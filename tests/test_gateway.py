@@ -640,6 +640,20 @@ async def test_401_and_404_in_each_apis_shape(stack: EmbeddedStack) -> None:
             assert r.status == 400 and set(body["error"]) == {"message", "type", "param", "code"}
 
 
+@pytest.mark.timeout(60)
+async def test_a_prompt_over_the_context_names_the_field_the_agent_sent(stack: EmbeddedStack) -> None:
+    huge = "lots of context " * 40_000  # (about 160,000 stand-in tokens: past every model's limit)
+    with pytest.raises(openai.BadRequestError) as e:
+        await oai(stack).responses.create(model=MODEL, input=huge, max_output_tokens=16)
+    assert (e.value.body["code"], e.value.body["param"]) == ("context_length_exceeded", "input")
+    with pytest.raises(openai.BadRequestError) as e:
+        await oai(stack).completions.create(model=MODEL, prompt=huge, max_tokens=16)
+    assert (e.value.body["code"], e.value.body["param"]) == ("context_length_exceeded", "prompt")
+    with pytest.raises(openai.BadRequestError) as e:
+        await oai(stack).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": huge}], max_tokens=16)
+    assert (e.value.body["code"], e.value.body["param"]) == ("context_length_exceeded", "messages")
+
+
 @pytest.mark.timeout(120)
 async def test_an_sdk_retry_does_not_run_a_second_call(stack: EmbeddedStack) -> None:
     client = oai(stack)
@@ -1541,6 +1555,14 @@ async def test_a_streamed_reply_comes_as_text_deltas_at_the_decode_pace(stack: E
     pieces = [c.choices[0].text async for c in await oai(stack).completions.create(
         model=MODEL, prompt="def f():", max_tokens=2000, stream=True, extra_body=long) if c.choices]
     assert len([p for p in pieces if p]) >= 3 and tr.estimate_tokens("".join(pieces)) == 2000
+    # usage only when asked, in a last chunk of its own with no choices (as chat and vLLM)
+    chunks = [c async for c in await oai(stack).completions.create(model=MODEL, prompt="def f():", max_tokens=8,
+                                                                   stream=True)]
+    assert all(c.usage is None for c in chunks)
+    chunks = [c async for c in await oai(stack).completions.create(model=MODEL, prompt="def f():", max_tokens=8,
+                                                                   stream=True, stream_options={"include_usage": True})]
+    assert [c.usage is not None for c in chunks] == [False] * (len(chunks) - 1) + [True]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8
 
 
 @pytest.mark.e2e

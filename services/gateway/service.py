@@ -326,11 +326,11 @@ class Gateway:
         return model
 
     def _max_tokens(self, body: dict[str, Any], names: tuple[str, ...], prompt: Prompt, model: str,
-                    required: bool = False) -> int:
+                    required: bool = False, prompt_param: str = "messages") -> int:
         limit = self.context_limit(model)
         if prompt.tokens + 1 > limit:
             raise HttpError("context_limit", f"This model's maximum context length is {limit} tokens; the prompt "
-                                             f"has about {prompt.tokens}", "messages")
+                                             f"has about {prompt.tokens}", prompt_param)
         for name in names:
             v = body.get(name)
             if v is None:
@@ -885,13 +885,15 @@ class Gateway:
         model = await self._model(body)
         stream = self._check_common(body)
         prompt = await self._text_prompt(tenant, model, body)
-        max_tokens = self._max_tokens(body, ("max_tokens",), prompt, model)
+        max_tokens = self._max_tokens(body, ("max_tokens",), prompt, model, prompt_param="prompt")
         sim_output = self._sim_output(body, max_tokens)
         created = int(time.time())
         sampling = self._sampling(body, OPENAI)
         ids = await self._ids(request, tenant, raw, body, model, prompt)
         p = Prepared(tenant, model, stream, prompt, max_tokens, sampling, ids, sim_output)
         cid = ids.call_id
+        opts = body.get("stream_options") or {}
+        include_usage = isinstance(opts, dict) and opts.get("include_usage") is True
 
         def whole(reply: CallReply) -> dict[str, Any]:
             return tr.text_completion(reply.call_id, model, reply, max_tokens)
@@ -901,9 +903,12 @@ class Gateway:
             text = tr.TextStream(held=False)
 
             def on_reply(reply: CallReply) -> list[bytes]:
-                last = tr.text_chunk(cid, model, created, text.rest(reply.text or ""), tr.finish_reason(reply, max_tokens))
-                last["usage"] = tr.usage_of(reply).openai()
-                return [sse(last), sse("[DONE]")]
+                out = [sse(tr.text_chunk(cid, model, created, text.rest(reply.text or ""),
+                                         tr.finish_reason(reply, max_tokens)))]
+                if include_usage:  # (as chat: only when asked, in a chunk of its own with no choices)
+                    out.append(sse({**tr.text_chunk(cid, model, created, ""), "choices": [],
+                                    "usage": tr.usage_of(reply).openai()}))
+                return [*out, sse("[DONE]")]
 
             def on_error(exc: TalariaError) -> list[bytes]:
                 return [sse(tr.openai_error(exc.code, exc.message)[1]), sse("[DONE]")]
@@ -922,7 +927,12 @@ class Gateway:
         tenant = self._tenant(request)
         raw, original = await self._body(request)
         body = self._responses_as_chat(original)
-        p = await self._prepare_chat(request, tenant, raw, body, OPENAI, ("max_output_tokens",), original=original)
+        try:
+            p = await self._prepare_chat(request, tenant, raw, body, OPENAI, ("max_output_tokens",), original=original)
+        except HttpError as err:
+            if err.param == "messages":  # (read as chat's messages; a Responses body's conversation is its input)
+                err.param = "input"
+            raise
         model, max_tokens, tools = p.model, p.max_tokens, list(p.tools)
         cid, created = p.ids.call_id, int(time.time())
 
