@@ -534,6 +534,18 @@ async def test_structured_output_on_the_sim_engine_parses_as_its_schema(stack: E
     m = await ant(stack).messages.parse(model=MODEL, max_tokens=200, output_format=Plan,
                                         messages=[{"role": "user", "content": "plan the fix"}])
     assert isinstance(m.parsed_output, Plan) and m.stop_reason == "end_turn"
+    # cut off by max_tokens before the value ends: cut, as a real engine's reply is (the SDK's
+    # typed parse says the reply was cut, not that a whole value was), and a call cut off is text
+    plan = {"type": "json_schema", "json_schema": {"name": "Plan", "schema": Plan.model_json_schema()}}
+    cut = await client.chat.completions.create(model=MODEL, max_tokens=3, response_format=plan,  # type: ignore[arg-type]
+                                               messages=[{"role": "user", "content": "plan the fix"}])
+    assert cut.choices[0].finish_reason == "length" and cut.usage.completion_tokens == 3
+    assert len((cut.choices[0].message.content or "").encode()) <= 12
+    tools = [{"type": "function", "function": READ_FILE}]
+    cut = await client.chat.completions.create(model=MODEL, max_tokens=3, tools=tools, tool_choice="required",
+                                               messages=[{"role": "user", "content": "read it"}])
+    assert cut.choices[0].finish_reason == "length" and not cut.choices[0].message.tool_calls
+    assert len((cut.choices[0].message.content or "").encode()) <= 12
 
 
 @pytest.mark.timeout(120)

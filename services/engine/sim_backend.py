@@ -104,6 +104,11 @@ def reply_text(rc: RunCall, fmt: str, output_tokens: int) -> str | None:
     replayed trace's call)."""
     shaped = shaped_text(rc, fmt)
     if shaped is not None:
+        raw = shaped.encode()
+        if output_tokens < max(1, len(raw) // 4):
+            # cut off by max_tokens before its end: cut as a real engine's would be (a call
+            # cut off stays text at the front door; a cut JSON value does not parse)
+            return raw[:4 * max(1, output_tokens)].decode(errors="ignore")
         return shaped
     return synthetic_text(output_tokens) if rc.engine.sampling is not None else None
 
