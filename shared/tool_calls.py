@@ -169,17 +169,24 @@ def _tools(raw: Any, param: str, inner: Any, schema_field: str) -> list[Tool]:
         return []
     if not isinstance(raw, list):
         raise ToolsError(f"{param} must be a list", param)
-    out = []
+    out: list[Tool] = []
     for i, t in enumerate(raw):
         f = inner(t) if isinstance(t, Mapping) else None
         if not isinstance(f, Mapping) or not isinstance(f.get("name"), str) or not f["name"]:
             raise ToolsError(f"{param}[{i}] must be a function tool with a name", f"{param}[{i}]")
+        if not TOOL_NAME.fullmatch(f["name"]):  # (both APIs' rule; a call names its tool in the model's text)
+            raise ToolsError(f"{param}[{i}].name must be 1-128 letters, digits, _ or -", f"{param}[{i}].name")
+        if any(o.name == f["name"] for o in out):
+            raise ToolsError(f"{param}[{i}].name: two tools are named {f['name']!r}", f"{param}[{i}].name")
         schema = f.get(schema_field) or {"type": "object", "properties": {}}
         if not isinstance(schema, Mapping):
             raise ToolsError(f"{param}[{i}].{schema_field} must be a JSON schema object", f"{param}[{i}]")
         desc = f.get("description") or ""
         out.append(Tool(f["name"], desc if isinstance(desc, str) else "", dict(schema)))
     return out
+
+
+TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,128}")  # Anthropic's pattern; OpenAI's is the same up to 64
 
 
 # the tool choice that asks for a call of any of the tools (OpenAI's "required", Anthropic's

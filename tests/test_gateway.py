@@ -113,6 +113,19 @@ def test_keys_and_token_estimate() -> None:
     assert p.ids[:two.tokens] == two.ids and p.continued("")[:p.tokens] == p.ids
     with pytest.raises(tr.BadRequest):
         tr.chat_prompt([{"role": "wizard", "content": "x"}])
+    # what both APIs refuse, rather than rendered into a prompt the agent never meant
+    for messages, api, param in (([{"role": "user"}], "openai", "messages[0].content"),
+                                 ([{"role": "assistant", "content": None, "tool_calls": "nope"}], "openai",
+                                  "messages[0].tool_calls"),
+                                 ([{"role": "user", "content": [{"type": "text", "text": 5}]}], "anthropic",
+                                  "messages[0].content"),
+                                 ([{"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "ls",
+                                                                      "input": "{}"}]}], "anthropic",
+                                  "messages[0].content[0]")):
+        with pytest.raises(tr.BadRequest) as e:
+            tr.template_messages(messages, api=api)
+        assert e.value.param == param, (messages, e.value)
+    assert tr.template_messages([{"role": "assistant", "content": None, "tool_calls": []}])[0]["content"] == ""
 
 
 def test_parts_a_text_only_model_cannot_read_become_a_note_and_past_thinking_is_left_out() -> None:

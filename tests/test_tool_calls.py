@@ -85,9 +85,16 @@ def test_requests_tools_in_each_apis_shape_and_refusals_by_name() -> None:
     assert [t.name for t in tools] == ["read_file"] and choice == tc.ANY_TOOL  # a call of any tool
     assert tc.openai_tools({"tools": body["tools"], "tool_choice": "required"})[1] == tc.ANY_TOOL
     assert tc.openai_tools({"tools": body["tools"], "tool_choice": "auto"})[1] is None
-    for bad in ({"tools": "x"}, {"tools": [{"type": "function"}]}, {"tools": [], "tool_choice": 3}):
+    fn = body["tools"][0]
+    for bad in ({"tools": "x"}, {"tools": [{"type": "function"}]}, {"tools": [], "tool_choice": 3},
+                # names both APIs refuse (a call names its tool in the model's text), and two tools of one name
+                {"tools": [{"type": "function", "function": {**fn["function"], "name": "read file"}}]},
+                {"tools": [{"type": "function", "function": {**fn["function"], "name": "x" * 129}}]},
+                {"tools": [fn, fn]}):
         with pytest.raises(tc.ToolsError):
             tc.openai_tools(bad)
+    assert [t.name for t in tc.anthropic_tools({"tools": [{"name": "mcp__repo__read-file", "input_schema": {}}]})[0]] \
+        == ["mcp__repo__read-file"]
     assert tc.tools_from_json(tc.tools_text(TOOLS)) == TOOLS
     with pytest.raises(ValueError):
         tc.tools_from_json(json.dumps({"not": "a list"}))

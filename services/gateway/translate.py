@@ -245,6 +245,10 @@ def _part_text(part: Mapping[str, Any], where: str, tool_format: str) -> str | N
     kind = part.get("type")
     if isinstance(part.get("text"), str):
         return part["text"]
+    if kind == "text":  # (both APIs refuse it: rendered as JSON it would be text the agent never wrote)
+        raise BadRequest(f"{where}: a text part's text must be a string", where)
+    if kind == "tool_use":
+        _check_tool_use(part, where)
     if kind in _DROPPED:
         return None
     if kind == "tool_use" and tool_format != "none" \
@@ -261,6 +265,12 @@ def _part_text(part: Mapping[str, Any], where: str, tool_format: str) -> str | N
     if kind in _NOT_READ:
         return part_not_read(part)
     return json.dumps(part, sort_keys=True)  # other parts: counted, not read
+
+
+def _check_tool_use(part: Mapping[str, Any], where: str) -> None:
+    """A past `tool_use` block as Anthropic's API takes it: a name and an input object."""
+    if not isinstance(part.get("name"), str) or not isinstance(part.get("input"), Mapping):
+        raise BadRequest(f"{where}: a tool_use part needs a name and an input object", where)
 
 
 def part_not_read(part: Mapping[str, Any]) -> str:
@@ -408,6 +418,11 @@ def _checked(messages: Any, roles: tuple[str, ...]) -> Iterator[tuple[int, Mappi
         role = m.get("role")
         if role not in roles:
             raise BadRequest(f"messages[{i}].role must be one of {', '.join(roles)}", f"messages[{i}].role")
+        # as both APIs: only an assistant's turn (of tool calls) may come without content
+        if m.get("content") is None and role != "assistant":
+            raise BadRequest(f"messages[{i}].content is required for the {role} role", f"messages[{i}].content")
+        if m.get("tool_calls") is not None and not isinstance(m["tool_calls"], list):
+            raise BadRequest(f"messages[{i}].tool_calls must be a list", f"messages[{i}].tool_calls")
         yield i, m, role
 
 
@@ -505,7 +520,8 @@ def _anthropic_turn(role: str, blocks: list[Any], where: str) -> list[dict[str, 
         if not isinstance(b, Mapping):
             raise BadRequest(f"{where}: a content part must be an object", where)
         kind = b.get("type")
-        if kind == "tool_use" and isinstance(b.get("name"), str):
+        if kind == "tool_use":
+            _check_tool_use(b, f"{where}[{j}]")
             calls.append({"type": "function", "id": str(b.get("id", "")),
                           "function": {"name": b["name"], "arguments": b.get("input") if isinstance(b.get("input"), Mapping) else {}}})
         elif kind == "tool_result":
