@@ -36,6 +36,7 @@ class GatewaySession:
         self.context_limit = context_limit
         self.messages: list[dict[str, Any]] = []
         self.tokens = 0  # the conversation's stand-in count (each message's depends on it alone)
+        self.asking: str | None = None  # the call id whose user message is the conversation's last
 
     def _append(self, role: str, content: str) -> None:
         self.messages.append({"role": role, "content": content})
@@ -52,7 +53,9 @@ class GatewaySession:
     async def call(self, *, prompt_tokens: int, prefix_tokens: int, max_tokens: int, call_id: str,
                    sim_output_tokens: int | None = None) -> CallReply:
         del prefix_tokens  # the gateway finds it from the conversation itself
-        self._grow_to(prompt_tokens, call_id)
+        if self.asking != call_id:  # a retry sends the very same request (its Idempotency-Key's)
+            self._grow_to(prompt_tokens, call_id)
+            self.asking = call_id
         body: dict[str, Any] = {"model": self.model, "max_tokens": max_tokens, "messages": self.messages}
         if sim_output_tokens is not None:
             body[tr.EXTENSION_FIELD] = {"sim_output_tokens": min(sim_output_tokens, max_tokens)}

@@ -23,7 +23,7 @@ from services.gateway import prefix as px
 from services.gateway.service import start_gateway
 from shared import tool_calls as tc
 from shared.keys import Keys
-from shared.agent_client import TalariaClient
+from shared.agent_client import TalariaClient, TalariaError
 from shared.logs import read_log_events
 from shared.policy import resolve_policy
 from shared.costmodel import MEDIAN_OUTPUT_TOKENS
@@ -1626,3 +1626,39 @@ async def test_the_extension_field_is_checked_by_name(stack: EmbeddedStack) -> N
     r = await client.chat.completions.create(model=MODEL, max_tokens=50, messages=[{"role": "user", "content": "x"}],
                                              extra_body={"talaria": {"sim_output_tokens": 7}})
     assert r.usage.completion_tokens == 7 and r.choices[0].finish_reason == "stop"
+
+
+async def test_the_replay_agents_retry_sends_the_very_same_request() -> None:
+    """`replay --via-gateway` retries a call that was `unavailable` under the same Idempotency-Key:
+    the request must be the same too (it grew the conversation again, which the key refuses)."""
+    from aiohttp import web
+
+    from talaria.gateway_agent import GatewaySession
+
+    seen: list[tuple[str, bytes]] = []
+
+    async def chat(request: web.Request) -> web.Response:
+        seen.append((request.headers["Idempotency-Key"], await request.read()))
+        if len(seen) == 1:
+            return web.json_response({"error": {"code": "service_unavailable", "message": "away"}}, status=503)
+        return web.json_response({"choices": [{"message": {"content": "ok"}}], "system_fingerprint": "talaria-s0",
+                                  "usage": {"prompt_tokens": 40, "completion_tokens": 1,
+                                            "prompt_tokens_details": {"cached_tokens": 0}}})
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        async with aiohttp.ClientSession() as http:
+            s = GatewaySession(http, f"http://127.0.0.1:{port}/v1", "k", MODEL, "retrying", 100_000)
+            with pytest.raises(TalariaError):
+                await s.call(prompt_tokens=40, prefix_tokens=0, max_tokens=8, call_id="c#0")
+            await s.call(prompt_tokens=40, prefix_tokens=0, max_tokens=8, call_id="c#0")
+            await s.call(prompt_tokens=80, prefix_tokens=0, max_tokens=8, call_id="c#1")
+    finally:
+        await runner.cleanup()
+    assert seen[0] == seen[1] and seen[2][0] == "c#1" and seen[2][1] != seen[1][1]
