@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import tempfile
 from pathlib import Path
 
 
@@ -26,6 +27,17 @@ def seconds(text: str) -> float:
     v = _number(text)
     if v < 0:
         raise argparse.ArgumentTypeError(f"must be zero or more seconds, got {text}")
+    return v
+
+
+def model_seconds(text: str) -> float:
+    """Model seconds, zero to MAX_MODEL_S, the trace format's cap on model time: past it a
+    float's step passes the engines' microsecond timings (a --call-latency of 1e12 ran)."""
+    from talaria.workload.trace import MAX_MODEL_S
+
+    v = seconds(text)
+    if v > MAX_MODEL_S:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_MODEL_S:,.0f} model seconds, got {text}")
     return v
 
 
@@ -114,6 +126,12 @@ def _check_writable(text: str, folder: Path) -> None:
         raise argparse.ArgumentTypeError(f"cannot write {text}: {folder} is not a folder")
     if not os.access(folder, os.W_OK | os.X_OK):
         raise argparse.ArgumentTypeError(f"cannot write {text}: no write permission in {folder}")
+    # permission bits do not say it all (root passes os.access, and /proc takes no new file): try
+    try:
+        tempfile.TemporaryFile(dir=folder).close()
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(
+            f"cannot write {text}: {folder} takes no new file ({exc.strerror or exc})") from None
 
 
 class OutputError(OSError):

@@ -20,7 +20,7 @@ from shared.policy import PRESETS, PolicyError, resolve_policy
 from talaria.workload.trace import TraceError, TraceSession, load_runnable_trace
 from talaria.workload import generate as gen
 from talaria.argtypes import (
-    SPEED_SCALE_RANGE, OutputError, output_file, output_folder, positive_float, positive_int, seconds, speed_scale,
+    SPEED_SCALE_RANGE, OutputError, model_seconds, output_file, output_folder, positive_float, positive_int, speed_scale,
 )
 from talaria.client import AgentLogin, Deployment
 from talaria.results.report import add_speedups, format_table, oracle_sct, slowest_sessions, summarize
@@ -28,7 +28,7 @@ from talaria.workload.agent import DEFAULT_MAX_TOKENS
 from talaria.ops.stack import DEFAULT_MODELS, EmbeddedStack, LogDirInUse, StackSpec, StackStartError, default_log_dir
 
 if TYPE_CHECKING:
-    from talaria.replay import ReplayOutcome
+    from talaria.replay import Progress, ReplayOutcome
 
 
 def _fail(msg: str, code: int = 2) -> int:
@@ -50,8 +50,9 @@ def _load(path: str) -> list[TraceSession]:
     sessions = load_runnable_trace(path, load_catalog())
     long = sum(1 for s in sessions for c in s.calls if c.output_tokens > DEFAULT_MAX_TOKENS)
     if long:  # (what the agents ask for; the trace is not wrong, but its figure is not what runs)
-        print(f"talaria: note: {long} calls of {path} write more than {DEFAULT_MAX_TOKENS} tokens; each stops there, "
-              "at the max_tokens the agents ask for (docs/trace-format.md)", file=sys.stderr)
+        print(f"talaria: note: {long} call{'s' if long > 1 else ''} of {path} write{'' if long > 1 else 's'} more "
+              f"than {DEFAULT_MAX_TOKENS} tokens; each stops there, at the max_tokens the agents ask for "
+              "(docs/trace-format.md)", file=sys.stderr)
     return sessions
 
 
@@ -87,26 +88,36 @@ def cmd_sim(a: argparse.Namespace) -> int:
     from talaria.workload.scenarios import sim_summary
     from talaria.sim.simulator import simulate
 
-    policy_arg = a.policy or "baseline"
+    policy_arg = "baseline" if a.policy is None else a.policy  # (`--policy ''` ran the baseline)
+    max_tokens = DEFAULT_MAX_TOKENS
     if a.trace.endswith(".toml"):  # a scenario file (scenarios/*.toml): its trace (first seed), servers and policies
-        from talaria.workload.scenarios import ScenarioError, load_scenario, trace_of
+        from talaria.workload.scenarios import ScenarioError, load_scenario, scenario_catalog, trace_of
 
         try:
             sc = load_scenario(a.trace)
         except ScenarioError as exc:
             return _fail(str(exc))
+        # a flag the scenario fixes otherwise is refused: silently overriding it printed another setting's figures
+        for flag, given, own in (("--servers", a.servers, sc.servers),
+                                 ("--server-profile", a.server_profile, sc.server_profile)):
+            if given is not None and given != own:
+                return _fail(f"{flag} {given}: the scenario {a.trace} sets {own} (edit the scenario, or leave {flag} out)")
         sessions = trace_of(sc, sc.seeds[0])
         a.servers, a.server_profile = sc.servers, sc.server_profile
-        policy_arg = a.policy or ",".join(sc.policies)
+        policy_arg = ",".join(sc.policies) if a.policy is None else a.policy
+        catalog, max_tokens = scenario_catalog(sc), sc.max_tokens
     else:
+        a.servers = 1 if a.servers is None else a.servers
+        a.server_profile = "h100x8" if a.server_profile is None else a.server_profile
         sessions = _load(a.trace)
-    catalog = load_catalog()
-    oracle = oracle_sct(sessions, catalog, a.server_profile)
+        catalog = load_catalog()
+    policies = _policies(policy_arg)
+    oracle = oracle_sct(sessions, catalog, a.server_profile, max_tokens)
     runs = []
     records = {}
     total_wall = 0.0
-    for pol in _policies(policy_arg):
-        r = simulate(sessions, catalog, pol, servers=a.servers, server_profile=a.server_profile,
+    for pol in policies:
+        r = simulate(sessions, catalog, pol, servers=a.servers, server_profile=a.server_profile, max_tokens=max_tokens,
                      switch_cost_scale=a.switch_cost_scale, prefill_speed_scale=a.prefill_speed_scale,
                      call_latency_s=a.call_latency, check_invariants=a.check)
         total_wall += r.wall_s
@@ -116,17 +127,26 @@ def cmd_sim(a: argparse.Namespace) -> int:
         print(f"[{pol.name}] simulated {run['calls_completed']}/{run['calls_total']} calls in {r.wall_s:.2f} s wall", file=sys.stderr)
     _print_results(runs)
     print(f"wall_s {total_wall:.2f}")
-    if a.plots:
-        from talaria.results.plots import write_plots
-
-        for path in write_plots(runs, records, a.plots):
-            print(f"figure written to {path}")
+    # the results before the figures: a figure that cannot be written must not lose them
     if a.out:
         write_json(a.out, {"trace": a.trace, "engine": "sim", "servers": a.servers, "server_profile": a.server_profile,
                            "oracle": {"sct_p50_s": runs[0]["oracle_p50_s"], "sct_p95_s": runs[0]["oracle_p95_s"]},
                            "wall_s": total_wall, "runs": runs})
         print(f"results written to {a.out}")
+    if a.plots:
+        _write_plots(runs, records, a.plots)
     return 0
+
+
+def _write_plots(runs: list[dict], records: dict, folder: str) -> None:
+    from talaria.results.plots import write_plots
+
+    try:
+        paths = write_plots(runs, records, folder)
+    except OSError as exc:  # (checked before the run; a disk that fills since is still one line)
+        raise OutputError(f"cannot write the figures into {folder}: {exc.strerror or exc}") from None
+    for path in paths:
+        print(f"figure written to {path}")
 
 
 # -- replay ------------------------------------------------------------------------
@@ -157,14 +177,14 @@ def _deployment(a: argparse.Namespace) -> Deployment | None:
 
 
 def cmd_replay(a: argparse.Namespace) -> int:
-    from talaria.replay import ReplayTargetError, replay_embedded, replay_external, write_json
+    from talaria.replay import Progress, ReplayTargetError, replay_embedded, replay_external
 
     sessions = _load(a.trace)
     # checked before a stack starts: a bad name later in the list had the first policy replayed for nothing
-    policies = _policies(a.policy or "baseline")
+    policies = _policies("baseline" if a.policy is None else a.policy)  # (`--policy ''` ran the baseline)
     catalog = load_catalog()
     oracle = oracle_sct(sessions, catalog, a.server_profile)
-    outcomes = []
+    outcomes: list[ReplayOutcome] = []
     try:
         target = _deployment(a)
     except ValueError as exc:  # an unreadable or malformed credentials file
@@ -172,23 +192,67 @@ def cmd_replay(a: argparse.Namespace) -> int:
     if target is not None and a.via_gateway:
         return _fail("--via-gateway replays through the embedded stack's gateway; against a running deployment, "
                      "point an agent at its gateway (docs/front-door.md)")
-    if target is not None:
+    if target is not None and a.policy is not None:
         # a running deployment replays under its own policy and time scale (it reports both)
-        if a.policy is not None:
-            return _fail("--policy chooses the embedded stack's policy; a running deployment uses its own")
-        try:
-            outcomes.append(asyncio.run(replay_external(sessions, target)))
-        except ReplayTargetError as exc:
-            return _fail(str(exc))
-    else:
-        # one folder per run (a policy's logs under it): two replays never append to the same files
-        run_dir = new_run_dir(Path(a.log_dir))
-        print(f"logs of this run in {run_dir}", file=sys.stderr, flush=True)
-        for pol in policies:
-            spec = StackSpec(policy=pol, models=_models_of(sessions), servers=a.servers, routers=a.routers,
-                             server_profile=a.server_profile, time_scale=a.time_scale, log_dir=run_dir / pol.name,
-                             switch_cost_scale=a.switch_cost_scale, prefill_speed_scale=a.prefill_speed_scale)
-            outcomes.append(asyncio.run(replay_embedded(sessions, pol, spec, via_gateway=a.via_gateway)))
+        return _fail("--policy chooses the embedded stack's policy; a running deployment uses its own")
+    if target is None:
+        try:  # before the run: a log folder that cannot be made crashed the stack's start
+            output_folder(a.log_dir)
+        except argparse.ArgumentTypeError as exc:
+            return _fail(f"--log-dir: {exc}")
+    calls = sum(len(s.calls) for s in sessions)
+    progress = Progress("the deployment's policy", calls, len(sessions))
+    run_dir: Path | None = None
+    try:
+        if target is not None:
+            try:
+                outcomes.append(asyncio.run(replay_external(sessions, target, progress)))
+            except ReplayTargetError as exc:
+                return _fail(str(exc))
+        else:
+            # one folder per run (a policy's logs under it): two replays never append to the same files
+            run_dir = new_run_dir(Path(a.log_dir))
+            print(f"logs of this run in {run_dir}", file=sys.stderr, flush=True)
+            for pol in policies:
+                progress = Progress(pol.name, calls, len(sessions))
+                spec = StackSpec(policy=pol, models=_models_of(sessions), servers=a.servers, routers=a.routers,
+                                 server_profile=a.server_profile, time_scale=a.time_scale, log_dir=run_dir / pol.name,
+                                 switch_cost_scale=a.switch_cost_scale, prefill_speed_scale=a.prefill_speed_scale)
+                outcomes.append(asyncio.run(replay_embedded(sessions, pol, spec, via_gateway=a.via_gateway,
+                                                            progress=progress)))
+    except (KeyboardInterrupt, SystemExit):  # Ctrl-C, SIGTERM, SIGHUP: the stack has stopped; say where the run was
+        _interrupted(a, sessions, oracle, outcomes, progress, run_dir)
+        raise
+    runs, lag_bad = _replay_runs(a, sessions, oracle, outcomes)
+    _print_results(runs)
+    # the results before the figures: a figure that cannot be written must not lose them
+    if a.out:
+        _write_replay_json(a, runs, outcomes, run_dir)
+        print(f"results written to {a.out}")
+    if a.plots:
+        _write_plots(runs, {o.policy: o.records for o in outcomes}, a.plots)
+    for r, out in zip(runs, outcomes):
+        print(f"  {r['policy']}: worst event-loop lag {r['worst_loop_lag_model_s']:.3f} model s ({r['worst_loop_lag_service']})")
+        if not out.services_lag_read:  # a running deployment's lag and counters live in its Redis
+            print(f"  {r['policy']}: the services' event-loop lag and scheduler counters not read (pass the deployment's --redis)")
+        if out.log_dir:
+            print(f"  {r['policy']}: logs in {out.log_dir} (talaria logs SESSION --log-dir {out.log_dir})")
+        if out.session_prefix:
+            print(f"  {r['policy']}: session ids prefixed {out.session_prefix}- "
+                  f"(talaria logs SESSION --run {out.session_prefix} --log-dir <the deployment's log folder>)")
+    failed = [f for o in outcomes for f in o.failures]
+    if failed:
+        for f in failed[:10]:
+            print(f"  failed: {f}", file=sys.stderr)
+        return _fail(f"{len(failed)} sessions did not complete", 1)
+    if lag_bad:
+        return _fail("event-loop lag would distort the result (lower --time-scale): " + "; ".join(lag_bad), 3)
+    return 0
+
+
+def _replay_runs(a: argparse.Namespace, sessions: list[TraceSession], oracle: dict[str, float],
+                 outcomes: list[ReplayOutcome]) -> tuple[list[dict], list[str]]:
+    """The replayed policies as runs of the results JSON, and the lag that distorted any."""
     runs = []
     lag_bad = []
     for out in outcomes:
@@ -209,35 +273,37 @@ def cmd_replay(a: argparse.Namespace) -> int:
         runs.append(run)
         if out.worst_lag_model_s > a.max_lag_s:
             lag_bad.append(f"{out.policy}: {out.worst_lag_service} lagged {out.worst_lag_model_s:.2f} model s")
-    _print_results(runs)
-    if a.plots:
-        from talaria.results.plots import write_plots
+    return runs, lag_bad
 
-        for path in write_plots(runs, {o.policy: o.records for o in outcomes}, a.plots):
-            print(f"figure written to {path}")
-    for r, out in zip(runs, outcomes):
-        print(f"  {r['policy']}: worst event-loop lag {r['worst_loop_lag_model_s']:.3f} model s ({r['worst_loop_lag_service']})")
-        if not out.services_lag_read:  # a running deployment's lag and counters live in its Redis
-            print(f"  {r['policy']}: the services' event-loop lag and scheduler counters not read (pass the deployment's --redis)")
-        if out.log_dir:
-            print(f"  {r['policy']}: logs in {out.log_dir} (talaria logs SESSION --log-dir {out.log_dir})")
-        if out.session_prefix:
-            print(f"  {r['policy']}: session ids prefixed {out.session_prefix}- "
-                  f"(talaria logs SESSION --run {out.session_prefix} --log-dir <the deployment's log folder>)")
-    if a.out:
-        where = {"log_dir": str(run_dir)} if target is None else {"session_prefix": outcomes[0].session_prefix}
-        write_json(a.out, {"trace": a.trace, "engine": "sim", "servers": a.servers, "server_profile": a.server_profile,
-                           "oracle": {"sct_p50_s": runs[0]["oracle_p50_s"], "sct_p95_s": runs[0]["oracle_p95_s"]},
-                           **where, "runs": runs})
-        print(f"results written to {a.out}")
-    failed = [f for o in outcomes for f in o.failures]
-    if failed:
-        for f in failed[:10]:
-            print(f"  failed: {f}", file=sys.stderr)
-        return _fail(f"{len(failed)} sessions did not complete", 1)
-    if lag_bad:
-        return _fail("event-loop lag would distort the result (lower --time-scale): " + "; ".join(lag_bad), 3)
-    return 0
+
+def _write_replay_json(a: argparse.Namespace, runs: list[dict], outcomes: list[ReplayOutcome], run_dir: Path | None,
+                       **extra: object) -> None:
+    from talaria.replay import write_json
+
+    where = {"log_dir": str(run_dir)} if run_dir is not None else {"session_prefix": outcomes[0].session_prefix}
+    write_json(a.out, {"trace": a.trace, "engine": "sim", "servers": a.servers, "server_profile": a.server_profile,
+                       "oracle": {"sct_p50_s": runs[0]["oracle_p50_s"], "sct_p95_s": runs[0]["oracle_p95_s"]},
+                       **where, **extra, "runs": runs})
+
+
+def _interrupted(a: argparse.Namespace, sessions: list[TraceSession], oracle: dict[str, float],
+                 outcomes: list[ReplayOutcome], progress: Progress, run_dir: Path | None) -> None:
+    """One line for a replay stopped by a signal (it printed nothing): the policies that
+    completed, how far the current one got, and the completed ones' results in --out,
+    marked partial (an hour's run is not all lost to a late Ctrl-C)."""
+    done = [o.policy for o in outcomes]
+    msg = (f"talaria: replay interrupted: completed {', '.join(done) or 'no policy'}; "
+           f"{progress.policy} had {progress.calls_done} of {progress.total_calls} calls answered")
+    if done and a.out:
+        runs, _ = _replay_runs(a, sessions, oracle, outcomes)
+        add_speedups(runs)
+        try:
+            _write_replay_json(a, runs, outcomes, run_dir, partial={
+                "completed": done, "interrupted": progress.policy, "calls_answered": progress.calls_done})
+            msg += f"; the completed results written to {a.out} (marked partial)"
+        except OutputError as exc:
+            msg += f"; {exc}"
+    print(msg, file=sys.stderr, flush=True)
 
 
 # -- up ------------------------------------------------------------------------------
@@ -330,18 +396,21 @@ def build_parser() -> argparse.ArgumentParser:
                              "default 1, the catalog's)")
 
     s = sub.add_parser("sim", help="simulate policies on a trace on a virtual clock (same policy code)")
-    s.add_argument("trace", help="a trace (JSONL), or a scenario file (scenarios/*.toml: its first seed, servers and policies)")
+    s.add_argument("trace", help="a trace (JSONL), or a scenario file (scenarios/*.toml: its first seed, catalog, "
+                                 "max_tokens, servers, server profile and policies; --servers and --server-profile "
+                                 "must agree with it)")
     s.add_argument("--policy", default=None, help=f"comma-separated: {', '.join(PRESETS)}, or PEER@baseline "
                                                   "(default: baseline; a scenario's policies for a scenario)")
     s.add_argument("--out", type=output_file, help="write results JSON here")
     s.add_argument("--check", action="store_true", help="check memory and KV bounds at every event")
     s.add_argument("--plots", type=output_folder, help="write PNG figures (SCT distribution, slowest-session timelines) into this folder")
-    s.add_argument("--call-latency", type=seconds, default=0.0, metavar="S",
+    s.add_argument("--call-latency", type=model_seconds, default=0.0, metavar="S",
                    help="sensitivity: model seconds between a reply and the session's next call reaching admission, "
                         "beyond the tool gap (the control plane's hops; a live replay at --time-scale 50 measures "
-                        "about 0.1-0.2 here, docs/results.md); default 0")
+                        "about 0.1-0.2 here, docs/results.md); default 0, at most 1e9")
     common(s)
-    s.set_defaults(fn=cmd_sim)
+    # None: not given, so a scenario's own servers and profile apply (cmd_sim: 1 and h100x8 for a trace)
+    s.set_defaults(fn=cmd_sim, servers=None, server_profile=None)
 
     r = sub.add_parser("replay", help="replay a trace's agents through the live services over NATS")
     r.add_argument("trace", help="the trace to replay (JSON Lines, docs/trace-format.md)")

@@ -89,14 +89,17 @@ async def drive(
     on_reply: Callable[[CallReply], None] | None = None,
     on_issue: Callable[[str], None] | None = None,
     error_retries: int = 0,
+    progress: Progress | None = None,
 ) -> ReplayOutcome:
     """`client`: the NATS agent client, or `GatewayAgents` (each session a conversation over
     HTTP through the gateway). `error_retries` > 0 (the chaos run): an agent that gets no_capacity, an
     internal error or a timeout waits `retry_after_s` (or 1 s) and tries again
     under the same call id, that many times. `on_issue(call_id)` / `on_reply`:
-    a call is sent / answered (the chaos run's in-flight count and watchdog)."""
+    a call is sent / answered (the chaos run's in-flight count and watchdog). `progress`: the
+    caller's counter, read by `talaria replay` when it is interrupted mid-run."""
     total_calls = sum(len(s.calls) for s in sessions)
-    prog = Progress(policy_name, total_calls, len(sessions))
+    prog = progress if progress is not None else Progress(policy_name, total_calls, len(sessions))
+    prog.policy = policy_name  # (against a deployment, known only once it answers)
     records: list[CallRecord] = []
     sct: dict[str, float] = {}
     failures: list[str] = []
@@ -238,7 +241,7 @@ async def server_stats(redis_url: str, key_prefix: str, server_ids: list[str]) -
 
 
 async def replay_embedded(sessions: list[TraceSession], policy: PolicyConfig, spec: StackSpec,
-                          via_gateway: bool = False) -> ReplayOutcome:
+                          via_gateway: bool = False, progress: Progress | None = None) -> ReplayOutcome:
     """`via_gateway`: the agents speak HTTP to the stack's gateway (talaria/gateway_agent.py)
     instead of NATS to the router."""
     spec.policy = policy
@@ -255,11 +258,11 @@ async def replay_embedded(sessions: list[TraceSession], policy: PolicyConfig, sp
                 assert stack.openai_base_url is not None
                 agents = GatewayAgents(stack.openai_base_url, stack.api_key, dict((await client.info()).context_limits))
                 try:
-                    out = await drive(agents, clock, sessions, policy.name)
+                    out = await drive(agents, clock, sessions, policy.name, progress=progress)
                 finally:
                     await agents.close()
             else:
-                out = await drive(client, clock, sessions, policy.name)
+                out = await drive(client, clock, sessions, policy.name, progress=progress)
         finally:
             await client.close()
         await asyncio.sleep(0.3)  # let the last mirror land
@@ -280,7 +283,8 @@ class ReplayTargetError(Exception):
     refused, no router answering, or a model of the trace not served."""
 
 
-async def replay_external(sessions: list[TraceSession], target: Deployment) -> ReplayOutcome:
+async def replay_external(sessions: list[TraceSession], target: Deployment,
+                          progress: Progress | None = None) -> ReplayOutcome:
     where = ",".join(target.nats_urls)
     try:
         client = await TalariaClient.from_deployment(target)
@@ -307,7 +311,7 @@ async def replay_external(sessions: list[TraceSession], target: Deployment) -> R
         print(f"[{info.policy}] session ids prefixed {prefix}- (e.g. {prefix}-{sessions[0].session_id}); "
               f"its logs: talaria logs SESSION --run {prefix} --log-dir <the deployment's log folder>",
               file=sys.stderr, flush=True)
-        out = await drive(client, clock, sessions, info.policy, run_tag=f"{prefix}-")
+        out = await drive(client, clock, sessions, info.policy, run_tag=f"{prefix}-", progress=progress)
         out.session_prefix = prefix
     finally:
         await client.close()

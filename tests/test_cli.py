@@ -50,6 +50,12 @@ TRACE = str(ROOT / "traces" / "swebench-30.jsonl")
         (["paired", "--out", f"{TRACE}/x.json"], "is not a folder"),
         (["sim", TRACE, f"--plots={TRACE}"], "is a file, not a folder to write into"),
         (["replay", TRACE, f"--plots={TRACE}/figures"], "is not a folder"),
+        # refused only after the run (--out), or a traceback after it (--plots): permission bits pass for root
+        (["replay", TRACE, "--out=/proc/x.json"], "cannot write /proc/x.json"),
+        (["replay", TRACE, "--plots=/proc/x"], "cannot write /proc/x"),
+        (["sim", TRACE, "--plots=/proc/x"], "cannot write /proc/x"),
+        # the trace format's cap on model time (MAX_MODEL_S)
+        (["sim", TRACE, "--call-latency=1e12"], "--call-latency: must be at most 1,000,000,000 model seconds"),
     ],
 )
 def test_bad_numbers_are_usage_errors(argv: list[str], fragment: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -73,6 +79,9 @@ def test_bad_numbers_are_usage_errors(argv: list[str], fragment: str, capsys: py
         (["up", "--policy", "nonsense"], "unknown policy 'nonsense'"),
         (["sim", TRACE, "--policy", "baseline,talaria,baseline"], "names baseline more than once"),
         (["replay", TRACE, "--policy", "talaria, talaria"], "names talaria more than once"),
+        # an empty --policy ran the baseline
+        (["sim", TRACE, "--policy", ""], "--policy '' names no policy"),
+        (["replay", TRACE, "--policy", ""], "--policy '' names no policy"),
     ],
 )
 def test_bad_inputs_fail_before_anything_starts(argv: list[str], fragment: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -363,7 +372,7 @@ def test_a_trace_output_past_the_agents_max_tokens_is_said_to_stop_there(
         {"new_input_tokens": 300, "output_tokens": 8000, "tool_s": 1},
         {"new_input_tokens": 300, "output_tokens": 5, "tool_s": 0}]}) + "\n")
     assert main(["sim", str(trace)]) == 0
-    assert "note: 1 calls of" in capsys.readouterr().err
+    assert "note: 1 call of" in capsys.readouterr().err  # (not "1 calls")
 
 
 def test_a_bad_setting_in_the_environment_stops_up_in_one_line(
@@ -375,3 +384,141 @@ def test_a_bad_setting_in_the_environment_stops_up_in_one_line(
     err = capsys.readouterr().err
     assert "TALARIA_GATEWAY_RETRY_GRACE_S must be a number, not 'abc'" in err and "Traceback" not in err, err
     assert not (tmp_path / "up" / "credentials.json").exists()
+
+
+def _slow_catalog(tmp_path: Path) -> Path:
+    """The default catalog with every prefill four times slower: figures that tell it apart."""
+    text = CATALOG.read_text()
+    assert "prefill_tok_s = 20625.0" in text
+    catalog = tmp_path / "slow.toml"
+    catalog.write_text(text.replace("prefill_tok_s = 20625.0", "prefill_tok_s = 5156.25"))
+    return catalog
+
+
+def test_sim_of_a_scenario_runs_on_its_catalog_and_max_tokens_and_refuses_a_flag_it_contradicts(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from talaria.workload.scenarios import load_scenario, run_policy, trace_of
+
+    scenario = tmp_path / "s.toml"
+    scenario.write_text(f'name = "s"\ncatalog = "{_slow_catalog(tmp_path)}"\nmax_tokens = 64\nservers = 2\n'
+                        'policies = ["baseline"]\nseeds = [7]\n[trace]\nsessions = 3\ncalls_total = 6\n')
+    out = tmp_path / "sim.json"
+    assert main(["sim", str(scenario), "--out", str(out), "--servers", "2"]) == 0  # (agreeing is no conflict)
+    sim = json.loads(out.read_text())
+    sc = load_scenario(scenario)
+    want = run_policy(sc, trace_of(sc, 7), "baseline")  # what `compare` figures for it
+    assert sim["servers"] == 2
+    for key in ("sct_p50_s", "sct_mean_s", "oracle_p50_s", "ratio_to_oracle_p50"):
+        assert sim["runs"][0][key] == pytest.approx(want[key]), key
+    capsys.readouterr()
+    # it ran the scenario's 2 servers whatever --servers said
+    assert main(["sim", str(scenario), "--servers", "3"]) == 2
+    err = capsys.readouterr().err
+    assert err == f"talaria: error: --servers 3: the scenario {scenario} sets 2 (edit the scenario, or leave --servers out)\n"
+    assert main(["sim", str(scenario), "--server-profile", "h200x8"]) == 2
+    assert "--server-profile h200x8: the scenario" in capsys.readouterr().err
+
+
+def test_a_scenarios_relative_catalog_is_found_beside_it(tmp_path: Path) -> None:
+    from talaria.workload.scenarios import load_scenario
+
+    (tmp_path / "cats").mkdir()
+    catalog = _slow_catalog(tmp_path / "cats")
+    scenario = tmp_path / "cats" / "s.toml"
+    scenario.write_text('name = "s"\ncatalog = "slow.toml"\n[trace]\nsessions = 3\ncalls_total = 6\n')
+    assert Path(load_scenario(scenario).catalog) == catalog  # it was looked for in the repository's folder
+    # the repository's folder still serves where the scenario's holds no such file
+    scenario.write_text('name = "s"\ncatalog = "shared/data/catalog.toml"\n[trace]\nsessions = 3\ncalls_total = 6\n')
+    assert Path(load_scenario(scenario).catalog) == CATALOG
+
+
+@pytest.mark.parametrize("log_dir", ["file", "/proc/x"])
+def test_replay_checks_its_log_folder_before_a_stack_starts(
+        log_dir: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    import talaria.replay
+
+    def started(*args: object, **kw: object) -> None:
+        raise AssertionError("a stack was started before the log folder was checked")
+
+    monkeypatch.setattr(talaria.replay, "replay_embedded", started)
+    if log_dir == "file":  # a regular file: NotADirectoryError in a traceback
+        log_dir = str(tmp_path / "file")
+        Path(log_dir).write_text("")
+    assert main(["replay", TRACE, "--log-dir", log_dir]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("talaria: error: --log-dir: ") and err.count("\n") == 1, err
+
+
+def _simulated_replay(interrupt_at: str = "", exc: type[BaseException] = KeyboardInterrupt):  # type: ignore[no-untyped-def]
+    """replay_embedded stood in for by the simulator; `interrupt_at`: the policy a signal stops after 7 replies."""
+    from shared.catalog import load_catalog as catalog
+    from talaria.replay import ReplayOutcome
+    from talaria.sim.simulator import simulate
+
+    async def fake_replay(sessions, pol, spec, via_gateway=False, progress=None):  # type: ignore[no-untyped-def]
+        if pol.name == interrupt_at:
+            progress.calls_done = 7
+            raise exc(143) if exc is SystemExit else exc()
+        r = simulate(sessions, catalog(), pol)
+        return ReplayOutcome(policy=pol.name, sct=r.sct, records=r.records, log_dir=str(spec.log_dir))
+
+    return fake_replay
+
+
+@pytest.mark.parametrize("command", ["sim", "replay"])
+def test_the_results_are_written_before_figures_that_fail(
+        command: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    import talaria.replay
+    from talaria.results import plots
+
+    def full_disk(*args: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(plots, "write_plots", full_disk)
+    monkeypatch.setattr(talaria.replay, "replay_embedded", _simulated_replay())
+    out = tmp_path / "r.json"
+    smoke = str(ROOT / "traces" / "smoke-4.jsonl")
+    assert main([command, smoke, "--out", str(out), "--plots", str(tmp_path / "figs"),
+                 *(["--log-dir", str(tmp_path / "logs")] if command == "replay" else [])]) == 2
+    assert '"runs"' in out.read_text()  # (the figures came first, and their traceback lost the results)
+    err = capsys.readouterr().err
+    assert err.endswith(f"talaria: error: cannot write the figures into {tmp_path / 'figs'}: No space left on device\n")
+
+
+@pytest.mark.parametrize("signal_exc", [KeyboardInterrupt, SystemExit])
+def test_an_interrupted_replay_says_how_far_it_got_and_keeps_what_completed(
+        signal_exc: type[BaseException], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    import talaria.replay
+
+    monkeypatch.setattr(talaria.replay, "replay_embedded", _simulated_replay("talaria", signal_exc))
+    out = tmp_path / "r.json"
+    argv = ["replay", TRACE, "--policy", "baseline,talaria", "--out", str(out), "--log-dir", str(tmp_path / "logs")]
+    if signal_exc is KeyboardInterrupt:
+        assert main(argv) == 130
+    else:  # SIGTERM: its exit code, after the same line
+        with pytest.raises(SystemExit):
+            main(argv)
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1] == (f"talaria: replay interrupted: completed baseline; talaria had 7 of 960 calls answered; "
+                       f"the completed results written to {out} (marked partial)")
+    result = json.loads(out.read_text())
+    assert result["partial"] == {"completed": ["baseline"], "interrupted": "talaria", "calls_answered": 7}
+    assert [r["policy"] for r in result["runs"]] == ["baseline"]
+
+
+def test_table_columns_stay_apart_for_any_figure(capsys: pytest.CaptureFixture[str]) -> None:
+    from talaria.cli import _print_results
+
+    run = {"policy": "p" * 30, "calls_completed": 123456, "calls_total": 123456, "sct_p50_s": 999999005.7,
+           "sct_p95_s": 999999005.7, "sct_mean_s": 12345678.9, "ratio_to_oracle_p50": 12345678.5,
+           "calls_reprefilled": 1234567890, "round_waits": 123456789012, "switches": 123456789,
+           "max_wait_s_by_model": {}, "sessions": [{"session_id": "a", "sct_s": 10.0}]}
+    _print_results([run])
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("ppp"))
+    assert row.split() == ["p" * 30, "123456/123456", "999999005.7", "999999005.7", "12345678.9", "-", "-",
+                           "12345678.50", "1234567890", "123456789", "123456789012"], row

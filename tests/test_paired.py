@@ -205,3 +205,54 @@ def test_paired_load_and_no_input_are_clear_errors(tmp_path: Path, capsys: pytes
         (tmp_path / "bad.json").write_text(text)
         assert main(["paired", "--load", str(tmp_path / "bad.json")]) == 2
         assert "is not what `talaria paired --out` writes" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,fragment", [
+    # a label the reference or a policy already has, or a second variant's, replaced that row silently
+    (["--variant", "talaria=talaria:hold_factor=1.0"], "--variant label talaria is already talaria"),
+    (["--variant", "baseline=talaria:hold_factor=1.0"], "--variant label baseline is already"),
+    (["--variant", "q=talaria:hold_factor=1.0", "--variant", "q=talaria:hold_min_s=0"], "--variant label q is"),
+    # nothing to pair: an empty table and exit 0
+    (["--policies", "talaria"], "nothing to pair against talaria"),
+])
+def test_paired_refuses_what_would_replace_or_leave_no_row(argv: list[str], fragment: str,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    from talaria.cli import main
+    from talaria.workload.scenarios import ROOT
+
+    assert main(["paired", str(ROOT / "scenarios" / "1x30x3.toml"), "--seeds", "5", "--policies", "baseline",
+                 *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("talaria paired: error: ") and fragment in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("argv,fragment", [
+    (["--seeds", "1001"], "seeds [1001] tuned the policies and cannot be scored"),  # as compare and paired
+    (["--policies", "baseline,baseline"], "names baseline more than once"),
+    (["--policies", ","], "names no policy"),
+])
+def test_bound_refuses_tuning_seeds_and_repeated_policies(argv: list[str], fragment: str,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    from talaria.cli import main
+
+    assert main(["bound", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("talaria bound: error: ") and fragment in err and err.count("\n") == 1, err
+
+
+def test_bound_with_one_policy_is_a_whole_table(capsys: pytest.CaptureFixture[str]) -> None:
+    from talaria.cli import main
+
+    assert main(["bound", "--seeds", "2", "--policies", "talaria"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    head, rule, row = lines[0], lines[1], lines[2]
+    assert head.count("|") == rule.count("|") == row.count("|"), lines  # no empty column, no short row
+    assert head.endswith("| largest p50 speedup over talaria |")
+    assert lines[-1].startswith("_Median over seeds of the largest p50 speedup")
+
+
+def test_the_capacity_relaxation_alone_is_never_below_zero() -> None:
+    # sessions an hour apart with a second of work each: a_1 + W/S - mean(a) was -900 s
+    b = sct_lower_bound([0.0, 3600.0], [1.0, 1.0], [1.0, 1.0])
+    assert b.mean_capacity_s == 0.0 and b.p50_capacity_s == 0.0
+    assert b.mean_s == b.mean_alone_s == 1.0

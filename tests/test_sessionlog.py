@@ -160,3 +160,15 @@ def test_an_http_agent_finds_its_calls_by_its_session_name_or_a_request_id(
     assert main(["logs", second, "--log-dir", str(tmp_path), "--json"]) == 0
     recs = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
     assert {r["call_id"] for r in recs} == {second} and {r["source"] for r in recs} == {"gateway", "router-0"}
+
+
+def test_an_unknown_run_is_refused_and_the_runs_there_named(logs: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # it printed every run's timeline with exit 0, as if --run were not given
+    _write(logs / "up" / "router-0.log", _line("50.000000", "router.placed", session="r5c397f-swe-007"))
+    assert main(["logs", "swe-007", "--run", "nope", "--log-dir", str(logs)]) == 2
+    assert capsys.readouterr() == ("", f"talaria: error: no run nope under {logs} "
+                                       f"(runs there: baseline, r5c397f, talaria, up)\n")
+    # a prefix that names another session's replay is a run; this session is just not in it
+    _write(logs / "up" / "router-1.log", _line("51.000000", "router.placed", session="r0000ff-swe-008"))
+    assert main(["logs", "swe-007", "--run", "r0000ff", "--log-dir", str(logs)]) == 1
+    assert "no log line names session r0000ff-swe-007" in capsys.readouterr().err

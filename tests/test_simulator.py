@@ -19,7 +19,7 @@ from services.router.placement import ServerView
 from shared.catalog import load_catalog
 from shared.policy import PRESETS, PolicyConfig
 from shared.schema import RunCall, SubmitCall
-from talaria.workload.trace import TraceSession, load_trace
+from talaria.workload.trace import TraceCall, TraceSession, load_trace
 from talaria.workload.agent import DEFAULT_MAX_TOKENS
 from talaria.workload.generate import generate, load_settings
 from talaria.sim.simulator import SimResult, Simulator, simulate
@@ -272,3 +272,22 @@ def test_sessions_that_start_at_the_same_instant_are_served_as_sessions_a_moment
     apart = simulate(burst(0.001), CAT, PRESETS["talaria"])
     p50 = {name: sorted(r.sct.values())[len(r.sct) // 2] for name, r in (("tied", tied), ("apart", apart))}
     assert p50["tied"] == pytest.approx(p50["apart"], rel=0.02), p50
+
+
+def test_the_oracle_caps_outputs_at_max_tokens_as_the_run_does() -> None:
+    """A trace's 100,000-token output stops at the agents' max_tokens in the run: the oracle
+    counted all of it and a run read 0.04 of its oracle."""
+    from talaria.results.report import oracle_sct
+
+    def one(output: int) -> list[TraceSession]:
+        return [TraceSession(session_id="long", model="glm-4.5-fp8", arrival_s=0.0,
+                             calls=[TraceCall(new_input_tokens=1000, output_tokens=output, tool_s=2.0),
+                                    TraceCall(new_input_tokens=10, output_tokens=5, tool_s=0.0)])]
+
+    # (the second call's prompt holds the whole output either way: only the decode differs)
+    capped = oracle_sct(one(DEFAULT_MAX_TOKENS), CAT)["long"]
+    long = one(100_000)
+    assert oracle_sct(long, CAT)["long"] == pytest.approx(capped, rel=0.05)
+    assert oracle_sct(long, CAT, max_tokens=64)["long"] < capped
+    r = simulate(long, CAT, PRESETS["baseline"])
+    assert r.sct["long"] >= 0.99 * oracle_sct(long, CAT)["long"]

@@ -103,6 +103,9 @@ BAD_CASES = [
     (_line("x" * ID_MAX_CHARS), "session_id", f"string of 1-{SESSION_ID_MAX_CHARS} characters"),
     (_line("ends\n"), "session_id", "no control characters"),
     (_line("a\x00b"), "session_id", "no control characters"),
+    # JSON "\ud800" is a lone surrogate: it loaded, then `sim` crashed printing it and a replay failed mid-run
+    ('{"session_id": "a\\ud800b", "model": "m", "arrival_s": 0, "calls": [' + json.dumps(_call()) + "]}",
+     "session_id", "lone surrogates"),
     # model seconds past MAX_MODEL_S lose precision (1e300 read as an SCT of 2.97e+284 s)
     (_line("z", arrival=1e300), "arrival_s", "at most 1,000,000,000"),
     (_line("z", arrival=MAX_MODEL_S + 1), "arrival_s", "at most 1,000,000,000"),
@@ -204,3 +207,20 @@ def test_session_prompts_arithmetic() -> None:
 def test_session_prompts_single_and_first_compact() -> None:
     s = TraceSession("s", "m", 0.0, [TraceCall(10, 5, 0.0, compact=True), TraceCall(1, 1, 0.0)])
     assert session_prompts(s) == [(10, 0), (16, 15)]
+
+
+def test_a_raw_line_separator_inside_a_string_is_not_a_line_end() -> None:
+    """U+2028 and U+2029 may stand raw in a JSON string; only "\\n" (or "\\r\\n") ends a trace line
+    (splitlines() split there and refused a valid line)."""
+    raw = json.dumps({"session_id": "a", "model": "m", "arrival_s": 0, "calls": [_call()],
+                      "note": "one\u2028two\u2029three"}, ensure_ascii=False)
+    text = raw + "\r\n" + _line("b") + "\n"
+    assert "\u2028" in text and "\u2029" in text
+    assert [s.session_id for s in parse_trace(text)] == ["a", "b"]
+
+
+def test_invalid_json_says_where_once() -> None:
+    with pytest.raises(TraceError) as info:
+        parse_trace('{"session_id": "a\n')
+    assert "invalid JSON: Unterminated string starting at column 16" in str(info.value)
+    assert "at at" not in str(info.value)

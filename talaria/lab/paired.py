@@ -203,8 +203,21 @@ def cmd_paired(a: argparse.Namespace) -> int:
         if tuned_on and not a.tuning:
             print(f"talaria paired: error: seeds {tuned_on} tuned the policies and cannot be scored", file=sys.stderr)
             return 2
+        named = [n.strip() for n in a.policies.split(",") if n.strip()]
+        labels = [label for label, _ in a.variant or []]
+        # a label that is the reference, a policy or another label replaced that one's row
+        clash = sorted({x for x in labels if x == REFERENCE or x in named or labels.count(x) > 1})
+        if clash:
+            print(f"talaria paired: error: --variant label {', '.join(clash)} is already {REFERENCE} (the reference), "
+                  f"a policy of --policies or another variant's label: give each variant a label of its own",
+                  file=sys.stderr)
+            return 2
         variants = dict(a.variant or [])
-        policies = tuple(dict.fromkeys([REFERENCE, *a.policies.split(","), *variants]))
+        policies = tuple(dict.fromkeys([REFERENCE, *named, *variants]))
+        if len(policies) == 1 and not a.tuning:  # (the tuning view lists the reference's own figures)
+            print(f"talaria paired: error: nothing to pair against {REFERENCE}: name another policy in --policies "
+                  f"or add a --variant", file=sys.stderr)
+            return 2
         try:
             for name in policies:
                 _resolve(name, variants)
@@ -247,7 +260,7 @@ def bound_table(path: str, seeds: tuple[int, ...], policies: tuple[str, ...]) ->
     head = ["seed", "bound mean s", "bound p50 s", "(alone / capacity: mean, p50)"]
     for name in policies:
         head += [f"{name} mean s", f"{name} p50 s"]
-    head.append(f"largest p50 speedup over {policies[0]}" if len(policies) > 1 else "")
+    head.append(f"largest p50 speedup over {policies[0]}")
     lines = ["| " + " | ".join(head) + " |", "| ---: " * len(head) + "|"]
     best: list[float] = []
     speedups: dict[str, list[float]] = {name: [] for name in policies[1:]}
@@ -261,22 +274,32 @@ def bound_table(path: str, seeds: tuple[int, ...], policies: tuple[str, ...]) ->
             cells += [f"{r['sct_mean_s']:.0f}", f"{r['sct_p50_s']:.0f}"]
         for name, r in zip(policies[1:], runs[1:]):
             speedups[name].append(runs[0]["sct_p50_s"] / r["sct_p50_s"])
-        if len(policies) > 1:
-            best.append(runs[0]["sct_p50_s"] / b.p50_s)
-            cells.append(f"{best[-1]:.2f}")
+        # (with one policy too: its own p50 against the bound; the column was left empty)
+        best.append(runs[0]["sct_p50_s"] / b.p50_s)
+        cells.append(f"{best[-1]:.2f}")
         lines.append("| " + " | ".join(cells) + " |")
     lines.append("")
-    if best:
-        lines.append(f"_Median over seeds of the largest p50 speedup any policy could have over {policies[0]} "
-                     f"(its p50 / the bound): {statistics.median(best):.2f}x; measured: "
-                     + ", ".join(f"{n} {statistics.median(v):.2f}x" for n, v in speedups.items()) + ". "
-                     f"{sc.name}: {sc.servers} x {sc.server_profile}; model seconds from the sim engine's cost model._")
+    measured = ("; measured: " + ", ".join(f"{n} {statistics.median(v):.2f}x" for n, v in speedups.items())
+                if speedups else "")
+    lines.append(f"_Median over seeds of the largest p50 speedup any policy could have over {policies[0]} "
+                 f"(its p50 / the bound): {statistics.median(best):.2f}x{measured}. "
+                 f"{sc.name}: {sc.servers} x {sc.server_profile}; alone / capacity: each relaxation on its own "
+                 f"(capacity at least 0); model seconds from the sim engine's cost model._")
     return "\n".join(lines)
 
 
 def cmd_bound(a: argparse.Namespace) -> int:
+    tuned_on = sorted(set(a.seeds) & set(TUNE_SEEDS))
+    if tuned_on:  # as `compare` and `paired` refuse them
+        print(f"talaria bound: error: seeds {tuned_on} tuned the policies and cannot be scored", file=sys.stderr)
+        return 2
+    policies = tuple(n.strip() for n in a.policies.split(",") if n.strip())
+    twice = sorted({n for n in policies if policies.count(n) > 1})
+    if not policies or twice:
+        what = f"names {', '.join(twice)} more than once" if twice else "names no policy"
+        print(f"talaria bound: error: --policies {a.policies!r} {what}", file=sys.stderr)
+        return 2
     try:
-        policies = tuple(a.policies.split(","))
         for name in policies:
             resolve_policy(name)
         text = bound_table(a.scenario, a.seeds, policies)

@@ -176,6 +176,20 @@ def renamed_as(log_dir: Path, session_id: str) -> list[str]:
     return sorted(found)
 
 
+def _prefix_used(log_dir: Path, run: str) -> bool:
+    """Whether some session id under `log_dir` starts with `run-` (a replay against a running deployment)."""
+    return any(isinstance(sid := rec.get("session_id"), str) and sid.startswith(f"{run}-")
+               for path in log_dir.rglob("*.log") for rec in read_log_events(path))
+
+
+def run_names(log_dir: Path, session_id: str) -> list[str]:
+    """What --run can name for a session: the run folders under `log_dir` (its first level holding
+    logs) and the prefixes a replay against a running deployment gave this session."""
+    folders = {p.relative_to(log_dir).parts[0] for p in log_dir.rglob("*.log") if p.parent != log_dir}
+    prefixes = {sid[: -len(session_id) - 1] for sid in renamed_as(log_dir, session_id)}
+    return sorted(folders | prefixes)
+
+
 def _print_lines(text_lines: list[str]) -> None:
     # `talaria logs ... | head` closes the pipe early: stop quietly, as cat does
     try:
@@ -200,13 +214,22 @@ def cmd_logs(a: argparse.Namespace) -> int:
     if a.run:
         run = a.run.rstrip("-")
         # a run folder of the embedded replay, or the session prefix of a replay against `talaria up`
-        roots = _run_roots(log_dir, run) or [log_dir]
+        folders = _run_roots(log_dir, run)
+        roots = folders or [log_dir]
         prefixed = session if session.startswith(f"{run}-") else f"{run}-{session}"
         for root in roots:
             runs.update(session_lines(root, prefixed, call if call is None or call.startswith(f"{run}-")
                                       else f"{run}-{call}"))
         if runs:
             session = prefixed
+        elif not folders:
+            # a run that selects nothing printed every run's timeline, as if no --run were given
+            if not _prefix_used(log_dir, run):
+                known = run_names(log_dir, session)
+                print(f"talaria: error: no run {run} under {log_dir} (runs there: {', '.join(known) or 'none'})",
+                      file=sys.stderr)
+                return 2
+            session = prefixed  # a deployment's run that did not have this session
     if not runs:
         for root in roots:
             runs.update(session_lines(root, session, call))

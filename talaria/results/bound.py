@@ -83,7 +83,8 @@ def sct_lower_bound(arrivals: Sequence[float], oracle: Sequence[float], work: Se
         sum_both += max(by_capacity, done_alone[k])
     total_arrival = math.fsum(arrivals)
     mean_alone = math.fsum(oracle) / n
-    mean_capacity = (sum_cap - total_arrival) / n
+    # alone it can fall below 0 (arrivals spread wider than the work): no SCT does, so clamp it, as the p50's
+    mean_capacity = max(0.0, (sum_cap - total_arrival) / n)
     mean_both = max(mean_alone, (sum_both - total_arrival) / n)
     j = (n - 1) // 2
     p50_capacity = max(0.0, a_first + sum(smallest[: j + 1]) / servers - a_last)

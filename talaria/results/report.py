@@ -15,7 +15,8 @@ from collections.abc import Iterable
 
 from shared.costmodel import CostModel
 from shared.catalog import Catalog
-from talaria.workload.trace import TraceSession, session_prompts
+from talaria.workload.agent import DEFAULT_MAX_TOKENS, plan_session
+from talaria.workload.trace import TraceSession
 from talaria.results.records import CallRecord
 
 
@@ -29,19 +30,21 @@ def percentile(values: Iterable[float], q: float) -> float:
     return v[lo] + (v[hi] - v[lo]) * (k - lo)
 
 
-def oracle_sct(sessions: list[TraceSession], catalog: Catalog, server_profile: str = "h100x8") -> dict[str, float]:
+def oracle_sct(sessions: list[TraceSession], catalog: Catalog, server_profile: str = "h100x8",
+               max_tokens: int = DEFAULT_MAX_TOKENS) -> dict[str, float]:
     """Each session alone on a server with its model active and its prefix in
-    HBM: prefill of new tokens + decode + tool gaps."""
+    HBM: prefill of new tokens + decode + tool gaps. Outputs stop at the calls'
+    `max_tokens`, as the run's engines stop them (a trace's 100,000-token output
+    made an oracle of hours beside a run of minutes)."""
     cost = CostModel(catalog, catalog.server(server_profile))
     out: dict[str, float] = {}
     for s in sessions:
         spec = catalog.model(s.model)
         total = 0.0
-        for i, (call, (prompt, prefix)) in enumerate(zip(s.calls, session_prompts(s))):
-            total += cost.prefill_s(spec, prompt - prefix, prefix)
-            total += cost.decode_alone_s(spec, prompt, call.output_tokens)
-            if i < len(s.calls) - 1:
-                total += call.tool_s
+        for c in plan_session(s, max_tokens, context_limit=spec.context_limit):
+            total += cost.prefill_s(spec, c.prompt_tokens - c.prefix_tokens, c.prefix_tokens)
+            total += cost.decode_alone_s(spec, c.prompt_tokens, max(1, min(c.sim_stop_tokens, c.max_tokens)))
+            total += c.tool_s  # (0 after the last call)
         out[s.session_id] = total
     return out
 
@@ -117,7 +120,7 @@ def _num(v: float | None, width: int, spec: str = ".2f") -> str:
     replay through the gateway cannot measure)."""
     if v is None or (isinstance(v, float) and math.isnan(v)):
         return f"{'-':>{width}}"
-    return f"{v:>{width}{spec}}"
+    return f" {v:>{width - 1}{spec}}"  # a space ahead: a figure wider than its column still stands apart
 
 
 def format_table(runs: list[dict]) -> str:
@@ -126,10 +129,10 @@ def format_table(runs: list[dict]) -> str:
     lines = [head, "-" * len(head)]
     for r in runs:
         lines.append(
-            f"{r['policy']:<26}{r['calls_completed']:>5}/{r['calls_total']:<4}{r['sct_p50_s']:>9.1f}{r['sct_p95_s']:>9.1f}"
-            f"{r['sct_mean_s']:>9.1f}{_num(r.get('speedup_p50'), 7)}{_num(r.get('speedup_p95'), 7)}"
-            f"{_num(r.get('ratio_to_oracle_p50'), 11)}{_num(r['calls_reprefilled'], 10, 'd')}{r.get('switches', 0):>9}"
-            f"{_num(r['round_waits'], 12, 'd')}"
+            f"{r['policy']:<25} {r['calls_completed']:>5}/{r['calls_total']:<4}{_num(r['sct_p50_s'], 9, '.1f')}"
+            f"{_num(r['sct_p95_s'], 9, '.1f')}{_num(r['sct_mean_s'], 9, '.1f')}{_num(r.get('speedup_p50'), 7)}"
+            f"{_num(r.get('speedup_p95'), 7)}{_num(r.get('ratio_to_oracle_p50'), 11)}"
+            f"{_num(r['calls_reprefilled'], 10, 'd')}{_num(r.get('switches', 0), 9, 'd')}{_num(r['round_waits'], 12, 'd')}"
         )
     no_base = not any(r["policy"] == "baseline" for r in runs)
     lines.append("(model seconds from the sim engine's cost model. x p50, x p95: speedup over baseline"

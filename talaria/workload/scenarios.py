@@ -58,7 +58,7 @@ class Scenario(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
     description: str = ""
     servers: Pos = 1
     server_profile: str = "h100x8"
-    catalog: str = ""  # path to a catalog TOML (relative to the repository); "" = shared/data/catalog.toml
+    catalog: str = ""  # path to a catalog TOML (relative to the scenario's folder); "" = shared/data/catalog.toml
     policies: list[str] = msgspec.field(default_factory=lambda: ["baseline", "talaria"])
     seeds: list[int] = msgspec.field(default_factory=lambda: [0])
     max_tokens: Pos = DEFAULT_MAX_TOKENS
@@ -66,15 +66,30 @@ class Scenario(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
 
 
 def _catalog_path(sc: Scenario) -> Path | None:
-    if not sc.catalog:
-        return None
-    p = Path(sc.catalog)
-    return p if p.is_absolute() else ROOT / p
+    return Path(sc.catalog) if sc.catalog else None  # (made absolute by load_scenario)
+
+
+def _resolve_catalog(catalog: str, scenario: Path) -> str:
+    """A relative `catalog` from the scenario's own folder, as a file names its neighbours (it
+    was read from the repository's, so a scenario beside its catalog could not find it), else
+    from the repository's where only that holds it (files written when that was the rule)."""
+    p = Path(catalog)
+    if p.is_absolute():
+        return catalog
+    beside = scenario.resolve().parent / p
+    return str(ROOT / p if not beside.exists() and (ROOT / p).exists() else beside)
+
+
+def scenario_catalog(sc: Scenario) -> Catalog:
+    """The catalog a scenario runs on: its own `catalog`, or shared/data/catalog.toml."""
+    return load_catalog(_catalog_path(sc))
 
 
 def load_scenario(path: str | Path) -> Scenario:
     p = Path(path)
     sc = load_toml_struct(p, Scenario, ScenarioError, "scenario")
+    if sc.catalog:
+        sc = msgspec.structs.replace(sc, catalog=_resolve_catalog(sc.catalog, p))
     problems: list[str] = []
     try:
         check_settings(sc.trace)
@@ -119,7 +134,8 @@ def simulate_run(sessions: list[TraceSession], catalog: Catalog, policy: PolicyC
     from talaria.sim.simulator import simulate
 
     r = simulate(sessions, catalog, policy, server_profile=server_profile, **kw)
-    return sim_summary(policy.name, sessions, r, oracle_sct(sessions, catalog, server_profile))
+    oracle = oracle_sct(sessions, catalog, server_profile, kw.get("max_tokens", DEFAULT_MAX_TOKENS))  # as the run caps
+    return sim_summary(policy.name, sessions, r, oracle)
 
 
 def sim_summary(name: str, sessions: list[TraceSession], r: SimResult, oracle: dict[str, float]) -> dict:
@@ -136,7 +152,7 @@ def sim_summary(name: str, sessions: list[TraceSession], r: SimResult, oracle: d
 def run_policy(sc: Scenario, sessions: list[TraceSession], policy: str | PolicyConfig, *, check: bool = False) -> dict:
     """One policy (a name, with its tuned parameters, or a configuration) on one of the scenario's traces."""
     pol = resolve_policy(policy) if isinstance(policy, str) else policy
-    run = simulate_run(sessions, load_catalog(_catalog_path(sc)), pol, servers=sc.servers,
+    run = simulate_run(sessions, scenario_catalog(sc), pol, servers=sc.servers,
                        server_profile=sc.server_profile, max_tokens=sc.max_tokens, check_invariants=check)
     run.pop("sessions")  # per-session SCTs: large for big scenarios and not needed by the table
     return run

@@ -82,7 +82,8 @@ class TraceError(ValueError):
 
 # What each field must be, in words, for error messages (keyed by the last path element).
 _REQUIREMENT = {
-    "session_id": f"must be a string of 1-{SESSION_ID_MAX_CHARS} characters, no control characters",
+    "session_id": f"must be a string of 1-{SESSION_ID_MAX_CHARS} characters, no control characters or lone "
+                  "surrogates (\\ud800-\\udfff)",
     "model": "must be a string",
     "arrival_s": f"must be a finite number >= 0, at most {MAX_MODEL_S:,.0f}",
     "calls": "must be a non-empty list of call objects",
@@ -144,10 +145,20 @@ def _translate(exc: msgspec.ValidationError, raw: Any, source: str, line: int) -
     return TraceError(source, line, _fmt_path(parts), f"{need} (got {got})")
 
 
+def _utf8(text: str) -> bool:
+    """JSON's "\\ud800" decodes to a lone surrogate, which no UTF-8 carries: the bus, the logs
+    and the terminal all failed on it mid-run."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _check_values(s: TraceSession, source: str, line: int) -> None:
     """What the types cannot say: no control character in the id, and times that stay finite and
     within MAX_MODEL_S (msgspec's ge=0 rejects NaN and -inf but lets +inf through: JSON 1e999)."""
-    if _CONTROL_RE.search(s.session_id):
+    if _CONTROL_RE.search(s.session_id) or not _utf8(s.session_id):
         raise TraceError(source, line, "session_id", f"{_REQUIREMENT['session_id']} (got {_short(s.session_id)})")
     if not s.arrival_s <= MAX_MODEL_S:
         raise TraceError(source, line, "arrival_s", f"{_REQUIREMENT['arrival_s']} (got {_short(s.arrival_s)})")
@@ -177,14 +188,16 @@ def parse_trace(
     known = None if known_models is None else frozenset(known_models)
     sessions: list[TraceSession] = []
     first_line: dict[str, int] = {}
-    for lineno, raw_line in enumerate(text.splitlines(), start=1):
+    # "\n" alone ends a line: splitlines() also split at U+2028 and U+2029, which JSON strings may hold raw
+    for lineno, raw_line in enumerate(text.split("\n"), start=1):
+        raw_line = raw_line.removesuffix("\r")
         if not raw_line.strip():
             continue
         # json (not msgspec.json) so NaN/Infinity/1e999 reach validation and get a field name.
         try:
             raw = json.loads(raw_line)
         except json.JSONDecodeError as exc:
-            raise TraceError(source, lineno, "", f"invalid JSON: {exc.msg} at column {exc.colno}") from None
+            raise TraceError(source, lineno, "", f"invalid JSON: {exc.msg.removesuffix(' at')} at column {exc.colno}") from None
         try:
             session = msgspec.convert(raw, TraceSession)
         except msgspec.ValidationError as exc:
