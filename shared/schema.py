@@ -218,6 +218,9 @@ class CallReply(Base, tag="reply"):
     wall_total_s: float | None = None
     aborted: bool = False
     stop_sequence: str | None = None  # the stop string that ended the output (real engine; the sim engine samples none)
+    # why the output ended, as the engine says: `stop` (its end, a stop string or token) or
+    # `length` (max_tokens); None where not said (an aborted call, an older engine)
+    finish_reason: Literal["stop", "length"] | None = None
 
 
 class CallTokens(Base, tag="tokens"):

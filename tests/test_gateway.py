@@ -484,6 +484,17 @@ async def test_chat_completion_whole_and_streamed_with_usage(stack: EmbeddedStac
     assert r.usage.completion_tokens == 8 and r.usage.prompt_tokens == tr.MESSAGE_FRAME_TOKENS + 150
     assert r.usage.total_tokens == r.usage.prompt_tokens + 8 and r.choices[0].finish_reason == "length"
     assert r.usage.prompt_tokens_details.cached_tokens == 0
+    # the engine says why it stopped: a reply whose own end is its last allowed token is
+    # whole (the sim's reply is the published median, 200 tokens), one past it is cut
+    msgs = [{"role": "user", "content": "as long as you like"}]
+    for bound, finish, status, stop in ((200, "stop", "completed", "end_turn"),
+                                        (199, "length", "incomplete", "max_tokens")):
+        r = await client.chat.completions.create(model=MODEL, max_tokens=bound, messages=msgs)
+        assert (r.usage.completion_tokens, r.choices[0].finish_reason) == (bound, finish)
+        rr = await client.responses.create(model=MODEL, input="as long as you like", max_output_tokens=bound)
+        assert rr.status == status
+        m = await ant(stack).messages.create(model=MODEL, max_tokens=bound, messages=msgs)  # type: ignore[arg-type]
+        assert m.stop_reason == stop
 
     chunks = [c async for c in await client.chat.completions.create(
         model=MODEL, max_tokens=40, stream=True, stream_options={"include_usage": True},
@@ -1662,3 +1673,12 @@ async def test_the_replay_agents_retry_sends_the_very_same_request() -> None:
     finally:
         await runner.cleanup()
     assert seen[0] == seen[1] and seen[2][0] == "c#1" and seen[2][1] != seen[1][1]
+
+
+def test_a_reply_is_cut_off_where_its_engine_says_else_where_its_count_reaches_the_bound() -> None:
+    from types import SimpleNamespace as Reply
+
+    assert not tr.cut_off(Reply(output_tokens=200, finish_reason="stop"), 200)  # its end on its last token
+    assert tr.cut_off(Reply(output_tokens=200, finish_reason="length"), 200)
+    assert tr.cut_off(Reply(output_tokens=200, finish_reason=None), 200)  # an engine that does not say
+    assert not tr.cut_off(Reply(output_tokens=199, finish_reason=None), 200)

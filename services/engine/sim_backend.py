@@ -352,6 +352,8 @@ class SimBackend(EngineBackend):
             finished_at=r.finished_at, waited_s=rc.waited_s, switch_wait_s=rc.switch_wait_s,
             round_wait=rc.round_wait, restore_s=r.restore_s, prefill_s=r.prefill_s, decode_s=r.decode_s,
             text=reply_text(rc, self.tool_format, r.output_tokens),
+            # cut where its own end lies past the bound (a reply as long as max_tokens may end there)
+            finish_reason="length" if stop_tokens(rc, self.tool_format) > c.max_tokens else "stop",
         )
         busy = self.busy.pending({state.BUSY_PREFIX + s.model: round(self.engine.busy_s, 3)})
 

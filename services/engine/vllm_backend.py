@@ -509,11 +509,12 @@ class VllmBackend(EngineBackend):
             cached = int(getattr(last, "num_cached_tokens", 0) or 0) if last is not None else 0
             ttft = (t_first - t0) if t_first is not None else t_end - t0
             decode = (t_end - t_first) if t_first is not None else 0.0
-            text, stop_sequence = None, None
+            text, stop_sequence, finish_reason = None, None, None
             if live.tokens:
                 o = last.outputs[0] if last is not None else None
                 finish, stop = getattr(o, "finish_reason", None), getattr(o, "stop_reason", None)
                 stop_sequence = stop if finish == "stop" and isinstance(stop, str) and stop else None
+                finish_reason = finish if finish in ("stop", "length") and not aborted else None
                 try:
                     text = reply_text(self.tokenizer, live.tokens, finish, stop)
                 except Exception:
@@ -526,7 +527,7 @@ class VllmBackend(EngineBackend):
                 switch_wait_s=rc.switch_wait_s, round_wait=rc.round_wait, restore_s=0.0, prefill_s=0.0, decode_s=0.0,
                 text=text, token_ids=list(live.tokens), engine="vllm", wall_ttft_s=round(ttft, 6),
                 wall_decode_s=round(decode, 6), wall_total_s=round(t_end - t0, 6), aborted=aborted,
-                stop_sequence=stop_sequence,
+                stop_sequence=stop_sequence, finish_reason=finish_reason,
             )
             await self._kv_settle()
             # no kv_locality write here: the KV events say what the engine holds

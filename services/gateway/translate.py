@@ -755,10 +755,17 @@ def one_call_only(body: Mapping[str, Any], api: str) -> bool:
     return body.get("parallel_tool_calls") is False
 
 
+def cut_off(reply: Any, max_tokens: int) -> bool:
+    """Whether the output stopped at max_tokens: the engine's own reason where it gives one
+    (a reply that ends on its last allowed token is whole), else read from the counts."""
+    said = getattr(reply, "finish_reason", None)
+    return said == "length" if said is not None else reply.output_tokens >= max_tokens
+
+
 def finish_reason(reply: Any, max_tokens: int, answer: Answer | None = None) -> str:
     if answer is not None and answer.calls:
         return "tool_calls"
-    return "length" if reply.output_tokens >= max_tokens else "stop"
+    return "length" if cut_off(reply, max_tokens) else "stop"
 
 
 def chat_completion(call_id: str, model: str, reply: Any, max_tokens: int, answer: Answer | None = None
@@ -807,7 +814,7 @@ def anthropic_stop_reason(reply: Any, max_tokens: int, answer: Answer | None = N
         return "tool_use"
     if anthropic_stop_sequence(reply, answer) is not None:
         return "stop_sequence"
-    return "max_tokens" if reply.output_tokens >= max_tokens else "end_turn"
+    return "max_tokens" if cut_off(reply, max_tokens) else "end_turn"
 
 
 def anthropic_stop_sequence(reply: Any, answer: Answer | None = None) -> str | None:
