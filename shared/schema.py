@@ -47,6 +47,17 @@ ErrorCode = Literal[
 ]
 
 
+def context_limit_message(limit: int, prompt_tokens: int, max_tokens: int | None = None) -> str:
+    """A `context_limit` refusal in OpenAI's and vLLM's words, which clients match on (the
+    gateway rewords it in Anthropic's for its Messages API)."""
+    if max_tokens is None:
+        return (f"This model's maximum context length is {limit} tokens. However, your messages resulted in "
+                f"{prompt_tokens} tokens. Please reduce the length of the messages.")
+    return (f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the messages, {max_tokens} in the completion). "
+            "Please reduce the length of the messages or completion.")
+
+
 class ApiError(Base, tag="error"):
     code: ErrorCode
     message: str

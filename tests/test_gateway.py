@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -688,6 +689,16 @@ async def test_a_prompt_over_the_context_names_the_field_the_agent_sent(stack: E
     with pytest.raises(openai.BadRequestError) as e:
         await oai(stack).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": huge}], max_tokens=16)
     assert (e.value.body["code"], e.value.body["param"]) == ("context_length_exceeded", "messages")
+    assert "maximum context length is" in e.value.body["message"]  # (OpenAI's and vLLM's words)
+    # Anthropic's words, which its clients match on (they have no code to read)
+    with pytest.raises(anthropic.BadRequestError) as ea:
+        await ant(stack).messages.create(model=MODEL, max_tokens=16, messages=[{"role": "user", "content": huge}])
+    assert re.fullmatch(r"prompt is too long: \d+ tokens > \d+ maximum", ea.value.body["error"]["message"])
+    with pytest.raises(anthropic.BadRequestError) as ea:
+        await ant(stack).messages.create(model=MODEL, max_tokens=10_000_000, messages=[{"role": "user", "content": "hi"}],
+                                         timeout=30)  # (else the SDK refuses a bound this large itself)
+    assert re.fullmatch(r"input length and `max_tokens` exceed context limit: \d+ \+ 10000000 > \d+, decrease input "
+                        r"length or `max_tokens` and try again", ea.value.body["error"]["message"])
 
 
 @pytest.mark.timeout(120)

@@ -56,7 +56,7 @@ from shared.clock import done_within
 from shared.net import free_port
 from shared.schema import (
     CallReply, CallRunning, EngineHint, KvAllCleared, KvBlocksRemoved, KvBlocksStored, KvEvent, RunCall, Sampling, Wake,
-    encode,
+    context_limit_message, encode,
 )
 from shared import tool_calls
 from shared.metrics import CONTRACT_NAMES
@@ -445,8 +445,7 @@ class VllmBackend(EngineBackend):
             else:
                 ids, source = list(self.tokenizer.encode(rc.engine.prompt_text, add_special_tokens=False)), "text"
             if len(ids) + rc.call.max_tokens > limit:
-                return (f"This model's maximum context length is {limit} tokens; the prompt is {len(ids)} tokens "
-                        f"and max_tokens {rc.call.max_tokens}: shorten the prompt or lower max_tokens")
+                return context_limit_message(limit, len(ids), rc.call.max_tokens)
             return ids, source, max(1, rc.call.max_tokens)
         max_tokens = max(1, min(rc.call.max_tokens, limit // 4))
         ids = synthetic_prompt(rc.session_id, rc.call.prompt_tokens)[:limit - max_tokens]

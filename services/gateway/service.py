@@ -57,7 +57,7 @@ from shared.agent_client import Session, TalariaClient, TalariaError
 from shared.catalog import Catalog, load_catalog
 from shared.keys import CALL_TTL_S, SESSION_TTL_S, Keys
 from shared.logs import configure_logging
-from shared.schema import CallReply, CallRunning, CallTokens, Sampling
+from shared.schema import CallReply, CallRunning, CallTokens, Sampling, context_limit_message
 from shared import tracing
 from shared.metrics import Metrics
 from shared.settings import Settings
@@ -329,8 +329,7 @@ class Gateway:
                     required: bool = False, prompt_param: str = "messages") -> int:
         limit = self.context_limit(model)
         if prompt.tokens + 1 > limit:
-            raise HttpError("context_limit", f"This model's maximum context length is {limit} tokens; the prompt "
-                                             f"has about {prompt.tokens}", prompt_param)
+            raise HttpError("context_limit", context_limit_message(limit, prompt.tokens), prompt_param)
         for name in names:
             v = body.get(name)
             if v is None:
@@ -338,8 +337,7 @@ class Gateway:
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise HttpError("malformed", f"{name} must be a positive integer", name)
             if prompt.tokens + v > limit:
-                raise HttpError("context_limit", f"This model's maximum context length is {limit} tokens; the prompt "
-                                                 f"has about {prompt.tokens} and {name} asks for {v}", name)
+                raise HttpError("context_limit", context_limit_message(limit, prompt.tokens, v), name)
             return v
         if required:
             raise HttpError("malformed", f"{names[0]} is required", names[0])

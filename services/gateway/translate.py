@@ -922,7 +922,28 @@ def openai_error(code: str, message: str, param: str | None = None) -> tuple[int
 
 def anthropic_error(code: str, message: str) -> tuple[int, dict[str, Any]]:
     typ = _ERROR_MAP.get(code, _ERROR_MAP["internal"])[3]
+    if code == "context_limit":
+        message = anthropic_context_words(message)
     return error_status(code, "anthropic"), {"type": "error", "error": {"type": typ, "message": message}}
+
+
+_OPENAI_OVER = re.compile(r"maximum context length is (\d+) tokens\. However, you requested \d+ tokens "
+                          r"\((\d+) in the messages, (\d+) in the completion\)")
+_OPENAI_PROMPT_OVER = re.compile(r"maximum context length is (\d+) tokens\. However, your messages resulted in (\d+)")
+
+
+def anthropic_context_words(message: str) -> str:
+    """A context refusal (`schema.context_limit_message`) in Anthropic's own words, which
+    its clients match on, having no error code to read ("prompt is too long"; Claude
+    Code reads the figures of the second form to fit its next request)."""
+    if (m := _OPENAI_OVER.search(message)) is not None:
+        limit, prompt, out = m.groups()
+        return (f"input length and `max_tokens` exceed context limit: {prompt} + {out} > {limit}, "
+                "decrease input length or `max_tokens` and try again")
+    if (m := _OPENAI_PROMPT_OVER.search(message)) is not None:
+        limit, prompt = m.groups()
+        return f"prompt is too long: {prompt} tokens > {limit} maximum"
+    return message
 
 
 # -- the Responses API (`POST /v1/responses`, as Codex sends it) -------------------------------------
