@@ -22,6 +22,7 @@ well-formed calls on the sim engine (docs/front-door.md).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import re
@@ -36,6 +37,26 @@ FORMATS = ("hermes", "glm45", "none")
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 _GLM_CALL = re.compile(r"<tool_call>\s*([^\n<]*?)\s*(?:\n|(?=<arg_key>)|(?=</tool_call>))(.*?)</tool_call>", re.DOTALL)
 _GLM_ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
+
+
+def schema_error(schema: Mapping[str, Any]) -> str | None:
+    """Why `schema` is not a JSON Schema (checked against its metaschema, draft 2020-12
+    unless it names another), or None: what both APIs refuse in a tool's parameters or a
+    structured output (`"type": "strin"`), and vLLM's grammar cannot enforce."""
+    return _schema_error(json.dumps(schema, sort_keys=True))
+
+
+@functools.lru_cache(maxsize=1024)  # (an agent sends the same tools with every call)
+def _schema_error(text: str) -> str | None:
+    from jsonschema import Draft202012Validator, SchemaError, validators
+
+    schema = json.loads(text)
+    try:
+        validators.validator_for(schema, default=Draft202012Validator).check_schema(schema)
+    except SchemaError as exc:
+        where = "/".join(str(p) for p in exc.path)
+        return f"{exc.message[:200]}" + (f" (at {where})" if where else "")
+    return None
 
 
 class ToolsError(ValueError):
@@ -181,6 +202,8 @@ def _tools(raw: Any, param: str, inner: Any, schema_field: str) -> list[Tool]:
         schema = f.get(schema_field) or {"type": "object", "properties": {}}
         if not isinstance(schema, Mapping):
             raise ToolsError(f"{param}[{i}].{schema_field} must be a JSON schema object", f"{param}[{i}]")
+        if (why := schema_error(schema)) is not None:
+            raise ToolsError(f"{param}[{i}].{schema_field} is not a valid JSON Schema: {why}", f"{param}[{i}]")
         desc = f.get("description") or ""
         out.append(Tool(f["name"], desc if isinstance(desc, str) else "", dict(schema)))
     return out

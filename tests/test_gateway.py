@@ -114,6 +114,11 @@ def test_keys_and_token_estimate() -> None:
     assert p.ids[:two.tokens] == two.ids and p.continued("")[:p.tokens] == p.ids
     with pytest.raises(tr.BadRequest):
         tr.chat_prompt([{"role": "wizard", "content": "x"}])
+    for fmt in ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}},
+                {"type": "json_schema", "json_schema": {"name": "x", "schema": {"properties": {"a": {"minLength": -1}}}}}):
+        with pytest.raises(tr.BadRequest, match="not a valid JSON Schema") as e:
+            tr.response_format_schema({"response_format": fmt})
+        assert e.value.param == "response_format"
     # what both APIs refuse, rather than rendered into a prompt the agent never meant
     for messages, api, param in (([{"role": "user"}], "openai", "messages[0].content"),
                                  ([{"role": "assistant", "content": None, "tool_calls": "nope"}], "openai",

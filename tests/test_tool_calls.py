@@ -90,7 +90,10 @@ def test_requests_tools_in_each_apis_shape_and_refusals_by_name() -> None:
                 # names both APIs refuse (a call names its tool in the model's text), and two tools of one name
                 {"tools": [{"type": "function", "function": {**fn["function"], "name": "read file"}}]},
                 {"tools": [{"type": "function", "function": {**fn["function"], "name": "x" * 129}}]},
-                {"tools": [fn, fn]}):
+                {"tools": [fn, fn]},
+                # a schema both APIs refuse and vLLM's grammar cannot enforce (the sim engine had taken it)
+                {"tools": [{"type": "function", "function": {**fn["function"], "parameters": {
+                    "type": "object", "properties": {"x": {"type": "strin"}}}}}]}):
         with pytest.raises(tc.ToolsError):
             tc.openai_tools(bad)
     assert [t.name for t in tc.anthropic_tools({"tools": [{"name": "mcp__repo__read-file", "input_schema": {}}]})[0]] \

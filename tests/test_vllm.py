@@ -302,6 +302,18 @@ async def _a_response_format_gets_json_of_its_schema(stack) -> None:  # type: ig
         output_config={"format": {"type": "json_schema", "schema": only_fix}})
     assert (stopped.stop_reason, stopped.stop_sequence) == ("stop_sequence", "fix"), stopped
     assert "fix" not in stopped.content[0].text, stopped
+    # whether a reply was cut off is vLLM's own finish reason: the grammar ends the value (and
+    # the output) on its own, so with max_tokens exactly its length the reply is whole, one less cuts it
+    fix_only = {"type": "json_schema", "json_schema": {"name": "v", "schema": only_fix}}
+    ask = {"model": vb.MODEL, "temperature": 0, "response_format": fix_only,
+           "messages": [{"role": "user", "content": "judge the patch once more"}]}
+    whole = await client.chat.completions.create(max_tokens=64, **ask)  # type: ignore[call-overload]
+    n = whole.usage.completion_tokens
+    assert whole.choices[0].finish_reason == "stop" and 1 < n < 64, whole
+    exact = await client.chat.completions.create(max_tokens=n, **ask)  # type: ignore[call-overload]
+    assert (exact.usage.completion_tokens, exact.choices[0].finish_reason) == (n, "stop"), exact
+    cut = await client.chat.completions.create(max_tokens=n - 1, **ask)  # type: ignore[call-overload]
+    assert cut.choices[0].finish_reason == "length", cut
     with pytest.raises(openai.BadRequestError):
         await client.chat.completions.create(
             model=vb.MODEL, max_tokens=8, messages=[{"role": "user", "content": "x"}],

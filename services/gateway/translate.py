@@ -616,6 +616,8 @@ def output_schema(kind: Any, schema: Any, label: str, param: str) -> str | None:
     text = json.dumps(schema, separators=(",", ":"))
     if len(text.encode()) > JSON_SCHEMA_MAX_BYTES:
         raise BadRequest(f"{label}: the schema is over {JSON_SCHEMA_MAX_BYTES} bytes", param)
+    if (why := tool_calls.schema_error(schema)) is not None:
+        raise BadRequest(f"{label}: not a valid JSON Schema: {why}", param)
     return text
 
 
