@@ -524,6 +524,13 @@ async def test_chat_completion_whole_and_streamed_with_usage(stack: EmbeddedStac
     with pytest.raises(openai.NotFoundError) as e:
         await client.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "x"}])
     assert e.value.request_id and e.value.request_id.startswith("req_")
+    # a request refused before any call is logged under that id, and `talaria logs` finds it
+    refused = events(stack, "gateway", "gateway.refused")
+    assert [(x["status"], x["code"], x["param"]) for x in refused if x["request_id"] == e.value.request_id] == [
+        (404, "unknown_model", "model")]
+    from talaria.cli import main
+
+    assert main(["logs", e.value.request_id, "--log-dir", str(stack.log_dir)]) == 0
     # a lone surrogate escape (a JavaScript agent's string cut inside an emoji) is served
     cut = b'{"model": "' + MODEL.encode() + b'", "max_tokens": 4, "messages": [{"role": "user", "content": "log \\ud83d"}]}'
     async with aiohttp.ClientSession() as http, http.post(

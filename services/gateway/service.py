@@ -252,15 +252,29 @@ class Gateway:
         try:
             return await handler(request)
         except HttpError as err:
-            return error_response(shape, err)
+            return self._refused(request, shape, err)
         except web.HTTPRequestEntityTooLarge:
-            return error_response(shape, HttpError("too_large", f"request body over {self.settings.gateway_max_body} bytes"))
+            return self._refused(request, shape, HttpError(
+                "too_large", f"request body over {self.settings.gateway_max_body} bytes"))
         except web.HTTPNotFound:
-            return error_response(shape, HttpError("not_found", f"no such endpoint: {request.method} {request.path}"))
+            return self._refused(request, shape, HttpError("not_found", f"no such endpoint: {request.method} {request.path}"))
         except web.HTTPMethodNotAllowed as exc:
-            resp = error_response(shape, HttpError("method_not_allowed", f"{request.method} is not allowed on {request.path}"))
+            resp = self._refused(request, shape, HttpError(
+                "method_not_allowed", f"{request.method} is not allowed on {request.path}"))
             resp.headers["Allow"] = ", ".join(sorted(exc.allowed_methods))
             return resp
+
+    def _refused(self, request: web.Request, shape: str, err: HttpError) -> web.Response:
+        """An error answer. One that made no call is logged too (`gateway.refused`), under
+        the request id its headers carry, so `talaria logs <request id>` says why; a
+        call's own answer is its `gateway.call` line."""
+        resp = error_response(shape, err)
+        if request.get(REQUEST_ID_KEY) is None:
+            rid = request[REQUEST_ID_KEY] = "req_" + uuid.uuid4().hex
+            self.log.info("gateway.refused", request_id=rid, method=request.method, path=request.path,
+                          api=RESPONSES if request.path.startswith("/v1/responses") else shape, status=resp.status,
+                          code=err.code, param=err.param, message=err.message[:300])
+        return resp
 
     async def health(self, request: web.Request) -> web.Response:
         ok = self.client.nc.is_connected

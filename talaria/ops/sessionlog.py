@@ -164,6 +164,16 @@ def session_named(log_dir: Path, name: str) -> tuple[str, str | None] | None:
     return None
 
 
+def refusal_named(log_dir: Path, request_id: str) -> dict[str, Any] | None:
+    """The gateway's line for a request it refused before any call (`gateway.refused`),
+    found by the request id the answer's headers carried."""
+    for path in sorted(log_dir.rglob("gateway*.log")):
+        for rec in read_log_events(path):
+            if rec.get("event") == "gateway.refused" and rec.get("request_id") == request_id:
+                return rec
+    return None
+
+
 def renamed_as(log_dir: Path, session_id: str) -> list[str]:
     """Session ids ending in `-<session_id>`: the names a replay against a
     running deployment gave the trace's session (its prefix, then the id)."""
@@ -241,6 +251,18 @@ def cmd_logs(a: argparse.Namespace) -> int:
             if found is not None:
                 session, call = found
                 runs.update(session_lines(root, session, call))
+    if not runs and call is None and not a.run:
+        # a request refused before it made a call: its request id names no session
+        refusal = next((r for root in roots if (r := refusal_named(root, session)) is not None), None)
+        if refusal is not None:
+            if a.json:
+                _print_lines([json.dumps(refusal)])
+            else:
+                _print_lines([f"{refusal.get('timestamp', '')} gateway refused {refusal.get('method')} "
+                              f"{refusal.get('path')} before any call: {refusal.get('status')} {refusal.get('code')}"
+                              + (f" ({refusal['param']})" if refusal.get("param") else "")
+                              + f": {refusal.get('message')}"])
+            return 0
     if not runs:
         what = f"call {call} of session {session}" if call else f"session {session}"
         n = sum(1 for root in roots for _ in root.rglob("*.log"))
