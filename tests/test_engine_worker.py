@@ -194,3 +194,76 @@ async def test_an_ended_session_is_released_by_every_service(nats_server: NatsSe
 
 async def _none(r: aioredis.Redis, key: str) -> bool:
     return await r.hget(key, SERVER) is None
+
+
+async def test_a_resend_whose_claim_was_read_before_the_answer_is_answered_not_run_again() -> None:
+    """A resend of a run whose claim is held up (a NATS outage) past the first run's whole
+    generation and answer: its claim says "run" (this process's own, read before the answer
+    was stored), so it ran again, a second generation. It is answered from the record."""
+    from shared.call_record import Claim
+    from shared.settings import Settings
+    from services.engine.worker import EngineBackend, EngineWorker
+
+    class Backend(EngineBackend):
+        runs: list[str] = []
+        can_run = awake = True  # type: ignore[assignment]
+
+        def running(self) -> list[RunCall]:
+            return []
+
+        async def run(self, rc: RunCall) -> None:
+            self.runs.append(rc.call_id)
+
+        async def sleep(self) -> dict[str, int]:
+            return {}
+
+        async def wake(self, cmd: Wake) -> None: ...
+        async def abort(self, call_id: str, at: float | None) -> None: ...
+        async def cancel(self, call_id: str) -> None: ...
+
+    class Records:
+        def __init__(self) -> None:
+            self.claims, self.stored, self.answered = 0, b"", asyncio.Event()
+
+        async def claim(self, session_id: str, call_id: str, **_: Any) -> Claim:
+            self.claims += 1
+            if self.stored:
+                return Claim("answered", CallRecord(state="answered", reply=self.stored), 3)
+            if self.claims == 2:  # the resend's: held up until the first run has been answered
+                await self.answered.wait()
+            return Claim("run", CallRecord(state="claimed", owner="engine", epoch="e"), 1)
+
+        async def answer(self, session_id: str, call_id: str, reply: bytes, claim: Claim) -> tuple[bytes, bool]:
+            self.stored = reply
+            return reply, True
+
+    class Pipe:
+        def __getattr__(self, name: str) -> Any:
+            return lambda *a, **k: self
+
+        async def execute(self) -> list[Any]:
+            return []
+
+    published: list[tuple[str, bytes]] = []
+
+    class Bus:
+        async def publish(self, subject: str, data: bytes, headers: Any = None) -> None:
+            published.append((subject, data))
+
+    w = EngineWorker(Settings(model=MODEL_A), Backend)
+    records = Records()
+    w.call_records, w.nc = records, Bus()  # type: ignore[assignment]
+    w.redis = type("Redis", (), {"pipeline": lambda self, transaction=True: Pipe()})()  # type: ignore[assignment]
+    rc = _run("c9", "S9", "inbox.r9")
+    await w._take_run(rc)
+    resend = asyncio.create_task(w._take_run(rc))  # admission heard no acknowledgement and sent it again
+    await asyncio.sleep(0.01)
+    reply = CallReply(call_id="c9", session_id="S9", server_id=SERVER, model=MODEL_A, prompt_tokens=1000,
+                      cached_tokens=0, restored_tokens=0, reprefill_tokens=0, output_tokens=20, arrived_at=0.0,
+                      finished_at=1.0, waited_s=0.0, switch_wait_s=0.0, round_wait=False, restore_s=0.0,
+                      prefill_s=0.0, decode_s=0.0)
+    await w.finish(rc, reply, 1020)
+    records.answered.set()
+    await resend
+    assert Backend.runs == ["c9"], "a second generation ran"
+    assert [d for s, d in published if s == "inbox.r9"] == [records.stored, records.stored]  # answered again

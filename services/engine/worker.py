@@ -27,6 +27,7 @@ import contextlib
 import time
 import uuid
 from abc import ABC, abstractmethod
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -46,6 +47,7 @@ from shared.schema import (
 from shared.settings import Settings
 
 FinishWrites = Callable[[Any], None]  # a backend's own writes in the finish transaction (a Redis pipeline)
+ANSWERED_KEPT = 4096  # call ids a worker remembers answering (a late resend's stale claim is checked again)
 
 
 class EngineBackend(ABC):
@@ -138,6 +140,12 @@ class EngineWorker(ServiceProcess):
         self.backend = backend(self)
         self.pending: dict[str, RunCall] = {}  # runs that arrived while the engine slept or started
         self.claims: dict[str, Claim] = {}     # the call record's claim of each run taken (answered on it)
+        # runs whose generation has ended and whose answer is being stored and published: a
+        # resend now is that answer's (its claim is this process's, so it would run again)
+        self.finishing: set[str] = set()
+        # runs this process answered lately: a resend whose claim was read before the answer
+        # was stored (a claim held up by a NATS outage) must not run again (bounded, oldest out)
+        self.answered_here: OrderedDict[str, None] = OrderedDict()
         self.slept_kv: dict[str, int] | None = None  # the last Sleep's KV report (a repeated Sleep answers it)
         self.asked_by: dict[str, str] = {}     # each run taken -> its reply subject (whose cancel counts)
         self.started_wall: dict[str, float] = {}  # each run started -> its wall start (its span)
@@ -196,14 +204,22 @@ class EngineWorker(ServiceProcess):
         if msg.reply:  # admission sends a dispatch until it hears this
             await self.nc.publish(msg.reply, encode(RunAccepted(call_id=rc.call_id)))
 
+    def _taken(self, call_id: str) -> bool:
+        """Whether a run of `call_id` is already this process's: waiting, running or finishing."""
+        return call_id in self.pending or call_id in self.finishing or self.backend.holds(call_id)
+
     async def _take_run(self, rc: RunCall) -> None:
         with structlog.contextvars.bound_contextvars(session_id=rc.session_id, call_id=rc.call_id):
-            if rc.call_id in self.pending or self.backend.holds(rc.call_id):
+            if self._taken(rc.call_id):
                 return
             # claimed in the durable record before anything is generated
             claim = await self.call_records.claim(rc.session_id, rc.call_id, server_id=self.settings.server_id,
                                                   owner=self.instance, epoch=self.epoch,
                                                   placed_revision=rc.record_revision)
+            if claim.outcome == "run" and rc.call_id in self.answered_here:
+                # claimed on a read from before this process stored its answer: that answer is its
+                claim = await self.call_records.claim(rc.session_id, rc.call_id, server_id=self.settings.server_id,
+                                                      owner=self.instance, epoch=self.epoch)
             if claim.outcome == "answered":  # the same reply again, never a second generation
                 stored = claim.record.reply or b""
                 await self.nc.publish(rc.reply_to, stored)
@@ -216,7 +232,7 @@ class EngineWorker(ServiceProcess):
                 self.log.warning("engine.held_elsewhere", owner=claim.record.owner)
                 await self._tell_admission(rc.call_id, rc.session_id, 0)
                 return
-            if rc.call_id in self.pending or self.backend.holds(rc.call_id):
+            if self._taken(rc.call_id):
                 return  # (a resend of it was taken while this one claimed)
             if rc.engine.prompt_ref is not None and self.backend.reads_prompt:
                 payload = await self.prompts.get(rc.engine.prompt_ref)
@@ -226,7 +242,7 @@ class EngineWorker(ServiceProcess):
                     return
                 rc = msgspec.structs.replace(rc, engine=msgspec.structs.replace(
                     rc.engine, prompt_text=payload.prompt_text, prompt_token_ids=payload.prompt_token_ids))
-                if rc.call_id in self.pending or self.backend.holds(rc.call_id):
+                if self._taken(rc.call_id):
                     return  # (a resend of it was taken while this one read its prompt)
             self.claims[rc.call_id] = claim
             self.asked_by[rc.call_id] = rc.reply_to
@@ -253,6 +269,13 @@ class EngineWorker(ServiceProcess):
     async def finish(self, rc: RunCall, reply: CallReply, context_tokens: int,
                      writes: FinishWrites | None = None) -> None:
         """`rc` ended (`reply.aborted`: stopped before its end; nobody is answered)."""
+        self.finishing.add(rc.call_id)
+        try:
+            await self._finish(rc, reply, context_tokens, writes)
+        finally:
+            self.finishing.discard(rc.call_id)
+
+    async def _finish(self, rc: RunCall, reply: CallReply, context_tokens: int, writes: FinishWrites | None) -> None:
         s = self.settings
         data = encode(reply)
         self._generation_span(rc, reply)
@@ -281,6 +304,9 @@ class EngineWorker(ServiceProcess):
                 writes(pipe)
             await pipe.execute()
         if not reply.aborted:
+            self.answered_here[rc.call_id] = None
+            while len(self.answered_here) > ANSWERED_KEPT:
+                self.answered_here.popitem(last=False)
             await self.nc.publish(rc.reply_to, data, headers=hdrs)
             self._count(rc, reply, first)
             await self._forget_prompt(rc)
