@@ -390,8 +390,8 @@ async def test_a_retried_call_stays_on_the_server_that_holds_it(nats_server: Nat
                                                                  subject_prefix: str, key_prefix: str,
                                                                  tmp_path: Path) -> None:
     """A retry of a call that has no reply yet goes back to the server that took it,
-    never to another one whose engine would run it a second time; if that server
-    cannot take it now, the agent hears no_capacity and retries later."""
+    never to another one whose engine would run it a second time; if that server's
+    admission does not answer (restarting), the agent hears unavailable and retries later."""
     from shared.schema import ApiError, CallRequest
     from test_services import call_raw
 
@@ -406,9 +406,40 @@ async def test_a_retried_call_stays_on_the_server_that_holds_it(nats_server: Nat
             assert again.server_id == holder, again
         await subs[holder].unsubscribe()  # the holder's admission is away (restarting, say)
         refused = await call_raw(nc, svc.subjects, call, timeout=15.0)
-        assert isinstance(refused, ApiError) and refused.code == "no_capacity", refused
+        assert isinstance(refused, ApiError) and refused.code == "unavailable", refused
         assert got[other] == [], f"the retry was placed on {other}, which would run the call again"
         assert got[holder] == ["pin#0"] * 4
+
+
+async def test_a_call_waits_out_an_admission_restarting_and_is_not_refused_as_if_servers_were_full(
+        nats_server: NatsServer, redis_server: RedisServer, subject_prefix: str, key_prefix: str,
+        tmp_path: Path) -> None:
+    """Every admission is away for a moment (killed, its replacement starting): the
+    router asks again for a few seconds, so the call is taken when one is back; only an
+    admission away for longer is answered, and as unavailable (retry), not no_capacity."""
+    from shared.schema import ApiError, CallRequest, Submitted, admission_decoder, encode
+    from test_services import call_raw
+
+    async with router_and_fake_admissions(nats_server, redis_server, subject_prefix, key_prefix, tmp_path,
+                                          "back") as (svc, nc, got, subs):
+        for sub in subs.values():
+            await sub.unsubscribe()
+        call = CallRequest(call_id="back#0", session_id="back", model=MODEL_A, prompt_tokens=1000)
+        pending = asyncio.ensure_future(call_raw(nc, svc.subjects, call, timeout=15.0))
+        await asyncio.sleep(1.0)  # the replacement comes up
+
+        async def take(msg: Any) -> None:
+            sub = admission_decoder.decode(msg.data)
+            got["s1"].append(sub.call.call_id)
+            await nc.publish(msg.reply, encode(Submitted(call_id=sub.call.call_id, server_id="s1")))
+
+        back = await nc.subscribe(svc.subjects.admission_submit("s1"), cb=take)
+        taken = await pending
+        assert isinstance(taken, CallAccepted) and taken.server_id == "s1", taken
+        await back.unsubscribe()
+        away = await call_raw(nc, svc.subjects, CallRequest(call_id="back#1", session_id="back", model=MODEL_A,
+                                                            prompt_tokens=1200, prefix_tokens=1000), timeout=15.0)
+        assert isinstance(away, ApiError) and away.code == "unavailable", away
 
 
 async def test_copies_of_a_call_sent_at_once_are_each_answered_and_held_by_one_server(

@@ -43,6 +43,8 @@ from shared.schema import (
 # was just killed waited out 5 s, and its agent's call 6 s, in a 200x chaos run); the
 # agent is told no_capacity and asks again, which the call record makes safe
 SUBMIT_TIMEOUT_WALL_S = 1.5
+ADMISSION_RESTART_WAIT_WALL_S = 4.0  # how long servers whose admission does not answer are asked again
+ADMISSION_RETRY_EVERY_WALL_S = 0.25
 NO_CAPACITY_RETRY_AFTER_S = 1.0  # wall seconds an agent should wait before asking again
 PLACEMENT_ATTEMPTS = 4  # snapshots a placement may take when other replicas keep placing; the last one lands anyway
 # KEYS: the placement sequence, the chosen server's in-flight hash, the placement log;
@@ -428,8 +430,61 @@ class Router(ServiceProcess):
             sampling=req.sampling,
             # the prompt store read is the caller's own namespace's, whatever the caller says
             prompt_ref=PromptRef(namespace=ns, name=req.prompt_ref) if req.prompt_ref is not None else None))
-        for i, cand in enumerate(ranked):
-            if i > 0:  # the first choice did not take it: the next one counts it now
+        # an admission that does not answer is restarting (its liveness watch replaces a dead one
+        # within a couple of seconds): those servers are asked again for a while, so a call, a
+        # continuation above all, is not refused as if every server were full
+        candidates, passes, refused = list(ranked), 0, False
+        restart_deadline = time.monotonic() + ADMISSION_RESTART_WAIT_WALL_S
+        while True:
+            unreachable = await self._submit_to(candidates, passes, req, reply_to, session, ns, sub, placement,
+                                                revision, recording, retry)
+            if unreachable is None:
+                return  # taken (or answered as a retry)
+            candidates, revision, recording, was_refused = unreachable
+            refused = refused or was_refused
+            if not candidates or time.monotonic() >= restart_deadline:
+                break
+            passes += 1
+            await asyncio.sleep(ADMISSION_RETRY_EVERY_WALL_S)
+        if candidates and not refused:
+            # every server that could take it is away, not full: the agent retries as for a store away
+            down = ", ".join(c.server_id for c in candidates)
+            if pinned is None:  # (a call a server holds stays pinned there)
+                await self._give_up(req, reply_to, revision, recording, new_session)
+            await self.reply_error(reply_to, "unavailable", f"the admission of {down} does not answer (restarting); "
+                                   f"retry shortly", req.call_id, retry_after_s=NO_CAPACITY_RETRY_AFTER_S)
+            return
+        if pinned is not None:  # still held there: the agent retries, to that server again
+            await self.reply_error(reply_to, "no_capacity", f"{pinned}, which holds call {req.call_id}, cannot take it now",
+                                   req.call_id, retry_after_s=NO_CAPACITY_RETRY_AFTER_S)
+            return
+        await self._give_up(req, reply_to, revision, recording, new_session)
+        await self.reply_error(reply_to, "no_capacity", f"no server could take a {req.model} call now", req.call_id, retry_after_s=NO_CAPACITY_RETRY_AFTER_S)
+
+    async def _give_up(self, req: CallRequest, reply_to: str, revision: int,
+                       recording: tuple[str, asyncio.Task[int | None]] | None, new_session: bool) -> None:
+        """Nothing took the call: its record and the session's count as if it never came,
+        so the agent's retry is placed afresh (and is the session's first call again)."""
+        if recording is not None:  # (no candidate was tried after it began)
+            revision = await recording[1] or revision
+        if revision:  # nothing took it: a retry may place it again
+            await self.call_records.release(req.session_id, req.call_id, revision)
+        if new_session:  # so the retry is the session's first call again
+            pipe = self.redis.pipeline(transaction=False)
+            state.count_call(pipe, self.keys, req.session_id, -1)
+            await pipe.execute()
+
+    async def _submit_to(self, candidates: list[Any], passes: int, req: CallRequest, reply_to: str,
+                         session: state.SessionRecord, ns: str, sub: SubmitCall, placement: InFlight, revision: int,
+                         recording: tuple[str, asyncio.Task[int | None]] | None, retry: bool
+                         ) -> tuple[list[Any], int, tuple[str, asyncio.Task[int | None]] | None, bool] | None:
+        """Submit to each candidate in turn until one takes it (None: taken, or answered as a
+        retry); else (the candidates whose admission did not answer, the record's revision,
+        its write still under way, whether any admission refused it)."""
+        unreachable: list[Any] = []
+        refused = False
+        for i, cand in enumerate(candidates):
+            if i > 0 or passes > 0:  # the first choice did not take it: the next one counts it now
                 await self.mark_in_flight(cand.server_id, placement)
             if revision:
                 # the server it goes to, recorded before the submit (after it, the engine's claim
@@ -442,7 +497,7 @@ class Router(ServiceProcess):
                     # took it after all; answered as a retry (the stored reply, or that server again)
                     await self.unmark_in_flight(cand.server_id, req.call_id)
                     await self._place_known(req, reply_to, session, ns)
-                    return
+                    return None
                 revision = placed
             try:
                 resp = await self.nc.request(self.subjects.admission_submit(cand.server_id),
@@ -450,7 +505,9 @@ class Router(ServiceProcess):
                                              timeout=SUBMIT_TIMEOUT_WALL_S, headers=trace_headers(req.session_id, req.call_id))
             except (NoRespondersError, NatsTimeout) as exc:
                 await self.unmark_in_flight(cand.server_id, req.call_id)
-                self.log.warning("router.admission_unavailable", server_id=cand.server_id, error=type(exc).__name__)
+                self.log.warning("router.admission_unavailable", server_id=cand.server_id, error=type(exc).__name__,
+                                 attempt=passes + 1)
+                unreachable.append(cand)
                 continue
             out = submit_reply_decoder.decode(resp.data)
             if isinstance(out, ApiError):
@@ -458,26 +515,15 @@ class Router(ServiceProcess):
                 # e.g. no_capacity: that server's queue is at its bound (TALARIA_MAX_QUEUED) and this is a
                 # new session's first call; admission decides on its own exact count, not a mirrored one
                 self.log.warning("router.admission_refused", server_id=cand.server_id, reason=out.message, code=out.code)
+                refused = True
                 continue
             if not retry:  # first accepted: counted once, a retry of it is not a new call
                 self.metrics.calls_accepted.labels(model=req.model).inc()
                 self.metrics.placements.labels(server=cand.server_id, model=req.model, residency=cand.residency,
                                                kv=cand.kv).inc()
             await self.nc.publish(reply_to, encode(CallAccepted(call_id=req.call_id, server_id=cand.server_id)))
-            return
-        if pinned is not None:  # still held there: the agent retries, to that server again
-            await self.reply_error(reply_to, "no_capacity", f"{pinned}, which holds call {req.call_id}, cannot take it now",
-                                   req.call_id, retry_after_s=NO_CAPACITY_RETRY_AFTER_S)
-            return
-        if recording is not None:  # (no candidate was tried after it began)
-            revision = await recording[1] or revision
-        if revision:  # nothing took it: a retry may place it again
-            await self.call_records.release(req.session_id, req.call_id, revision)
-        if new_session:  # so the retry is the session's first call again
-            pipe = self.redis.pipeline(transaction=False)
-            state.count_call(pipe, self.keys, req.session_id, -1)
-            await pipe.execute()
-        await self.reply_error(reply_to, "no_capacity", f"no server could take a {req.model} call now", req.call_id, retry_after_s=NO_CAPACITY_RETRY_AFTER_S)
+            return None
+        return unreachable, revision, recording, refused
 
     async def _record_server(self, req: CallRequest, server_id: str, revision: int,
                              recording: tuple[str, asyncio.Task[int | None]] | None) -> int | None:
