@@ -8,6 +8,7 @@ configured only through TALARIA_* environment variables) and are healthy once
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import sys
@@ -1079,3 +1080,33 @@ async def test_a_call_id_reused_by_another_session_is_a_new_call(stack: Services
     assert r1.session_id == first.session_id and r1.output_tokens == 7
     again = await first.call(prompt_tokens=500, max_tokens=16, sim_output_tokens=7, call_id="swe-007#000")
     assert again.duplicate and again.session_id == first.session_id and again.output_tokens == 7
+
+
+async def test_a_call_asked_for_again_from_another_inbox_is_answered_there_when_it_finishes(
+        stack: Services, nats_server: NatsServer) -> None:
+    """The agent's process (a gateway, say) died mid-call and its replacement asks for the
+    call again: admission sends its news to the new inbox, and its reply there once the run
+    ends. It went to the dead inbox only, and the new one heard it after its next silence."""
+    first = await TalariaClient.connect(nats_server.url, subject_prefix=stack.subject_prefix, silence_s=30.0, retries=0)
+    sess = await first.open_session(MODEL_A)
+    cid = f"{sess.session_id}-long"
+    events: list[Any] = []
+    ask = {"prompt_tokens": 3000, "max_tokens": 16384, "sim_output_tokens": 6000, "call_id": cid}
+    task = asyncio.ensure_future(sess.call(**ask, on_event=events.append))
+    await until(lambda: any(isinstance(e, CallRunning) for e in events), 20, "the call never ran")
+    await first.nc.close()  # killed: no cancel goes out, the engine runs on
+    task.cancel()
+    with contextlib.suppress(BaseException):
+        await task
+    second = await TalariaClient.connect(nats_server.url, subject_prefix=stack.subject_prefix, silence_s=30.0, retries=0)
+    try:
+        again = await second.open_session(MODEL_A, session_id=sess.session_id)
+        t0 = time.monotonic()
+        reply = await asyncio.wait_for(again.call(**ask), timeout=60)
+        finished = [d for d in stack.log_lines(stack.engine(MODEL_A))
+                    if d.get("event") == "engine.finished" and d.get("call_id") == cid]
+        assert reply.output_tokens == 6000 and len(finished) == 1
+        assert time.monotonic() - t0 < 20, "answered only after the new inbox's silence"
+        assert any(d.get("event") == "admission.redirected" for d in stack.log_lines(stack.admission))
+    finally:
+        await second.close()

@@ -70,6 +70,9 @@ class AdmissionService(ServiceProcess):
         self.switch_attempt: dict[str, asyncio.Event] = {}  # pending switch -> "ask again" (substrate restarted)
         sid = s.server_id
         self.dispatched: dict[str, RunCall] = {}
+        # calls whose agent came back from another inbox (its gateway or client restarted) after
+        # their run was sent: the engine answers the first inbox, so the reply is sent on here too
+        self.redirected: dict[str, str] = {}
         # a dispatch is sent until its engine acknowledges it: only an acknowledged run
         # is heartbeated as running, so a dispatch lost on the bus is sent again instead
         # of keeping its agent waiting on heartbeats for a call nobody runs
@@ -246,6 +249,8 @@ class AdmissionService(ServiceProcess):
                                        f"{self.settings.server_id} has {self.scheduler.queued()} calls queued (bound {bound})",
                                        c.call_id, retry_after_s=1.0)
                 return
+            if known and held is not None and sub.reply_to != held.reply_to:
+                self._redirect(c.call_id, held, sub.reply_to)
             self.payloads.setdefault(c.call_id, sub)
             self.arrived_wall.setdefault(c.call_id, time.time())  # (the wait span's start)
             self.last_seen[c.session_id] = self.clock.now()
@@ -258,6 +263,24 @@ class AdmissionService(ServiceProcess):
             self.log.info("admission.queued", model=c.model, at=round(self.clock.now(), 3))
             self.newly_counted.add(c.call_id)
             await self.step(sch.Arrive(c), at=c.arrived_at)
+
+    def _redirect(self, call_id: str, held: SubmitCall, reply_to: str) -> None:
+        """The agent asks for a call it holds from another inbox (its gateway or client was
+        restarted; the first inbox is gone): its news go there from now on, a run sent later
+        answers there, and a run already sent has its reply sent there too once it finishes
+        (it was heard only by the next silence's retry, about 15 s later)."""
+        sub = self.payloads[call_id] = msgspec.structs.replace(held, reply_to=reply_to)
+        if call_id in self.dispatched:
+            self.redirected[call_id] = reply_to
+        self.log.info("admission.redirected", reason="the agent asked again from another inbox")
+        # (a restarted admission sends its news there too; the persister adds only missing calls)
+        self.spawn(self.redis.hset(self.keys.admission_calls(self.settings.server_id), call_id, encode(sub)),
+                   "persist redirect")
+
+    async def _send_redirected(self, call_id: str, session_id: str, reply_to: str) -> None:
+        stored = await self.call_records.answered_reply(session_id, call_id)
+        if stored is not None:
+            await self.nc.publish(reply_to, stored, headers=trace_headers(session_id, call_id))
 
     async def _persist_submit(self, call_id: str, sub: SubmitCall) -> None:
         """Write an accepted call to the durable hash, waiting at most
@@ -283,6 +306,8 @@ class AdmissionService(ServiceProcess):
         await self._finished(ev.call_id, ev.session_id, ev.context_tokens, ev.finished_at)
 
     async def _finished(self, call_id: str, session_id: str, context_tokens: int, finished_at: float | None) -> None:
+        if (to := self.redirected.pop(call_id, None)) is not None:
+            self.spawn(self._send_redirected(call_id, session_id, to), "redirected reply")
         if self.payloads.pop(call_id, None) is not None:
             # not awaited: a restarting Redis must not hold up the finishes behind this one (an
             # entry left behind is dropped by a recovering admission, whose call record says answered,
