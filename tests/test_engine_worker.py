@@ -267,3 +267,22 @@ async def test_a_resend_whose_claim_was_read_before_the_answer_is_answered_not_r
     await resend
     assert Backend.runs == ["c9"], "a second generation ran"
     assert [d for s, d in published if s == "inbox.r9"] == [records.stored, records.stored]  # answered again
+
+
+async def test_a_sleep_while_calls_run_is_refused_by_name_and_the_engine_runs_on(engine_only: Any) -> None:
+    """The substrate's Sleep can overtake admission's preemptions of a switch (they come
+    from two services): refused as unavailable, which the substrate retries, not a
+    handler failure with a traceback; the call runs to its end."""
+    from shared.schema import ApiError, Sleep, control_reply_decoder
+
+    svc, nc = engine_only
+    s = svc.subjects
+    replies, _ = await _collect(nc, s.reply_inbox("t", "r7"))
+    await nc.publish(s.engine_run(SERVER, MODEL_A), encode(_run("c7", "S7", s.reply_inbox("t", "r7"), out=3000)))
+    await until(lambda: any(d.get("event") == "engine.started" for d in svc.log_lines(svc.engine(MODEL_A))), 10,
+                "not started")
+    resp = await nc.request(s.engine_control(SERVER, MODEL_A), encode(Sleep()), timeout=5)
+    refused = control_reply_decoder.decode(resp.data)
+    assert isinstance(refused, ApiError) and refused.code == "unavailable" and refused.retry_after_s, refused
+    await until(lambda: any(isinstance(call_event_decoder.decode(e), CallReply) for e in replies), 30, "no answer")
+    assert not [d for d in svc.log_lines(svc.engine(MODEL_A)) if d.get("event") == "handler.failed"]

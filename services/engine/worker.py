@@ -410,6 +410,13 @@ class EngineWorker(ServiceProcess):
             case Sleep():
                 # asked again (its answer was lost): asleep already, the first one's report
                 if self.backend.awake or self.slept_kv is None:
+                    if running := self.backend.running():
+                        # the switch's preemptions are still on their way (they come from admission,
+                        # the sleep from the substrate): refused by name, and the substrate asks again
+                        self.log.warning("engine.sleep_refused", running=[r.call_id for r in running][:20])
+                        await self.reply_error(msg.reply, "unavailable", f"{self.settings.model}: {len(running)} "
+                                               "calls still running; sleep once they are stopped", retry_after_s=0.5)
+                        return
                     self.slept_kv = await self.backend.sleep()
                 out = ControlOk(kv_out=self.slept_kv)
             case Wake():
