@@ -17,6 +17,9 @@ from typing import Any
 import structlog
 
 
+_STDLIB_HANDLER = "talaria-json"  # (configured again, it replaces itself, not another's handler)
+
+
 def configure_logging(service: str, fmt: str = "json", level: str = "INFO") -> structlog.stdlib.BoundLogger:
     lvl = getattr(logging, level.upper(), logging.INFO)
     renderer: structlog.types.Processor = (
@@ -35,6 +38,19 @@ def configure_logging(service: str, fmt: str = "json", level: str = "INFO") -> s
         logger_factory=structlog.PrintLoggerFactory(file=sys.stdout),
         cache_logger_on_first_use=True,
     )
+    # the libraries' own lines (nats-py, aiohttp, asyncio, the agent client's stdlib logger)
+    # as JSON lines of the same log, not bare text that log readers skip
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(structlog.stdlib.ProcessorFormatter(
+        foreign_pre_chain=[structlog.stdlib.add_logger_name, structlog.processors.add_log_level,
+                           structlog.processors.TimeStamper(fmt="iso", utc=True),
+                           lambda _, __, event: {**event, "service": service}],
+        processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+                    structlog.processors.format_exc_info, renderer]))
+    handler.set_name(_STDLIB_HANDLER)
+    root = logging.getLogger()
+    root.handlers[:] = [h for h in root.handlers if h.get_name() != _STDLIB_HANDLER] + [handler]
+    root.setLevel(lvl)
     return structlog.get_logger().bind(service=service)
 
 

@@ -227,3 +227,18 @@ def test_the_alerting_rules_are_valid_and_fire_as_their_unit_tests_say() -> None
     for args in (["check", "rules", "alerts.yml"], ["test", "rules", "alerts-test.yml"]):
         out = subprocess.run([promtool, *args], cwd=folder, capture_output=True, text=True)
         assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_the_libraries_own_log_lines_are_json_lines_of_the_service(capsys: pytest.CaptureFixture[str]) -> None:
+    """nats-py's, aiohttp's, asyncio's and the agent client's stdlib lines (a gateway's
+    "NATS error: ..." during an outage) came out as bare text among the JSON lines."""
+    import json
+    import logging
+
+    from shared.logs import configure_logging
+
+    configure_logging("gateway")
+    logging.getLogger("talaria.client").warning("NATS error: %s", "nats: unexpected EOF")
+    line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert line["event"] == "NATS error: nats: unexpected EOF" and line["service"] == "gateway"
+    assert line["level"] == "warning" and line["logger"] == "talaria.client"
