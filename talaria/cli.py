@@ -264,7 +264,7 @@ def _replay_runs(a: argparse.Namespace, sessions: list[TraceSession], oracle: di
             **({"session_prefix": out.session_prefix} if out.session_prefix else {}),
             "switches": int(out.server_stats.get("switches", 0)), "sp_admits": int(out.server_stats.get("sp_admits", 0)),
             "reservations": {k: out.server_stats.get(k, 0) for k in ("reservations_made", "reservations_hit", "reservations_expired", "reserved_idle_s")},
-            **live_utilisation(out, a.servers),
+            **live_utilisation(out, out.servers or a.servers),  # (a deployment's own count, not --servers)
         })
         if a.via_gateway:
             # an HTTP reply carries no waits, prefix sources or timings: not measured, not zero
@@ -281,7 +281,8 @@ def _write_replay_json(a: argparse.Namespace, runs: list[dict], outcomes: list[R
     from talaria.replay import write_json
 
     where = {"log_dir": str(run_dir)} if run_dir is not None else {"session_prefix": outcomes[0].session_prefix}
-    write_json(a.out, {"trace": a.trace, "engine": "sim", "servers": a.servers, "server_profile": a.server_profile,
+    servers = next((o.servers for o in outcomes if o.servers), a.servers)  # (a deployment's own count)
+    write_json(a.out, {"trace": a.trace, "engine": "sim", "servers": servers, "server_profile": a.server_profile,
                        "oracle": {"sct_p50_s": runs[0]["oracle_p50_s"], "sct_p95_s": runs[0]["oracle_p95_s"]},
                        **where, **extra, "runs": runs})
 

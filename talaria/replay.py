@@ -53,6 +53,7 @@ class ReplayOutcome:
     time_scale: float = 0.0  # model seconds per wall second of the run (0: not recorded)
     log_dir: str = ""  # where this run's service logs are (an embedded stack's own folder)
     session_prefix: str = ""  # against a running deployment: what its session ids were prefixed with
+    servers: int = 0  # the servers it ran on (a deployment's own count; 0: not recorded)
     driver_lag_wall_s: float = 0.0  # the replay's own event loop: a late agent distorts SCT as a late service does
     services_lag_read: bool = False  # False: only the driver's lag is known (a deployment without its Redis)
 
@@ -316,6 +317,7 @@ async def replay_external(sessions: list[TraceSession], target: Deployment,
     finally:
         await client.close()
     out.time_scale = info.time_scale
+    out.servers = len(info.servers)
     after = await _deployment_stats(target, info.servers, info.policy) if before is not None else None
     lag: tuple[str, float] | None = None
     if before is not None and after is not None:

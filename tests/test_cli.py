@@ -522,3 +522,22 @@ def test_table_columns_stay_apart_for_any_figure(capsys: pytest.CaptureFixture[s
     row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("ppp"))
     assert row.split() == ["p" * 30, "123456/123456", "999999005.7", "999999005.7", "12345678.9", "-", "-",
                            "12345678.50", "1234567890", "123456789", "123456789012"], row
+
+
+def test_a_replay_against_a_deployment_counts_its_servers_not_the_flags_default() -> None:
+    """Against a running deployment the servers are its own (two here), not `--servers`
+    (1 by default): the busy share read 120% of the run."""
+    import argparse
+
+    from talaria.cli import _replay_runs
+    from talaria.replay import ReplayOutcome
+    from talaria.results.records import CallRecord
+    from talaria.workload.trace import TraceCall, TraceSession
+
+    sessions = [TraceSession("s", "glm-4.5-fp8", 0.0, [TraceCall(100, 10, 0.0)])]
+    rec = CallRecord(call_id="s#0", session_id="s", model="glm-4.5-fp8", index=0, issued_at=0.0, finished_at=100.0)
+    out = ReplayOutcome(policy="talaria", sct={"s": 100.0}, records=[rec], servers=2,
+                        server_stats={"busy_s_glm-4.5-fp8": 120.0})
+    a = argparse.Namespace(servers=1, time_scale=50.0, via_gateway=False, max_lag_s=1e9)
+    runs, _ = _replay_runs(a, sessions, {"s": 50.0}, [out])
+    assert runs[0]["utilisation"] == pytest.approx(0.6)
