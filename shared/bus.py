@@ -64,16 +64,21 @@ def trace_context(msg: Msg) -> dict[str, str]:
 
 async def connect_nats(urls: list[str], name: str, log: structlog.stdlib.BoundLogger,
                        user: str | None = None, password: str | None = None) -> nats.NATS:
+    client: list[nats.NATS] = []
+
     async def on_error(e: Exception) -> None:
         log.warning("nats.error", error=str(e))
 
     async def on_disconnect() -> None:
+        if client and client[0].is_closed:  # (our own close, at a clean stop: not a fault)
+            log.info("nats.closed")
+            return
         log.warning("nats.disconnected")
 
     async def on_reconnect() -> None:
         log.info("nats.reconnected")
 
-    return await nats.connect(
+    nc = await nats.connect(
         servers=urls,
         name=name,
         max_reconnect_attempts=-1,   # never give up
@@ -86,6 +91,8 @@ async def connect_nats(urls: list[str], name: str, log: structlog.stdlib.BoundLo
         user=user,
         password=password,
     )
+    client.append(nc)
+    return nc
 
 
 REDIS_POOL_CONNECTIONS = 64  # Redis connections a service process keeps at most (a command waits for one)

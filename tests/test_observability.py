@@ -26,6 +26,7 @@ from shared.logs import read_log_events
 from shared.net import free_port
 from shared.policy import resolve_policy
 from talaria.client import TalariaClient, UnknownSession
+from talaria.ops.nats_server import NatsServer
 from talaria.ops.prometheus import CONFIG_FILE, TARGETS_FILE
 from talaria.ops.stack import EmbeddedStack, StackSpec
 from talaria.replay import drive
@@ -242,3 +243,17 @@ def test_the_libraries_own_log_lines_are_json_lines_of_the_service(capsys: pytes
     line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert line["event"] == "NATS error: nats: unexpected EOF" and line["service"] == "gateway"
     assert line["level"] == "warning" and line["logger"] == "talaria.client"
+
+
+async def test_a_clean_stop_is_not_logged_as_a_lost_connection(nats_server: NatsServer) -> None:
+    """Every clean stop logged `nats.disconnected` at warning (nats-py calls the
+    disconnect callback on close too), so a fault-free run could not be told by its
+    warnings; a connection lost to the server still is one."""
+    import structlog
+
+    from shared.bus import connect_nats
+
+    with structlog.testing.capture_logs() as seen:
+        nc = await connect_nats([nats_server.url], "t", structlog.get_logger())
+        await nc.close()
+    assert [e["event"] for e in seen] == ["nats.closed"] and seen[0]["log_level"] == "info"
