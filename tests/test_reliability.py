@@ -797,3 +797,19 @@ async def test_a_store_step_that_waited_out_errors_says_so_once_and_one_that_gav
     assert [(e["event"], e["what"]) for e in logs] == [("store.retried", "claim"), ("store.unavailable", "answer")]
     assert logs[0]["attempts"] == 3 and "TimeoutError" in logs[0]["first_error"] and logs[0]["waited_s"] > 0
     assert logs[1]["attempts"] >= 2 and "NoResponders" in logs[1]["first_error"]
+
+
+async def test_a_first_start_without_its_engines_yet_is_not_a_warning(nats_server: NatsServer, redis_server: RedisServer,
+                                                                      subject_prefix: str, key_prefix: str,
+                                                                      tmp_path: Path) -> None:
+    """The stack's first admission starts beside its engines, which may not answer yet:
+    nothing is lost, so it is said at info; a restarted admission that cannot reach an
+    engine is still a warning (tests above restart it)."""
+    svc = Services(nats_server.url, redis_server.url, subject_prefix, key_prefix, tmp_path / "logs", models=[MODEL_A],
+                   which=("admission",))
+    await svc.start()
+    try:
+        lines = [d for d in svc.log_lines(svc.admission) if d.get("event") == "admission.recover_engine_unknown"]
+        assert lines and all(d["level"] == "info" for d in lines), lines
+    finally:
+        await svc.stop()

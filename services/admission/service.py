@@ -138,7 +138,9 @@ class AdmissionService(ServiceProcess):
         states = await self.engine_states(self.scheduler.models, ListCalls(admission_epoch=self.epoch))
         for m, st in states.items():
             if not isinstance(st, EngineState):  # engine down: it announces when back, and we re-send then
-                self.log.warning("admission.recover_engine_unknown", model=m, error=st)
+                # (the stack's first start: the engines start beside us, nothing to recover)
+                first = self.epoch == 1 and not stored
+                (self.log.info if first else self.log.warning)("admission.recover_engine_unknown", model=m, error=st)
                 continue
             if st.awake and (awake is None or st.running):
                 awake = (m, st.kv_capacity_tokens)
