@@ -110,7 +110,7 @@ class Sampling(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, fo
     top_p: Annotated[float, Meta(gt=0, le=1)] | None = None
     top_k: Annotated[int, Meta(ge=-1)] | None = None
     stop: Annotated[list[Annotated[str, Meta(min_length=1, max_length=200)]], Meta(max_length=4)] = []
-    seed: int | None = None
+    seed: Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)] | None = None  # (OpenAI's int64)
     presence_penalty: Annotated[float, Meta(ge=-2, le=2)] | None = None
     frequency_penalty: Annotated[float, Meta(ge=-2, le=2)] | None = None
     # the JSON Schema (as JSON text) the output must match: OpenAI's `response_format`

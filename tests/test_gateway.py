@@ -259,7 +259,8 @@ def test_sampling_fields_are_carried_or_refused_by_name() -> None:
                              ({"function_call": {"name": "f"}}, "openai", "function_call"),
                              ({"function_call": "none"}, "openai", "function_call"),  # (with tools: tool_choice)
                              ({"echo": True}, "openai", "echo"), ({"suffix": "}"}, "openai", "suffix"),
-                             ({"best_of": 3}, "openai", "best_of")):
+                             ({"best_of": 3}, "openai", "best_of"),
+                             ({"seed": 2**64}, "openai", "seed")):  # (OpenAI's seed is an int64; vLLM's torch's too)
         with pytest.raises(tr.BadRequest) as e:
             tr.sampling_of(body, api)
         assert e.value.param == field, (body, e.value)
