@@ -59,3 +59,23 @@ async def redis_client(redis_server: RedisServer) -> AsyncIterator[aioredis.Redi
     client = aioredis.Redis.from_url(redis_server.url)
     yield client
     await client.aclose()
+
+
+@pytest.fixture
+def service_logging() -> Iterator[None]:
+    """For a test that configures a service's logging in this process (`configure_logging`,
+    or a service object built in the test): structlog's configuration and the root
+    logger's handlers as they were afterwards, since a logger left writing to this test's
+    captured output fails every later test that logs (the file is closed by then)."""
+    import logging
+
+    import structlog
+
+    saved, root = structlog.get_config(), logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    try:
+        yield
+    finally:
+        structlog.configure(**saved)
+        root.handlers[:] = handlers
+        root.setLevel(level)

@@ -196,7 +196,7 @@ async def _none(r: aioredis.Redis, key: str) -> bool:
     return await r.hget(key, SERVER) is None
 
 
-async def test_a_resend_whose_claim_was_read_before_the_answer_is_answered_not_run_again() -> None:
+async def test_a_resend_whose_claim_was_read_before_the_answer_is_answered_not_run_again(service_logging: None) -> None:
     """A resend of a run whose claim is held up (a NATS outage) past the first run's whole
     generation and answer: its claim says "run" (this process's own, read before the answer
     was stored), so it ran again, a second generation. It is answered from the record."""

@@ -230,7 +230,8 @@ def test_the_alerting_rules_are_valid_and_fire_as_their_unit_tests_say() -> None
         assert out.returncode == 0, out.stdout + out.stderr
 
 
-def test_the_libraries_own_log_lines_are_json_lines_of_the_service(capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_libraries_own_log_lines_are_json_lines_of_the_service(capsys: pytest.CaptureFixture[str],
+                                                                   service_logging: None) -> None:
     """nats-py's, aiohttp's, asyncio's and the agent client's stdlib lines (a gateway's
     "NATS error: ..." during an outage) came out as bare text among the JSON lines."""
     import json

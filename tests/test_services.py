@@ -382,7 +382,8 @@ async def test_router_replicas_never_place_on_the_same_snapshot(redis_client: ai
     assert await land(InFlight("c9", MODEL_A, 10, time.time()), "6") == 1
 
 
-async def test_a_routers_placements_are_written_in_their_order_a_batch_a_round_trip(redis_client: aioredis.Redis) -> None:
+async def test_a_routers_placements_are_written_in_their_order_a_batch_a_round_trip(redis_client: aioredis.Redis,
+                                                                                   service_logging: None) -> None:
     """Placements queued while a write is in flight go in one pipeline, in the order they
     were ranked, so each one that counted an earlier one of this router's finds it in the
     log before it and lands; another replica's placement since the snapshot still refuses."""
@@ -420,7 +421,8 @@ async def test_a_routers_placements_are_written_in_their_order_a_batch_a_round_t
     assert await router.mark_in_flight(SERVER, late)  # unconditionally (the last attempt) it lands
 
 
-async def test_the_servers_snapshot_is_one_command_that_reads_what_the_pipeline_read(redis_client: aioredis.Redis) -> None:
+async def test_the_servers_snapshot_is_one_command_that_reads_what_the_pipeline_read(redis_client: aioredis.Redis,
+                                                                                    service_logging: None) -> None:
     """The router reads every server's in-flight hash and mirror with one script call,
     and decodes what a GET and an HGETALL per hash gave (less the mirror's counters,
     which placement does not read); a Redis that lost its scripts (restarted empty) is
