@@ -1034,6 +1034,12 @@ async def test_a_thinking_models_reasoning_comes_apart_from_its_answer_in_each_a
         [("thinking", THOUGHT), ("text", "Fixed it.")]
     async with ant.messages.stream(model=MODEL, max_tokens=64, messages=msgs) as st:
         assert [b.type for b in (await st.get_final_message()).content] == ["text"]
+    # a budget Anthropic's API refuses is refused here too, naming the field
+    for bad, bound in (({"type": "enabled", "budget_tokens": 10}, 2048), ({"type": "enabled"}, 2048),
+                       ({"type": "enabled", "budget_tokens": 4096}, 2048), ({"type": "on"}, 2048)):
+        with pytest.raises(anthropic.BadRequestError) as e:
+            await ant.messages.create(model=MODEL, max_tokens=bound, messages=msgs, thinking=bad)  # type: ignore[arg-type]
+        assert "thinking" in e.value.body["error"]["message"], e.value.body
 
     out = await client.responses.create(model=MODEL, input=msgs[0]["content"])
     assert [o.type for o in out.output] == ["reasoning", "message"] and out.output_text == "Fixed it."

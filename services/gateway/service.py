@@ -438,6 +438,11 @@ class Gateway:
         tools_json = tc.tools_text(tools) if tools else None
         prompt = await self._chat_prompt(tenant, model, body, dialect, fmt, tools, tools_json)
         max_tokens = self._max_tokens(body, max_names, prompt, model, required=anthropic)
+        if anthropic:
+            try:
+                tr.check_thinking(body, max_tokens)
+            except BadRequest as exc:
+                raise HttpError("malformed", str(exc), exc.param) from None
         sim_output = self._sim_output(body, max_tokens)
         sampling = self._sampling(body, dialect)
         ids = await self._ids(request, tenant, raw, original if original is not None else body, model, prompt)

@@ -742,6 +742,28 @@ def answer_of(reply: Any, tool_format: str = "none", tools: list[tool_calls.Tool
     return Answer(content, calls[:1] if one_call else calls, thought)
 
 
+THINKING_MIN_BUDGET = 1024  # Anthropic's least `thinking.budget_tokens`
+
+
+def check_thinking(body: Mapping[str, Any], max_tokens: int) -> None:
+    """`thinking` as Anthropic's API takes it: enabled with a `budget_tokens` of at least
+    1,024 and below `max_tokens` (the budget is read, not enforced here)."""
+    thinking = body.get("thinking")
+    if thinking is None:
+        return
+    if not isinstance(thinking, Mapping) or thinking.get("type") not in ("enabled", "disabled", "adaptive"):
+        raise BadRequest("thinking must be an object whose type is enabled, disabled or adaptive", "thinking")
+    if thinking.get("type") != "enabled":
+        return
+    budget = thinking.get("budget_tokens")
+    if not isinstance(budget, int) or isinstance(budget, bool) or budget < THINKING_MIN_BUDGET:
+        raise BadRequest(f"thinking.budget_tokens must be an integer of at least {THINKING_MIN_BUDGET}",
+                         "thinking.budget_tokens")
+    if budget >= max_tokens:
+        raise BadRequest(f"max_tokens ({max_tokens}) must be greater than thinking.budget_tokens ({budget})",
+                         "thinking.budget_tokens")
+
+
 def thinking_asked(body: Mapping[str, Any]) -> bool:
     """Whether a Messages request asked to see the model's thinking (`thinking` enabled or adaptive)."""
     thinking = body.get("thinking")
