@@ -43,11 +43,12 @@ def schema_error(schema: Mapping[str, Any]) -> str | None:
     """Why `schema` is not a JSON Schema (checked against its metaschema, draft 2020-12
     unless it names another), or None: what both APIs refuse in a tool's parameters or a
     structured output (`"type": "strin"`), and vLLM's grammar cannot enforce."""
-    return _schema_error(json.dumps(schema, sort_keys=True))
+    return schema_text_error(json.dumps(schema, separators=(",", ":")))
 
 
 @functools.lru_cache(maxsize=1024)  # (an agent sends the same tools with every call)
-def _schema_error(text: str) -> str | None:
+def schema_text_error(text: str) -> str | None:
+    """`schema_error` of a schema already written as JSON text (checked once per text)."""
     from jsonschema import Draft202012Validator, SchemaError, validators
 
     schema = json.loads(text)
@@ -55,7 +56,7 @@ def _schema_error(text: str) -> str | None:
         validators.validator_for(schema, default=Draft202012Validator).check_schema(schema)
     except SchemaError as exc:
         where = "/".join(str(p) for p in exc.path)
-        return f"{exc.message[:200]}" + (f" (at {where})" if where else "")
+        return exc.message[:200] + (f" (at {where})" if where else "")
     return None
 
 

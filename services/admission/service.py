@@ -70,9 +70,6 @@ class AdmissionService(ServiceProcess):
         self.switch_attempt: dict[str, asyncio.Event] = {}  # pending switch -> "ask again" (substrate restarted)
         sid = s.server_id
         self.dispatched: dict[str, RunCall] = {}
-        # calls whose agent came back from another inbox (its gateway or client restarted) after
-        # their run was sent: the engine answers the first inbox, so the reply is sent on here too
-        self.redirected: dict[str, str] = {}
         # a dispatch is sent until its engine acknowledges it: only an acknowledged run
         # is heartbeated as running, so a dispatch lost on the bus is sent again instead
         # of keeping its agent waiting on heartbeats for a call nobody runs
@@ -252,7 +249,7 @@ class AdmissionService(ServiceProcess):
                                        c.call_id, retry_after_s=1.0)
                 return
             if known and held is not None and sub.reply_to != held.reply_to:
-                self._redirect(c.call_id, held, sub.reply_to)
+                await self._redirect(c.call_id, held, sub.reply_to)
             self.payloads.setdefault(c.call_id, sub)
             self.arrived_wall.setdefault(c.call_id, time.time())  # (the wait span's start)
             self.last_seen[c.session_id] = self.clock.now()
@@ -266,18 +263,16 @@ class AdmissionService(ServiceProcess):
             self.newly_counted.add(c.call_id)
             await self.step(sch.Arrive(c), at=c.arrived_at)
 
-    def _redirect(self, call_id: str, held: SubmitCall, reply_to: str) -> None:
+    async def _redirect(self, call_id: str, held: SubmitCall, reply_to: str) -> None:
         """The agent asks for a call it holds from another inbox (its gateway or client was
         restarted; the first inbox is gone): its news go there from now on, a run sent later
-        answers there, and a run already sent has its reply sent there too once it finishes
-        (it was heard only by the next silence's retry, about 15 s later)."""
+        answers there, and a run already sent (to the first inbox) has its reply sent there
+        too once it finishes (`_finished`; it was heard only by the next silence's retry,
+        about 15 s later)."""
         sub = self.payloads[call_id] = msgspec.structs.replace(held, reply_to=reply_to)
-        if call_id in self.dispatched:
-            self.redirected[call_id] = reply_to
         self.log.info("admission.redirected", reason="the agent asked again from another inbox")
         # (a restarted admission sends its news there too; the persister adds only missing calls)
-        self.spawn(self.redis.hset(self.keys.admission_calls(self.settings.server_id), call_id, encode(sub)),
-                   "persist redirect")
+        await self._persist_submit(call_id, sub)
 
     async def _send_redirected(self, call_id: str, session_id: str, reply_to: str) -> None:
         stored = await self.call_records.answered_reply(session_id, call_id)
@@ -308,9 +303,11 @@ class AdmissionService(ServiceProcess):
         await self._finished(ev.call_id, ev.session_id, ev.context_tokens, ev.finished_at)
 
     async def _finished(self, call_id: str, session_id: str, context_tokens: int, finished_at: float | None) -> None:
-        if (to := self.redirected.pop(call_id, None)) is not None:
-            self.spawn(self._send_redirected(call_id, session_id, to), "redirected reply")
-        if self.payloads.pop(call_id, None) is not None:
+        sub, run = self.payloads.pop(call_id, None), self.dispatched.get(call_id)
+        if sub is not None and run is not None and sub.reply_to != run.reply_to:
+            # redirected after its run was sent (`_redirect`): the engine answered the first inbox
+            self.spawn(self._send_redirected(call_id, session_id, sub.reply_to), "redirected reply")
+        if sub is not None:
             # not awaited: a restarting Redis must not hold up the finishes behind this one (an
             # entry left behind is dropped by a recovering admission, whose call record says answered,
             # or by the persister's check within a second; not woken for it: its HKEYS per finish

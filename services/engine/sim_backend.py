@@ -104,13 +104,17 @@ def reply_text(rc: RunCall, fmt: str, output_tokens: int) -> str | None:
     replayed trace's call)."""
     shaped = shaped_text(rc, fmt)
     if shaped is not None:
-        raw = shaped.encode()
-        if output_tokens < max(1, len(raw) // 4):
+        if output_tokens < _tokens_of(shaped):
             # cut off by max_tokens before its end: cut as a real engine's would be (a call
             # cut off stays text at the front door; a cut JSON value does not parse)
-            return raw[:4 * max(1, output_tokens)].decode(errors="ignore")
+            return shaped.encode()[:4 * max(1, output_tokens)].decode(errors="ignore")
         return shaped
     return synthetic_text(output_tokens) if rc.engine.sampling is not None else None
+
+
+def _tokens_of(text: str) -> int:
+    """A synthetic reply's length in output tokens: four bytes a token, at least one."""
+    return max(1, len(text.encode()) // 4)
 
 
 def stop_tokens(rc: RunCall, fmt: str = "none") -> int:
@@ -122,7 +126,7 @@ def stop_tokens(rc: RunCall, fmt: str = "none") -> int:
         return rc.engine.sim_output_tokens
     text = shaped_text(rc, fmt)
     if text is not None:
-        return max(1, len(text.encode()) // 4)
+        return _tokens_of(text)
     return MEDIAN_OUTPUT_TOKENS if rc.engine.sampling is not None else rc.call.max_tokens
 
 

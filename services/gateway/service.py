@@ -855,8 +855,7 @@ class Gateway:
         raw, body = await self._body(request)
         p = await self._prepare_chat(request, tenant, raw, body, OPENAI, ("max_completion_tokens", "max_tokens"))
         model, max_tokens, tools, cid = p.model, p.max_tokens, list(p.tools), p.ids.call_id
-        opts = body.get("stream_options") or {}
-        include_usage = isinstance(opts, dict) and opts.get("include_usage") is True
+        include_usage = tr.include_usage(body)
         created = int(time.time())
 
         def whole(reply: CallReply) -> dict[str, Any]:
@@ -909,8 +908,7 @@ class Gateway:
         ids = await self._ids(request, tenant, raw, body, model, prompt)
         p = Prepared(tenant, model, stream, prompt, max_tokens, sampling, ids, sim_output)
         cid = ids.call_id
-        opts = body.get("stream_options") or {}
-        include_usage = isinstance(opts, dict) and opts.get("include_usage") is True
+        include_usage = tr.include_usage(body)
 
         def whole(reply: CallReply) -> dict[str, Any]:
             return tr.text_completion(reply.call_id, model, reply, max_tokens)

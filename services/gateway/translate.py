@@ -251,8 +251,7 @@ def _part_text(part: Mapping[str, Any], where: str, tool_format: str) -> str | N
         _check_tool_use(part, where)
     if kind in _DROPPED:
         return None
-    if kind == "tool_use" and tool_format != "none" \
-            and isinstance(part.get("name"), str) and isinstance(part.get("input"), Mapping):
+    if kind == "tool_use" and tool_format != "none":  # (checked above: a name and an input object)
         return tool_calls.render([(part["name"], part["input"])], tool_format)
     if kind in ("tool_result", "search_result") and part.get("content") is not None:
         return content_text(part["content"], where, tool_format)
@@ -523,7 +522,7 @@ def _anthropic_turn(role: str, blocks: list[Any], where: str) -> list[dict[str, 
         if kind == "tool_use":
             _check_tool_use(b, f"{where}[{j}]")
             calls.append({"type": "function", "id": str(b.get("id", "")),
-                          "function": {"name": b["name"], "arguments": b.get("input") if isinstance(b.get("input"), Mapping) else {}}})
+                          "function": {"name": b["name"], "arguments": b["input"]}})
         elif kind == "tool_result":
             results.append({"role": "tool", "tool_call_id": str(b.get("tool_use_id", "")),
                             "content": content_text(b.get("content"), f"{where}[{j}].content")})
@@ -616,7 +615,7 @@ def output_schema(kind: Any, schema: Any, label: str, param: str) -> str | None:
     text = json.dumps(schema, separators=(",", ":"))
     if len(text.encode()) > JSON_SCHEMA_MAX_BYTES:
         raise BadRequest(f"{label}: the schema is over {JSON_SCHEMA_MAX_BYTES} bytes", param)
-    if (why := tool_calls.schema_error(schema)) is not None:
+    if (why := tool_calls.schema_text_error(text)) is not None:
         raise BadRequest(f"{label}: not a valid JSON Schema: {why}", param)
     return text
 
@@ -777,6 +776,13 @@ def one_call_only(body: Mapping[str, Any], api: str) -> bool:
         choice = body.get("tool_choice")
         return isinstance(choice, Mapping) and choice.get("disable_parallel_tool_use") is True
     return body.get("parallel_tool_calls") is False
+
+
+def include_usage(body: Mapping[str, Any]) -> bool:
+    """Whether a streamed OpenAI call asked for its usage (`stream_options.include_usage`):
+    then, and only then, a last chunk of its own with no choices carries it."""
+    opts = body.get("stream_options") or {}
+    return isinstance(opts, Mapping) and opts.get("include_usage") is True
 
 
 def cut_off(reply: Any, max_tokens: int) -> bool:
