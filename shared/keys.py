@@ -137,6 +137,11 @@ class Keys:
         """String: the session a header-less call was given, so its HTTP retry lands there too."""
         return f"{self.prefix}gw:call:{call_id}"
 
+    def gateway_response(self, response_digest: str) -> str:
+        """String: a stored Responses-API response (per tenant): the conversation it ends and
+        the response object, compressed (`translate.stored_response`)."""
+        return f"{self.prefix}gw:resp:{response_digest}"
+
 
 Durability = Literal["soft", "must-survive"]
 

@@ -22,6 +22,7 @@ from shared.policy import PolicyConfig, decode_policy, resolve_policy
 
 ENGINE_BACKENDS = ("sim", "vllm")
 GATEWAY_MAX_BODY = 32 * 1024 * 1024  # the default request body limit: Anthropic's own 32 MB, for conversations carrying images
+GATEWAY_RESPONSES_TTL_S = 6 * 3600   # how long a stored Responses-API response can be continued (an agent session's span)
 
 
 class SettingsError(ValueError):
@@ -142,6 +143,7 @@ class Settings:
     gateway_keepalive_s: float = 10.0  # wall seconds between SSE keep-alive comments while a call waits
     gateway_retry_grace_s: float = 10.0  # wall seconds a whole call runs on after its retrying client left (0: cancel at once)
     gateway_max_body: int = GATEWAY_MAX_BODY  # bytes of an HTTP request body (decoded) above which the gateway answers 413 (Anthropic: 32 MB)
+    gateway_responses_ttl_s: int = GATEWAY_RESPONSES_TTL_S  # wall seconds a stored response is kept (0: none stored)
     gateway_tokenizers: str = ""    # `model=FOLDER,...` (`*` every model): chat template and tokenizer per model; else stand-in ids
     gateway_tool_parsers: str = ""  # `model=FORMAT,...` (`*` every model): a tool-call format over the catalog's
     gateway_reasoning_parsers: str = ""  # `model=FORMAT,...` (`*` every model; think, none): over the catalog's
@@ -231,6 +233,10 @@ class Settings:
                             "retries (an SDK, or an Idempotency-Key), for the retry to join it (0: cancel at once)")
         p.add_argument("--gateway-max-body", type=int, default=_int(src, "TALARIA_GATEWAY_MAX_BODY", GATEWAY_MAX_BODY),
                        help="largest HTTP request body in bytes (larger: 413)")
+        p.add_argument("--gateway-responses-ttl-s", type=int,
+                       default=_int(src, "TALARIA_GATEWAY_RESPONSES_TTL_S", GATEWAY_RESPONSES_TTL_S),
+                       help="wall seconds a Responses-API response asked to be stored (store, the default) can be "
+                            "read back or continued with previous_response_id (0: none is stored)")
         p.add_argument("--gateway-tokenizers", default=_env("TALARIA_GATEWAY_TOKENIZERS", ""),
                        help="model=FOLDER,... (* for every model): render and tokenize with that folder's chat "
                             "template and tokenizer and send the engine token ids (else stand-in ids)")
@@ -302,6 +308,7 @@ class Settings:
             gateway_keepalive_s=max(0.05, a.gateway_keepalive_s),
             gateway_retry_grace_s=max(0.0, a.gateway_retry_grace_s),
             gateway_max_body=max(1024, a.gateway_max_body),
+            gateway_responses_ttl_s=max(0, a.gateway_responses_ttl_s),
             gateway_tokenizers=a.gateway_tokenizers,
             gateway_tool_parsers=a.gateway_tool_parsers,
             gateway_reasoning_parsers=a.gateway_reasoning_parsers,

@@ -382,7 +382,6 @@ def test_a_responses_request_reads_as_the_chat_request_it_asks_for() -> None:
                        ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type"),
                        ({"input": [{"role": "user", "content": [{"type": "input_text"}]}]}, "input[0].content[0].text"),
                        ({"input": [{"type": "function_call", "name": "f"}]}, "input[0]"),
-                       ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id"),
                        ({"input": "x", "conversation": "conv_1"}, "conversation"),
                        ({"input": "x", "background": True}, "background"),
                        ({"input": "x", "text": {"format": {"type": "json_schema"}}}, "text"),
@@ -391,6 +390,43 @@ def test_a_responses_request_reads_as_the_chat_request_it_asks_for() -> None:
         with pytest.raises(tr.BadRequest) as e:
             tr.responses_request({"model": MODEL, **bad})
         assert e.value.param == param, (bad, e.value)
+
+
+def test_a_responses_request_continues_the_stored_conversation_it_names() -> None:
+    """`previous_response_id`: the stored conversation comes before the request's own
+    input, without the stored response's instructions (OpenAI carries none over); a
+    refusal names the request's own `input[i]`; what is stored reads back whole."""
+    previous = [{"type": "message", "role": "user", "content": "first"},
+                {"type": "message", "id": "msg_1", "status": "completed", "role": "assistant",
+                 "content": [{"type": "output_text", "text": "calling", "annotations": []}]},
+                {"type": "reasoning", "id": "rs_1", "summary": [], "content": []},
+                {"type": "function_call", "id": "fc_1", "call_id": "call_1", "name": "f", "arguments": "{}",
+                 "status": "completed"}]
+    chat = tr.responses_request({"model": MODEL, "instructions": "new rules", "previous_response_id": "resp_1",
+                                 "input": [{"type": "function_call_output", "call_id": "call_1", "output": "42"}]},
+                                previous)
+    assert chat["messages"] == [
+        {"role": "system", "content": "new rules"}, {"role": "user", "content": "first"},
+        {"role": "assistant", "content": [{"type": "text", "text": "calling"}],
+         "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "42"}]
+    assert tr.responses_request({"model": MODEL, "input": "next"}, previous)["messages"][-1] == \
+        {"role": "user", "content": "next"}
+    with pytest.raises(tr.BadRequest) as e:
+        tr.responses_request({"model": MODEL, "input": ["x"]}, previous)
+    assert e.value.param == "input[0]"
+    assert tr.responses_input_items({"input": "hi"}) == [{"type": "message", "role": "user", "content": "hi"}]
+    response = {"id": "resp_1", "object": "response", "output": previous[1:]}
+    assert tr.read_stored_response(tr.stored_response(previous, response)) == (previous, response)
+    assert tr.responses_store_asked({}) and tr.responses_store_asked({"store": None})
+    assert not tr.responses_store_asked({"store": False})
+    for bad, param in (({"store": "yes"}, "store"), ({"previous_response_id": 5}, "previous_response_id"),
+                       ({"previous_response_id": ""}, "previous_response_id")):
+        with pytest.raises(tr.BadRequest) as e:
+            tr.responses_store_asked(bad)
+            tr.previous_response_id(bad)
+        assert e.value.param == param, bad
+    assert tr.response_digest("a", "resp_1") != tr.response_digest("b", "resp_1")
 
 
 def test_a_streamed_response_has_the_apis_events_in_order() -> None:
@@ -947,7 +983,7 @@ async def refusing_gateway(nats_server: NatsServer) -> AsyncIterator[tuple[str, 
 
     prefix = f"gwt{time.time_ns() % 10**8}"
     router = await nats_mod.connect(nats_server.url)
-    ctl: dict[str, Any] = {"calls": 0}
+    ctl: dict[str, Any] = {"calls": 0, "prefix": prefix}
 
     async def on_api(msg: Any) -> None:
         if msg.subject.endswith(".cancel"):
@@ -996,6 +1032,55 @@ async def refusing_gateway(nats_server: NatsServer) -> AsyncIterator[tuple[str, 
         await runner.cleanup()
         await client.close()
         await router.close()
+
+
+class _AwayRedis:
+    """A Redis that does not answer (every command fails as a lost connection would)."""
+
+    def __getattr__(self, name: str) -> Any:
+        async def away(*args: Any, **kwargs: Any) -> Any:
+            raise ConnectionError("Redis is away")
+        return away
+
+    def pipeline(self, *args: Any, **kwargs: Any) -> Any:
+        raise ConnectionError("Redis is away")
+
+
+@pytest.mark.timeout(60)
+async def test_responses_without_a_store_say_so_and_a_store_that_is_away_is_unavailable(
+        refusing_gateway: tuple[str, dict[str, Any]], nats_server: NatsServer) -> None:
+    """Without Redis a response is answered `store: false` and `previous_response_id` is
+    refused naming why; with Redis away the response is still answered (`store: false`,
+    not a failed call) and a continuation is a 503 to retry, not a response not found."""
+    url, ctl = refusing_gateway
+    ask = {"model": MODEL, "input": f"{THOUGHT_MARK}: why?"}
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="k", max_retries=0)
+    r = await client.responses.create(**ask)
+    assert r.store is False and r.output_text == "Fixed it."
+    with pytest.raises(openai.BadRequestError) as e:
+        await client.responses.create(previous_response_id=r.id, **ask)
+    assert e.value.body["param"] == "previous_response_id" and "no Redis" in e.value.message
+    with pytest.raises(openai.NotFoundError):
+        await client.responses.retrieve(r.id)
+
+    settings = Settings(nats_urls=[nats_server.url], subject_prefix=ctl["prefix"],
+                        gateway_host="127.0.0.1", gateway_port=0, api_keys="t:k")
+    bus = await TalariaClient.connect([nats_server.url], subject_prefix=settings.subject_prefix,
+                                      namespace=GATEWAY_NAMESPACE)
+    runner, port = await start_gateway(settings, bus, redis=_AwayRedis())  # type: ignore[arg-type]
+    try:
+        away = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="k", max_retries=0)
+        r = await away.responses.create(**ask)
+        assert r.store is False and r.output_text == "Fixed it."
+        async with away.responses.stream(**ask) as st:
+            streamed = await st.get_final_response()
+        assert streamed.store is False
+        with pytest.raises(openai.InternalServerError) as e:
+            await away.responses.create(previous_response_id="resp_1", **ask)
+        assert e.value.status_code == 503 and e.value.response.headers["Retry-After"]
+    finally:
+        await runner.cleanup()
+        await bus.close()
 
 
 @pytest.mark.timeout(60)
@@ -1456,6 +1541,75 @@ async def test_responses_api_as_codex_calls_it_round_trips_tool_calls_keeping_th
         text = await m.text()
     assert 'talaria_http_requests_total{api="responses",status="200"}' in text
     assert 'talaria_http_requests_total{api="responses",status="400"}' in text
+
+
+@pytest.mark.timeout(120)
+async def test_a_stored_response_is_read_back_and_continued_with_previous_response_id(stack: EmbeddedStack) -> None:
+    """The Responses API's stored state through the official SDK (`store` is true unless
+    sent false): a response reads back as it was answered, `previous_response_id`
+    continues its conversation (tool calls and their outputs too, whole or streamed,
+    on the session whose engine holds its prefix), and a deleted, unstored or other
+    tenant's response is not found."""
+    client = oai(stack)
+    tools = [{"type": "function", **READ_FILE}]
+    r1 = await client.responses.create(model=MODEL, input="find the bug in the parser " * 20, tools=tools,
+                                       instructions="you are a careful engineer", max_output_tokens=300)
+    assert r1.store is True and r1.previous_response_id is None and r1.output[-1].type == "function_call"
+    got = await client.responses.retrieve(r1.id)
+    assert got.model_dump() == r1.model_dump()
+    call = r1.output[-1]
+    result = [{"type": "function_call_output", "call_id": call.call_id, "output": "x = 1\n" * 50}]
+    # (an agent sends its instructions every turn: a stored response's are not carried over, as OpenAI's are not)
+    r2 = await client.responses.create(model=MODEL, previous_response_id=r1.id, input=result, tools=tools,
+                                       instructions="you are a careful engineer", tool_choice="none",
+                                       max_output_tokens=20)
+    assert r2.previous_response_id == r1.id and r2.store is True and r2.output_text
+    # the conversation continued is the one stored
+    whole: list[Any] = [{"role": "user", "content": "find the bug in the parser " * 20},
+                        *[o.model_dump(exclude_none=True) for o in r1.output], *result]
+    counted = await client.responses.input_tokens.count(model=MODEL, input=whole, tools=tools,
+                                                        instructions="you are a careful engineer")
+    assert r2.usage.input_tokens == counted.input_tokens
+    without = await client.responses.input_tokens.count(model=MODEL, previous_response_id=r1.id, input=result,
+                                                        tools=tools)
+    assert without.input_tokens == (await client.responses.input_tokens.count(model=MODEL, input=whole,
+                                                                              tools=tools)).input_tokens
+    assert without.input_tokens < counted.input_tokens
+    # it joined r1's session: the engine holds r1's prompt (header-less, matched by its prefix)
+    assert r2.usage.input_tokens_details.cached_tokens >= (r1.usage.input_tokens // px.BLOCK_TOKENS) * px.BLOCK_TOKENS
+    # streamed, chained on r2: the completed event says stored, and it reads back
+    async with client.responses.stream(model=MODEL, previous_response_id=r2.id, input="and now?", tools=tools,
+                                       instructions="you are a careful engineer", tool_choice="none",
+                                       max_output_tokens=300) as st:
+        r3 = await st.get_final_response()
+    assert r3.store is True and r3.previous_response_id == r2.id
+    assert (await client.responses.retrieve(r3.id)).output_text == r3.output_text
+    assert r3.usage.input_tokens > r2.usage.input_tokens + r2.usage.output_tokens
+    # store: false is kept nowhere: neither read back nor continued
+    r4 = await client.responses.create(model=MODEL, input="x", store=False, max_output_tokens=4)
+    assert r4.store is False
+    with pytest.raises(openai.NotFoundError):
+        await client.responses.retrieve(r4.id)
+    with pytest.raises(openai.BadRequestError) as e:
+        await client.responses.create(model=MODEL, previous_response_id=r4.id, input="x")
+    assert e.value.code == "previous_response_not_found" and e.value.body["param"] == "previous_response_id"
+    # another tenant's key finds none of it
+    with pytest.raises(openai.NotFoundError):
+        await oai(stack, OTHER_KEY).responses.retrieve(r1.id)
+    with pytest.raises(openai.BadRequestError):
+        await oai(stack, OTHER_KEY).responses.create(model=MODEL, previous_response_id=r1.id, input="x")
+    # deleted: gone for reading and continuing; what continued it keeps its own conversation
+    await client.responses.delete(r1.id)
+    with pytest.raises(openai.NotFoundError):
+        await client.responses.retrieve(r1.id)
+    with pytest.raises(openai.NotFoundError):
+        await client.responses.delete(r1.id)
+    r5 = await client.responses.create(model=MODEL, previous_response_id=r2.id, input="still here?", max_output_tokens=4)
+    alone = await client.responses.input_tokens.count(model=MODEL, input="still here?")
+    assert r5.usage.input_tokens > alone.input_tokens + 200  # (r1's input and output, r2's too)
+    with pytest.raises(openai.BadRequestError) as e:
+        await client.responses.create(model=MODEL, input="x", store="yes")  # type: ignore[arg-type]
+    assert e.value.body["param"] == "store"
 
 
 @pytest.mark.timeout(120)

@@ -7,7 +7,9 @@ through the agent client (`shared/agent_client.py`):
     POST /v1/chat/completions   whole, or SSE `chat.completion.chunk` lines ending `data: [DONE]`
     POST /v1/completions        whole, or SSE `text_completion` lines
     POST /v1/messages           Anthropic Messages, whole or as its named SSE events
-    POST /v1/responses          OpenAI Responses (Codex), whole or as its named SSE events; nothing stored
+    POST /v1/responses          OpenAI Responses (Codex), whole or as its named SSE events; stored unless
+                                `store: false`, continued with `previous_response_id`
+    GET|DELETE /v1/responses/{id}  a stored response read back or deleted
     POST /v1/messages/count_tokens  the prompt's tokens as /v1/messages would send them (Claude Code asks often)
     POST /v1/responses/input_tokens the same for a Responses request (OpenAI's input token count)
     GET  /v1/models             the served models with their context limits (OpenAI's and Anthropic's shape at once)
@@ -210,6 +212,8 @@ class Gateway:
         app.router.add_post("/v1/responses", self.responses)
         app.router.add_post("/v1/messages/count_tokens", self.count_tokens)
         app.router.add_post("/v1/responses/input_tokens", self.input_tokens)
+        app.router.add_get("/v1/responses/{response_id}", self.stored_response)
+        app.router.add_delete("/v1/responses/{response_id}", self.delete_response)
         app.on_response_prepare.append(self._request_id)
         return app
 
@@ -460,12 +464,58 @@ class Gateway:
         tools, _, fmt = self._tools(body, dialect, model)
         return await self._chat_prompt(tenant, model, body, dialect, fmt, tools, tc.tools_text(tools) if tools else None)
 
-    @staticmethod
-    def _responses_as_chat(original: dict[str, Any]) -> dict[str, Any]:
+    async def _responses_as_chat(self, tenant: str, original: dict[str, Any]) -> tuple[dict[str, Any], list[Any]]:
+        """A Responses body as the chat request it asks for, after the stored conversation
+        it continues (`previous_response_id`); (that request, that conversation)."""
         try:
-            return tr.responses_request(original)
+            prev = tr.previous_response_id(original)
+            previous = await self._stored_conversation(tenant, prev) if prev is not None else []
+            return tr.responses_request(original, previous), previous
         except BadRequest as exc:
             raise HttpError("malformed", str(exc), exc.param) from None
+
+    def _response_key(self, tenant: str, response_id: str) -> str:
+        return self.rkeys.gateway_response(tr.response_digest(tenant, response_id))
+
+    async def _response_store(self, op: Callable[[aioredis.Redis, str], Awaitable[Any]], tenant: str,
+                              response_id: str) -> Any:
+        """`op` on the tenant's stored response's key; a 503 to retry where Redis is away."""
+        assert self.redis is not None
+        try:
+            return await op(self.redis, self._response_key(tenant, response_id))
+        except Exception as exc:  # noqa: BLE001 - the store is away: the agent may retry
+            self.log.warning("gateway.response_store_unavailable", error=type(exc).__name__)
+            raise HttpError("unavailable", "the response store (Redis) is not answering; retry",
+                            retry_after_s=BUS_RETRY_AFTER_S) from None
+
+    async def _read_response(self, tenant: str, response_id: str) -> tuple[list[Any], dict[str, Any]] | None:
+        """A stored response of the tenant's: (its conversation, its response object), or None."""
+        if self.redis is None:
+            return None
+        blob = await self._response_store(lambda r, key: r.get(key), tenant, response_id)
+        return tr.read_stored_response(blob) if blob is not None else None
+
+    async def _stored_conversation(self, tenant: str, response_id: str) -> list[Any]:
+        if self.redis is None:
+            raise HttpError("malformed", "previous_response_id is not served: this gateway has no Redis to store "
+                            "responses in; send the whole conversation in input", "previous_response_id")
+        stored = await self._read_response(tenant, response_id)
+        if stored is None:
+            raise HttpError("previous_response_not_found", f"Previous response with id '{response_id[:256]}' not "
+                            "found.", "previous_response_id")
+        return stored[0]
+
+    async def _keep_response(self, tenant: str, conversation: list[Any], response: dict[str, Any]) -> bool:
+        """Store a response to be read back and continued; False where the store is away
+        (the agent is answered all the same, its response saying `store: false`)."""
+        assert self.redis is not None
+        try:
+            await self.redis.set(self._response_key(tenant, response["id"]), tr.stored_response(conversation, response),
+                                 ex=self.settings.gateway_responses_ttl_s)
+            return True
+        except Exception as exc:  # noqa: BLE001 - the reply matters more than its copy
+            self.log.warning("gateway.response_not_stored", response_id=response["id"], error=type(exc).__name__)
+            return False
 
     async def _text_prompt(self, tenant: str, model: str, body: dict[str, Any]) -> Prompt:
         try:
@@ -703,7 +753,9 @@ class Gateway:
     # -- one call, whole or streamed ----------------------------------------------------------------
     async def _call(self, request: web.Request, api: str, p: Prepared,
                     streamer: "Callable[[web.Request, asyncio.Task[CallReply], asyncio.Queue[Any]], Awaitable[web.StreamResponse]]",
-                    whole: "Callable[[CallReply], dict[str, Any]]") -> web.StreamResponse:
+                    whole: "Callable[[CallReply], dict[str, Any]]",
+                    after_reply: "Callable[[CallReply], Awaitable[None]] | None" = None) -> web.StreamResponse:
+        """`after_reply`: what is done with a reply before the agent hears it (a stored response)."""
         # (a conversation of any size the body limit lets in: a large one goes by reference, off the bus)
         t0 = time.monotonic()
         self._bus_up()
@@ -731,6 +783,8 @@ class Gateway:
                         tool_call_format=p.tool_format, tool_rounds=p.tool_rounds, sim_output_tokens=p.sim_output)
                     # before the agent hears the reply, so its next call finds what the engine holds
                     await self._soft(lambda: self._remember(tenant, model, ids, prompt, reply), None)
+                    if after_reply is not None:
+                        await after_reply(reply)
                     return reply
 
                 if stream:
@@ -941,7 +995,11 @@ class Gateway:
         `response` object or its stream of named events."""
         tenant = self._tenant(request)
         raw, original = await self._body(request)
-        body = self._responses_as_chat(original)
+        try:
+            store = tr.responses_store_asked(original)
+        except BadRequest as exc:
+            raise HttpError("malformed", str(exc), exc.param) from None
+        body, previous = await self._responses_as_chat(tenant, original)
         try:
             p = await self._prepare_chat(request, tenant, raw, body, OPENAI, ("max_output_tokens",), original=original)
         except HttpError as err:
@@ -950,27 +1008,58 @@ class Gateway:
             raise
         model, max_tokens, tools = p.model, p.max_tokens, list(p.tools)
         cid, created = p.ids.call_id, int(time.time())
+        kept = [store and self.redis is not None and self.settings.gateway_responses_ttl_s > 0]
 
-        def whole(reply: CallReply) -> dict[str, Any]:
+        def response(reply: CallReply) -> dict[str, Any]:
             answer = p.answer(reply)
             status = tr.response_status(reply, max_tokens, answer)
-            return tr.response_object(cid, model, created, original, status=status,
+            return tr.response_object(cid, model, created, original, status=status, store=kept[0],
                                       output=tr.response_output(cid, answer, status), usage=tr.response_usage(reply))
+
+        async def keep(reply: CallReply) -> None:
+            """The response stored before the agent hears it, so its next request finds it."""
+            if kept[0]:
+                done = response(reply)
+                kept[0] = await self._keep_response(
+                    tenant, previous + tr.responses_input_items(original) + done["output"], done)
 
         async def streamer(req: web.Request, task: "asyncio.Task[CallReply]", events: "asyncio.Queue[Any]"
                            ) -> web.StreamResponse:
-            out = tr.ResponseEvents(cid, model, created, original, held=bool(tools), reasoning_format=p.reasoning_format)
+            out = tr.ResponseEvents(cid, model, created, original, held=bool(tools), reasoning_format=p.reasoning_format,
+                                    store=kept[0])
 
             def written(evs: list[tuple[str, dict[str, Any]]]) -> list[bytes]:
                 return [sse(data, kind) for kind, data in evs]
 
+            def finished(reply: CallReply) -> list[bytes]:
+                out.store = kept[0]
+                return written(out.finish(reply, max_tokens, p.answer(reply)))
+
             return await self._stream_events(
                 req, task, events, on_start=lambda: written(out.start()),
-                on_tokens=lambda ev: written(out.tokens(ev.text)),
-                on_reply=lambda reply: written(out.finish(reply, max_tokens, p.answer(reply))),
+                on_tokens=lambda ev: written(out.tokens(ev.text)), on_reply=finished,
                 on_error=lambda exc: written(out.failed(exc.code, exc.message)))
 
-        return await self._call(request, RESPONSES, p, streamer, whole)
+        return await self._call(request, RESPONSES, p, streamer, response, after_reply=keep)
+
+    async def stored_response(self, request: web.Request) -> web.Response:
+        """A stored response read back (`GET /v1/responses/{id}`), as it was answered."""
+        tenant = self._tenant(request)
+        rid = request.match_info["response_id"]
+        stored = await self._read_response(tenant, rid)
+        if stored is None:
+            raise HttpError("not_found", f"Response with id '{rid[:256]}' not found.")
+        return web.json_response(stored[1])
+
+    async def delete_response(self, request: web.Request) -> web.Response:
+        """A stored response deleted (`DELETE /v1/responses/{id}`): it can no longer be read
+        back or continued; the responses continuing it keep their own conversations."""
+        tenant = self._tenant(request)
+        rid = request.match_info["response_id"]
+        deleted = self.redis is not None and await self._response_store(lambda r, key: r.delete(key), tenant, rid)
+        if not deleted:
+            raise HttpError("not_found", f"Response with id '{rid[:256]}' not found.")
+        return web.json_response({"id": rid, "object": "response", "deleted": True})
 
     async def models(self, request: web.Request) -> web.Response:
         self._tenant(request)
@@ -1086,7 +1175,7 @@ class Gateway:
         would send for the body (instructions, input items and tools), with no call."""
         tenant = self._tenant(request)
         _, original = await self._body(request)
-        prompt = await self._prompt_only(tenant, self._responses_as_chat(original), OPENAI)
+        prompt = await self._prompt_only(tenant, (await self._responses_as_chat(tenant, original))[0], OPENAI)
         return web.json_response({"object": "response.input_tokens", "input_tokens": prompt.tokens})
 
 

@@ -923,6 +923,8 @@ _ERROR_MAP: dict[str, tuple[int, str, str | None, str]] = {
     "unauthorized": (401, "invalid_request_error", "invalid_api_key", "authentication_error"),
     "unknown_model": (404, "invalid_request_error", "model_not_found", "not_found_error"),
     "not_found": (404, "invalid_request_error", None, "not_found_error"),
+    "previous_response_not_found": (400, "invalid_request_error", "previous_response_not_found",
+                                    "invalid_request_error"),
     "too_large": (413, "invalid_request_error", "request_too_large", "request_too_large"),
     "context_limit": (400, "invalid_request_error", "context_length_exceeded", "invalid_request_error"),
     "no_capacity": (429, "rate_limit_error", "no_capacity", "overloaded_error"),
@@ -977,24 +979,77 @@ def anthropic_context_words(message: str) -> str:
 
 
 # -- the Responses API (`POST /v1/responses`, as Codex sends it) -------------------------------------
-# Nothing is stored: every request carries its whole conversation in `input` (Codex's
-# `store: false` way), so the fields that point at stored state are refused by name.
-_RESPONSES_STORED = ("previous_response_id", "conversation")
+# A response is stored unless asked not to (`store: true` is OpenAI's default) as the whole
+# conversation it ends, so `previous_response_id` continues it with one read; Codex sends
+# `store: false` and its whole conversation in `input`. The Conversations API's
+# `conversation` is refused by name.
+_RESPONSES_NOT_SERVED = ("conversation",)
 _RESPONSES_ROLES = ("user", "assistant", "system", "developer")
 _RESPONSES_TEXT_PARTS = ("input_text", "output_text", "text")
 
 
-def responses_request(body: Mapping[str, Any]) -> dict[str, Any]:
+def responses_store_asked(body: Mapping[str, Any]) -> bool:
+    """Whether the request asks its response to be stored (`store`, true unless sent false)."""
+    store = body.get("store")
+    if store is None:
+        return True
+    if not isinstance(store, bool):
+        raise BadRequest("store must be a boolean", "store")
+    return store
+
+
+def previous_response_id(body: Mapping[str, Any]) -> str | None:
+    """The stored response the request continues (`previous_response_id`), if it names one."""
+    prev = body.get("previous_response_id")
+    if prev is None:
+        return None
+    if not isinstance(prev, str) or not prev or len(prev) > 256:
+        raise BadRequest("previous_response_id must be a response's id", "previous_response_id")
+    return prev
+
+
+def response_digest(tenant: str, response_id: str) -> str:
+    """A stored response's name in the gateway's state: a tenant reads only its own."""
+    return _digest("response", tenant, response_id)
+
+
+def responses_input_items(body: Mapping[str, Any]) -> list[Any]:
+    """The request's `input` as a list of items (a string is one user message)."""
+    items = body.get("input")
+    if isinstance(items, str):
+        return [{"type": "message", "role": "user", "content": items}]
+    if not isinstance(items, list) or not items:
+        raise BadRequest("input must be a string or a non-empty list of items", "input")
+    return items
+
+
+def stored_response(conversation: list[Any], response: Mapping[str, Any]) -> bytes:
+    """What is kept of a stored response: the conversation it ends (the items before it,
+    its input and its output, ready to continue) and the response object, compressed
+    (conversations are mostly text, and each stored response holds its whole conversation)."""
+    return zlib.compress(msgspec.json.encode({"conversation": conversation, "response": response}), 3)
+
+
+def read_stored_response(blob: bytes) -> tuple[list[Any], dict[str, Any]]:
+    """`stored_response`'s conversation and response object."""
+    doc = msgspec.json.decode(zlib.decompress(blob))
+    return doc["conversation"], doc["response"]
+
+
+def responses_request(body: Mapping[str, Any], previous: list[Any] | None = None) -> dict[str, Any]:
     """A Responses request as the chat request it asks for: `instructions` and the `input`
-    items as messages (a `function_call` item joins the assistant turn before it, a
-    `function_call_output` is a `tool` message, a past `reasoning` item is left out as the
-    chat templates leave it), its function tools in chat's shape. What the chat path reads
-    keeps the Responses name (`max_output_tokens`), so a refusal names the field the agent
-    sent. A BadRequest names what is malformed or not served."""
-    for name in _RESPONSES_STORED:
+    items, after the `previous` conversation it continues (a stored response's, which
+    does not carry that response's instructions, as OpenAI's does not), as messages (a
+    `function_call` item joins the assistant turn before it, a `function_call_output`
+    is a `tool` message, a past `reasoning` item is left out as the chat templates leave
+    it), its function tools in chat's shape. What the chat path reads keeps the Responses
+    name (`max_output_tokens`), so a refusal names the field the agent sent. A BadRequest
+    names what is malformed or not served."""
+    for name in _RESPONSES_NOT_SERVED:
         if body.get(name) is not None:
-            raise BadRequest(f"{name} is not served: responses are not stored here; send the whole "
-                             "conversation in input (as with store: false)", name)
+            raise BadRequest(f"{name} is not served: the Conversations API is not served here; continue a "
+                             "stored response with previous_response_id, or send the whole conversation in input",
+                             name)
     if body.get("background") not in (None, False):
         raise BadRequest("background responses are not served", "background")
     text = body.get("text")
@@ -1012,7 +1067,8 @@ def responses_request(body: Mapping[str, Any]) -> dict[str, Any]:
         if not isinstance(instructions, str):
             raise BadRequest("instructions must be a string", "instructions")
         messages.append({"role": "system", "content": instructions})
-    messages += _responses_messages(body.get("input"))
+    previous = previous or []
+    messages += _responses_messages(previous + responses_input_items(body), len(previous))
     out: dict[str, Any] = {"model": body.get("model"), "messages": messages, "stream": body.get("stream", False)}
     tools = body.get("tools")
     if tools is not None:
@@ -1031,14 +1087,12 @@ def responses_request(body: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _responses_messages(items: Any) -> list[dict[str, Any]]:
-    if isinstance(items, str):
-        return [{"role": "user", "content": items}]
-    if not isinstance(items, list) or not items:
-        raise BadRequest("input must be a string or a non-empty list of items", "input")
+def _responses_messages(items: list[Any], previous: int = 0) -> list[dict[str, Any]]:
+    """The items as chat messages; the first `previous` are a stored conversation's (a
+    refusal names the request's own `input[i]`)."""
     out: list[dict[str, Any]] = []
     for i, item in enumerate(items):
-        where = f"input[{i}]"
+        where = f"input[{i - previous}]" if i >= previous else "previous_response_id"
         if not isinstance(item, Mapping):
             raise BadRequest(f"{where} must be an object", where)
         kind = item.get("type", "message")
@@ -1156,8 +1210,9 @@ def response_status(reply: Any, max_tokens: int, answer: Answer) -> str:
 
 def response_object(call_id: str, model: str, created: int, request: Mapping[str, Any], *, status: str,
                     output: list[dict[str, Any]], usage: dict[str, Any] | None = None,
-                    error: dict[str, Any] | None = None) -> dict[str, Any]:
-    """A `response` object: what it produced, and the request's settings echoed as OpenAI echoes them."""
+                    error: dict[str, Any] | None = None, store: bool = False) -> dict[str, Any]:
+    """A `response` object: what it produced, and the request's settings echoed as OpenAI
+    echoes them; `store`: whether it is kept to be read back and continued."""
     return {
         "id": f"resp_{call_id}", "object": "response", "created_at": created, "status": status,
         "model": model, "output": output, "usage": usage, "error": error,
@@ -1165,8 +1220,9 @@ def response_object(call_id: str, model: str, created: int, request: Mapping[str
         "instructions": request.get("instructions"), "max_output_tokens": request.get("max_output_tokens"),
         "temperature": request.get("temperature"), "top_p": request.get("top_p"),
         "tools": request.get("tools") or [], "tool_choice": request.get("tool_choice") or "auto",
-        "parallel_tool_calls": request.get("parallel_tool_calls", True), "previous_response_id": None,
-        "metadata": request.get("metadata") or {}, "store": False, "truncation": "disabled",
+        "parallel_tool_calls": request.get("parallel_tool_calls", True),
+        "previous_response_id": request.get("previous_response_id"),
+        "metadata": request.get("metadata") or {}, "store": store, "truncation": "disabled",
         "text": {"format": {"type": "text"}}, "reasoning": request.get("reasoning"), "user": request.get("user"),
         "prompt_cache_key": request.get("prompt_cache_key"),
     }
@@ -1184,8 +1240,9 @@ class ResponseEvents:
     max_output_tokens, `response.failed` on an error)."""
 
     def __init__(self, call_id: str, model: str, created: int, request: Mapping[str, Any], held: bool,
-                 reasoning_format: str = "none") -> None:
+                 reasoning_format: str = "none", store: bool = False) -> None:
         self.call_id, self.model, self.created, self.request = call_id, model, created, request
+        self.store = store  # (the response's `store`: cleared where keeping it failed before the end)
         self.text = TextStream(held)
         self.thought = reasoning.Splitter(reasoning_format)
         self.seq = 0
@@ -1205,7 +1262,7 @@ class ResponseEvents:
     def _response(self, status: str, output: list[dict[str, Any]], usage: dict[str, Any] | None = None,
                   error: dict[str, Any] | None = None) -> dict[str, Any]:
         return response_object(self.call_id, self.model, self.created, self.request, status=status, output=output,
-                               usage=usage, error=error)
+                               usage=usage, error=error, store=self.store)
 
     def _open_message(self) -> list[tuple[str, dict[str, Any]]]:
         self.message_open = True
