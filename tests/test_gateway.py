@@ -1531,7 +1531,8 @@ async def test_responses_api_as_codex_calls_it_round_trips_tool_calls_keeping_th
     assert events[-1].type == "response.incomplete" and tr.estimate_tokens(text) == 40
     for bad, param in ((dict(previous_response_id="resp_x"), "previous_response_id"),
                        (dict(tools=[{"type": "web_search"}]), "tools[0]"), (dict(max_output_tokens=0), "max_output_tokens"),
-                       (dict(input=[{"type": "item_reference", "id": "msg_1"}]), "input[0].type")):
+                       (dict(input=[{"type": "item_reference", "id": "msg_1"}]), "input[0].type"),
+                       (dict(input=[{"type": "function_call_output", "call_id": "call_x", "output": "1"}]), "input")):
         with pytest.raises(openai.BadRequestError) as e:
             await client.responses.create(model=MODEL, **{"input": "x", **bad})
         assert e.value.body["param"] == param
@@ -1652,6 +1653,74 @@ async def test_tool_use_round_trips_through_the_anthropic_sdk(stack: EmbeddedSta
     assert final.stop_reason == "tool_use" and [b.type for b in final.content] == ["tool_use"]
     assert final.content[0].id.startswith("toolu_") and final.content[0].id != use[0].id
     assert final.usage.cache_read_input_tokens >= (m1.usage.input_tokens // px.BLOCK_TOKENS) * px.BLOCK_TOKENS
+
+
+@pytest.mark.timeout(120)
+async def test_the_anthropic_sdks_tool_runner_keeps_its_conversation(stack: EmbeddedStack) -> None:
+    """The SDK's tool runner asks the server to hold its conversation (`thread`, a beta)
+    and then sends only each new tool result, without system or tools. Not held here, it
+    is refused with the code the SDK recovers from (`thread_unsupported_request`), so
+    the runner sends the whole conversation every turn; answered, the model had seen a
+    lone tool result and the run ended after one call."""
+    from anthropic import beta_async_tool
+
+    results: list[str] = []
+
+    @beta_async_tool
+    async def read_file(path: str) -> str:
+        """Read a file of the repository.
+
+        Args:
+            path: the file's path
+        """
+        results.append(path)
+        return "def parse(line):\n    return line.split()\n" * 10
+
+    messages: list[Any] = []
+    async for m in ant(stack).beta.messages.tool_runner(
+            model=MODEL, max_tokens=400, tools=[read_file], system="you fix bugs " * 20,
+            messages=[{"role": "user", "content": "the parser drops the last line " * 20}],
+            extra_headers={"x-claude-code-session-id": "tool-runner-1"}):
+        messages.append(m)
+    assert len(results) >= 2 and messages[-1].stop_reason == "end_turn"
+    # every turn sent the conversation so far, system and tools included: it grew, and was cached
+    inputs = [m.usage.input_tokens + (m.usage.cache_read_input_tokens or 0) for m in messages]
+    assert inputs == sorted(inputs) and inputs[-1] > inputs[0] + 100
+    assert all((m.usage.cache_read_input_tokens or 0) > 0 for m in messages[1:])
+    # the refusal itself, in Anthropic's shape with the code the SDK reads
+    async with aiohttp.ClientSession() as http, http.post(
+            f"{stack.gateway_url}/v1/messages", headers={"x-api-key": stack.api_key},
+            json={"model": MODEL, "max_tokens": 5, "messages": [{"role": "user", "content": "x"}],
+                  "thread": {"type": "create"}}) as r:
+        body = await r.json()
+    assert r.status == 400 and body["error"]["details"]["error_code"] == "thread_unsupported_request"
+
+
+def test_a_tool_result_must_answer_a_call_of_the_turn_before_it() -> None:
+    """Both APIs refuse a tool result that answers no call of the assistant turn just
+    before it (in their own words); parallel results of one turn are all answered."""
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    call2 = {**call, "id": "call_2"}
+    ok = [{"role": "user", "content": "x"}, {"role": "assistant", "content": None, "tool_calls": [call, call2]},
+          {"role": "tool", "tool_call_id": "call_2", "content": "2"}, {"role": "tool", "tool_call_id": "call_1", "content": "1"}]
+    tr.check_tool_results(ok)
+    for bad, param in (([{"role": "tool", "tool_call_id": "call_1", "content": "1"}], "messages[0].tool_call_id"),
+                       ([*ok[:2], {"role": "tool", "tool_call_id": "call_9", "content": "9"}], "messages[2].tool_call_id"),
+                       ([*ok, {"role": "user", "content": "y"}, ok[2]], "messages[5].tool_call_id"),
+                       ([*ok[:2], {"role": "tool", "content": "no id"}], "messages[2].tool_call_id")):
+        with pytest.raises(tr.BadRequest) as e:
+            tr.check_tool_results(bad)
+        assert e.value.param == param and "must be a response to a preceding message" in str(e.value), bad
+    use = {"type": "tool_use", "id": "toolu_1", "name": "f", "input": {}}
+    result = {"type": "tool_result", "tool_use_id": "toolu_1", "content": "1"}
+    turns = [{"role": "user", "content": "x"}, {"role": "assistant", "content": [use]},
+             {"role": "user", "content": [result, {"type": "text", "text": "go on"}]}]
+    tr.check_tool_results(turns, api="anthropic")
+    with pytest.raises(tr.BadRequest) as e:
+        tr.check_tool_results([turns[0], turns[2]], api="anthropic")
+    assert "unexpected `tool_use_id` found in `tool_result` blocks: toolu_1" in str(e.value)
+    with pytest.raises(tr.BadRequest):  # a result two turns after its call answers nothing
+        tr.check_tool_results([*turns, {"role": "assistant", "content": "ok"}, turns[2]], api="anthropic")
 
 
 @pytest.mark.timeout(60)

@@ -84,17 +84,21 @@ RESPONSES = "responses"  # OpenAI's Responses API: OpenAI's error shapes, its ow
 class HttpError(Exception):
     """An answer in the API's own error shape (`code` is a Talaria error code or `unauthorized`)."""
 
-    def __init__(self, code: str, message: str, param: str | None = None, retry_after_s: float | None = None) -> None:
+    def __init__(self, code: str, message: str, param: str | None = None, retry_after_s: float | None = None,
+                 details: dict[str, Any] | None = None) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
         self.param = param
         self.retry_after_s = retry_after_s
+        self.details = details  # (Anthropic's `error.details`, which its SDK reads to recover)
 
 
 def error_response(api: str, err: HttpError) -> web.Response:
     if api == ANTHROPIC:
         status, body = tr.anthropic_error(err.code, err.message)
+        if err.details is not None:
+            body["error"]["details"] = err.details
     else:
         status, body = tr.openai_error(err.code, err.message, err.param)
     headers = {}
@@ -411,8 +415,12 @@ class Gateway:
             template_kwargs = tr.chat_template_kwargs(body)
             if tok is None:
                 roles = ("user", "assistant") if api == ANTHROPIC else tr.CHAT_ROLES
-                return tr.chat_prompt(body.get("messages"), system, roles=roles, tool_format=fmt, tools_json=tools_json)
-            messages = tr.template_messages(body.get("messages"), system, api=api)
+                prompt = tr.chat_prompt(body.get("messages"), system, roles=roles, tool_format=fmt, tools_json=tools_json)
+            else:
+                messages = tr.template_messages(body.get("messages"), system, api=api)
+            tr.check_tool_results(body["messages"], api)
+            if tok is None:
+                return prompt
         except BadRequest as exc:
             raise HttpError("malformed", str(exc), exc.param) from None
         schemas = [{"type": "function", "function": {"name": t.name, "description": t.description,
@@ -1003,8 +1011,8 @@ class Gateway:
         try:
             p = await self._prepare_chat(request, tenant, raw, body, OPENAI, ("max_output_tokens",), original=original)
         except HttpError as err:
-            if err.param == "messages":  # (read as chat's messages; a Responses body's conversation is its input)
-                err.param = "input"
+            if err.param is not None and err.param.startswith("messages"):
+                err.param = "input"  # (read as chat's messages; a Responses body's conversation is its input)
             raise
         model, max_tokens, tools = p.model, p.max_tokens, list(p.tools)
         cid, created = p.ids.call_id, int(time.time())
@@ -1079,6 +1087,12 @@ class Gateway:
     async def messages(self, request: web.Request) -> web.StreamResponse:
         tenant = self._tenant(request)
         raw, body = await self._body(request)
+        if body.get("thread") is not None:
+            # a server-held conversation (the threads beta) is not kept here: the SDK reads this refusal
+            # and sends the whole conversation again, unthreaded (answering it would drop the history)
+            raise HttpError("malformed", "thread is not served: conversations are not held here; send the whole "
+                            "conversation in messages", "thread",
+                            details={"error_code": "thread_unsupported_request", "unsupported": ["thread"]})
         p = await self._prepare_chat(request, tenant, raw, body, ANTHROPIC, ("max_tokens",))
         model, max_tokens, tools, prompt = p.model, p.max_tokens, list(p.tools), p.prompt
         cid = p.ids.call_id

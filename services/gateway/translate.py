@@ -451,6 +451,40 @@ def template_messages(messages: Any, system: Any = None, *, api: str = "openai")
     return out
 
 
+def check_tool_results(messages: list[Mapping[str, Any]], api: str = "openai") -> None:
+    """Each tool result answers a call of the assistant turn just before it, as both APIs
+    require (read after the conversation is, so a malformed message is refused as such):
+    one that answers none (a client that lost its history, a server-held conversation
+    not held here) would leave the model a result with no question."""
+    asked: set[Any] = set()  # the ids of the calls a result may answer: the last assistant turn's
+    for i, m in enumerate(messages):
+        content, role = m.get("content"), m.get("role")
+        blocks = [b for b in content if isinstance(b, Mapping)] if api == "anthropic" and isinstance(content, list) else []
+        if role == "tool":
+            _check_answers_a_call(m.get("tool_call_id"), asked, i, api)
+        elif role == "function":  # (the legacy function-call role: no ids to pair)
+            continue
+        else:
+            for b in blocks:
+                if b.get("type") == "tool_result":
+                    _check_answers_a_call(b.get("tool_use_id"), asked, i, api)
+            asked = ({c.get("id") for c in m.get("tool_calls") or () if isinstance(c, Mapping)} |
+                     {b.get("id") for b in blocks if b.get("type") == "tool_use"}) if role == "assistant" else set()
+
+
+def _check_answers_a_call(call_id: Any, asked: set[Any], i: int, api: str) -> None:
+    """A refusal in the API's own words (which its clients show) of a result answering no call."""
+    if isinstance(call_id, str) and call_id in asked:
+        return
+    if api == "anthropic":
+        raise BadRequest(f"messages.{i}.content: unexpected `tool_use_id` found in `tool_result` blocks: {str(call_id)[:100]}. "
+                         "Each `tool_result` block must have a corresponding `tool_use` block in the previous message.",
+                         f"messages[{i}].content")
+    raise BadRequest(f"Invalid parameter: messages with role 'tool' must be a response to a preceding message with "
+                     f"'tool_calls' (messages[{i}].tool_call_id {str(call_id)[:100]!r} answers no call of the "
+                     "assistant message before it).", f"messages[{i}].tool_call_id")
+
+
 # apply_chat_template's own parameters: a template variable may not take their names
 _TEMPLATE_RESERVED = frozenset({"conversation", "messages", "tools", "documents", "chat_template", "tokenize",
                                 "add_generation_prompt", "continue_final_message", "padding", "truncation",
