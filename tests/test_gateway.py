@@ -1492,6 +1492,11 @@ async def test_tool_calls_round_trip_through_the_openai_sdk_keeping_the_prefix(s
     # and no empty content deltas while the text is held for the parser (the first chunk's role
     # only): a client that opens a text item on any content would show an empty message
     assert [c.choices[0].delta.content for c in chunks[1:] if c.choices and c.choices[0].delta.content is not None] == []
+    # the SDK's accumulated message is the whole reply's: calls alone, content None (not "")
+    async with client.chat.completions.stream(model=MODEL, max_tokens=300, messages=msgs[:1], tools=tools,
+                                              extra_headers={"x-session-id": "tools-s2"}) as st:
+        final = (await st.get_final_completion()).choices[0].message
+    assert final.content is None and final.tool_calls and final.tool_calls[0].function.name == "read_file"
 
 
 @pytest.mark.timeout(120)

@@ -952,7 +952,8 @@ class Gateway:
                 return [sse(err), sse("[DONE]")]
 
             return await self._stream_events(
-                req, task, events, on_start=lambda: [chunk({"role": "assistant", "content": ""})],
+                # (with tools offered the reply may be calls alone: no text yet, as a whole reply's content is null)
+                req, task, events, on_start=lambda: [chunk({"role": "assistant", "content": None if tools else ""})],
                 on_tokens=on_tokens, on_reply=on_reply, on_error=on_error)
 
         return await self._call(request, OPENAI, p, streamer, whole)
