@@ -18,6 +18,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import msgspec
 import nats
@@ -97,6 +98,10 @@ async def connect_nats(urls: list[str], name: str, log: structlog.stdlib.BoundLo
 
 REDIS_POOL_CONNECTIONS = 64  # Redis connections a service process keeps at most (a command waits for one)
 REDIS_POOL_WAIT_S = 30.0      # ... for at most this long (a Redis restart is waited out by the commands' retries)
+REDIS_SOCKET_TIMEOUT_S = 2.0  # a reply a stalled Redis (stopped, not dead: it accepts and answers nothing) owes fails so late
+REDIS_OUTAGE_WAIT_S = 14.0    # how long a command waits out a Redis restart or stall, retrying, before it fails
+AGENT_REQUEST_REDIS_WAIT_S = 3.0  # ... in a process that answers agents: below their request timeout
+                                   # (`agent_client`, 5 s), so they hear `unavailable` and a retry time, not silence
 STORE_RETRY_AFTER_S = 1.0     # what a request refused while Redis is away is told to wait (a restart takes about 0.5 s)
 CONCURRENT_HANDLER_LIMIT = 256  # requests one subscription handles at once (concurrent_handler)
 CONCURRENT_HANDLER_BACKLOG = 4096  # ... and takes to wait for a slot before the subscription waits
@@ -127,6 +132,33 @@ def start_loop_watchdog(lag: LagMonitor, stall_s: float, instance: str) -> threa
     return t
 
 
+class BoundedRetry(Retry):
+    """redis-py's retry, bounded in wall time as well as in attempts: a Redis that refuses
+    connections (restarting) fails each attempt at once, one that accepts them and
+    answers nothing (a stopped process) only after the socket timeout, so attempts alone
+    bound the first and not the second. Each connection holds its own copy (redis-py
+    deep-copies it, and this bound method with it); a command's reconnects inside its
+    attempts share its budget."""
+
+    def __init__(self, backoff: ExponentialBackoff, retries: int, budget_s: float) -> None:
+        super().__init__(backoff, retries, is_retryable=self._within_budget)
+        self.budget_s = budget_s
+        self._began = 0.0
+        self._depth = 0
+
+    def _within_budget(self, error: Exception) -> bool:
+        return time.monotonic() - self._began < self.budget_s
+
+    async def call_with_retry(self, do: Any, fail: Any, *args: Any, **kwargs: Any) -> Any:
+        if self._depth == 0:
+            self._began = time.monotonic()
+        self._depth += 1
+        try:
+            return await super().call_with_retry(do, fail, *args, **kwargs)
+        finally:
+            self._depth -= 1
+
+
 class RequestLost(RuntimeError):
     """An acknowledged request (`ServiceProcess.acked_request`) whose acknowledgement, or
     whose answer after it, is overdue: lost on the bus, and safe to send again."""
@@ -138,6 +170,7 @@ class RequestInterrupted(RuntimeError):
 
 class ServiceProcess:
     name = "service"
+    redis_outage_wait_s = REDIS_OUTAGE_WAIT_S  # how long a Redis command waits out an outage before it fails
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
@@ -342,14 +375,15 @@ class ServiceProcess:
     async def run(self) -> None:
         self.nc = await connect_nats(self.settings.nats_urls, self.instance, self.log,
                                      self.settings.nats_user, self.settings.nats_password)
-        # a Redis restart (seconds) is waited out command by command, not turned into errors
-        # a bounded pool that waits for a free connection: requests handled side by side
+        # a Redis restart or stall (seconds) is waited out command by command, not turned into
+        # errors; past REDIS_OUTAGE_WAIT_S the command fails and its request hears `unavailable`.
+        # A bounded pool that waits for a free connection: requests handled side by side
         # (concurrent_handler) would otherwise open more than redis-py's default pool
         # allows, and it refuses the rest (MaxConnectionsError, seen at 200 calls/s)
         pool = aioredis.BlockingConnectionPool.from_url(
             self.settings.redis_url, max_connections=REDIS_POOL_CONNECTIONS, timeout=REDIS_POOL_WAIT_S,
-            health_check_interval=10, **self.settings.redis_credentials(),
-            retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), retries=30),
+            health_check_interval=10, socket_timeout=REDIS_SOCKET_TIMEOUT_S, **self.settings.redis_credentials(),
+            retry=BoundedRetry(ExponentialBackoff(cap=0.5, base=0.05), retries=30, budget_s=self.redis_outage_wait_s),
             retry_on_error=[RedisConnectionError, RedisTimeoutError])
         self.redis = aioredis.Redis.from_pool(pool)  # (closing the client closes its pool)
         svc = await add_service(self.nc, ServiceConfig(name=f"talaria-{self.name}", version=VERSION,

@@ -309,6 +309,99 @@ async def test_a_switch_request_lost_on_the_bus_is_asked_again(
         await svc.stop()
 
 
+async def test_redis_commands_wait_out_an_outage_for_their_budget_then_fail(redis_server: RedisServer) -> None:
+    """The services' Redis retry (`BoundedRetry`): a stopped Redis (it accepts connections
+    and answers nothing) fails a command once the budget is spent, where attempts alone
+    had left it waiting for ever; one back within the budget is waited out."""
+    import os
+    import signal
+
+    from redis.backoff import ExponentialBackoff
+    from redis.exceptions import ConnectionError as RedisConnectionError
+    from redis.exceptions import TimeoutError as RedisTimeoutError
+
+    from shared.bus import BoundedRetry
+
+    pool = aioredis.BlockingConnectionPool.from_url(
+        redis_server.url, max_connections=4, timeout=30, socket_timeout=0.5,
+        retry=BoundedRetry(ExponentialBackoff(cap=0.5, base=0.05), retries=1000, budget_s=1.5),
+        retry_on_error=[RedisConnectionError, RedisTimeoutError])
+    r = aioredis.Redis.from_pool(pool)
+    assert redis_server.pid is not None
+    try:
+        await r.set("k", "v")
+        os.kill(redis_server.pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(RedisTimeoutError):
+                await r.get("k")
+            took = time.monotonic() - t0
+            assert 1.5 <= took < 10.0, took  # (the budget, then the attempt under way)
+
+            async def resume() -> None:
+                await asyncio.sleep(0.8)
+                os.kill(redis_server.pid, signal.SIGCONT)  # type: ignore[arg-type]
+
+            resumed = asyncio.ensure_future(resume())
+            assert await r.get("k") == b"v"  # back within the budget: waited out
+            await resumed
+        finally:
+            os.kill(redis_server.pid, signal.SIGCONT)
+    finally:
+        await r.aclose()
+
+
+@pytest.mark.timeout(120)
+async def test_a_stopped_redis_is_unavailable_to_agents_and_holds_up_no_switch(
+        nats_server: NatsServer, redis_server: RedisServer, subject_prefix: str, key_prefix: str,
+        tmp_path: Path) -> None:
+    """Redis stopped (SIGSTOP), not dead: an agent opening a session hears `unavailable`
+    within its own request timeout (the router's Redis wait is shorter than it), and a
+    model switch completes (the substrate's mirror for the router is written once Redis
+    answers). Before, both waited on the stopped Redis for as long as it stayed stopped."""
+    import os
+    import signal
+
+    from nats.aio.client import Client as NATS
+
+    from shared.agent_client import Unavailable
+    from shared.schema import SwitchRequest, SwitchResult, encode, switch_reply_decoder
+
+    svc = Services(nats_server.url, redis_server.url, subject_prefix, key_prefix, tmp_path / "logs",
+                   models=[MODEL_A, MODEL_B])
+    await svc.start()
+    nc = NATS()
+    await nc.connect(nats_server.url)
+    assert redis_server.pid is not None
+    try:
+        async with await TalariaClient.connect(nats_server.url, subject_prefix=subject_prefix, retries=0) as c:
+            sess = await c.open_session(MODEL_A)  # (warm: every service's Redis connections are open)
+            assert (await sess.call(prompt_tokens=300, max_tokens=8, sim_output_tokens=2)).output_tokens == 2
+            os.kill(redis_server.pid, signal.SIGSTOP)
+            try:
+                with pytest.raises(Unavailable) as e:  # (the client's own request timeout: 5 s)
+                    await c.open_session(MODEL_A)
+                assert "session store (Redis)" in e.value.message and e.value.retry_after_s
+                resp = await nc.request(svc.subjects.substrate_switch(SERVER),
+                                        encode(SwitchRequest(from_model=MODEL_A, to_model=MODEL_B)), timeout=60.0)
+                assert isinstance(switch_reply_decoder.decode(resp.data), SwitchResult)
+            finally:
+                os.kill(redis_server.pid, signal.SIGCONT)
+        r = aioredis.Redis.from_url(redis_server.url)
+        try:  # the substrate's view catches up once Redis answers
+            await until(lambda: _resident_is(r, Keys(key_prefix), MODEL_B), 15.0)
+        finally:
+            await r.aclose()
+    finally:
+        await nc.close()
+        await svc.stop()
+
+
+async def _resident_is(r: aioredis.Redis, keys: Keys, model: str) -> bool:
+    from shared.state import decode_server
+    return decode_server(await r.hgetall(keys.server(SERVER))).substrate.resident == model
+
+
 async def test_a_stalled_redis_holds_up_admissions_ack_for_half_a_second_at_most(
         nats_server: NatsServer, redis_server: RedisServer, subject_prefix: str, key_prefix: str,
         tmp_path: Path) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import tomllib
 import os
 import signal
+import time
 from pathlib import Path
 
 import msgspec
@@ -42,7 +43,7 @@ async def test_status_names_every_service_and_each_servers_active_model(tmp_path
         before = await status.gather(dep)
         assert before.healthy, status.render(before)
         assert set(before.health) == {"router-0", "admission-s0", "substrate-s0", "gateway",
-                                      "engine-s0-glm-4.5-fp8", "engine-s0-glm-4.5-air-fp8"}
+                                      "engine-s0-glm-4.5-fp8", "engine-s0-glm-4.5-air-fp8", "redis"}
         assert before.policy == "talaria" and before.time_scale == 50.0 and before.active == {"s0": ""}
 
         # the gateway is asked over HTTP (it has no health subject): one nobody serves is a failing row
@@ -68,6 +69,18 @@ async def test_status_names_every_service_and_each_servers_active_model(tmp_path
         assert after.active == {"s0": "glm-4.5-air-fp8"}, status.render(after)
         text = status.render(after)
         assert "engine-s0-glm-4.5-fp8" in text and "glm-4.5-air-fp8" in text
+
+        # a stopped Redis (it accepts connections and answers nothing) is a failing row, within the timeout
+        assert stack.redis is not None and stack.redis.pid is not None
+        os.kill(stack.redis.pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            stalled = await status.gather(dep, timeout_s=1.0)
+            took = time.monotonic() - t0
+        finally:
+            os.kill(stack.redis.pid, signal.SIGCONT)
+        assert not stalled.healthy and stalled.health["redis"] == "no answer within 1 s", status.render(stalled)
+        assert took < 10.0, took  # (bounded: it had waited on the stopped Redis)
         assert any(line.split() == ["gateway", "ok"] for line in text.splitlines()), text
 
         # the command itself: exit 0 when everything answers

@@ -17,6 +17,8 @@ import time
 import msgspec
 import structlog
 from nats.aio.msg import Msg
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from services.admission import scheduler as sch
 from shared import tracing
@@ -312,10 +314,16 @@ class AdmissionService(ServiceProcess):
             # entry left behind is dropped by a recovering admission, whose call record says answered,
             # or by the persister's check within a second; not woken for it: its HKEYS per finish
             # was one Redis round trip a call)
-            self.spawn(self.redis.hdel(self.keys.admission_calls(self.settings.server_id), call_id), "unpersist")
+            self.spawn(self._unpersist(call_id), "unpersist")
         self._forget_dispatch(call_id)
         self.last_seen[session_id] = self.clock.now()
         await self.step(sch.Finished(call_id, session_id, context_tokens), at=finished_at)
+
+    async def _unpersist(self, call_id: str) -> None:
+        try:
+            await self.redis.hdel(self.keys.admission_calls(self.settings.server_id), call_id)
+        except (RedisConnectionError, RedisTimeoutError) as exc:  # (left behind: dropped later, above)
+            self.log.warning("admission.unpersist_deferred", call_id=call_id, error=type(exc).__name__)
 
     async def reconciler(self) -> None:
         """Re-derive a finish lost on the bus: a call its engine confirmed but whose

@@ -25,6 +25,8 @@ import json
 from typing import Any
 
 import structlog
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from services.engine.sim_engine import CallResult, EngineCall, SimEngine
 from services.engine.worker import EngineBackend, EngineWorker
@@ -282,11 +284,15 @@ class SimBackend(EngineBackend):
         async def on_due(_due: float) -> None:
             try:
                 await self._finish(self.engine.advance(w.clock.now()))
-            except Exception:  # e.g. Redis away longer than its retries: keep the clock running, try again
-                w.log.exception("engine.finish_failed", undelivered=len(self.undelivered),
-                                # (the call that failed first, so a search by call id finds the wait)
-                                call_id=self.undelivered[0].call_id if self.undelivered else None,
-                                session_id=self.undelivered[0].session_id if self.undelivered else None)
+            except Exception as exc:  # e.g. Redis away longer than its retries: keep the clock running, try again
+                # (the call that failed first, so a search by call id finds the wait)
+                first = self.undelivered[0] if self.undelivered else None
+                fields = dict(undelivered=len(self.undelivered), call_id=first.call_id if first else None,
+                              session_id=first.session_id if first else None)
+                if isinstance(exc, (RedisConnectionError, RedisTimeoutError)):  # foreseen: no traceback
+                    w.log.warning("engine.finish_deferred", error=type(exc).__name__, **fields)
+                else:
+                    w.log.exception("engine.finish_failed", **fields)
                 await asyncio.sleep(0.2)
 
         await drive_timer(w.clock, next_due, self.wakeup, on_due)

@@ -70,6 +70,7 @@ SESSIONS_KEPT = 50_000         # opened sessions remembered (a forgotten one is 
 MODELS_TTL_S = 5.0             # how long the served-model list is reused
 BUSY_TTL_S = 3600.0            # a header-less session's in-flight mark outlives any call (and is deleted after it)
 BUS_RETRY_AFTER_S = 2.0        # what a request refused while NATS is away is told to wait (a reconnect takes seconds)
+SOFT_STATE_PAUSE_S = 5.0       # how long the gateway does without its soft state after Redis failed to answer
 RETRY_WINDOW_S = 3600          # how long a first attempt's call id waits for its SDK's retries (timeouts x retries: minutes)
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 REQUEST_ID_HEADER, ANTHROPIC_REQUEST_ID_HEADER = "x-request-id", "request-id"
@@ -185,6 +186,7 @@ class Gateway:
         # where sessions' prefix chains live (shared by every replica); None: not kept,
         # so every prefix is taken as empty and a header-less request is a session of its own
         self.redis = redis
+        self.soft_state_away_until = 0.0  # (monotonic) Redis did not answer: done without until then
         self.rkeys = Keys(settings.key_prefix)
         self.chains = px.ChainCache()
         self.catalog = catalog or load_catalog(settings.catalog_path)
@@ -631,13 +633,17 @@ class Gateway:
 
     async def _soft(self, op: Callable[[], Awaitable[Any]], fallback: Any) -> Any:
         """A step on the gateway's soft state: without Redis (or with it away) the call
-        goes on as if nothing were known (its engine's own cache still reuses what it holds)."""
-        if self.redis is None:
+        goes on as if nothing were known (its engine's own cache still reuses what it holds).
+        One that fails sets the state aside for SOFT_STATE_PAUSE_S: a stalled Redis answers
+        each command only with its timeout, and a request makes several."""
+        if self.redis is None or time.monotonic() < self.soft_state_away_until:
             return fallback
         try:
             return await op()
         except Exception as exc:  # noqa: BLE001 - soft state: log, do without
-            self.log.warning("gateway.prefix_state_unavailable", error=type(exc).__name__)
+            self.soft_state_away_until = time.monotonic() + SOFT_STATE_PAUSE_S
+            self.log.warning("gateway.prefix_state_unavailable", error=type(exc).__name__,
+                             paused_s=SOFT_STATE_PAUSE_S)
             return fallback
 
     async def _held_blocks(self, sid: str, chain: list[bytes]) -> int:

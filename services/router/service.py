@@ -27,7 +27,7 @@ from redis.exceptions import NoScriptError, RedisError
 
 from services.router.placement import InFlight, InFlightPlacements, ServerView, rank, server_view, with_in_flight
 from shared import state, tracing
-from shared.bus import ServiceProcess, run_service, trace_headers
+from shared.bus import AGENT_REQUEST_REDIS_WAIT_S, ServiceProcess, run_service, trace_headers
 from shared.keys import CALL_TTL_S, SESSION_TTL_S
 from shared.policy import DECISION_HISTORY
 from shared.prompt_store import PromptStore
@@ -103,6 +103,8 @@ ENGINE_LIMITS_READ_WALL_S = 1.0  # ... and how long a fresh read may take (Redis
 
 class Router(ServiceProcess):
     name = "router"
+    # agents wait 5 s for an answer: past this a Redis outage is `unavailable` with a time to retry
+    redis_outage_wait_s = AGENT_REQUEST_REDIS_WAIT_S
     uses_call_records = True
     per_server = False
 
@@ -196,6 +198,8 @@ class Router(ServiceProcess):
             raws = await asyncio.wait_for(pipe.execute(), ENGINE_LIMITS_READ_WALL_S)
         except (asyncio.TimeoutError, RedisError) as exc:
             self.log.warning("router.engine_limits_unread", error=type(exc).__name__, using="the last known")
+            # reused as if read: each request would otherwise wait the read out again, and log it
+            self._engine_limits = (time.monotonic(), limits)
             return limits
         limits = {}
         for (_, m), raw in zip(pairs, raws):

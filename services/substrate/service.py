@@ -14,6 +14,8 @@ import time
 
 import msgspec
 from nats.aio.msg import Msg
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from shared.costmodel import CostModel
 from services.substrate.ledger import SubstrateLedger
@@ -30,6 +32,7 @@ from shared.schema import (
 
 CONTROL_RESENDS_ON_RESTART = 3  # a worker that restarts more often than this during one command fails the switch
 CONTROL_ACK_WALL_S = 1.0  # wall seconds a Sleep/Wake may go unacknowledged before it is sent again
+MIRROR_RETRY_WALL_S = 1.0  # how often a view Redis did not take is written again
 
 
 class SubstrateManager(ServiceProcess):
@@ -44,6 +47,8 @@ class SubstrateManager(ServiceProcess):
         # process it replaced (hung, then killed) is sent again at once, not waited out
         self.engine_restarted: dict[str, asyncio.Event] = {}
         self.switch_lock = asyncio.Lock()  # one switch at a time, even if a restarted admission asks again
+        self.mirror_lock = asyncio.Lock()  # one mirror write at a time, each of the ledger as it is then: the last is the latest
+        self.mirror_behind = False  # a mirror failed (Redis away): written again until it takes
         self.last_switch_end = 0.0  # model time
         self.ledger = SubstrateLedger(profile, {m: self.catalog.model(m) for m in sorted(s.models)}, cost, s.policy)
         await self.nc.subscribe(self.subjects.substrate_switch(s.server_id), queue="substrate",
@@ -57,7 +62,7 @@ class SubstrateManager(ServiceProcess):
         await self.nc.subscribe(self.subjects.session_released,
                                 cb=self.guarded_handler(self.on_session_released, "session_released"))
         await self._recover_active()
-        await self._mirror()
+        await self._mirror_or_defer()
         # a switch an admission was waiting for died with our predecessor: it asks again
         await self.nc.publish(self.subjects.substrate_announce(s.server_id), encode(SubstrateAnnounce(server_id=s.server_id)))
 
@@ -95,7 +100,7 @@ class SubstrateManager(ServiceProcess):
             self.ledger.forget_session(ev.session_id)
             self.log.info("substrate.session_released", session_id=ev.session_id, reason=ev.reason,
                           host_kv_gb=round(self.ledger.host_kv_bytes() / 1e9, 1))
-            await self._mirror()
+            await self._mirror_or_defer()
 
     async def on_kv_spilled(self, msg: Msg) -> None:
         ev = kv_spilled_decoder.decode(msg.data)
@@ -118,7 +123,7 @@ class SubstrateManager(ServiceProcess):
                     st = self.ledger.stage(m, at_source(at, self.clock.now(), self.last_switch_end))
                     if st is not None:
                         self.log.info("substrate.stage", model=m, staged_gb=round(st.nbytes / 1e9, 1))
-                    await self._mirror()
+                    await self._mirror_or_defer()
             case SwitchRequest():
                 # a switch takes model time: run it beside the subscription
                 self.spawn(self._switch(req, msg.reply), "switch")
@@ -209,7 +214,7 @@ class SubstrateManager(ServiceProcess):
         plan = self.ledger.plan_switch(t0, req.to_model, kv_out)
         self.last_switch_end = t0 + plan.duration_s
         await self._accepted(req, done_at=t0 + plan.duration_s)  # when to expect the result
-        await self._mirror()  # the router sees the model moving in for the switch's duration
+        await self._mirror_or_defer()  # the router sees the model moving in for the switch's duration
         self.ledger.check_bounds()
         self.log.info("substrate.switch", from_model=req.from_model, to_model=req.to_model,
                       duration_s=round(plan.duration_s, 3), weights_in_s=round(plan.weights_in_s, 3),
@@ -221,7 +226,7 @@ class SubstrateManager(ServiceProcess):
         await self._control(req.to_model, Wake(kv_capacity_tokens=plan.kv_capacity_tokens, host_kv=plan.host_kv_view,
                                                at=t0 + plan.duration_s))
         self.ledger.finish_switch()
-        await self._mirror()
+        await self._mirror_or_defer()
         kind = "staged" if plan.staged_bytes > 0 else "host"  # (the cost model loads every model from host memory)
         self.metrics.switches.labels(server=self.settings.server_id, to_model=req.to_model, kind=kind).inc()
         self.metrics.switch_duration.labels(server=self.settings.server_id, kind=kind).observe(plan.duration_s)
@@ -231,7 +236,35 @@ class SubstrateManager(ServiceProcess):
                 staged_bytes=plan.staged_bytes, kv_to_host_tokens=plan.kv_to_host_tokens,
                 kv_dropped_tokens=plan.kv_dropped_tokens, done_at=t0 + plan.duration_s)))
 
+    async def _mirror_or_defer(self) -> None:
+        """The view mirrored for the router; where Redis is away (past its retries) the
+        switch or request goes on, and the view is written again each second until it
+        takes: the router's placement reads a stale view meanwhile, which is soft."""
+        if self.mirror_behind:  # (Redis is away: the loop writes the latest view when it answers)
+            return
+        try:
+            await self._mirror()
+        except (RedisConnectionError, RedisTimeoutError) as exc:
+            self.log.warning("substrate.mirror_deferred", error=type(exc).__name__)
+            if not self.mirror_behind:
+                self.mirror_behind = True
+                self.spawn(self._mirror_until_it_takes(), "mirror")
+
+    async def _mirror_until_it_takes(self) -> None:
+        while self.mirror_behind:
+            await asyncio.sleep(MIRROR_RETRY_WALL_S)
+            try:
+                await self._mirror()
+                self.mirror_behind = False
+                self.log.info("substrate.mirror_caught_up")
+            except (RedisConnectionError, RedisTimeoutError):
+                continue
+
     async def _mirror(self) -> None:
+        async with self.mirror_lock:
+            await self._write_mirror()
+
+    async def _write_mirror(self) -> None:
         led = self.ledger
         srv = self.settings.server_id
         self.metrics.host_kv_bytes.labels(server=srv).set(led.host_kv_bytes())

@@ -21,6 +21,9 @@ import aiohttp
 import nats
 import nats.errors
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from shared.keys import Keys
 from shared.state import decode_server
@@ -140,12 +143,17 @@ async def gather(dep: Deployment, timeout_s: float = 3.0) -> Status:
         st.health["gateway"] = await _gateway_health(gateway_health_url(dep.openai_base_url), timeout_s)
 
     if dep.redis_url and st.servers:
-        r = aioredis.Redis.from_url(dep.redis_url, socket_connect_timeout=timeout_s)
+        # bounded as the health checks are: a stopped Redis accepts connections and answers nothing
+        r = aioredis.Redis.from_url(dep.redis_url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s,
+                                    retry=Retry(NoBackoff(), 0))
         try:
             keys = Keys(dep.key_prefix)
             for sid in st.servers:
                 st.active[sid] = decode_server(await r.hgetall(keys.server(sid))).load.active or ""
+            st.health["redis"] = "ok"
         except Exception as exc:  # an operator's extra: the health table stands without it
+            st.health["redis"] = (f"no answer within {timeout_s:g} s" if isinstance(exc, RedisTimeoutError)
+                                  else f"down ({type(exc).__name__})")
             st.problems.append(f"could not read the deployment's Redis: {exc}")
         finally:
             await r.aclose()
