@@ -906,3 +906,57 @@ async def test_a_first_start_without_its_engines_yet_is_not_a_warning(nats_serve
         assert lines and all(d["level"] == "info" for d in lines), lines
     finally:
         await svc.stop()
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(240)
+async def test_a_stopped_nats_node_is_left_for_another_and_calls_go_on(tmp_path: Path) -> None:
+    """One node of a three-node NATS cluster stopped (SIGSTOP: a frozen host, a partition
+    that drops packets), not dead: its TCP connections stay open, so only unanswered
+    PINGs tell. The services and the agent leave it for another node within seconds
+    and calls go on while it stays stopped; at nats-py's default PINGs (every 2 minutes)
+    every call waited for as long as the node did."""
+    import json
+    import os
+    import signal
+    import urllib.request
+
+    from shared.policy import resolve_policy
+    from talaria.ops.stack import EmbeddedStack, StackSpec
+
+    spec = StackSpec(policy=resolve_policy("talaria"), models=[MODEL_A], time_scale=50.0, log_dir=tmp_path / "logs",
+                     nats_cluster=3)
+    async with EmbeddedStack(spec) as stack:
+        client = await TalariaClient.from_deployment(stack.deployment())
+        try:
+            session = await client.open_session(MODEL_A)
+            await session.call(prompt_tokens=300, max_tokens=8, sim_output_tokens=2)
+
+            def connections(node: Any) -> set[str]:
+                with urllib.request.urlopen(f"http://127.0.0.1:{node.http_port}/connz", timeout=5) as r:
+                    return {c.get("name", "") for c in json.load(r).get("connections", [])}
+
+            # the node the router talks through: stopping it cuts the agents' calls off
+            node = next(n for n in stack.nats_nodes if any(c.startswith("router") for c in connections(n)))
+            assert node.pid is not None
+            os.kill(node.pid, signal.SIGSTOP)
+            # resumed after 90 s whatever happens: calls that waited for it take that long
+            resume = asyncio.get_running_loop().call_later(90.0, os.kill, node.pid, signal.SIGCONT)
+            try:
+                t0 = time.monotonic()
+                for k in range(3):
+                    for _ in range(10):  # (a call refused while the router moves over is asked again)
+                        try:
+                            await session.call(prompt_tokens=400 + 100 * k, max_tokens=8, sim_output_tokens=2)
+                            break
+                        except Exception:  # noqa: BLE001 - unavailable while it reconnects: an agent retries
+                            await asyncio.sleep(1.0)
+                    else:
+                        pytest.fail(f"call {k} failed ten times with a NATS node stopped")
+                took = time.monotonic() - t0
+            finally:
+                resume.cancel()
+                os.kill(node.pid, signal.SIGCONT)
+            assert took < 75.0, f"three calls took {took:.0f} s with a NATS node stopped"
+        finally:
+            await client.close()
