@@ -14,7 +14,7 @@ import pytest
 from shared.clock import ScaledClock
 from shared.policy import resolve_policy
 from talaria.workload.trace import load_trace
-from talaria.lab.chaos import FAULT_KINDS, run_chaos
+from talaria.lab.chaos import EXTRA_KINDS, FAULT_KINDS, run_chaos
 from talaria.client import TalariaClient
 from talaria.replay import drive
 from talaria.ops.stack import EmbeddedStack, StackSpec
@@ -62,6 +62,16 @@ async def test_chaos_smoke_store_and_bus_faults_lose_nothing(tmp_path: Path) -> 
     _assert_clean(r, sessions, STORE_AND_BUS_FAULTS)
     switch = next(f for f in r["faults"] if f["kind"] == "switch")
     assert switch["note"].startswith("during a switch"), switch
+
+
+@pytest.mark.timeout(300)
+async def test_chaos_smoke_a_stopped_nats_node_loses_nothing(tmp_path: Path) -> None:
+    """A NATS node stopped (SIGSTOP) for 20 s, not killed: its clients leave it for
+    another node, and the services the liveness watch restarts meanwhile find the model
+    their server serves (`nats-stall`, a kind named only on request)."""
+    sessions = load_trace(SMOKE)
+    r = await run_chaos(sessions, seed=3, time_scale=5.0, log_dir=tmp_path, kinds=EXTRA_KINDS)
+    _assert_clean(r, sessions, EXTRA_KINDS)
 
 
 @pytest.mark.timeout(180)

@@ -895,6 +895,32 @@ async def test_switch_to_a_dead_engine_is_retried_not_stalled(nats_server: NatsS
         await svc.stop()
 
 
+async def test_the_active_engine_restarted_with_the_substrate_is_woken_again(
+        nats_server: NatsServer, redis_server: RedisServer, subject_prefix: str, key_prefix: str,
+        tmp_path: Path) -> None:
+    """The substrate-manager and the active model's engine-worker restart together (both
+    on a NATS node that stopped, say), the worker first: its announcement comes while no
+    substrate listens, and the new substrate finds no engine awake. It wakes the model
+    its predecessor mirrored as resident, which admission still serves; before, the
+    model's calls waited on the sleeping worker for ever (a chaos run stalled so)."""
+    svc = Services(nats_server.url, redis_server.url, subject_prefix, key_prefix, tmp_path / "logs",
+                   models=[MODEL_A, MODEL_B])
+    await svc.start()
+    try:
+        async with await TalariaClient.connect(nats_server.url, subject_prefix=subject_prefix) as c:
+            a = await c.open_session(MODEL_A)
+            assert (await a.call(prompt_tokens=2000, max_tokens=64, sim_output_tokens=10)).output_tokens == 10
+            await asyncio.to_thread(svc.group.stop, svc.substrate)
+            await svc.restart(svc.engine(MODEL_A))  # (asleep, announced to nobody)
+            svc.group.start(svc.substrate)
+            await svc.wait_healthy([svc.substrate])
+            reply = await asyncio.wait_for(a.call(prompt_tokens=2500, max_tokens=64, sim_output_tokens=11), 30.0)
+            assert reply.output_tokens == 11 and reply.model == MODEL_A
+            assert "the mirrored resident" in svc.log_tail(svc.substrate, 200)
+    finally:
+        await svc.stop()
+
+
 async def test_a_switch_to_a_hung_engine_is_resent_once_it_is_replaced(
         nats_server: NatsServer, redis_server: RedisServer, subject_prefix: str, key_prefix: str,
         tmp_path: Path) -> None:

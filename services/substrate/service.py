@@ -21,7 +21,7 @@ from shared.costmodel import CostModel
 from services.substrate.ledger import SubstrateLedger
 from shared.bus import RequestInterrupted, RequestLost, ServiceProcess, run_service
 from shared.clock import at_source
-from shared.state import SubstrateView, write_substrate_view
+from shared.state import SubstrateView, decode_server, write_substrate_view
 from shared.schema import (
     ApiError, ControlOk, EngineState, ForgetHostKv, ListCalls, Sleep, StageRequest, SubstrateAnnounce, SwitchAccepted,
     SwitchRequest, SwitchResult, Wake,
@@ -81,6 +81,24 @@ class SubstrateManager(ServiceProcess):
                 self.log.warning("substrate.several_awake", models=up)
             self.ledger.recover_active(up[0])
             self.log.warning("substrate.recovered", active=up[0])
+        elif not up and self.ledger.active is None and (last := await self._last_resident()) is not None:
+            # none awake, yet our predecessor had one resident: its worker restarted with us (both
+            # on a lost NATS node, say), and its restart announcement came before we listened.
+            # Admission still serves that model; wake it, or its calls wait on a sleeping engine for ever
+            self.ledger.recover_active(last)
+            self.log.warning("substrate.recovered", active=last, source="the mirrored resident; its worker restarted")
+            view = self.ledger.host_view(last) if self.settings.policy.host_kv else {}
+            self.spawn(self._control(last, Wake(kv_capacity_tokens=self.ledger.kv_capacity_tokens(last), host_kv=view)),
+                       "rewake")
+
+    async def _last_resident(self) -> str | None:
+        """The resident model our predecessor mirrored (None: none, or Redis away)."""
+        try:
+            resident = decode_server(await self.redis.hgetall(self.keys.server(self.settings.server_id))).substrate.resident
+        except (RedisConnectionError, RedisTimeoutError) as exc:
+            self.log.warning("substrate.mirror_unread", error=type(exc).__name__)
+            return None
+        return resident if resident in self.ledger.models else None
 
     async def on_engine_announce(self, msg: Msg) -> None:
         ann = engine_announce_decoder.decode(msg.data)

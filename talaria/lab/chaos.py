@@ -11,6 +11,8 @@ it); `overlap` (two services killed within a second, no wait between);
 `switch` (the substrate or the incoming engine killed during a model switch);
 a NATS node (restarted by this command); Redis killed (restarted empty) or
 stalled (SIGSTOP); `nats-redis` (a NATS node killed while Redis is down).
+`EXTRA_KINDS`, only when named in `--kinds`: `nats-stall` (a NATS node stopped
+for `NATS_STALL_S`: its clients must leave it for another node).
 Faults are spread over 10-70 % of the reference's wall duration, in a seeded
 order, each after the previous one recovered (healthy and a call completed
 since, waited for at most `RECOVERY_WAIT_S`; a service is healthy when it
@@ -66,11 +68,13 @@ from talaria.ops.stack import EmbeddedStack, StackSpec, default_log_dir
 
 FAULT_KINDS = ("router", "admission", "substrate", "engine", "nats", "redis", "hang", "redis-stall",
                "overlap", "switch", "nats-redis")
+EXTRA_KINDS = ("nats-stall",)  # named in --kinds only: the default schedule (and its recorded figures) stays
 SERVICE_KINDS = ("router", "admission", "substrate", "engine")
 NATS_DOWN_S = 1.0    # wall seconds a killed NATS node stays down before it is started again
 REDIS_DOWN_S = 0.5
 HANG_S = 8.0         # wall seconds a hung service stays stopped unless the stack's liveness watch replaces it first
 REDIS_STALL_S = 2.0  # wall seconds redis-server is stopped (SIGSTOP; DEBUG SLEEP is off in Redis 7)
+NATS_STALL_S = 20.0  # wall seconds a NATS node is stopped: longer than its clients take to leave it (about 10 s)
 LIVENESS_GRACE_S = 0.5  # chaos runs are short: a service is judged hung this soon after its (re)start (and only
                         # once it has answered since; a longer grace let a stop soon after a restart go unjudged)
 LIVENESS_STARTUP_S = 2.0  # ... and, if it has not answered since, this soon (a sim service answers in about 0.5 s)
@@ -286,6 +290,15 @@ class Injector:
                 with contextlib.suppress(OSError):  # not replaced in time: it resumes where it stopped
                     os.kill(pid, signal.SIGCONT)
             await self._service_healthy(target)
+        elif kind == "nats-stall":
+            i = self.rng.randrange(len(st.nats_nodes))
+            node = st.nats_nodes[i]
+            assert node.pid is not None
+            fault = Fault(kind, f"nats-n{i} (stopped)", at)
+            os.kill(node.pid, signal.SIGSTOP)
+            await asyncio.sleep(NATS_STALL_S)
+            os.kill(node.pid, signal.SIGCONT)
+            await self._store_healthy()
         elif kind == "redis-stall":
             assert st.redis is not None and st.redis.pid is not None
             fault = Fault(kind, "redis (stopped)", at)
@@ -589,9 +602,10 @@ def format_table(results: list[dict]) -> str:
 
 def _kind_list(text: str) -> tuple[str, ...]:
     kinds = tuple(k.strip() for k in text.split(",") if k.strip())
-    bad = [k for k in kinds if k not in FAULT_KINDS]
+    bad = [k for k in kinds if k not in FAULT_KINDS + EXTRA_KINDS]
     if bad or not kinds:
-        raise argparse.ArgumentTypeError(f"unknown fault kind(s) {bad}; choose from {', '.join(FAULT_KINDS)}")
+        raise argparse.ArgumentTypeError(f"unknown fault kind(s) {bad}; choose from "
+                                         f"{', '.join(FAULT_KINDS + EXTRA_KINDS)}")
     return kinds
 
 
@@ -602,7 +616,8 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     seeds.add_argument("--seeds", type=seed_list, default=None,
                        help="several distinct seeds, e.g. 0,1,2 or 0-4: one reference run, a chaos run per seed, a table")
     p.add_argument("--kinds", type=_kind_list, default=FAULT_KINDS,
-                   help=f"fault kinds, comma-separated (default all: {','.join(FAULT_KINDS)})")
+                   help=f"fault kinds, comma-separated (default all: {','.join(FAULT_KINDS)}; also "
+                        f"{','.join(EXTRA_KINDS)})")
     p.add_argument("--out", type=output_file, default=None, help="write the figures as JSON")
     p.add_argument("--policy", default="talaria", help="the policy the stack runs (default talaria)")
     p.add_argument("--time-scale", type=positive_float, default=50.0, help="model seconds per wall second (default 50)")
