@@ -1537,7 +1537,7 @@ async def test_responses_api_as_codex_calls_it_round_trips_tool_calls_keeping_th
     for bad, param in ((dict(previous_response_id="resp_x"), "previous_response_id"),
                        (dict(tools=[{"type": "web_search"}]), "tools[0]"), (dict(max_output_tokens=0), "max_output_tokens"),
                        (dict(input=[{"type": "item_reference", "id": "msg_1"}]), "input[0].type"),
-                       (dict(input=[{"type": "function_call_output", "call_id": "call_x", "output": "1"}]), "input")):
+                       (dict(input=[{"type": "function_call_output", "call_id": "call_x", "output": "1"}]), "input[0]")):
         with pytest.raises(openai.BadRequestError) as e:
             await client.responses.create(model=MODEL, **{"input": "x", **bad})
         assert e.value.body["param"] == param
@@ -1701,9 +1701,11 @@ async def test_the_anthropic_sdks_tool_runner_keeps_its_conversation(stack: Embe
     assert r.status == 400 and body["error"]["details"]["error_code"] == "thread_unsupported_request"
 
 
-def test_a_tool_result_must_answer_a_call_of_the_turn_before_it() -> None:
-    """Both APIs refuse a tool result that answers no call of the assistant turn just
-    before it (in their own words); parallel results of one turn are all answered."""
+def test_a_tool_result_must_answer_a_call_made_before_it() -> None:
+    """A tool result that answers no call the assistant made before it is refused, in
+    each API's own words; what the APIs themselves accept passes: parallel results in
+    any order, Anthropic's turns of one role split over messages (it merges them), a
+    Responses message between a call and its output."""
     call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
     call2 = {**call, "id": "call_2"}
     ok = [{"role": "user", "content": "x"}, {"role": "assistant", "content": None, "tool_calls": [call, call2]},
@@ -1711,21 +1713,33 @@ def test_a_tool_result_must_answer_a_call_of_the_turn_before_it() -> None:
     tr.check_tool_results(ok)
     for bad, param in (([{"role": "tool", "tool_call_id": "call_1", "content": "1"}], "messages[0].tool_call_id"),
                        ([*ok[:2], {"role": "tool", "tool_call_id": "call_9", "content": "9"}], "messages[2].tool_call_id"),
-                       ([*ok, {"role": "user", "content": "y"}, ok[2]], "messages[5].tool_call_id"),
+                       ([*ok, {"role": "user", "content": "y"}, {**ok[2], "tool_call_id": "call_7"}],
+                        "messages[5].tool_call_id"),
                        ([*ok[:2], {"role": "tool", "content": "no id"}], "messages[2].tool_call_id")):
         with pytest.raises(tr.BadRequest) as e:
             tr.check_tool_results(bad)
         assert e.value.param == param and "must be a response to a preceding message" in str(e.value), bad
     use = {"type": "tool_use", "id": "toolu_1", "name": "f", "input": {}}
+    use2 = {**use, "id": "toolu_2"}
     result = {"type": "tool_result", "tool_use_id": "toolu_1", "content": "1"}
-    turns = [{"role": "user", "content": "x"}, {"role": "assistant", "content": [use]},
-             {"role": "user", "content": [result, {"type": "text", "text": "go on"}]}]
+    result2 = {**result, "tool_use_id": "toolu_2"}
+    turns = [{"role": "user", "content": "x"}, {"role": "assistant", "content": [use, use2]},
+             {"role": "user", "content": [result2, result, {"type": "text", "text": "go on"}]}]
     tr.check_tool_results(turns, api="anthropic")
+    # one block a message, as Anthropic merges consecutive turns of one role
+    tr.check_tool_results([turns[0], {"role": "assistant", "content": [use]}, {"role": "assistant", "content": [use2]},
+                           {"role": "user", "content": [result]}, {"role": "user", "content": [result2]}], api="anthropic")
     with pytest.raises(tr.BadRequest) as e:
         tr.check_tool_results([turns[0], turns[2]], api="anthropic")
-    assert "unexpected `tool_use_id` found in `tool_result` blocks: toolu_1" in str(e.value)
-    with pytest.raises(tr.BadRequest):  # a result two turns after its call answers nothing
-        tr.check_tool_results([*turns, {"role": "assistant", "content": "ok"}, turns[2]], api="anthropic")
+    assert "unexpected `tool_use_id` found in `tool_result` blocks: toolu_2" in str(e.value)
+    # the Responses API: an output answers a call anywhere before it, a message between them or not
+    fc = {"type": "function_call", "call_id": "call_1", "name": "f", "arguments": "{}"}
+    out = {"type": "function_call_output", "call_id": "call_1", "output": "1"}
+    chat = tr.responses_request({"model": MODEL, "input": ["x", fc, {"role": "assistant", "content": "hm"}, out][1:]})
+    tr.check_tool_results(chat["messages"])
+    with pytest.raises(tr.BadRequest) as e:
+        tr.responses_request({"model": MODEL, "input": [{"role": "user", "content": "x"}, {**out, "call_id": "call_9"}]})
+    assert e.value.param == "input[1]" and "No tool call found for function call output with call_id call_9" in str(e.value)
 
 
 @pytest.mark.timeout(60)

@@ -452,24 +452,26 @@ def template_messages(messages: Any, system: Any = None, *, api: str = "openai")
 
 
 def check_tool_results(messages: list[Mapping[str, Any]], api: str = "openai") -> None:
-    """Each tool result answers a call of the assistant turn just before it, as both APIs
-    require (read after the conversation is, so a malformed message is refused as such):
-    one that answers none (a client that lost its history, a server-held conversation
-    not held here) would leave the model a result with no question."""
-    asked: set[Any] = set()  # the ids of the calls a result may answer: the last assistant turn's
+    """Each tool result answers a call the assistant made before it (read after the
+    conversation is, so a malformed message is refused as such): one that answers none
+    (a client that lost its history, a server-held conversation not held here) would
+    leave the model a result with no question. Looser than either API, on purpose:
+    OpenAI's chat wants the results right after their calls, Anthropic merges turns of
+    one role and wants them in the next, and the Responses API takes a call anywhere
+    before; what all of them accept passes."""
+    asked: set[Any] = set()  # the ids of every call the assistant made so far
     for i, m in enumerate(messages):
         content, role = m.get("content"), m.get("role")
         blocks = [b for b in content if isinstance(b, Mapping)] if api == "anthropic" and isinstance(content, list) else []
         if role == "tool":
             _check_answers_a_call(m.get("tool_call_id"), asked, i, api)
-        elif role == "function":  # (the legacy function-call role: no ids to pair)
-            continue
+        elif role == "assistant":
+            asked |= ({c.get("id") for c in m.get("tool_calls") or () if isinstance(c, Mapping)} |
+                      {b.get("id") for b in blocks if b.get("type") == "tool_use"})
         else:
             for b in blocks:
                 if b.get("type") == "tool_result":
                     _check_answers_a_call(b.get("tool_use_id"), asked, i, api)
-            asked = ({c.get("id") for c in m.get("tool_calls") or () if isinstance(c, Mapping)} |
-                     {b.get("id") for b in blocks if b.get("type") == "tool_use"}) if role == "assistant" else set()
 
 
 def _check_answers_a_call(call_id: Any, asked: set[Any], i: int, api: str) -> None:
@@ -481,8 +483,8 @@ def _check_answers_a_call(call_id: Any, asked: set[Any], i: int, api: str) -> No
                          "Each `tool_result` block must have a corresponding `tool_use` block in the previous message.",
                          f"messages[{i}].content")
     raise BadRequest(f"Invalid parameter: messages with role 'tool' must be a response to a preceding message with "
-                     f"'tool_calls' (messages[{i}].tool_call_id {str(call_id)[:100]!r} answers no call of the "
-                     "assistant message before it).", f"messages[{i}].tool_call_id")
+                     f"'tool_calls' (messages[{i}].tool_call_id {str(call_id)[:100]!r} answers no call the "
+                     "assistant made before it).", f"messages[{i}].tool_call_id")
 
 
 # apply_chat_template's own parameters: a template variable may not take their names
@@ -1125,6 +1127,7 @@ def _responses_messages(items: list[Any], previous: int = 0) -> list[dict[str, A
     """The items as chat messages; the first `previous` are a stored conversation's (a
     refusal names the request's own `input[i]`)."""
     out: list[dict[str, Any]] = []
+    calls: set[str] = set()  # (a function_call_output answers one of these, as OpenAI requires)
     for i, item in enumerate(items):
         where = f"input[{i - previous}]" if i >= previous else "previous_response_id"
         if not isinstance(item, Mapping):
@@ -1140,6 +1143,7 @@ def _responses_messages(items: list[Any], previous: int = 0) -> list[dict[str, A
             if not isinstance(name, str) or not name or not isinstance(call_id, str) or not isinstance(args, str):
                 raise BadRequest(f"{where}: a function_call needs a name, a call_id and its arguments as a string", where)
             call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
+            calls.add(call_id)
             if out and out[-1]["role"] == "assistant":
                 out[-1].setdefault("tool_calls", []).append(call)
             else:
@@ -1148,6 +1152,8 @@ def _responses_messages(items: list[Any], previous: int = 0) -> list[dict[str, A
             call_id = item.get("call_id")
             if not isinstance(call_id, str):
                 raise BadRequest(f"{where}: a function_call_output needs the call_id it answers", where)
+            if call_id not in calls:
+                raise BadRequest(f"No tool call found for function call output with call_id {call_id[:100]}.", where)
             out.append({"role": "tool", "tool_call_id": call_id,
                         "content": _responses_content(item.get("output"), f"{where}.output")})
         elif kind == "reasoning":
