@@ -519,6 +519,8 @@ class Gateway:
         """Store a response to be read back and continued; False where the store is away
         (the agent is answered all the same, its response saying `store: false`)."""
         assert self.redis is not None
+        if time.monotonic() < self.soft_state_away_until:  # (Redis just failed to answer: not waited on again)
+            return False
         try:
             await self.redis.set(self._response_key(tenant, response["id"]), tr.stored_response(conversation, response),
                                  ex=self.settings.gateway_responses_ttl_s)
