@@ -101,6 +101,7 @@ async def connect_nats(urls: list[str], name: str, log: structlog.stdlib.BoundLo
 
 REDIS_POOL_CONNECTIONS = 64  # Redis connections a service process keeps at most (a command waits for one)
 REDIS_POOL_WAIT_S = 30.0      # ... for at most this long (a Redis restart is waited out by the commands' retries)
+REDIS_AWAY = (RedisConnectionError, RedisTimeoutError)  # a Redis restarting or stopped, not a bad command
 REDIS_SOCKET_TIMEOUT_S = 2.0  # a reply a stalled Redis (stopped, not dead: it accepts and answers nothing) owes fails so late
 REDIS_OUTAGE_WAIT_S = 14.0    # how long a command waits out a Redis restart or stall, retrying, before it fails
 AGENT_REQUEST_REDIS_WAIT_S = 3.0  # ... in a process that answers agents: below their request timeout
@@ -242,7 +243,7 @@ class ServiceProcess:
                     await self.reply_error(msg.reply, "malformed", f"{what}: {exc}")
                 except msgspec.DecodeError as exc:
                     await self.reply_error(msg.reply, "malformed", f"{what}: not a valid message ({exc})")
-                except (RedisConnectionError, RedisTimeoutError) as exc:
+                except REDIS_AWAY as exc:
                     # Redis away (restarting, stopped): not this request's fault, and it passes
                     self.log.warning("handler.store_unavailable", handler=what, error=type(exc).__name__)
                     await self.reply_error(msg.reply, "unavailable", f"{what}: the session store (Redis) does not "
@@ -387,7 +388,7 @@ class ServiceProcess:
             self.settings.redis_url, max_connections=REDIS_POOL_CONNECTIONS, timeout=REDIS_POOL_WAIT_S,
             health_check_interval=10, socket_timeout=REDIS_SOCKET_TIMEOUT_S, **self.settings.redis_credentials(),
             retry=BoundedRetry(ExponentialBackoff(cap=0.5, base=0.05), retries=30, budget_s=self.redis_outage_wait_s),
-            retry_on_error=[RedisConnectionError, RedisTimeoutError])
+            retry_on_error=list(REDIS_AWAY))
         self.redis = aioredis.Redis.from_pool(pool)  # (closing the client closes its pool)
         svc = await add_service(self.nc, ServiceConfig(name=f"talaria-{self.name}", version=VERSION,
                                                        description=f"Talaria {self.name}", metadata={

@@ -17,13 +17,11 @@ import time
 import msgspec
 import structlog
 from nats.aio.msg import Msg
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from services.admission import scheduler as sch
 from shared import tracing
 from shared.costmodel import CostModel
-from shared.bus import RequestInterrupted, RequestLost, ServiceProcess, run_service, trace_headers
+from shared.bus import REDIS_AWAY, RequestInterrupted, RequestLost, ServiceProcess, run_service, trace_headers
 from shared.call_record import CallRecordUnavailable
 from shared.clock import at_source, done_within, drive_timer
 from shared.keys import CALL_TTL_S
@@ -322,7 +320,7 @@ class AdmissionService(ServiceProcess):
     async def _unpersist(self, call_id: str) -> None:
         try:
             await self.redis.hdel(self.keys.admission_calls(self.settings.server_id), call_id)
-        except (RedisConnectionError, RedisTimeoutError) as exc:  # (left behind: dropped later, above)
+        except REDIS_AWAY as exc:  # (left behind: dropped later, above)
             self.log.warning("admission.unpersist_deferred", call_id=call_id, error=type(exc).__name__)
 
     async def reconciler(self) -> None:

@@ -25,12 +25,11 @@ import json
 from typing import Any
 
 import structlog
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from services.engine.sim_engine import CallResult, EngineCall, SimEngine
 from services.engine.worker import EngineBackend, EngineWorker
 from shared import state, synthetic_json, tool_calls
+from shared.bus import REDIS_AWAY
 from shared.clock import at_source, drive_timer
 from shared.costmodel import MEDIAN_OUTPUT_TOKENS, CostModel
 from shared.schema import CallReply, CallRunning, KvSpilled, RunCall, Wake, encode
@@ -289,7 +288,7 @@ class SimBackend(EngineBackend):
                 first = self.undelivered[0] if self.undelivered else None
                 fields = dict(undelivered=len(self.undelivered), call_id=first.call_id if first else None,
                               session_id=first.session_id if first else None)
-                if isinstance(exc, (RedisConnectionError, RedisTimeoutError)):  # foreseen: no traceback
+                if isinstance(exc, REDIS_AWAY):  # foreseen: no traceback
                     w.log.warning("engine.finish_deferred", error=type(exc).__name__, **fields)
                 else:
                     w.log.exception("engine.finish_failed", **fields)

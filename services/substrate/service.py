@@ -14,12 +14,10 @@ import time
 
 import msgspec
 from nats.aio.msg import Msg
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from shared.costmodel import CostModel
 from services.substrate.ledger import SubstrateLedger
-from shared.bus import RequestInterrupted, RequestLost, ServiceProcess, run_service
+from shared.bus import REDIS_AWAY, RequestInterrupted, RequestLost, ServiceProcess, run_service
 from shared.clock import at_source
 from shared.state import SubstrateView, decode_server, write_substrate_view
 from shared.schema import (
@@ -87,15 +85,19 @@ class SubstrateManager(ServiceProcess):
             # Admission still serves that model; wake it, or its calls wait on a sleeping engine for ever
             self.ledger.recover_active(last)
             self.log.warning("substrate.recovered", active=last, source="the mirrored resident; its worker restarted")
-            view = self.ledger.host_view(last) if self.settings.policy.host_kv else {}
-            self.spawn(self._control(last, Wake(kv_capacity_tokens=self.ledger.kv_capacity_tokens(last), host_kv=view)),
-                       "rewake")
+            self.spawn(self._control(last, self._wake_active(last)), "rewake")
+
+    def _wake_active(self, model: str) -> Wake:
+        """The Wake that brings the active model's worker back as the ledger has it (its KV
+        capacity, and its host KV view where the policy keeps one)."""
+        view = self.ledger.host_view(model) if self.settings.policy.host_kv else {}
+        return Wake(kv_capacity_tokens=self.ledger.kv_capacity_tokens(model), host_kv=view)
 
     async def _last_resident(self) -> str | None:
         """The resident model our predecessor mirrored (None: none, or Redis away)."""
         try:
             resident = decode_server(await self.redis.hgetall(self.keys.server(self.settings.server_id))).substrate.resident
-        except (RedisConnectionError, RedisTimeoutError) as exc:
+        except REDIS_AWAY as exc:
             self.log.warning("substrate.mirror_unread", error=type(exc).__name__)
             return None
         return resident if resident in self.ledger.models else None
@@ -107,9 +109,7 @@ class SubstrateManager(ServiceProcess):
         if ann.model == self.ledger.active and not ann.awake and ann.model not in self.switching_to:
             # the active model's worker restarted: wake it again (its KV is gone)
             self.log.warning("substrate.rewake", model=ann.model)
-            view = self.ledger.host_view(ann.model) if self.settings.policy.host_kv else {}
-            self.spawn(self._control(ann.model, Wake(kv_capacity_tokens=self.ledger.kv_capacity_tokens(ann.model), host_kv=view)),
-                       "rewake")
+            self.spawn(self._control(ann.model, self._wake_active(ann.model)), "rewake")
 
     async def on_session_released(self, msg: Msg) -> None:
         """An ended or idle session's host KV is released (the ledger owns host memory)."""
@@ -212,12 +212,11 @@ class SubstrateManager(ServiceProcess):
     async def _switch_locked(self, req: SwitchRequest, reply: str | None) -> None:
         if req.to_model == self.ledger.active:
             # already active (a repeated request, e.g. from a restarted admission): wake is idempotent
-            cap = self.ledger.kv_capacity_tokens(req.to_model)
-            view = self.ledger.host_view(req.to_model) if self.settings.policy.host_kv else {}
-            await self._control(req.to_model, Wake(kv_capacity_tokens=cap, host_kv=view))
+            wake = self._wake_active(req.to_model)
+            await self._control(req.to_model, wake)
             if reply:
-                await self.nc.publish(reply, encode(SwitchResult(to_model=req.to_model, kv_capacity_tokens=cap,
-                                                                 duration_s=0.0)))
+                await self.nc.publish(reply, encode(SwitchResult(
+                    to_model=req.to_model, kv_capacity_tokens=wake.kv_capacity_tokens, duration_s=0.0)))
             return
         if self.ledger.active and req.from_model != self.ledger.active:
             # the requester's view is stale (it restarted): put to sleep what is really awake
@@ -262,7 +261,7 @@ class SubstrateManager(ServiceProcess):
             return
         try:
             await self._mirror()
-        except (RedisConnectionError, RedisTimeoutError) as exc:
+        except REDIS_AWAY as exc:
             self.log.warning("substrate.mirror_deferred", error=type(exc).__name__)
             if not self.mirror_behind:
                 self.mirror_behind = True
@@ -275,7 +274,7 @@ class SubstrateManager(ServiceProcess):
                 await self._mirror()
                 self.mirror_behind = False
                 self.log.info("substrate.mirror_caught_up")
-            except (RedisConnectionError, RedisTimeoutError):
+            except REDIS_AWAY:
                 continue
 
     async def _mirror(self) -> None:
