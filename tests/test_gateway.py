@@ -429,6 +429,36 @@ def test_a_responses_request_continues_the_stored_conversation_it_names() -> Non
     assert tr.response_digest("a", "resp_1") != tr.response_digest("b", "resp_1")
 
 
+def test_a_stored_responses_input_items_are_listed_a_page_at_a_time() -> None:
+    """`input_items`: the conversation a response was generated from without its output,
+    each item typed and with an id that stays put, paged by order, limit, after and before."""
+    conversation = [{"role": "user", "content": "first"},
+                    {"type": "function_call", "id": "fc_1", "call_id": "call_1", "name": "f", "arguments": "{}"},
+                    {"type": "function_call_output", "call_id": "call_1", "output": "42"},
+                    {"type": "message", "id": "msg_out", "role": "assistant",
+                     "content": [{"type": "output_text", "text": "done"}]}]
+    response = {"id": "resp_2", "output": conversation[-1:]}
+    page = tr.input_items_page(conversation, response, {"order": "asc"})
+    assert [it["type"] for it in page["data"]] == ["message", "function_call", "function_call_output"]
+    assert page["data"][0]["content"] == [{"type": "input_text", "text": "first"}]
+    assert page["data"][1]["id"] == "fc_1" and page["has_more"] is False
+    ids = [it["id"] for it in page["data"]]
+    assert len(set(ids)) == 3 and ids == [it["id"] for it in tr.input_items_page(conversation, response,
+                                                                                   {"order": "asc"})["data"]]
+    assert [it["id"] for it in tr.input_items_page(conversation, response)["data"]] == ids[::-1]
+    first = tr.input_items_page(conversation, response, {"order": "asc", "limit": "2"})
+    assert first["has_more"] and first["last_id"] == ids[1]
+    rest = tr.input_items_page(conversation, response, {"order": "asc", "limit": "2", "after": ids[1]})
+    assert [it["id"] for it in rest["data"]] == ids[2:] and not rest["has_more"]
+    back = tr.input_items_page(conversation, response, {"order": "asc", "limit": "1", "before": ids[2]})
+    assert [it["id"] for it in back["data"]] == [ids[1]] and back["has_more"]
+    for bad, param in (({"limit": "0"}, "limit"), ({"limit": "x"}, "limit"), ({"order": "up"}, "order"),
+                       ({"after": "msg_nope"}, "after"), ({"after": ids[0], "before": ids[1]}, "before")):
+        with pytest.raises(tr.BadRequest) as e:
+            tr.input_items_page(conversation, response, bad)
+        assert e.value.param == param, bad
+
+
 def test_a_streamed_response_has_the_apis_events_in_order() -> None:
     class Reply:
         call_id, output_tokens = "c1", 12
@@ -1570,6 +1600,15 @@ async def test_a_stored_response_is_read_back_and_continued_with_previous_respon
                                        instructions="you are a careful engineer", tool_choice="none",
                                        max_output_tokens=20)
     assert r2.previous_response_id == r1.id and r2.store is True and r2.output_text
+    # what r2 was generated from, read back a page at a time (newest first by default, as OpenAI lists)
+    listed = [it async for it in client.responses.input_items.list(r2.id, limit=2, order="asc")]
+    assert [it.type for it in listed] == ["message", *[o.type for o in r1.output], "function_call_output"]
+    assert listed[0].role == "user" and listed[0].content[0].text == "find the bug in the parser " * 20
+    assert [it.id for it in listed[1:-1]] == [o.id for o in r1.output] and len({it.id for it in listed}) == len(listed)
+    newest = await client.responses.input_items.list(r2.id, limit=1)
+    assert newest.data[0].id == listed[-1].id and newest.has_more
+    with pytest.raises(openai.NotFoundError):
+        await oai(stack, OTHER_KEY).responses.input_items.list(r2.id)
     # the conversation continued is the one stored
     whole: list[Any] = [{"role": "user", "content": "find the bug in the parser " * 20},
                         *[o.model_dump(exclude_none=True) for o in r1.output], *result]

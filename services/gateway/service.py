@@ -219,6 +219,7 @@ class Gateway:
         app.router.add_post("/v1/messages/count_tokens", self.count_tokens)
         app.router.add_post("/v1/responses/input_tokens", self.input_tokens)
         app.router.add_get("/v1/responses/{response_id}", self.stored_response)
+        app.router.add_get("/v1/responses/{response_id}/input_items", self.response_input_items)
         app.router.add_delete("/v1/responses/{response_id}", self.delete_response)
         app.on_response_prepare.append(self._request_id)
         return app
@@ -1067,6 +1068,19 @@ class Gateway:
         if stored is None:
             raise HttpError("not_found", f"Response with id '{rid[:256]}' not found.")
         return web.json_response(stored[1])
+
+    async def response_input_items(self, request: web.Request) -> web.Response:
+        """The items a stored response was generated from (`GET /v1/responses/{id}/input_items`),
+        a page at a time."""
+        tenant = self._tenant(request)
+        rid = request.match_info["response_id"]
+        stored = await self._read_response(tenant, rid)
+        if stored is None:
+            raise HttpError("not_found", f"Response with id '{rid[:256]}' not found.")
+        try:
+            return web.json_response(tr.input_items_page(*stored, request.query))
+        except BadRequest as exc:
+            raise HttpError("malformed", str(exc), exc.param) from None
 
     async def delete_response(self, request: web.Request) -> web.Response:
         """A stored response deleted (`DELETE /v1/responses/{id}`): it can no longer be read

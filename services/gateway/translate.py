@@ -933,21 +933,29 @@ def models_list(models: list[tuple[str, int]], query: Mapping[str, str] | None =
         raise BadRequest("limit must be a whole number in 1..1000", "limit") from None
     if not 1 <= limit <= 1000:
         raise BadRequest("limit must be a whole number in 1..1000", "limit")
-    names = [m for m, _ in models]
-    for param in ("after_id", "before_id"):
-        if param in query and query[param] not in names:
-            raise BadRequest(f"{param}: no model {query[param][:200]!r} is served here", param)
-    if "after_id" in query and "before_id" in query:
-        raise BadRequest("send after_id or before_id, not both", "before_id")
-    if "before_id" in query:  # the page just before it; more where it does not reach the first
-        end = names.index(query["before_id"])
+    start, end, has_more = _cursor_page([m for m, _ in models], query, limit, "after_id", "before_id", "model")
+    return _list_page([model_entry(m, ctx) for m, ctx in models[start:end]], has_more)
+
+
+def _cursor_page(ids: list[str], query: Mapping[str, str], limit: int, after: str, before: str,
+                 what: str) -> tuple[int, int, bool]:
+    """The slice [start, end) of `ids` a cursor query asks (the page after the `after` id,
+    or the page just before the `before` id), and whether more lie beyond it."""
+    for param in (after, before):
+        if param in query and query[param] not in ids:
+            raise BadRequest(f"{param}: no {what} {query[param][:200]!r} here", param)
+    if after in query and before in query:
+        raise BadRequest(f"send {after} or {before}, not both", before)
+    if before in query:
+        end = ids.index(query[before])
         start = max(0, end - limit)
-        has_more = start > 0
-    else:
-        start = names.index(query["after_id"]) + 1 if "after_id" in query else 0
-        end = min(len(names), start + limit)
-        has_more = end < len(names)
-    data = [model_entry(m, ctx) for m, ctx in models[start:end]]
+        return start, end, start > 0
+    start = ids.index(query[after]) + 1 if after in query else 0
+    end = min(len(ids), start + limit)
+    return start, end, end < len(ids)
+
+
+def _list_page(data: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:
     return {"object": "list", "data": data, "has_more": has_more,
             "first_id": data[0]["id"] if data else None, "last_id": data[-1]["id"] if data else None}
 
@@ -1070,6 +1078,54 @@ def read_stored_response(blob: bytes) -> tuple[list[Any], dict[str, Any]]:
     """`stored_response`'s conversation and response object."""
     doc = msgspec.json.decode(zlib.decompress(blob))
     return doc["conversation"], doc["response"]
+
+
+_INPUT_ITEM_ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
+
+
+def _input_item(item: Any, response_id: str, index: int) -> dict[str, Any]:
+    """One input item as OpenAI lists it: typed, with an id (an item the agent sent
+    without one is named by its response and place, so the pages stay put), a
+    message's text as content parts."""
+    out = dict(item) if isinstance(item, Mapping) else {"type": "message", "role": "user", "content": str(item)}
+    kind = out.setdefault("type", "message")
+    if kind == "message":
+        content = out.get("content")
+        if isinstance(content, str):
+            part = "output_text" if out.get("role") == "assistant" else "input_text"
+            out["content"] = [{"type": part, "text": content}]
+        out.setdefault("status", "completed")
+    if not isinstance(out.get("id"), str):
+        out["id"] = f"{_INPUT_ITEM_ID_PREFIX.get(kind, 'item')}_{_digest('input_item', response_id, str(index))[:24]}"
+    return out
+
+
+def input_items_page(conversation: list[Any], response: Mapping[str, Any],
+                     query: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """`GET /v1/responses/{id}/input_items`: the items the response was generated from
+    (the stored conversation it continued and its own input, without its output), a
+    page of them in OpenAI's list shape. `order` (desc by default, newest first),
+    `limit` (1-100, 20 by default), and `after` or `before` an item's id page them;
+    `include` names extra output fields and changes nothing here."""
+    query = query or {}
+    output = response.get("output") or []
+    inputs = conversation[:len(conversation) - len(output)] if output else list(conversation)
+    rid = str(response.get("id", ""))
+    items = [_input_item(it, rid, i) for i, it in enumerate(inputs)]
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise BadRequest("order must be asc or desc", "order")
+    if order == "desc":
+        items.reverse()
+    try:
+        limit = int(query.get("limit", "20"))
+    except ValueError:
+        raise BadRequest("limit must be a whole number in 1..100", "limit") from None
+    if not 1 <= limit <= 100:
+        raise BadRequest("limit must be a whole number in 1..100", "limit")
+    start, end, has_more = _cursor_page([it["id"] for it in items], query, limit, "after", "before",
+                                        "input item of this response")
+    return _list_page(items[start:end], has_more)
 
 
 def responses_request(body: Mapping[str, Any], previous: list[Any] | None = None) -> dict[str, Any]:
