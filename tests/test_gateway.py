@@ -1113,6 +1113,49 @@ async def test_responses_without_a_store_say_so_and_a_store_that_is_away_is_unav
         await bus.close()
 
 
+class _StoreFailsRedis:
+    """A Redis whose writes of stored responses fail (it stalled between a call's soft
+    steps and its response's store); everything else reaches the real one. Counts them."""
+
+    def __init__(self, real: aioredis.Redis) -> None:
+        self.real, self.failed_sets = real, 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.real, name)
+
+    async def set(self, key: Any, *args: Any, **kwargs: Any) -> Any:
+        if "gw:resp:" in str(key):
+            self.failed_sets += 1
+            raise TimeoutError("Redis did not answer")
+        return await self.real.set(key, *args, **kwargs)
+
+
+@pytest.mark.timeout(60)
+async def test_a_failed_response_store_sets_the_soft_state_aside_as_a_failed_step_does(
+        refusing_gateway: tuple[str, dict[str, Any]], nats_server: NatsServer,
+        redis_client: aioredis.Redis, key_prefix: str) -> None:
+    """A response whose store fails is answered `store: false`, and the gateway does not
+    wait on Redis for the next one within the pause (a stalled Redis answers each
+    command only with its timeout)."""
+    _, ctl = refusing_gateway
+    settings = Settings(nats_urls=[nats_server.url], subject_prefix=ctl["prefix"], key_prefix=key_prefix,
+                        gateway_host="127.0.0.1", gateway_port=0, api_keys="t:k")
+    bus = await TalariaClient.connect([nats_server.url], subject_prefix=settings.subject_prefix,
+                                      namespace=GATEWAY_NAMESPACE)
+    redis = _StoreFailsRedis(redis_client)
+    runner, port = await start_gateway(settings, bus, redis=redis)  # type: ignore[arg-type]
+    try:
+        client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="k", max_retries=0)
+        ask = {"model": MODEL, "input": f"{THOUGHT_MARK}: why?"}
+        first = await client.responses.create(**ask)
+        second = await client.responses.create(**ask)
+        assert first.store is False and second.store is False and second.output_text == "Fixed it."
+        assert redis.failed_sets == 1
+    finally:
+        await runner.cleanup()
+        await bus.close()
+
+
 @pytest.mark.timeout(60)
 async def test_a_thinking_models_reasoning_comes_apart_from_its_answer_in_each_api(
         refusing_gateway: tuple[str, dict[str, Any]]) -> None:

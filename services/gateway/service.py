@@ -527,7 +527,9 @@ class Gateway:
                                  ex=self.settings.gateway_responses_ttl_s)
             return True
         except Exception as exc:  # noqa: BLE001 - the reply matters more than its copy
-            self.log.warning("gateway.response_not_stored", response_id=response["id"], error=type(exc).__name__)
+            self.soft_state_away_until = time.monotonic() + SOFT_STATE_PAUSE_S  # (as a failed soft step)
+            self.log.warning("gateway.response_not_stored", response_id=response["id"], error=type(exc).__name__,
+                             paused_s=SOFT_STATE_PAUSE_S)
             return False
 
     async def _text_prompt(self, tenant: str, model: str, body: dict[str, Any]) -> Prompt:
