@@ -111,6 +111,7 @@ CONCURRENT_HANDLER_LIMIT = 256  # requests one subscription handles at once (con
 CONCURRENT_HANDLER_BACKLOG = 4096  # ... and takes to wait for a slot before the subscription waits
 LIST_CALLS_TIMEOUT_WALL_S = 2.0  # wall seconds a recovering service waits for each engine's state
 LOOP_STALL_EXIT_CODE = 70  # EX_SOFTWARE: the process's own watchdog found its event loop stuck
+TASK_ENDED_EXIT_CODE = 71  # a task the process cannot serve without ended (ServiceProcess.spawn)
 
 
 def start_loop_watchdog(lag: LagMonitor, stall_s: float, instance: str) -> threading.Thread:
@@ -163,6 +164,58 @@ class BoundedRetry(Retry):
             self._depth -= 1
 
 
+class OrderedWrites:
+    """A process's Redis writes that must land in the order they were made (a session's
+    finish after the spill before it, the next finish after that), written one at a
+    time by one task and retried for as long as Redis is away, so that whoever makes
+    one need not wait on a stalled Redis: the engine-worker answers an agent without
+    its state write where that write is late, and the state follows once Redis takes it."""
+
+    RETRY_WALL_S = 1.0  # between attempts at a write Redis did not take
+
+    def __init__(self, redis: Callable[[], aioredis.Redis], log: Callable[[], structlog.stdlib.BoundLogger],
+                 what: str) -> None:
+        self.redis, self.log, self.what = redis, log, what  # (the process's, read when used: it connects later)
+        self.queue: deque[tuple[Callable[[Any], None], asyncio.Future[None]]] = deque()
+        self.wake = asyncio.Event()
+        self.late = False  # Redis did not take the write at the head of the queue: later ones wait behind it
+
+    def write(self, build: Callable[[Any], None]) -> asyncio.Future[None]:
+        """Queue a write (`build` adds its commands to a transaction); done once Redis took it."""
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.queue.append((build, done))
+        self.wake.set()
+        return done
+
+    async def run(self) -> None:
+        """Write the queue in order, forever (a task of the process)."""
+        while True:
+            if not self.queue:
+                self.wake.clear()
+                await self.wake.wait()
+                continue
+            build, done = self.queue[0]
+            try:
+                pipe = self.redis().pipeline(transaction=True)
+                build(pipe)
+                await pipe.execute()
+            except REDIS_AWAY as exc:  # foreseen: kept, in order, and tried again
+                if not self.late:
+                    self.log().warning("state.writes_deferred", writes=self.what, pending=len(self.queue),
+                                     error=type(exc).__name__)
+                self.late = True
+                await asyncio.sleep(self.RETRY_WALL_S)
+                continue
+            except Exception:  # a write Redis refuses as such (never foreseen): dropped, not retried forever
+                self.log().exception("state.write_failed", writes=self.what)
+            self.queue.popleft()
+            if not done.done():
+                done.set_result(None)
+            if self.late:
+                self.log().info("state.writes_caught_up", writes=self.what, pending=len(self.queue))
+                self.late = False
+
+
 class RequestLost(RuntimeError):
     """An acknowledged request (`ServiceProcess.acked_request`) whose acknowledgement, or
     whose answer after it, is overdue: lost on the bus, and safe to send again."""
@@ -202,8 +255,11 @@ class ServiceProcess:
     async def setup(self) -> None:  # subscriptions
         raise NotImplementedError
 
-    def spawn(self, coro: Awaitable[object], what: str) -> asyncio.Task:
-        """A background task whose failure is logged, never silently lost."""
+    def spawn(self, coro: Awaitable[object], what: str, essential: bool = False) -> asyncio.Task:
+        """A background task whose failure is logged, never silently lost. An `essential`
+        one is a loop the process cannot serve without (its engine's clock, its token
+        streamer): if it ever ends, the process exits for its supervisor to restart it,
+        rather than answer health checks while its calls hang."""
 
         async def guarded() -> None:
             try:
@@ -211,7 +267,10 @@ class ServiceProcess:
             except asyncio.CancelledError:
                 raise
             except Exception:
-                self.log.exception("task.failed", task=what)
+                self.log.exception("task.failed", task=what, essential=essential)
+            if essential:
+                self.log.error("service.exiting", reason=f"its {what} task ended", exit_code=TASK_ENDED_EXIT_CODE)
+                os._exit(TASK_ENDED_EXIT_CODE)
 
         t = asyncio.ensure_future(guarded())
         self._tasks.add(t)

@@ -254,6 +254,7 @@ async def test_a_resend_whose_claim_was_read_before_the_answer_is_answered_not_r
     records = Records()
     w.call_records, w.nc = records, Bus()  # type: ignore[assignment]
     w.redis = type("Redis", (), {"pipeline": lambda self, transaction=True: Pipe()})()  # type: ignore[assignment]
+    writes = asyncio.ensure_future(w.state_writes.run())  # (its task, as setup() spawns it)
     rc = _run("c9", "S9", "inbox.r9")
     await w._take_run(rc)
     resend = asyncio.create_task(w._take_run(rc))  # admission heard no acknowledgement and sent it again
@@ -265,6 +266,7 @@ async def test_a_resend_whose_claim_was_read_before_the_answer_is_answered_not_r
     await w.finish(rc, reply, 1020)
     records.answered.set()
     await resend
+    writes.cancel()
     assert Backend.runs == ["c9"], "a second generation ran"
     assert [d for s, d in published if s == "inbox.r9"] == [records.stored, records.stored]  # answered again
 

@@ -397,6 +397,65 @@ async def test_a_stopped_redis_is_unavailable_to_agents_and_holds_up_no_switch(
         await svc.stop()
 
 
+@pytest.mark.timeout(120)
+async def test_a_call_that_ends_while_redis_is_stopped_is_answered_and_its_state_follows(
+        nats_server: NatsServer, redis_server: RedisServer, subject_prefix: str, key_prefix: str,
+        tmp_path: Path) -> None:
+    """Redis stopped (SIGSTOP) while calls generate, longer than a command's retries last:
+    each call is answered when its generation ends, streamed ones token by token, and
+    the sessions' finishes reach Redis, in order, once it answers; streaming still works
+    after. Before, the answer waited on its session's state write for as long as Redis
+    stayed stopped (the engine finished the generation and held the reply)."""
+    import os
+    import signal
+
+    from shared.bus import REDIS_OUTAGE_WAIT_S
+    from shared.schema import CallTokens
+
+    svc = Services(nats_server.url, redis_server.url, subject_prefix, key_prefix, tmp_path / "logs", models=[MODEL_A])
+    await svc.start()
+    assert redis_server.pid is not None
+    batches: Counter[str] = Counter()
+
+    def on_event(ev: Any) -> None:
+        if isinstance(ev, CallTokens):
+            batches[ev.call_id] += 1
+
+    try:
+        async with await TalariaClient.connect(nats_server.url, subject_prefix=subject_prefix, retries=0) as c:
+            sessions = [await c.open_session(MODEL_A) for _ in range(4)]  # (opened while Redis answers)
+            assert (await sessions[0].call(prompt_tokens=300, max_tokens=8, sim_output_tokens=2)).output_tokens == 2
+            calls = [asyncio.ensure_future(s.call(prompt_tokens=300, max_tokens=25000, sim_output_tokens=20000,
+                                                  call_id=f"stall-{i}", stream=i % 2 == 0, on_event=on_event))
+                     for i, s in enumerate(sessions)]
+            await asyncio.sleep(0.5)
+            os.kill(redis_server.pid, signal.SIGSTOP)
+            stopped = time.monotonic()
+            try:
+                # answered while Redis is still stopped, well inside a command's retry budget
+                replies = await asyncio.wait_for(asyncio.gather(*calls), timeout=REDIS_OUTAGE_WAIT_S - 2)
+                assert [r.output_tokens for r in replies] == [20000] * 4
+                assert batches["stall-0"] > 1 and batches["stall-2"] > 1, batches  # streamed as generated
+                await asyncio.sleep(max(0.0, REDIS_OUTAGE_WAIT_S + 2 - (time.monotonic() - stopped)))
+            finally:
+                os.kill(redis_server.pid, signal.SIGCONT)
+            r = aioredis.Redis.from_url(redis_server.url)
+            try:  # the finishes were kept and written once Redis answered
+                keys = Keys(key_prefix)
+
+                async def finished() -> bool:
+                    return all([await r.hget(keys.session(s.session_id), "last_finish") for s in sessions[1:]])
+                await until(finished, 15.0)
+            finally:
+                await r.aclose()
+            batches.clear()
+            after = await sessions[1].call(prompt_tokens=300, max_tokens=25000, sim_output_tokens=20000, call_id="after",
+                                           stream=True, on_event=on_event)
+            assert after.output_tokens == 20000 and batches["after"] > 1, batches
+    finally:
+        await svc.stop()
+
+
 async def _resident_is(r: aioredis.Redis, keys: Keys, model: str) -> bool:
     from shared.state import decode_server
     return decode_server(await r.hgetall(keys.server(SERVER))).substrate.resident == model

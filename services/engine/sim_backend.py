@@ -164,8 +164,8 @@ class SimBackend(EngineBackend):
         self.undelivered: list[CallResult] = []  # finished in the engine, not yet told (a write failed): sent first next time
 
     async def start(self) -> None:
-        self.worker.spawn(self.timer(), "engine-timer")
-        self.worker.spawn(self.streamer(), "engine-streamer")
+        self.worker.spawn(self.timer(), "engine-timer", essential=True)
+        self.worker.spawn(self.streamer(), "engine-streamer", essential=True)
 
     @property
     def can_run(self) -> bool:
@@ -281,20 +281,27 @@ class SimBackend(EngineBackend):
             return w.clock.now() if self.undelivered else self.engine.next_event_at()
 
         async def on_due(_due: float) -> None:
-            try:
-                await self._finish(self.engine.advance(w.clock.now()))
-            except Exception as exc:  # e.g. Redis away longer than its retries: keep the clock running, try again
-                # (the call that failed first, so a search by call id finds the wait)
-                first = self.undelivered[0] if self.undelivered else None
-                fields = dict(undelivered=len(self.undelivered), call_id=first.call_id if first else None,
-                              session_id=first.session_id if first else None)
-                if isinstance(exc, REDIS_AWAY):  # foreseen: no traceback
-                    w.log.warning("engine.finish_deferred", error=type(exc).__name__, **fields)
-                else:
-                    w.log.exception("engine.finish_failed", **fields)
-                await asyncio.sleep(0.2)
+            await self._finish_now()
 
         await drive_timer(w.clock, next_due, self.wakeup, on_due)
+
+    async def _finish_now(self) -> None:
+        """Deliver every call finished by now; one that cannot be delivered yet (the bus
+        away longer than its retries) stays for the next try, and the loop that asked
+        goes on: the clock and the streamer must outlive any outage."""
+        w = self.worker
+        try:
+            await self._finish(self.engine.advance(w.clock.now()))
+        except Exception as exc:
+            # (the call that failed first, so a search by call id finds the wait)
+            first = self.undelivered[0] if self.undelivered else None
+            fields = dict(undelivered=len(self.undelivered), call_id=first.call_id if first else None,
+                          session_id=first.session_id if first else None)
+            if isinstance(exc, REDIS_AWAY):  # foreseen: no traceback
+                w.log.warning("engine.finish_deferred", error=type(exc).__name__, **fields)
+            else:
+                w.log.exception("engine.finish_failed", **fields)
+            await asyncio.sleep(0.2)
 
     async def streamer(self) -> None:
         """Send each streamed call the tokens it produced since the last batch."""
@@ -303,16 +310,22 @@ class SimBackend(EngineBackend):
                 await self.stream_due.wait()
                 self.stream_due.clear()
             await asyncio.sleep(STREAM_WALL_S)
-            await self._finish(self.engine.advance(self.worker.clock.now()))
-            for cid, sent in list(self.streamed.items()):
-                rc = self.calls.get(cid)
-                if rc is None or cid not in self.engine.running:
-                    continue
-                now_at = self.engine.produced_tokens(cid)
-                if now_at > sent:
-                    self.streamed[cid] = now_at
-                    await self.worker.stream_tokens(rc, sent, placeholder_tokens(sent, now_at),
-                                                    text_between(rc, self.tool_format, sent, now_at))
+            await self._finish_now()
+            try:
+                await self._stream_batch()
+            except Exception:  # (a publish the bus refused: the streamer goes on, the reply carries it all)
+                self.worker.log.exception("engine.stream_failed")
+
+    async def _stream_batch(self) -> None:
+        for cid, sent in list(self.streamed.items()):
+            rc = self.calls.get(cid)
+            if rc is None or cid not in self.engine.running:
+                continue
+            now_at = self.engine.produced_tokens(cid)
+            if now_at > sent:
+                self.streamed[cid] = now_at  # (before the send: a finish meanwhile sends what follows)
+                await self.worker.stream_tokens(rc, sent, placeholder_tokens(sent, now_at),
+                                                text_between(rc, self.tool_format, sent, now_at))
 
     async def _report_spills(self) -> None:
         """KV pushed out of HBM to host for room: the locality view says `host`
@@ -322,10 +335,12 @@ class SimBackend(EngineBackend):
             return
         w = self.worker
         s = w.settings
-        pipe = w.redis.pipeline(transaction=False)
-        for sid in spilled:
-            pipe.hset(w.keys.kv_locality(sid), s.server_id, "host")
-        await pipe.execute()
+
+        def locality(pipe: Any) -> None:
+            for sid in spilled:
+                pipe.hset(w.keys.kv_locality(sid), s.server_id, "host")
+
+        w.state_writes.write(locality)  # (in order with the finishes; not waited on)
         await w.nc.publish(w.subjects.kv_spilled(s.server_id),
                            encode(KvSpilled(server_id=s.server_id, model=s.model, sessions=spilled, at=self.engine.t)))
         w.log.info("engine.kv_spilled", sessions=len(spilled), tokens=sum(spilled.values()), at=round(self.engine.t, 3))

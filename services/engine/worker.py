@@ -23,6 +23,7 @@ only generates. It is chosen at start (`services/engine/__main__.py`).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 import uuid
@@ -36,7 +37,7 @@ import structlog
 from nats.aio.msg import Msg
 
 from shared import state, tracing
-from shared.bus import ServiceProcess, trace_headers
+from shared.bus import OrderedWrites, ServiceProcess, trace_headers
 from shared.call_record import Claim
 from shared.prompt_store import PromptStore
 from shared.schema import (
@@ -46,6 +47,9 @@ from shared.schema import (
 )
 from shared.settings import Settings
 
+# how long a reply waits for its session's state write (read-your-writes for the agent's next
+# call) before it goes without: Redis stalled, the write follows once Redis takes it
+FINISH_STATE_WAIT_S = 1.0
 FinishWrites = Callable[[Any], None]  # a backend's own writes in the finish transaction (a Redis pipeline)
 ANSWERED_KEPT = 4096  # call ids a worker remembers answering (a late resend's stale claim is checked again)
 
@@ -150,12 +154,15 @@ class EngineWorker(ServiceProcess):
         self.asked_by: dict[str, str] = {}     # each run taken -> its reply subject (whose cancel counts)
         self.started_wall: dict[str, float] = {}  # each run started -> its wall start (its span)
         self.epoch = uuid.uuid4().hex          # this process: a restarted worker takes its old claims over
+        # the sessions' finishes and the KV view, written in order and never waited on for long
+        self.state_writes = OrderedWrites(lambda: self.redis, lambda: self.log, "engine")
 
     async def setup(self) -> None:
         s = self.settings
         if s.model not in self.catalog.models:
             raise SystemExit(f"engine-worker: unknown model {s.model!r}")
         self.log = self.log.bind(model=s.model, engine=self.backend.name)
+        self.spawn(self.state_writes.run(), "state-writes", essential=True)
         self.prompts = PromptStore(self.nc, s.subject_prefix)
         # the newest admission epoch of this server (durable): a restarted worker fences too
         self.admission_epoch = 0
@@ -297,12 +304,13 @@ class EngineWorker(ServiceProcess):
                 data = published
         if first:
             # the session's finish, once per call id (a second generation would count it twice)
-            pipe = self.redis.pipeline(transaction=True)
-            state.record_finish(pipe, self.keys, reply.session_id, s.server_id, reply.finished_at,
-                                max(1, reply.output_tokens))
-            if writes is not None:
-                writes(pipe)
-            await pipe.execute()
+            def finish_state(pipe: Any) -> None:
+                state.record_finish(pipe, self.keys, reply.session_id, s.server_id, reply.finished_at,
+                                    max(1, reply.output_tokens))
+                if writes is not None:
+                    writes(pipe)
+
+            await self._before_reply(self.state_writes.write(finish_state))
         if not reply.aborted:
             self.answered_here[rc.call_id] = None
             while len(self.answered_here) > ANSWERED_KEPT:
@@ -312,6 +320,16 @@ class EngineWorker(ServiceProcess):
             await self._forget_prompt(rc)
         # admission's state machine advances on this, whatever the backend
         await self._tell_admission(reply.call_id, reply.session_id, context_tokens, reply.finished_at, hdrs)
+
+    async def _before_reply(self, written: "asyncio.Future[None]") -> None:
+        """Wait for a state write the agent's next call reads, for a moment: where Redis
+        is stalled (its writes already late, or this one not done in FINISH_STATE_WAIT_S)
+        the agent is answered without it, not held for as long as the stall lasts."""
+        if not self.state_writes.late:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.shield(written), FINISH_STATE_WAIT_S)
+        if not written.done():
+            self.log.warning("engine.reply_before_state", pending=len(self.state_writes.queue))
 
     def _generation_span(self, rc: RunCall, reply: CallReply) -> None:
         """The generation as the GenAI conventions name a call, under admission's wait span."""
