@@ -19,6 +19,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
 import pytest
 
 from shared.clock import ScaledClock
@@ -123,6 +124,16 @@ async def test_prometheus_totals_equal_the_clients_records_and_the_logs(tmp_path
             await asyncio.to_thread(prom.ready)
             for port in list(stack.metrics_ports.values()):  # every process is a scraped target
                 await asyncio.to_thread(prom.scraped, port)
+            # before any call, admission's per-model gauges are there, at 0 (llm-d's contract reads an
+            # idle server as 0 waiting, not as no series)
+            admission = next(n for n in stack.group.children if n.startswith("admission-"))
+            async with aiohttp.ClientSession() as http, \
+                    http.get(f"http://127.0.0.1:{stack.metrics_ports[admission]}/metrics") as m:
+                idle = {(f.name, sm.labels.get("model")): sm.value
+                        for f in text_string_to_metric_families(await m.text()) for sm in f.samples}
+            for name in ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc",
+                         "talaria_queued_calls", "talaria_running_calls"):
+                assert all(idle.get((name, model)) == 0.0 for model in models), (name, idle)
             client = await TalariaClient.connect(stack.nats_urls, subject_prefix=stack.subject_prefix, silence_s=5.0,
                                                  retries=20, **stack.nats_auth("agent"))
             done: list[str] = []
@@ -134,7 +145,6 @@ async def test_prometheus_totals_equal_the_clients_records_and_the_logs(tmp_path
                 while len(done) < total_calls // 3:
                     assert not replay.done(), replay
                     await asyncio.sleep(0.05)
-                admission = next(n for n in stack.group.children if n.startswith("admission-"))
                 first_port = stack.metrics_ports[admission]
                 killed_at = datetime.now(timezone.utc)
                 stack.group.children[admission].proc.kill()  # the supervisor restarts it, on a new port

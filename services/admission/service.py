@@ -97,6 +97,7 @@ class AdmissionService(ServiceProcess):
         self._release_script = self.redis.register_script(
             "local v = redis.call('GET', KEYS[1]) "
             "if v and string.sub(v, 1, string.len(ARGV[1])) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0")
+        self._gauge()  # (every model's series from the start: a scraper reads 0 on an idle server, not nothing)
         self.spawn(self.timer(), "admission-timer")
         self.spawn(self.heartbeats(), "heartbeats")
         self.spawn(self.mirror(), "mirror")
