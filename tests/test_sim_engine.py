@@ -80,6 +80,30 @@ def test_second_call_of_a_session_prefills_only_new_tokens() -> None:
     assert r1.finished_at == pytest.approx(110.0 + CM.prefill_s(QWEN, 700, prefix) + 200 * CM.itl_s(QWEN, 1, prefix + 700))
 
 
+def test_concurrent_calls_of_a_session_each_find_its_prefix() -> None:
+    """Two calls of one session at once (sub-agents sharing a session id): both reuse
+    what the session holds, as a prefix cache serves blocks in use; a third, arriving
+    while the first still prefills, finds only what that one had cached. Before, the
+    first call took the session's KV and the others found none."""
+    e = engine()
+    e.submit(call("a", "s", 10_000), 0.0)
+    [first] = e.advance(1e6)
+    held = first.prompt_tokens + first.output_tokens
+    t = first.finished_at + 5.0
+    e.submit(call("b", "s", 12_000, prefix=held), t)
+    e.submit(call("c", "s", 11_000, prefix=held), t)
+    e.submit(call("d", "s", 11_000, prefix=held + 500), t)
+    done = {r.call_id: r for r in run_to_end(e)}
+    assert done["b"].cached_tokens == done["c"].cached_tokens == held
+    assert done["d"].cached_tokens == held and done["d"].reprefill_tokens == 500
+    assert e._running_in_session == {}
+    # in the middle of a prefill: what the running call found cached, not its whole prompt
+    e.submit(call("e", "s", 40_000, prefix=1_000), 0.0 + e.t)
+    e.submit(call("f", "s", 40_000, prefix=30_000), e.t)
+    done = {r.call_id: r for r in run_to_end(e)}
+    assert done["f"].cached_tokens == 1_000 and done["f"].reprefill_tokens == 29_000
+
+
 def test_other_sessions_prefix_is_not_reused() -> None:
     e = engine()
     e.submit(call("a0", "A", 8_000), 0.0)

@@ -114,6 +114,7 @@ class SimEngine:
     # changes the answer
     _batch_itl: float | None = None
     _reserved_total: int = 0  # sum of running calls' reserved KV, kept in step with `running` (speed)
+    _running_in_session: dict[str, int] = field(default_factory=dict)  # running calls per session, in step too
 
     # -- lifecycle -------------------------------------------------------------
     def wake(self, now: float, kv_capacity_tokens: int, host_kv: dict[str, int], hbm_kv: dict[str, int] | None = None) -> None:
@@ -198,7 +199,13 @@ class SimEngine:
                 f"{self.kv_capacity_tokens - self.reserved_kv_tokens()} free"
             )
         prefix = call.prefix_tokens
-        cached = min(prefix, self.hbm_kv.pop(call.session_id, 0))
+        held = self.hbm_kv.pop(call.session_id, 0)
+        if self._running_in_session.get(call.session_id):
+            # another call of the session runs (two sub-agents under one session id, say): what it
+            # has prefilled is in HBM and found by this one too, as a prefix cache finds blocks in use
+            held = max([held] + [r.call.prompt_tokens if r.prefill_left <= 0 else r.cached + r.restored
+                                 for r in self.running.values() if r.call.session_id == call.session_id])
+        cached = min(prefix, held)
         restored = 0
         restore_s = 0.0
         # the host copy stays valid after a restore (a prefix's KV never changes),
@@ -223,6 +230,7 @@ class SimEngine:
         )
         self.prefill_queue.append(call.call_id)
         self._reserved_total += call.reserved_tokens
+        self._running_in_session[call.session_id] = self._running_in_session.get(call.session_id, 0) + 1
         self._batch_itl = None
 
     def next_event_at(self) -> float | None:
@@ -292,6 +300,7 @@ class SimEngine:
         if r is None:
             return
         self._reserved_total -= r.call.reserved_tokens
+        self._left_session(r.call.session_id)
         if call_id in self.prefill_queue:
             self.prefill_queue.remove(call_id)
         self._batch_itl = None
@@ -302,9 +311,15 @@ class SimEngine:
             self.hbm_kv[r.call.session_id] = kept
         self._evict_to_fit(0)
 
+    def _left_session(self, session_id: str) -> None:
+        n = self._running_in_session.pop(session_id, 0) - 1
+        if n > 0:
+            self._running_in_session[session_id] = n
+
     def _finish(self, call_id: str) -> CallResult:
         r = self.running.pop(call_id)
         self._reserved_total -= r.call.reserved_tokens
+        self._left_session(r.call.session_id)
         self._batch_itl = None
         self.preempted_tokens.pop(call_id, None)
         c = r.call
