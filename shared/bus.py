@@ -179,13 +179,20 @@ class OrderedWrites:
         self.queue: deque[tuple[Callable[[Any], None], asyncio.Future[None]]] = deque()
         self.wake = asyncio.Event()
         self.late = False  # Redis did not take the write at the head of the queue: later ones wait behind it
+        self.head_since = 0.0  # (monotonic) when the write at the head was first tried
 
     def write(self, build: Callable[[Any], None]) -> asyncio.Future[None]:
         """Queue a write (`build` adds its commands to a transaction); done once Redis took it."""
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        if not self.queue:
+            self.head_since = time.monotonic()
         self.queue.append((build, done))
         self.wake.set()
         return done
+
+    def behind(self, by_s: float) -> bool:
+        """Whether the head of the queue has waited on Redis for `by_s` or more (or failed)."""
+        return self.late or (bool(self.queue) and time.monotonic() - self.head_since >= by_s)
 
     async def run(self) -> None:
         """Write the queue in order, forever (a task of the process)."""
@@ -209,6 +216,7 @@ class OrderedWrites:
             except Exception:  # a write Redis refuses as such (never foreseen): dropped, not retried forever
                 self.log().exception("state.write_failed", writes=self.what)
             self.queue.popleft()
+            self.head_since = time.monotonic()  # (the next one's turn starts now)
             if not done.done():
                 done.set_result(None)
             if self.late:

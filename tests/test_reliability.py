@@ -456,6 +456,52 @@ async def test_a_call_that_ends_while_redis_is_stopped_is_answered_and_its_state
         await svc.stop()
 
 
+async def test_ordered_writes_land_in_order_through_an_outage_and_say_when_they_are_behind() -> None:
+    """`OrderedWrites`: the writes reach Redis in the order they were made, each retried
+    while Redis is away (none dropped, none reordered), and `behind` tells a caller when
+    the head of the queue has waited past its patience, so it need not wait too."""
+    import structlog
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    from shared.bus import OrderedWrites
+
+    landed: list[str] = []
+    away = {"failures": 3}
+
+    class Pipe:
+        def __init__(self) -> None:
+            self.cmds: list[str] = []
+
+        def set(self, key: str) -> None:
+            self.cmds.append(key)
+
+        async def execute(self) -> None:
+            await asyncio.sleep(0.01)
+            if away["failures"] > 0:
+                away["failures"] -= 1
+                raise RedisConnectionError("Redis is away")
+            landed.extend(self.cmds)
+
+    class Redis:
+        def pipeline(self, transaction: bool = True) -> Pipe:
+            return Pipe()
+
+    writes = OrderedWrites(lambda: Redis(), lambda: structlog.get_logger(), "test")  # type: ignore[arg-type,return-value]
+    writes.RETRY_WALL_S = 0.05
+    task = asyncio.ensure_future(writes.run())
+    try:
+        assert not writes.behind(0.1)
+        done = [writes.write(lambda p, k=k: p.set(k)) for k in ("a", "b", "c")]
+        await asyncio.sleep(0.12)
+        assert writes.behind(0.1) and not done[0].done()  # (still failing: later ones wait behind it)
+        await asyncio.wait_for(asyncio.gather(*done), 5.0)
+        assert landed == ["a", "b", "c"] and not writes.behind(0.1) and not writes.late
+        await asyncio.wait_for(writes.write(lambda p: p.set("d")), 1.0)
+        assert landed == ["a", "b", "c", "d"]
+    finally:
+        task.cancel()
+
+
 async def _resident_is(r: aioredis.Redis, keys: Keys, model: str) -> bool:
     from shared.state import decode_server
     return decode_server(await r.hgetall(keys.server(SERVER))).substrate.resident == model

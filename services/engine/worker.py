@@ -323,9 +323,10 @@ class EngineWorker(ServiceProcess):
 
     async def _before_reply(self, written: "asyncio.Future[None]") -> None:
         """Wait for a state write the agent's next call reads, for a moment: where Redis
-        is stalled (its writes already late, or this one not done in FINISH_STATE_WAIT_S)
-        the agent is answered without it, not held for as long as the stall lasts."""
-        if not self.state_writes.late:
+        is stalled (the writes ahead of it already waiting that long, or this one not done
+        in FINISH_STATE_WAIT_S) the agent is answered without it, not held for as long as
+        the stall lasts, and the calls finishing behind it are not held a second each."""
+        if not self.state_writes.behind(FINISH_STATE_WAIT_S):
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(asyncio.shield(written), FINISH_STATE_WAIT_S)
         if not written.done():
