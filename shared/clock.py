@@ -25,6 +25,14 @@ class ScaledClock:
     def wall_s(self, model_s: float) -> float:
         return model_s / self.scale
 
+    def at_source(self, at: float | None, floor: float) -> float:
+        """`at_source` at this clock's now, back at most SOURCE_LAG_MAX_WALL_S of wall
+        time: what held an event up longer than a hop (a stalled Redis under its
+        sender, a stopped process) is time that passed, not latency to take out; taken
+        back whole, a switch held up 30 s ended in the past and its calls' tokens came
+        all at once, their waits under-reported."""
+        return at_source(at, self.now(), floor, SOURCE_LAG_MAX_WALL_S * self.scale)
+
     async def sleep(self, model_s: float) -> None:
         await asyncio.sleep(max(0.0, model_s) / self.scale)
 
@@ -44,12 +52,16 @@ async def done_within(aw: Awaitable[object], timeout_s: float) -> bool:
     return True
 
 
-def at_source(at: float | None, now: float, floor: float) -> float:
+SOURCE_LAG_MAX_WALL_S = 5.0  # how far back an event's source time is taken: a hop's latency, not a stall's
+
+
+def at_source(at: float | None, now: float, floor: float, max_lag: float = float("inf")) -> float:
     """The model time an event takes effect: `at`, when it was decided or
     happened at its source, rather than `now`, when its message landed (wall
     latency, which the time scale multiplies, stays out of the answer); never in
-    the future and never before `floor`, the receiver's last step."""
-    return max(floor, now if at is None else min(at, now))
+    the future, never before `floor`, the receiver's last step, and never more
+    than `max_lag` before `now` (`ScaledClock.at_source`)."""
+    return max(floor, now - max_lag, now if at is None else min(at, now))
 
 
 class LagMonitor:

@@ -45,3 +45,21 @@ def test_the_summary_of_return_delays() -> None:
     s = delay_summary([0.4, 0.1, 0.2, 0.3, 5.0])
     assert s == {"returns": 5, "p50_s": 0.3, "p90_s": 5.0, "max_s": 5.0}
     assert delay_summary([]) == {"returns": 0, "p50_s": 0.0, "p90_s": 0.0, "max_s": 0.0}
+
+
+def test_an_event_is_taken_at_its_source_time_back_by_a_hop_never_by_a_stall() -> None:
+    """`ScaledClock.at_source`: a hop's latency is taken out (the event at its source's
+    model time), a stall's is not: nothing further back than SOURCE_LAG_MAX_WALL_S of
+    wall time, never in the future, never before the receiver's last step."""
+    import time
+
+    from shared.clock import SOURCE_LAG_MAX_WALL_S, ScaledClock, at_source
+
+    clock = ScaledClock(scale=50.0, epoch=time.time() - 1000.0)  # now: about 50,000 model s
+    now = clock.now()
+    assert clock.at_source(now - 10.0, 0.0) == pytest.approx(now - 10.0)  # 0.2 wall s back: a hop
+    assert clock.at_source(now - 30 * 50.0, 0.0) == pytest.approx(now - SOURCE_LAG_MAX_WALL_S * 50.0, abs=1.0)
+    assert clock.at_source(now + 100.0, 0.0) == pytest.approx(now, abs=1.0)
+    assert clock.at_source(None, 0.0) == pytest.approx(now, abs=1.0)
+    assert clock.at_source(now - 10.0, now - 5.0) == pytest.approx(now - 5.0)
+    assert at_source(1.0, 100.0, 0.0) == 1.0  # (no bound unless asked)

@@ -456,6 +456,43 @@ async def test_a_call_that_ends_while_redis_is_stopped_is_answered_and_its_state
         await svc.stop()
 
 
+@pytest.mark.timeout(150)
+async def test_a_switch_while_redis_is_stopped_is_not_held_until_it_returns(
+        nats_server: NatsServer, redis_server: RedisServer, subject_prefix: str, key_prefix: str,
+        tmp_path: Path) -> None:
+    """Redis stopped (SIGSTOP): a call whose model is not the active one is served
+    after its switch, while Redis is still stopped, and so is the switch back. Before,
+    admission's reservation claims and releases and the substrate's view each waited
+    out the Redis commands' retry budget inside the switch (a probe: a call queued
+    across a 30-s stop was dispatched 0.05 s after Redis came back)."""
+    import os
+    import signal
+
+    svc = Services(nats_server.url, redis_server.url, subject_prefix, key_prefix, tmp_path / "logs",
+                   models=[MODEL_A, MODEL_B], policy="talaria")
+    await svc.start()
+    assert redis_server.pid is not None
+    try:
+        async with await TalariaClient.connect(nats_server.url, subject_prefix=subject_prefix, retries=0) as c:
+            sa, sb = await c.open_session(MODEL_A), await c.open_session(MODEL_B)  # (opened while Redis answers)
+            await sa.call(prompt_tokens=300, max_tokens=8, sim_output_tokens=4)
+            # a long call keeps A active; B's call waits in admission for its turn (placed while Redis answers)
+            a = asyncio.ensure_future(sa.call(prompt_tokens=400, max_tokens=25000, sim_output_tokens=20000))
+            await asyncio.sleep(0.3)
+            b = asyncio.ensure_future(sb.call(prompt_tokens=300, max_tokens=8, sim_output_tokens=4))
+            await asyncio.sleep(0.3)
+            os.kill(redis_server.pid, signal.SIGSTOP)
+            try:
+                # A's call ends, the server switches to B and B's call is served, Redis still stopped
+                done = await asyncio.wait_for(asyncio.gather(a, b), 12.0)
+                assert [r.output_tokens for r in done] == [20000, 4]
+            finally:
+                os.kill(redis_server.pid, signal.SIGCONT)
+            assert (await sa.call(prompt_tokens=500, max_tokens=8, sim_output_tokens=4)).output_tokens == 4
+    finally:
+        await svc.stop()
+
+
 async def test_ordered_writes_land_in_order_through_an_outage_and_say_when_they_are_behind() -> None:
     """`OrderedWrites`: the writes reach Redis in the order they were made, each retried
     while Redis is away (none dropped, none reordered), and `behind` tells a caller when

@@ -13,6 +13,8 @@ import asyncio
 import contextlib
 import os
 import time
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import msgspec
 import structlog
@@ -23,7 +25,7 @@ from shared import tracing
 from shared.costmodel import CostModel
 from shared.bus import REDIS_AWAY, RequestInterrupted, RequestLost, ServiceProcess, run_service, trace_headers
 from shared.call_record import CallRecordUnavailable
-from shared.clock import at_source, done_within, drive_timer
+from shared.clock import done_within, drive_timer
 from shared.keys import CALL_TTL_S
 from shared.state import CounterMirror, ServerLoad, add_counters, write_server_load
 from shared.schema import (
@@ -43,6 +45,8 @@ PERSIST_WAIT_WALL_S = 0.5  # wall seconds a submit waits for its durable write b
 DISPATCH_ACK_WALL_S = 1.0  # wall seconds a dispatch may go unacknowledged before it is sent again
 DISPATCH_RETRY_MAX_WALL_S = 10.0  # the longest wait between two sends of a dispatch an engine refused
 MIRROR_COALESCE_S = 0.005  # wall seconds between two writes of the scheduler's mirror
+RESERVATION_MIRROR_WAIT_WALL_S = 1.0  # how long a scheduler step waits on a reservation's claim or release in Redis
+RESERVATION_MIRROR_PAUSE_WALL_S = 5.0  # ... and does without them after one failed (a stalled Redis answers nothing)
 
 
 class AdmissionService(ServiceProcess):
@@ -68,6 +72,7 @@ class AdmissionService(ServiceProcess):
         self._counted = CounterMirror()  # the scheduler's stats already counted in the metrics
         self.arrived_wall: dict[str, float] = {}  # call -> wall time it reached this process (its wait span)
         self.switch_attempt: dict[str, asyncio.Event] = {}  # pending switch -> "ask again" (substrate restarted)
+        self.reservation_mirror_away_until = 0.0  # (monotonic) a claim or release failed: none sent until then
         sid = s.server_id
         self.dispatched: dict[str, RunCall] = {}
         # a dispatch is sent until its engine acknowledges it: only an acknowledged run
@@ -97,6 +102,11 @@ class AdmissionService(ServiceProcess):
         self._release_script = self.redis.register_script(
             "local v = redis.call('GET', KEYS[1]) "
             "if v and string.sub(v, 1, string.len(ARGV[1])) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0")
+        # claim: one server's per session; this server's own (a release Redis missed while away) is renewed
+        self._claim_script = self.redis.register_script(
+            "local v = redis.call('GET', KEYS[1]) "
+            "if (not v) or string.sub(v, 1, string.len(ARGV[1])) == ARGV[1] then "
+            "redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3]) return 1 end return 0")
         self._gauge()  # (every model's series from the start: a scraper reads 0 on an idle server, not nothing)
         self.spawn(self.timer(), "admission-timer")
         self.spawn(self.heartbeats(), "heartbeats")
@@ -460,7 +470,7 @@ class AdmissionService(ServiceProcess):
         call's arrival at the router, an engine's finish, a switch's end), so
         the wall latency of the message, which the time scale multiplies, does
         not leak into decisions; never earlier than the last step."""
-        actions = self.scheduler.step(event, at_source(at, self.clock.now(), self.scheduler.last_step_at))
+        actions = self.scheduler.step(event, self.clock.at_source(at, self.scheduler.last_step_at))
         await self.apply(actions)
         self.wakeup.set()
         self.dirty.set()
@@ -564,27 +574,41 @@ class AdmissionService(ServiceProcess):
             await self.apply(self.scheduler.forget(cid, self.scheduler.last_step_at))
 
     async def _claim(self, session_id: str) -> bool:
-        """Mirror a reservation into Redis atomically: one claim per session
-        (SET NX), expiring in model time (PX = hold / time scale)."""
+        """Mirror a reservation into Redis atomically: one server's claim per session,
+        expiring in model time (PX = hold / time scale)."""
         res = self.scheduler.reservations.get(session_id)
         if res is None:
             return False
         ttl_ms = max(1, int(self.clock.wall_s(res.expires_at - self.clock.now()) * 1000))
         value = f"{self.settings.server_id}|{res.expires_at:.3f}"
-        try:
-            ok = await self.redis.set(self.keys.reservation(session_id), value, nx=True, px=ttl_ms)
-        except Exception as exc:  # Redis away: the claim stays local (soft state)
-            self.log.warning("reservation.mirror_failed", error=str(exc))
+        ok = await self._mirror_reservation(lambda: self._claim_script(
+            keys=[self.keys.reservation(session_id)], args=[f"{self.settings.server_id}|", value, ttl_ms]), "claim")
+        if ok is None:  # Redis away: the claim stays local (soft state)
             return True
         if not ok:
             self.log.info("reservation.refused", session_id=session_id, reason="claimed elsewhere")
         return bool(ok)
 
     async def _release(self, session_id: str) -> None:
+        # (not released where Redis is away: the mirrored claim expires with its hold)
+        await self._mirror_reservation(lambda: self._release_script(
+            keys=[self.keys.reservation(session_id)], args=[f"{self.settings.server_id}|"]), "release")
+
+    async def _mirror_reservation(self, op: Callable[[], Awaitable[Any]], what: str) -> Any:
+        """A reservation's mirror step, in the scheduler's step: waited on for a moment
+        (RESERVATION_MIRROR_WAIT_WALL_S), then none for RESERVATION_MIRROR_PAUSE_WALL_S,
+        so a stalled Redis does not hold every finish and switch behind it for its
+        commands' retry budget (seen: a slot drained 33 s late). None where not done."""
+        if time.monotonic() < self.reservation_mirror_away_until:
+            return None
         try:
-            await self._release_script(keys=[self.keys.reservation(session_id)], args=[f"{self.settings.server_id}|"])
-        except Exception as exc:
-            self.log.warning("reservation.release_failed", error=str(exc))
+            async with asyncio.timeout(RESERVATION_MIRROR_WAIT_WALL_S):
+                return await op()
+        except Exception as exc:  # noqa: BLE001 - soft state: the scheduler's own view stands
+            self.reservation_mirror_away_until = time.monotonic() + RESERVATION_MIRROR_PAUSE_WALL_S
+            self.log.warning(f"reservation.{'mirror' if what == 'claim' else what}_failed",
+                             error=type(exc).__name__, paused_s=RESERVATION_MIRROR_PAUSE_WALL_S)
+            return None
 
     async def _switch(self, old: str | None, new: str) -> None:
         """Ask the substrate for a switch until it is done. The substrate says it has the

@@ -30,7 +30,7 @@ from services.engine.sim_engine import CallResult, EngineCall, SimEngine
 from services.engine.worker import EngineBackend, EngineWorker
 from shared import state, synthetic_json, tool_calls
 from shared.bus import REDIS_AWAY
-from shared.clock import at_source, drive_timer
+from shared.clock import drive_timer
 from shared.costmodel import MEDIAN_OUTPUT_TOKENS, CostModel
 from shared.schema import CallReply, CallRunning, KvSpilled, RunCall, Wake, encode
 
@@ -190,7 +190,7 @@ class SimBackend(EngineBackend):
         with structlog.contextvars.bound_contextvars(session_id=c.session_id, call_id=c.call_id):
             # start at the dispatch's own model time (not when the message landed), never
             # before the engine's clock: message latency stays out of the model's answer
-            now = at_source(rc.dispatched_at, w.clock.now(), self.engine.t)
+            now = w.clock.at_source(rc.dispatched_at, self.engine.t)
             self.engine.submit(
                 EngineCall(c.call_id, c.session_id, c.model, c.prompt_tokens, c.prefix_tokens,
                            c.max_tokens, stop_tokens(rc, self.tool_format), rc.reserved_tokens),
@@ -218,13 +218,13 @@ class SimBackend(EngineBackend):
             self.engine.kv_capacity_tokens = cmd.kv_capacity_tokens
         else:
             # awake from the switch's end in model time, not from when the message landed
-            self.engine.wake(at_source(cmd.at, now, self.engine.t), cmd.kv_capacity_tokens, cmd.host_kv)
+            self.engine.wake(self.worker.clock.at_source(cmd.at, self.engine.t), cmd.kv_capacity_tokens, cmd.host_kv)
         self.worker.log.info("engine.wake", kv_capacity_tokens=cmd.kv_capacity_tokens, host_kv_sessions=len(cmd.host_kv),
                              at=round(now, 3))
 
     async def abort(self, call_id: str, at: float | None) -> None:
         # preempted at admission's decision time, not when the message landed
-        self.engine.abort(call_id, at_source(at, self.worker.clock.now(), self.engine.t))
+        self.engine.abort(call_id, self.worker.clock.at_source(at, self.engine.t))
         self.calls.pop(call_id, None)
         self.streamed.pop(call_id, None)
 

@@ -39,6 +39,7 @@ from nats.aio.msg import Msg
 from shared import state, tracing
 from shared.bus import OrderedWrites, ServiceProcess, trace_headers
 from shared.call_record import Claim
+from shared.clock import done_within
 from shared.prompt_store import PromptStore
 from shared.schema import (
     Abort, CallFinished, CallReply, CallTokens, ControlAccepted, ControlOk, EngineAnnounce, EngineState, ForgetHostKv, ListCalls,
@@ -327,8 +328,7 @@ class EngineWorker(ServiceProcess):
         in FINISH_STATE_WAIT_S) the agent is answered without it, not held for as long as
         the stall lasts, and the calls finishing behind it are not held a second each."""
         if not self.state_writes.behind(FINISH_STATE_WAIT_S):
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(asyncio.shield(written), FINISH_STATE_WAIT_S)
+            await done_within(asyncio.shield(written), FINISH_STATE_WAIT_S)
         if not written.done():
             self.log.warning("engine.reply_before_state", pending=len(self.state_writes.queue))
 

@@ -18,7 +18,6 @@ from nats.aio.msg import Msg
 from shared.costmodel import CostModel
 from services.substrate.ledger import SubstrateLedger
 from shared.bus import REDIS_AWAY, RequestInterrupted, RequestLost, ServiceProcess, run_service
-from shared.clock import at_source
 from shared.state import SubstrateView, decode_server, write_substrate_view
 from shared.schema import (
     ApiError, ControlOk, EngineState, ForgetHostKv, ListCalls, Sleep, StageRequest, SubstrateAnnounce, SwitchAccepted,
@@ -31,6 +30,7 @@ from shared.schema import (
 CONTROL_RESENDS_ON_RESTART = 3  # a worker that restarts more often than this during one command fails the switch
 CONTROL_ACK_WALL_S = 1.0  # wall seconds a Sleep/Wake may go unacknowledged before it is sent again
 MIRROR_RETRY_WALL_S = 1.0  # how often a view Redis did not take is written again
+MIRROR_WAIT_WALL_S = 1.0   # how long a switch waits on its view's write before it goes on without it
 
 
 class SubstrateManager(ServiceProcess):
@@ -138,7 +138,7 @@ class SubstrateManager(ServiceProcess):
         match req:
             case StageRequest(model=m, requested_at=at):
                 if m in self.ledger.models:
-                    st = self.ledger.stage(m, at_source(at, self.clock.now(), self.last_switch_end))
+                    st = self.ledger.stage(m, self.clock.at_source(at, self.last_switch_end))
                     if st is not None:
                         self.log.info("substrate.stage", model=m, staged_gb=round(st.nbytes / 1e9, 1))
                     await self._mirror_or_defer()
@@ -222,7 +222,7 @@ class SubstrateManager(ServiceProcess):
             # the requester's view is stale (it restarted): put to sleep what is really awake
             self.log.warning("substrate.switch_from_corrected", asked=req.from_model, active=self.ledger.active)
             req = SwitchRequest(from_model=self.ledger.active, to_model=req.to_model, requested_at=req.requested_at)
-        await self._do_switch(req, reply, at_source(req.requested_at, self.clock.now(), self.last_switch_end))
+        await self._do_switch(req, reply, self.clock.at_source(req.requested_at, self.last_switch_end))
 
     async def _do_switch(self, req: SwitchRequest, reply: str | None, t0: float) -> None:
         kv_out: dict[str, int] = {}
@@ -260,8 +260,10 @@ class SubstrateManager(ServiceProcess):
         if self.mirror_behind:  # (Redis is away: the loop writes the latest view when it answers)
             return
         try:
-            await self._mirror()
-        except REDIS_AWAY as exc:
+            # (a stalled Redis is waited on for a moment, not for the commands' whole retry budget)
+            async with asyncio.timeout(MIRROR_WAIT_WALL_S):
+                await self._mirror()
+        except (TimeoutError, *REDIS_AWAY) as exc:
             self.log.warning("substrate.mirror_deferred", error=type(exc).__name__)
             if not self.mirror_behind:
                 self.mirror_behind = True
