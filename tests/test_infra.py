@@ -612,3 +612,32 @@ async def test_a_child_killed_as_hung_restarts_at_once_even_right_after_a_restar
         group.kill_hung("steady")  # never marked healthy since: a plain kill would wait 2 s
         await until(lambda: child.restarts == 2 and child.running, DEADLINE_S)
         assert time.monotonic() - t0 < 1.5, f"restarted {time.monotonic() - t0:.1f} s after the hang kill"
+
+
+def test_a_stack_claiming_a_log_folder_sets_the_last_runs_logs_aside(tmp_path: Path) -> None:
+    """`talaria up` again in the same folder: the last run's logs go to `previous/` (one run
+    deep), so the services' appended files and `talaria logs` do not mix two runs; what
+    else is in the folder stays."""
+    from shared.policy import resolve_policy
+    from talaria.ops.sessionlog import session_lines
+    from talaria.ops.stack import PREVIOUS_LOGS_DIR, EmbeddedStack, StackSpec
+
+    def claim() -> None:
+        stack = EmbeddedStack(StackSpec(policy=resolve_policy("talaria"), log_dir=tmp_path))
+        stack.claim_log_dir()
+        assert stack._lock_fd is not None
+        os.close(stack._lock_fd)
+
+    (tmp_path / "nats-cluster").mkdir()
+    (tmp_path / "nats-cluster" / "stream.dat").write_text("kept")
+    line = '{"event": "router.placed", "session_id": "s1", "timestamp": "2026-12-05T00:00:0%dZ"}\n'
+    (tmp_path / "router-a.log").write_text(line % 1)
+    claim()
+    assert (tmp_path / PREVIOUS_LOGS_DIR / "router-a.log").read_text() == line % 1
+    assert not list(tmp_path.glob("*.log")) and (tmp_path / "nats-cluster" / "stream.dat").read_text() == "kept"
+    (tmp_path / "router-a.log").write_text(line % 2)  # the next run's
+    assert set(session_lines(tmp_path, "s1")) == {tmp_path, tmp_path / PREVIOUS_LOGS_DIR}  # apart, not merged
+    claim()
+    assert (tmp_path / PREVIOUS_LOGS_DIR / "router-a.log").read_text() == line % 2  # one run deep
+    claim()  # nothing to set aside: the previous run's stay
+    assert (tmp_path / PREVIOUS_LOGS_DIR / "router-a.log").read_text() == line % 2

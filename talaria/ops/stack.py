@@ -12,6 +12,7 @@ import asyncio
 import fcntl
 import os
 import secrets
+import shutil
 import sys
 import time
 import uuid
@@ -67,6 +68,23 @@ def lock_log_dir(log_dir: Path) -> int:
     os.ftruncate(fd, 0)
     os.pwrite(fd, str(os.getpid()).encode(), 0)
     return fd
+
+
+PREVIOUS_LOGS_DIR = "previous"  # where a log folder's last run's logs are kept when a new stack claims it
+
+
+def set_aside_logs(log_dir: Path) -> list[Path]:
+    """Move the `*.log` files a stack left in `log_dir` to `log_dir/previous/` (its former
+    content dropped); the folder's other files (a NATS cluster's storage) stay."""
+    old = sorted(log_dir.glob("*.log"))
+    if not old:
+        return []
+    previous = log_dir / PREVIOUS_LOGS_DIR
+    shutil.rmtree(previous, ignore_errors=True)
+    previous.mkdir()
+    for f in old:
+        f.rename(previous / f.name)
+    return old
 
 
 @dataclass
@@ -219,9 +237,12 @@ class EmbeddedStack:
         return self._lock_fd is not None
 
     def claim_log_dir(self) -> None:
-        """Hold the log folder for this stack (LogDirInUse if another runs from it); start does."""
+        """Hold the log folder for this stack (LogDirInUse if another runs from it); start does.
+        The logs of a stack that ran from it before go to `previous/` (one run deep): the
+        services append to their files, and `talaria logs` would merge the two runs' lines."""
         if self._lock_fd is None:
             self._lock_fd = lock_log_dir(self.log_dir)
+            set_aside_logs(self.log_dir)
 
     async def start(self, timeout_s: float = 90.0) -> None:
         self.claim_log_dir()
