@@ -28,9 +28,9 @@ import functools
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from pathlib import Path
-from typing import Self
+from typing import Any, Self
 
 import msgspec
 import nats
@@ -44,7 +44,7 @@ from opentelemetry.trace import SpanKind
 from shared.schema import (
     ApiError, CallAccepted, CallEvent, CallQueued, CallReceived, CallReply, CallRequest, CallRunning, CallTokens, CancelCall, EngineHint,
     EndSession, Info,
-    PROMPT_INLINE_MAX_BYTES, InfoRequest, OpenSession, PromptPayload, Sampling, SessionOpened, api_reply_decoder,
+    PROMPT_INLINE_MAX_BYTES, InfoRequest, OpenSession, PromptPayload, PromptRef, Sampling, SessionOpened, api_reply_decoder,
     call_event_decoder, encode,
 )
 from shared import tracing
@@ -155,6 +155,7 @@ class TalariaClient:
         self.client_id = f"{namespace}.{uuid.uuid4().hex[:12]}"
         self.prompt_inline_max_bytes = PROMPT_INLINE_MAX_BYTES  # larger real prompts go by reference
         self._prompts: PromptStore | None = None
+        self._background: set[asyncio.Task[None]] = set()  # best-effort steps after a call (held from the GC)
         # a call nobody answers at all (taken by a router that hung or died) is sent again after this
         self.accept_timer = AcceptTimer(ceiling_s=silence_s)
 
@@ -243,6 +244,20 @@ class TalariaClient:
                 raise_for(out)
             return out
         raise CallTimeout("timeout", f"no router answered on {subject} ({type(last).__name__})")
+
+    async def _forget_prompt(self, name: str) -> None:
+        """Delete a prompt this client put for a call it gave up on (a retry puts it again)."""
+        if self._prompts is not None:
+            await self._prompts.delete(PromptRef(namespace=self.namespace, name=name))
+
+    def _spawn_quietly(self, coro: Coroutine[Any, Any, None]) -> None:
+        """A best-effort step after the call is over (a NATS away: its entry ages out)."""
+        async def quietly() -> None:
+            with contextlib.suppress(Exception):
+                await coro
+        task = asyncio.ensure_future(quietly())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def _put_prompt(self, name: str, data: bytes) -> None:
         if self._prompts is None:
@@ -409,6 +424,8 @@ class TalariaClient:
                     await self.nc.publish(self.subjects.call_cancel(self.namespace), encode(CancelCall(call_id=cid)))
                 except Exception:
                     pass
+                if prompt_ref is not None:  # no engine answers it now to delete it: not kept for the store's age
+                    self._spawn_quietly(self._forget_prompt(prompt_ref))
             await sub.unsubscribe()
             call_span.__exit__(None, None, None)
 

@@ -26,6 +26,7 @@ from typing import Any
 import msgspec
 
 from shared.keys import SESSION_TTL_S, Keys
+from shared.policy import DECISION_HISTORY
 
 COUNTER_PREFIX = "stat_"
 BUSY_PREFIX = "busy_s_"  # a counter per engine: model seconds with a call running
@@ -206,5 +207,6 @@ def record_finish(pipe: Any, keys: Keys, session_id: str, server_id: str, finish
     skey = keys.session(session_id)
     pipe.hset(skey, mapping={"last_finish": repr(finished_at), "last_server": server_id})
     pipe.rpush(keys.session_outputs(session_id), output_tokens)
+    pipe.ltrim(keys.session_outputs(session_id), -DECISION_HISTORY, -1)  # (all a decision reads)
     pipe.expire(skey, SESSION_TTL_S)
     pipe.expire(keys.session_outputs(session_id), SESSION_TTL_S)

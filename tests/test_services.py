@@ -632,6 +632,37 @@ async def test_a_large_prompt_goes_by_reference_and_is_deleted_after_the_reply(s
         await sub.unsubscribe()
 
 
+async def test_a_prompt_sent_by_reference_is_deleted_when_its_call_is_given_up(nc: NATS, stack: "Services",
+                                                                                 client: TalariaClient) -> None:
+    """An agent that gives up on a call (its caller cancelled it mid-run) deletes the prompt
+    it put in the store: no engine answers it now to delete it, and a big prompt left for
+    the store's age (6 h) filled it with abandoned streams (a soak probe: about 108 KB
+    each). A retry puts it again."""
+    text = "word " * 30_000
+    sess = await client.open_session(MODEL_A)
+    call = asyncio.ensure_future(sess.call(prompt_tokens=30_000, max_tokens=25_000, prompt_text=text,
+                                           sim_output_tokens=20_000, call_id="gone#0"))
+    store = PromptStore(nc, stack.subject_prefix)
+    ref = PromptRef(namespace=AGENT_NAMESPACE, name=object_name(sess.session_id, "gone#0"))
+    for _ in range(50):  # in the store while the call runs
+        if await store.get(ref) is not None:
+            break
+        await asyncio.sleep(0.05)
+    assert await store.get(ref) is not None
+    await asyncio.sleep(0.5)
+    call.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await call
+    for _ in range(50):
+        if await store.get(ref) is None:
+            break
+        await asyncio.sleep(0.1)
+    assert await store.get(ref) is None, "a given-up call's prompt stayed in the store"
+    reply = await sess.call(prompt_tokens=30_000, max_tokens=16, prompt_text=text, sim_output_tokens=8,
+                            call_id="gone#1")  # the session goes on
+    assert reply.output_tokens == 8
+
+
 class BigNats(NatsServer):
     """A nats-server whose max_payload lets a message over the router's front-door limit through."""
 
@@ -702,6 +733,23 @@ async def test_client_session_calls_cache_and_duplicates(stack: Services, client
     assert sum(1 for d in eng if d.get("event") == "engine.finished" and d.get("call_id") == cid) == 1
     outputs = await redis_client.lrange(f"{stack.key_prefix}session:{sess.session_id}:outputs", 0, -1)
     assert [int(x) for x in outputs] == [out1, 50]
+    await sess.end()
+
+
+async def test_a_sessions_decision_history_keeps_what_decisions_read(stack: Services, client: TalariaClient,
+                                                                        redis_client: aioredis.Redis) -> None:
+    """A session's tool gaps and outputs in Redis are the last DECISION_HISTORY, all a
+    decision reads: a long-lived session's lists grew by one entry a call for as long as
+    it kept coming back (a soak probe: 213 each), its TTL renewed every call."""
+    from shared.policy import DECISION_HISTORY
+
+    sess = await client.open_session(MODEL_A)
+    for i in range(DECISION_HISTORY + 4):
+        await sess.call(prompt_tokens=100 + 10 * i, prefix_tokens=0, max_tokens=8, sim_output_tokens=1 + i % 5)
+    key = f"{stack.key_prefix}session:{sess.session_id}"
+    outputs = [int(x) for x in await redis_client.lrange(f"{key}:outputs", 0, -1)]
+    assert outputs == [1 + i % 5 for i in range(4, DECISION_HISTORY + 4)]
+    assert await redis_client.llen(f"{key}:gaps") == DECISION_HISTORY
     await sess.end()
 
 

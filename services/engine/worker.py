@@ -318,7 +318,7 @@ class EngineWorker(ServiceProcess):
                 self.answered_here.popitem(last=False)
             await self.nc.publish(rc.reply_to, data, headers=hdrs)
             self._count(rc, reply, first)
-            await self._forget_prompt(rc)
+        await self._forget_prompt(rc)  # (a cancelled call's too: a retry sends its prompt again)
         # admission's state machine advances on this, whatever the backend
         await self._tell_admission(reply.call_id, reply.session_id, context_tokens, reply.finished_at, hdrs)
 
@@ -409,6 +409,7 @@ class EngineWorker(ServiceProcess):
             self.claims.pop(c.call_id, None)
             self.asked_by.pop(c.call_id, None)
             self.log.info("engine.cancelled_before_start", call_id=c.call_id, session_id=pending.session_id)
+            await self._forget_prompt(pending)
             await self._tell_admission(c.call_id, pending.session_id, 0)
             return
         if self.backend.holds(c.call_id):

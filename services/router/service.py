@@ -354,6 +354,7 @@ class Router(ServiceProcess):
         pipe = self.redis.pipeline(transaction=False)
         if last_finish is not None and calls_before > 0 and not retry:
             pipe.rpush(self.keys.session_gaps(req.session_id), f"{max(0.0, now - last_finish):.4f}")
+            pipe.ltrim(self.keys.session_gaps(req.session_id), -DECISION_HISTORY, -1)  # (all a decision reads)
         if not retry:
             state.count_call(pipe, self.keys, req.session_id)
         if calls_before == 0 and not retry:
