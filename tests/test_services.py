@@ -15,6 +15,7 @@ import sys
 import signal
 import time
 import uuid
+from collections.abc import Awaitable
 from pathlib import Path
 from typing import Any
 
@@ -734,6 +735,48 @@ async def test_client_session_calls_cache_and_duplicates(stack: Services, client
     outputs = await redis_client.lrange(f"{stack.key_prefix}session:{sess.session_id}:outputs", 0, -1)
     assert [int(x) for x in outputs] == [out1, 50]
     await sess.end()
+
+
+@pytest.mark.timeout(60)
+async def test_kv_reported_after_its_sessions_release_is_released_when_the_release_settles(
+        nats_server: NatsServer, redis_server: RedisServer, subject_prefix: str, key_prefix: str,
+        tmp_path: Path, redis_client: aioredis.Redis) -> None:
+    """An engine's spill of a session's KV that lands at the substrate after the session's
+    release (the engine spilled before it heard the release) is booked in host memory,
+    then released once the release has settled; before, it stayed booked for good."""
+    from shared.schema import KvSpilled, SessionReleased
+    from shared.state import decode_server
+
+    svc = Services(nats_server.url, redis_server.url, subject_prefix, key_prefix, tmp_path / "logs",
+                   models=[MODEL_A], which=("substrate",), policy="talaria")
+    await svc.start()
+    nc = NATS()
+    await nc.connect(nats_server.url)
+    key = Keys(key_prefix).server(SERVER)
+
+    async def host_kv_gb() -> float:
+        return decode_server(await redis_client.hgetall(key)).substrate.host_kv_gb
+
+    try:
+        await nc.publish(svc.subjects.session_released, encode(SessionReleased(session_id="gone", reason="idle",
+                                                                               server_id=SERVER)))
+        await nc.publish(svc.subjects.kv_spilled(SERVER), encode(KvSpilled(server_id=SERVER, model=MODEL_A,
+                                                                           sessions={"gone": 100_000})))
+        def said(event: str) -> list[dict[str, Any]]:
+            return [d for d in svc.log_lines(svc.substrate) if d.get("event") == event]
+
+        await until(lambda: said("substrate.kv_spilled"), 5.0, "the late spill was not heard")
+        assert said("substrate.kv_spilled")[0]["host_kv_gb"] > 1.0  # booked, the release before it
+        await until(lambda: said("substrate.released_kv_dropped"), 15.0, "the late spill stayed booked")
+        assert said("substrate.released_kv_dropped")[0]["host_kv_gb"] == 0.0
+        await until(lambda: _is_zero(host_kv_gb()), 5.0, "the view still books it")
+    finally:
+        await nc.close()
+        await svc.stop()
+
+
+async def _is_zero(value: Awaitable[float]) -> bool:
+    return await value == 0.0
 
 
 async def test_a_sessions_decision_history_keeps_what_decisions_read(stack: Services, client: TalariaClient,

@@ -270,7 +270,9 @@ class SubstrateLedger:
                     lost.append(key[1])
         return lost
 
-    def forget_session(self, session_id: str) -> None:
-        """A session ended (or idled out): its host KV is released."""
+    def forget_session(self, session_id: str) -> int:
+        """A session ended (or idled out): its host KV is released. Returns the tokens released."""
+        released = 0
         for key in [k for k in self.host_kv if k[1] == session_id]:
-            del self.host_kv[key]
+            released += self.host_kv.pop(key)
+        return released

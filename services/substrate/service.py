@@ -31,6 +31,7 @@ CONTROL_RESENDS_ON_RESTART = 3  # a worker that restarts more often than this du
 CONTROL_ACK_WALL_S = 1.0  # wall seconds a Sleep/Wake may go unacknowledged before it is sent again
 MIRROR_RETRY_WALL_S = 1.0  # how often a view Redis did not take is written again
 MIRROR_WAIT_WALL_S = 1.0   # how long a switch waits on its view's write before it goes on without it
+RELEASE_SETTLE_WALL_S = 5.0  # after a session's release, when KV reports that raced it have all landed
 
 
 class SubstrateManager(ServiceProcess):
@@ -117,6 +118,19 @@ class SubstrateManager(ServiceProcess):
         if ev.applies_to(self.settings.server_id):
             self.ledger.forget_session(ev.session_id)
             self.log.info("substrate.session_released", session_id=ev.session_id, reason=ev.reason,
+                          host_kv_gb=round(self.ledger.host_kv_bytes() / 1e9, 1))
+            await self._mirror_or_defer()
+            self.spawn(self._forget_again(ev.session_id), "release settles")
+
+    async def _forget_again(self, session_id: str) -> None:
+        """A release settles over the bus: an engine's report of KV it held before it heard
+        the release (a switch's Sleep, a spill) can land here after it, and booked the
+        session's KV in host memory for good (a soak probe: 179 MB booked with every
+        session released). What such a report booked is released once they have landed."""
+        await asyncio.sleep(RELEASE_SETTLE_WALL_S)
+        tokens = self.ledger.forget_session(session_id)
+        if tokens:
+            self.log.info("substrate.released_kv_dropped", session_id=session_id, kv_tokens=tokens,
                           host_kv_gb=round(self.ledger.host_kv_bytes() / 1e9, 1))
             await self._mirror_or_defer()
 
