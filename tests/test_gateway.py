@@ -1113,6 +1113,58 @@ async def test_responses_without_a_store_say_so_and_a_store_that_is_away_is_unav
         await bus.close()
 
 
+class _StalledRedis:
+    """A Redis stopped (SIGSTOP): it takes every command and answers none."""
+
+    def __getattr__(self, name: str) -> Any:
+        async def stalled(*args: Any, **kwargs: Any) -> Any:
+            await asyncio.sleep(3600)
+        return stalled
+
+    def pipeline(self, *args: Any, **kwargs: Any) -> Any:
+        return self
+
+    async def __aenter__(self) -> Any:
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        return None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self
+
+
+@pytest.mark.timeout(60)
+async def test_a_stalled_redis_holds_a_call_up_a_moment_not_for_its_commands_budget(
+        refusing_gateway: tuple[str, dict[str, Any]], nats_server: NatsServer) -> None:
+    """A stopped Redis answers no command at all: the gateway's soft state (the session's
+    prefix, a retry's call, a stored response) is waited on for SOFT_STATE_WAIT_S, then
+    done without, so the agent hears its answer (here a reply and a stored: false) in
+    about that long rather than after the commands' socket timeouts and retries (a
+    probe: 503s of 4-8 s under a stopped Redis)."""
+    from services.gateway.service import SOFT_STATE_WAIT_S
+
+    _, ctl = refusing_gateway
+    settings = Settings(nats_urls=[nats_server.url], subject_prefix=ctl["prefix"], gateway_host="127.0.0.1",
+                        gateway_port=0, api_keys="t:k")
+    bus = await TalariaClient.connect([nats_server.url], subject_prefix=settings.subject_prefix,
+                                      namespace=GATEWAY_NAMESPACE)
+    runner, port = await start_gateway(settings, bus, redis=_StalledRedis())  # type: ignore[arg-type]
+    try:
+        client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="k", max_retries=0)
+        t0 = time.monotonic()
+        r = await client.responses.create(model=MODEL, input=f"{THOUGHT_MARK}: why?",
+                                          extra_headers={"x-session-id": "stalled-1"})
+        assert r.output_text == "Fixed it." and r.store is False
+        assert time.monotonic() - t0 < 3 * SOFT_STATE_WAIT_S
+        t0 = time.monotonic()  # within the pause: not waited on at all
+        r = await client.responses.create(model=MODEL, input=f"{THOUGHT_MARK}: and?")
+        assert r.output_text == "Fixed it." and time.monotonic() - t0 < SOFT_STATE_WAIT_S
+    finally:
+        await runner.cleanup()
+        await bus.close()
+
+
 class _StoreFailsRedis:
     """A Redis whose writes of stored responses fail (it stalled between a call's soft
     steps and its response's store); everything else reaches the real one. Counts them."""

@@ -71,6 +71,7 @@ MODELS_TTL_S = 5.0             # how long the served-model list is reused
 BUSY_TTL_S = 3600.0            # a header-less session's in-flight mark outlives any call (and is deleted after it)
 BUS_RETRY_AFTER_S = 2.0        # what a request refused while NATS is away is told to wait (a reconnect takes seconds)
 SOFT_STATE_PAUSE_S = 5.0       # how long the gateway does without its soft state after Redis failed to answer
+SOFT_STATE_WAIT_S = 1.0        # how long one soft step waits on Redis (a stalled one answers nothing at all)
 RETRY_WINDOW_S = 3600          # how long a first attempt's call id waits for its SDK's retries (timeouts x retries: minutes)
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 REQUEST_ID_HEADER, ANTHROPIC_REQUEST_ID_HEADER = "x-request-id", "request-id"
@@ -523,8 +524,9 @@ class Gateway:
         if time.monotonic() < self.soft_state_away_until:  # (Redis just failed to answer: not waited on again)
             return False
         try:
-            await self.redis.set(self._response_key(tenant, response["id"]), tr.stored_response(conversation, response),
-                                 ex=self.settings.gateway_responses_ttl_s)
+            async with asyncio.timeout(SOFT_STATE_WAIT_S):  # (the reply is held for it)
+                await self.redis.set(self._response_key(tenant, response["id"]),
+                                     tr.stored_response(conversation, response), ex=self.settings.gateway_responses_ttl_s)
             return True
         except Exception as exc:  # noqa: BLE001 - the reply matters more than its copy
             self.soft_state_away_until = time.monotonic() + SOFT_STATE_PAUSE_S  # (as a failed soft step)
@@ -639,12 +641,14 @@ class Gateway:
     async def _soft(self, op: Callable[[], Awaitable[Any]], fallback: Any) -> Any:
         """A step on the gateway's soft state: without Redis (or with it away) the call
         goes on as if nothing were known (its engine's own cache still reuses what it holds).
-        One that fails sets the state aside for SOFT_STATE_PAUSE_S: a stalled Redis answers
-        each command only with its timeout, and a request makes several."""
+        One that fails, or takes SOFT_STATE_WAIT_S, sets the state aside for SOFT_STATE_PAUSE_S:
+        a stalled Redis answers each command only with its timeout, and a request makes several."""
         if self.redis is None or time.monotonic() < self.soft_state_away_until:
             return fallback
         try:
-            return await op()
+            # (not the commands' own retry budget: the call goes on without what it would have known)
+            async with asyncio.timeout(SOFT_STATE_WAIT_S):
+                return await op()
         except Exception as exc:  # noqa: BLE001 - soft state: log, do without
             self.soft_state_away_until = time.monotonic() + SOFT_STATE_PAUSE_S
             self.log.warning("gateway.prefix_state_unavailable", error=type(exc).__name__,
