@@ -137,6 +137,11 @@ class Keys:
         """String: the session a header-less call was given, so its HTTP retry lands there too."""
         return f"{self.prefix}gw:call:{call_id}"
 
+    def gateway_item(self, item_digest: str) -> str:
+        """String: the stored response (its id) whose output holds an item (per tenant), for
+        an `item_reference` to it (`translate.item_digest`)."""
+        return f"{self.prefix}gw:item:{item_digest}"
+
     def gateway_response(self, response_digest: str) -> str:
         """String: a stored Responses-API response (per tenant): the conversation it ends and
         the response object, compressed (`translate.stored_response`)."""
@@ -168,4 +173,6 @@ DURABILITY: dict[str, Durability] = {
     "gateway_request": "soft",         # (lost: an SDK retry becomes a call of its own)
     "gateway_idempotency": "soft",     # (lost: a key reused with another request is its own call, never refused)
     "gateway_call": "soft",            # (a retry after its loss is answered by the call record if its session matches again)
+    "gateway_response": "soft",        # (lost: a continuation of it is previous_response_not_found, as an expired one)
+    "gateway_item": "soft",            # (lost: a reference to the item is not found, as an expired one's)
 }

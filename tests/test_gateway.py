@@ -429,6 +429,29 @@ def test_a_responses_request_continues_the_stored_conversation_it_names() -> Non
     assert tr.response_digest("a", "resp_1") != tr.response_digest("b", "resp_1")
 
 
+def test_an_item_reference_reads_as_the_stored_item_and_an_item_twice_is_refused() -> None:
+    """`item_reference`: replaced by the stored item it names, a missing one refused in
+    OpenAI's words naming its `input[i]`; an item sent twice (or sent again after the
+    stored conversation that holds it) is refused as OpenAI refuses it."""
+    body = {"model": MODEL, "input": [{"role": "user", "content": "q"}, {"type": "item_reference", "id": "msg_1"}]}
+    item = {"type": "message", "id": "msg_1", "role": "assistant", "content": [{"type": "output_text", "text": "a"}]}
+    assert tr.item_references(body) == {"msg_1": 1}
+    assert tr.with_items_resolved(body, {"msg_1": item})["input"][1] == item
+    with pytest.raises(tr.BadRequest) as e:
+        tr.with_items_resolved(body, {})
+    assert e.value.param == "input[1]" and str(e.value) == "Item with id 'msg_1' not found."
+    with pytest.raises(tr.BadRequest) as e:
+        tr.item_references({"input": [{"type": "item_reference"}]})
+    assert e.value.param == "input[0].id"
+    with pytest.raises(tr.BadRequest) as e:
+        tr.responses_request({"model": MODEL, "input": [item, item]})
+    assert e.value.param == "input[1]" and "Duplicate item found with id msg_1" in str(e.value)
+    with pytest.raises(tr.BadRequest) as e:
+        tr.responses_request({"model": MODEL, "input": [item]}, [item])
+    assert e.value.param == "input[0]"
+    assert tr.responses_request({"model": MODEL, "input": [{"role": "user", "content": "q"}] * 2})  # (no ids: fine)
+
+
 def test_a_stored_responses_input_items_are_listed_a_page_at_a_time() -> None:
     """`input_items`: the conversation a response was generated from without its output,
     each item typed and with an id that stays put, paged by order, limit, after and before."""
@@ -1661,7 +1684,7 @@ async def test_responses_api_as_codex_calls_it_round_trips_tool_calls_keeping_th
     assert events[-1].type == "response.incomplete" and tr.estimate_tokens(text) == 40
     for bad, param in ((dict(previous_response_id="resp_x"), "previous_response_id"),
                        (dict(tools=[{"type": "web_search"}]), "tools[0]"), (dict(max_output_tokens=0), "max_output_tokens"),
-                       (dict(input=[{"type": "item_reference", "id": "msg_1"}]), "input[0].type"),
+                       (dict(input=[{"type": "item_reference", "id": "msg_1"}]), "input[0]"),  # (none stored)
                        (dict(input=[{"type": "function_call_output", "call_id": "call_x", "output": "1"}]), "input[0]")):
         with pytest.raises(openai.BadRequestError) as e:
             await client.responses.create(model=MODEL, **{"input": "x", **bad})
@@ -1700,6 +1723,20 @@ async def test_a_stored_response_is_read_back_and_continued_with_previous_respon
     assert [it.type for it in listed] == ["message", *[o.type for o in r1.output], "function_call_output"]
     assert listed[0].role == "user" and listed[0].content[0].text == "find the bug in the parser " * 20
     assert [it.id for it in listed[1:-1]] == [o.id for o in r1.output] and len({it.id for it in listed}) == len(listed)
+    # an item_reference to r1's stored output (the Vercel AI SDK's way where store is true) reads as the item
+    first_turn = [{"role": "user", "content": "find the bug in the parser " * 20}]
+    by_ref = await client.responses.input_tokens.count(
+        model=MODEL, tools=tools, input=[*first_turn, {"type": "item_reference", "id": call.id}, *result])
+    inline = await client.responses.input_tokens.count(
+        model=MODEL, tools=tools, input=[*first_turn, call.model_dump(exclude_none=True), *result])
+    assert by_ref.input_tokens == inline.input_tokens
+    with pytest.raises(openai.BadRequestError) as e:
+        await client.responses.create(model=MODEL, input=[{"type": "item_reference", "id": "fc_nope"}])
+    assert e.value.body["param"] == "input[0]" and "not found" in e.value.message
+    with pytest.raises(openai.BadRequestError) as e:  # r1's output again after r1 itself: twice in the prompt
+        await client.responses.create(model=MODEL, previous_response_id=r1.id,
+                                      input=[call.model_dump(exclude_none=True), *result])
+    assert "Duplicate item found with id" in e.value.message
     newest = await client.responses.input_items.list(r2.id, limit=1)
     assert newest.data[0].id == listed[-1].id and newest.has_more
     with pytest.raises(openai.NotFoundError):

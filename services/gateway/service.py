@@ -476,6 +476,31 @@ class Gateway:
         tools, _, fmt = self._tools(body, dialect, model)
         return await self._chat_prompt(tenant, model, body, dialect, fmt, tools, tc.tools_text(tools) if tools else None)
 
+    async def _referenced_items(self, tenant: str, original: dict[str, Any]) -> dict[str, Any]:
+        """The request with its `item_reference`s replaced by the stored output items they
+        name (as the Vercel AI SDK sends earlier assistant items where `store` is true)."""
+        try:
+            refs = tr.item_references(original)
+        except BadRequest as exc:
+            raise HttpError("malformed", str(exc), exc.param) from None
+        found: dict[str, Any] = {}
+        if refs and self.redis is not None:
+            owners = await self._response_store(
+                lambda r, _key: r.mget([self.rkeys.gateway_item(tr.item_digest(tenant, ref)) for ref in refs]),
+                tenant, "")
+            for rid in {o.decode() for o in owners if o is not None}:
+                stored = await self._read_response(tenant, rid)
+                for item in (stored[1].get("output") or ()) if stored is not None else ():
+                    if item.get("id") in refs:
+                        found[item["id"]] = item
+        elif refs:
+            raise HttpError("malformed", "item_reference is not served: this gateway has no Redis to store "
+                            "responses in; send the item itself", f"input[{min(refs.values())}]")
+        try:
+            return tr.with_items_resolved(original, found)
+        except BadRequest as exc:
+            raise HttpError("malformed", str(exc), exc.param) from None
+
     async def _responses_as_chat(self, tenant: str, original: dict[str, Any]) -> tuple[dict[str, Any], list[Any]]:
         """A Responses body as the chat request it asks for, after the stored conversation
         it continues (`previous_response_id`); (that request, that conversation)."""
@@ -524,9 +549,16 @@ class Gateway:
         if time.monotonic() < self.soft_state_away_until:  # (Redis just failed to answer: not waited on again)
             return False
         try:
+            ttl = self.settings.gateway_responses_ttl_s
             async with asyncio.timeout(SOFT_STATE_WAIT_S):  # (the reply is held for it)
                 await self.redis.set(self._response_key(tenant, response["id"]),
-                                     tr.stored_response(conversation, response), ex=self.settings.gateway_responses_ttl_s)
+                                     tr.stored_response(conversation, response), ex=ttl)
+                items = [it["id"] for it in response.get("output") or () if isinstance(it.get("id"), str)]
+                if items:  # (each output item found by its id, for an item_reference to it)
+                    async with self.redis.pipeline(transaction=False) as p:
+                        for item in items:
+                            p.set(self.rkeys.gateway_item(tr.item_digest(tenant, item)), response["id"], ex=ttl)
+                        await p.execute()
             return True
         except Exception as exc:  # noqa: BLE001 - the reply matters more than its copy
             self.soft_state_away_until = time.monotonic() + SOFT_STATE_PAUSE_S  # (as a failed soft step)
@@ -1023,6 +1055,7 @@ class Gateway:
             store = tr.responses_store_asked(original)
         except BadRequest as exc:
             raise HttpError("malformed", str(exc), exc.param) from None
+        original = await self._referenced_items(tenant, original)
         body, previous = await self._responses_as_chat(tenant, original)
         try:
             p = await self._prepare_chat(request, tenant, raw, body, OPENAI, ("max_output_tokens",), original=original)
@@ -1218,6 +1251,7 @@ class Gateway:
         would send for the body (instructions, input items and tools), with no call."""
         tenant = self._tenant(request)
         _, original = await self._body(request)
+        original = await self._referenced_items(tenant, original)
         prompt = await self._prompt_only(tenant, (await self._responses_as_chat(tenant, original))[0], OPENAI)
         return web.json_response({"object": "response.input_tokens", "input_tokens": prompt.tokens})
 

@@ -1067,6 +1067,37 @@ def responses_input_items(body: Mapping[str, Any]) -> list[Any]:
     return items
 
 
+def item_digest(tenant: str, item_id: str) -> str:
+    """A stored response's output item's name in the gateway's state (for `item_reference`)."""
+    return _digest("item", tenant, item_id)
+
+
+def item_references(body: Mapping[str, Any]) -> dict[str, int]:
+    """The ids the request's input names by `item_reference` (each to its first `input[i]`)."""
+    items = body.get("input")
+    refs: dict[str, int] = {}
+    for i, item in enumerate(items if isinstance(items, list) else []):
+        if isinstance(item, Mapping) and item.get("type") == "item_reference":
+            ref = item.get("id")
+            if not isinstance(ref, str) or not ref or len(ref) > 256:
+                raise BadRequest(f"input[{i}].id must be an item's id", f"input[{i}].id")
+            refs.setdefault(ref, i)
+    return refs
+
+
+def with_items_resolved(body: Mapping[str, Any], found: Mapping[str, Any]) -> dict[str, Any]:
+    """The request with each `item_reference` replaced by the stored item it names
+    (`found`: id -> item); one not found is a 400 in OpenAI's words."""
+    refs = item_references(body)
+    for ref, i in refs.items():
+        if ref not in found:
+            raise BadRequest(f"Item with id '{ref[:256]}' not found.", f"input[{i}]")
+    if not refs:
+        return dict(body)
+    return {**body, "input": [found[it["id"]] if isinstance(it, Mapping) and it.get("type") == "item_reference"
+                              else it for it in body["input"]]}
+
+
 def stored_response(conversation: list[Any], response: Mapping[str, Any]) -> bytes:
     """What is kept of a stored response: the conversation it ends (the items before it,
     its input and its output, ready to continue) and the response object, compressed
@@ -1184,10 +1215,16 @@ def _responses_messages(items: list[Any], previous: int = 0) -> list[dict[str, A
     refusal names the request's own `input[i]`)."""
     out: list[dict[str, Any]] = []
     calls: set[str] = set()  # (a function_call_output answers one of these, as OpenAI requires)
+    ids: set[str] = set()  # (an item twice, as its stored copy and sent again, is refused as OpenAI refuses it)
     for i, item in enumerate(items):
         where = f"input[{i - previous}]" if i >= previous else "previous_response_id"
         if not isinstance(item, Mapping):
             raise BadRequest(f"{where} must be an object", where)
+        if isinstance(item.get("id"), str):
+            if item["id"] in ids:
+                raise BadRequest(f"Duplicate item found with id {item['id'][:256]}. Remove duplicate items from "
+                                 "your input and try again.", where if i >= previous else "input")
+            ids.add(item["id"])
         kind = item.get("type", "message")
         if kind == "message":
             role = item.get("role")
