@@ -1136,6 +1136,38 @@ async def test_responses_without_a_store_say_so_and_a_store_that_is_away_is_unav
         await bus.close()
 
 
+async def test_a_router_away_a_moment_leaves_the_model_list_standing_and_none_at_all_is_a_503(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The served-model list while no router answers (one restarting after the liveness
+    watch killed it): the list it last gave stands, so the call goes on (its request is
+    sent again until a router is back); with none known yet, a 503 to retry. Before,
+    every call of those seconds was a 504 after the client's retries."""
+    import services.gateway.service as gws
+    from services.gateway.service import Gateway, HttpError
+    from shared.agent_client import CallTimeout
+    from shared.schema import Info
+
+    class Client:
+        nc = type("Nc", (), {"is_connected": True})()
+        answers = True
+
+        async def info(self) -> Info:
+            if not self.answers:
+                raise CallTimeout("timeout", "no router answered on api.info (NoRespondersError)")
+            return Info(time_scale=1, clock_epoch=0, policy="x", servers=["s0"], models=[MODEL])
+
+    client = Client()
+    gw = Gateway(Settings(api_keys="t:k"), client)  # type: ignore[arg-type]
+    assert await gw.served_models() == [MODEL]
+    monkeypatch.setattr(gws, "MODELS_TTL_S", 0.0)
+    client.answers = False
+    assert await gw.served_models() == [MODEL]  # (stale, and asked again in a second)
+    fresh = Gateway(Settings(api_keys="t:k"), client)  # type: ignore[arg-type]
+    with pytest.raises(HttpError) as e:
+        await fresh.served_models()
+    assert e.value.code == "unavailable" and e.value.retry_after_s
+
+
 class _StalledRedis:
     """A Redis stopped (SIGSTOP): it takes every command and answers none."""
 

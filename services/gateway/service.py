@@ -68,6 +68,7 @@ from shared.subjects import GATEWAY_NAMESPACE
 DEFAULT_MAX_TOKENS = 4096      # a request naming no bound gets this much, capped by the context left
 SESSIONS_KEPT = 50_000         # opened sessions remembered (a forgotten one is just opened again)
 MODELS_TTL_S = 5.0             # how long the served-model list is reused
+MODELS_RETRY_S = 1.0           # ... and, the router not answering, how soon it is asked again
 BUSY_TTL_S = 3600.0            # a header-less session's in-flight mark outlives any call (and is deleted after it)
 BUS_RETRY_AFTER_S = 2.0        # what a request refused while NATS is away is told to wait (a reconnect takes seconds)
 SOFT_STATE_PAUSE_S = 5.0       # how long the gateway does without its soft state after Redis failed to answer
@@ -333,7 +334,14 @@ class Gateway:
             try:
                 info = await self.client.info()
             except TalariaError as exc:
-                raise HttpError(exc.code, f"the router did not answer: {exc.message}") from None
+                if self._models is not None:
+                    # the router is away a moment (a restart): the list it last gave stands, asked again
+                    # in a second, and the call goes on (its request is sent again until a router is back)
+                    self.log.warning("gateway.models_stale", error=exc.code)
+                    self._models = (now - MODELS_TTL_S + MODELS_RETRY_S, self._models[1])
+                    return self._models[1]
+                raise HttpError("unavailable", f"the router did not answer: {exc.message}; retry shortly",
+                                retry_after_s=BUS_RETRY_AFTER_S) from None
             self._models = (now, list(info.models))
             self._limits = dict(info.context_limits)
         return self._models[1]
