@@ -3,6 +3,7 @@ how NATS clients tell a live server from a stopped one."""
 
 from __future__ import annotations
 
+import random
 import socket
 
 LOOPBACK = "127.0.0.1"
@@ -14,8 +15,33 @@ NATS_PING_INTERVAL_S = 3
 NATS_MAX_OUTSTANDING_PINGS = 3
 
 
+LISTEN_PORTS_FROM = 20000  # the lowest port `free_port` hands out (below the kernel's ephemeral range)
+
+
+def _ephemeral_low() -> int:
+    """The lowest port the kernel gives a bind to port 0 or an outgoing connection."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free right now (the usual bind-to-0 trick)."""
+    """A TCP port on 127.0.0.1 that is free right now, for a server that binds it a moment
+    later. Taken below the kernel's ephemeral range where there is room: a port from a
+    bind to 0 goes back to that range, and a process binding port 0 meanwhile (a metrics
+    endpoint) could be given it (seen: a gateway found its port taken by admission's
+    metrics, twice in one CI run, and crash-looped)."""
+    low = _ephemeral_low()
+    if low - LISTEN_PORTS_FROM >= 1000:
+        for port in random.sample(range(LISTEN_PORTS_FROM, low), 64):
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                try:
+                    s.bind((LOOPBACK, port))
+                except OSError:
+                    continue
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((LOOPBACK, 0))
         return int(s.getsockname()[1])

@@ -641,3 +641,19 @@ def test_a_stack_claiming_a_log_folder_sets_the_last_runs_logs_aside(tmp_path: P
     assert (tmp_path / PREVIOUS_LOGS_DIR / "router-a.log").read_text() == line % 2  # one run deep
     claim()  # nothing to set aside: the previous run's stay
     assert (tmp_path / PREVIOUS_LOGS_DIR / "router-a.log").read_text() == line % 2
+
+
+def test_a_free_port_for_a_server_lies_below_the_ephemeral_range() -> None:
+    """`free_port` hands out ports a bind to port 0 is never given (where the range leaves
+    room), so a metrics endpoint starting meanwhile cannot take a gateway's port."""
+    import socket
+
+    from shared.net import LISTEN_PORTS_FROM, LOOPBACK, _ephemeral_low, free_port
+
+    low = _ephemeral_low()
+    ports = {free_port() for _ in range(20)}
+    if low - LISTEN_PORTS_FROM >= 1000:
+        assert all(LISTEN_PORTS_FROM <= p < low for p in ports), ports
+    for port in list(ports)[:3]:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((LOOPBACK, port))  # free indeed
