@@ -494,8 +494,7 @@ class Gateway:
         found: dict[str, Any] = {}
         if refs and self.redis is not None:
             owners = await self._response_store(
-                lambda r, _key: r.mget([self.rkeys.gateway_item(tr.item_digest(tenant, ref)) for ref in refs]),
-                tenant, "")
+                lambda r: r.mget([self.rkeys.gateway_item(tr.item_digest(tenant, ref)) for ref in refs]))
             for rid in {o.decode() for o in owners if o is not None}:
                 stored = await self._read_response(tenant, rid)
                 for item in (stored[1].get("output") or ()) if stored is not None else ():
@@ -522,12 +521,12 @@ class Gateway:
     def _response_key(self, tenant: str, response_id: str) -> str:
         return self.rkeys.gateway_response(tr.response_digest(tenant, response_id))
 
-    async def _response_store(self, op: Callable[[aioredis.Redis, str], Awaitable[Any]], tenant: str,
-                              response_id: str) -> Any:
-        """`op` on the tenant's stored response's key; a 503 to retry where Redis is away."""
+    async def _response_store(self, op: Callable[[aioredis.Redis], Awaitable[Any]]) -> Any:
+        """`op` on the stored responses (their objects, their items' index); a 503 to retry
+        where Redis is away."""
         assert self.redis is not None
         try:
-            return await op(self.redis, self._response_key(tenant, response_id))
+            return await op(self.redis)
         except Exception as exc:  # noqa: BLE001 - the store is away: the agent may retry
             self.log.warning("gateway.response_store_unavailable", error=type(exc).__name__)
             raise HttpError("unavailable", "the response store (Redis) is not answering; retry",
@@ -537,7 +536,7 @@ class Gateway:
         """A stored response of the tenant's: (its conversation, its response object), or None."""
         if self.redis is None:
             return None
-        blob = await self._response_store(lambda r, key: r.get(key), tenant, response_id)
+        blob = await self._response_store(lambda r: r.get(self._response_key(tenant, response_id)))
         return tr.read_stored_response(blob) if blob is not None else None
 
     async def _stored_conversation(self, tenant: str, response_id: str) -> list[Any]:
@@ -1134,7 +1133,7 @@ class Gateway:
         back or continued; the responses continuing it keep their own conversations."""
         tenant = self._tenant(request)
         rid = request.match_info["response_id"]
-        deleted = self.redis is not None and await self._response_store(lambda r, key: r.delete(key), tenant, rid)
+        deleted = self.redis is not None and await self._response_store(lambda r: r.delete(self._response_key(tenant, rid)))
         if not deleted:
             raise HttpError("not_found", f"Response with id '{rid[:256]}' not found.")
         return web.json_response({"id": rid, "object": "response", "deleted": True})
