@@ -150,6 +150,9 @@ class Metrics:
         # -- gateway ------------------------------------------------------------------------------
         self.http_requests = Counter("talaria_http_requests", "HTTP calls at the gateway by API and status.",
                                      ["api", "status"], registry=r)
+        self.http_stream_errors = Counter("talaria_http_stream_errors", "Streamed HTTP calls that began (status "
+                                          "200) and ended in an error event, by API and error code.", ["api", "code"],
+                                          registry=r)
         self.http_duration = Histogram("talaria_http_request_duration_seconds", "Wall seconds of an HTTP call at "
                                        "the gateway (a streamed one: until its last event).", ["api"],
                                        buckets=WALL_SECONDS_BUCKETS + (60.0, 300.0, 600.0), registry=r)

@@ -216,15 +216,46 @@ def _integer(schema: Mapping[str, Any], seed: str) -> int:
     return int(value)
 
 
-def _number(schema: Mapping[str, Any]) -> float:
+def _number(schema: Mapping[str, Any]) -> float | int:
+    """A whole number where one fits the bounds (as a model writes `1000` for a timeout, and
+    clients that declare `number` often read an integer: Codex's `i32`s), else a fraction."""
     lo, hi = _bounds(schema, integer=False)
     if lo is not None and hi is not None:
-        return (lo + hi) / 2
-    if lo is not None:
+        value = (lo + hi) / 2
+    elif lo is not None:
+        value = float(lo) + 1
+    elif hi is not None:
+        value = float(hi) - 1
+    else:
+        value = 1.0
+    step = schema.get("multipleOf")
+    if isinstance(step, (int, float)) and not isinstance(step, bool) and step > 0 and abs(value / step) < 2 ** 53:
+        near = [step * f(value / step) for f in (round, math.floor, math.ceil)]  # (the multiples nearest)
+    else:
+        near = [round(value), math.floor(value), math.ceil(value)]
+    fits = [c for c in near if abs(c) < 2 ** 53 and _admits(schema, c)]
+    if fits:
+        return int(fits[0]) if float(fits[0]).is_integer() else fits[0]
+    if lo is not None and hi is None:
         return float(lo) + 0.5
-    if hi is not None:
+    if hi is not None and lo is None:
         return float(hi) - 0.5
-    return 0.5
+    return value
+
+
+def _admits(schema: Mapping[str, Any], value: float) -> bool:
+    """Whether `value` meets the schema's numeric bounds and its `multipleOf`."""
+    def num(key: str) -> float | None:
+        v = schema.get(key)
+        return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+    lo, hi, xlo, xhi, step = (num(k) for k in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"))
+    if (lo is not None and value < lo) or (hi is not None and value > hi) \
+            or (xlo is not None and value <= xlo) or (xhi is not None and value >= xhi):
+        return False
+    if step is None or step <= 0:
+        return True
+    q = value / step
+    return math.isfinite(q) and abs(q) < 2 ** 53 and math.isclose(q, round(q), abs_tol=1e-9)
 
 
 def _bounds(schema: Mapping[str, Any], integer: bool) -> tuple[float | None, float | None]:

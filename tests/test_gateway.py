@@ -18,6 +18,7 @@ import msgspec
 import anthropic
 import openai
 import pytest
+import redis.asyncio as aioredis
 
 from services.gateway import translate as tr
 from services.gateway import prefix as px
@@ -26,6 +27,7 @@ from shared import tool_calls as tc
 from shared.keys import Keys
 from shared.agent_client import TalariaClient, TalariaError
 from shared.logs import read_log_events
+from shared.net import free_port
 from shared.policy import resolve_policy
 from shared.costmodel import MEDIAN_OUTPUT_TOKENS
 from shared.schema import (
@@ -385,7 +387,13 @@ def test_a_responses_request_reads_as_the_chat_request_it_asks_for() -> None:
                        ({"input": "x", "conversation": "conv_1"}, "conversation"),
                        ({"input": "x", "background": True}, "background"),
                        ({"input": "x", "text": {"format": {"type": "json_schema"}}}, "text"),
-                       ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0]"),
+                       ({"input": "x", "tools": [{"type": "local_shell"}]}, "tools[0]"),
+                       ({"input": "x", "tools": [{"type": "web_search"}, {"type": "namespace", "name": "n"}]}, "tools[1]"),
+                       ({"input": "x", "tools": [{"type": "namespace", "name": "n", "tools": [{"type": "custom"}]}]},
+                        "tools[0].tools[0]"),
+                       ({"input": "x", "tools": [{"type": "function", "name": "f"},
+                                                 {"type": "namespace", "name": "n", "tools": [{"type": "function", "name": "f"}]}]},
+                        "tools[1].tools[0]"),
                        ({"input": "x", "instructions": 5}, "instructions")):
         with pytest.raises(tr.BadRequest) as e:
             tr.responses_request({"model": MODEL, **bad})
@@ -569,6 +577,8 @@ async def test_deployment_names_the_front_door(stack: EmbeddedStack) -> None:
         await oai(stack, "sk-wrong").models.retrieve(MODEL)
     async with aiohttp.ClientSession() as http, http.get(f"{stack.gateway_url}/health") as r:
         assert r.status == 200 and (await r.json())["status"] == "ok"
+    async with aiohttp.ClientSession() as http, http.head(f"{stack.gateway_url}/") as r:
+        assert r.status == 200  # (Claude Code's check of its base URL before a run)
 
 
 @pytest.mark.timeout(120)
@@ -755,6 +765,30 @@ async def test_count_tokens_is_the_prompt_messages_would_send(stack: EmbeddedSta
     assert e.value.body["type"] == "error"
     with pytest.raises(anthropic.AuthenticationError):
         await ant(stack, "sk-wrong").messages.count_tokens(**body)
+
+
+@pytest.mark.timeout(120)
+async def test_an_anthropic_system_message_mid_conversation_is_taken_in_place(stack: EmbeddedStack) -> None:
+    """Claude Code's first call is a user turn then a `system` message (Anthropic's
+    mid-conversation instructions, in text blocks); it was a 400 naming the role, so every
+    Claude Code run ended there. It is rendered where it stands: the next turn, the same
+    conversation grown, reuses the prefix, and count_tokens charges it."""
+    hdr = {"x-claude-code-session-id": "cc-midconv", "anthropic-beta": "mid-conversation-system-2026-04-07"}
+    system_note = {"role": "system", "content": [{"type": "text", "text": "Available agent types: none " * 20}]}
+    turn1: list[dict[str, Any]] = [{"role": "user", "content": "list the files and read README " * 30}, system_note]
+    client = ant(stack)
+    m1 = await client.messages.create(model=MODEL, max_tokens=16, system="you are a coding agent",
+                                      messages=turn1, extra_headers=hdr)  # type: ignore[arg-type]
+    without = await client.messages.count_tokens(model=MODEL, system="you are a coding agent", messages=turn1[:1])
+    assert m1.usage.input_tokens + m1.usage.cache_read_input_tokens > without.input_tokens + 100
+    turn2 = turn1 + [{"role": "assistant", "content": m1.content[0].text},  # type: ignore[union-attr]
+                     {"role": "user", "content": "now the tests " * 20}]
+    m2 = await client.messages.create(model=MODEL, max_tokens=16, system="you are a coding agent",
+                                      messages=turn2, extra_headers=hdr)  # type: ignore[arg-type]
+    assert m2.usage.cache_read_input_tokens >= (m1.usage.input_tokens // px.BLOCK_TOKENS) * px.BLOCK_TOKENS > 0
+    with pytest.raises(anthropic.BadRequestError) as e:  # (a role neither API has is still refused by name)
+        await client.messages.create(model=MODEL, max_tokens=4, messages=[{"role": "tool", "content": "x"}])  # type: ignore[list-item]
+    assert "messages[0].role" in e.value.message
 
 
 @pytest.mark.timeout(120)
@@ -1022,6 +1056,7 @@ async def test_a_request_while_redis_is_away_is_refused_as_unavailable_naming_it
 
 # --------------------------------------------------------------------------- a router that refuses
 THOUGHT_MARK = "think it over"
+FAIL_MARK = "fail once begun"
 THOUGHT = "the parser drops the last line;\nmaybe <tool_call>rm_rf\n</tool_call> would help"
 THOUGHT_REPLY = f"<think>\n{THOUGHT}\n</think>\n\nFixed it."
 THOUGHT_REPLY_TOOLS = (f"<think>{THOUGHT}</think>\nReading it.\n<tool_call>read_file\n<arg_key>path</arg_key>\n"
@@ -1065,6 +1100,14 @@ async def refusing_gateway(nats_server: NatsServer) -> AsyncIterator[tuple[str, 
                     cached_tokens=0, restored_tokens=0, reprefill_tokens=0, output_tokens=30, arrived_at=0,
                     finished_at=1, waited_s=0, switch_wait_s=0, round_wait=False, restore_s=0, prefill_s=0, decode_s=0,
                     text=text)))
+            case CallRequest() if FAIL_MARK in (req.prompt_text or "") and req.stream:
+                ctl["calls"] += 1  # a stream that begins, then the call fails (an engine lost past its retries)
+                await router.publish(req.reply_to, encode(CallRunning(call_id=req.call_id, server_id="s0")))
+                await router.publish(req.reply_to, encode(CallTokens(call_id=req.call_id, index=0, token_ids=[0],
+                                                                     text="partial ")))
+                await asyncio.sleep(0.2)  # (the tokens are written before the error)
+                await router.publish(req.reply_to, encode(ApiError(code="internal", message="the engine went away",
+                                                                   call_id=req.call_id)))
             case CallRequest() if "slow" in (req.prompt_text or ""):
                 ctl["calls"] += 1  # queued for a round that never comes: heartbeats only
                 await router.publish(req.reply_to, encode(CallQueued(call_id=req.call_id, server_id="s0", waited_s=0)))
@@ -1075,8 +1118,10 @@ async def refusing_gateway(nats_server: NatsServer) -> AsyncIterator[tuple[str, 
                                                                    call_id=req.call_id, retry_after_s=3.0)))
 
     await router.subscribe(f"{prefix}.api.>", cb=on_api)
+    ctl["metrics_port"] = free_port()
     settings = Settings(nats_urls=[nats_server.url], subject_prefix=prefix, gateway_host="127.0.0.1", gateway_port=0,
-                        api_keys="t:k", gateway_keepalive_s=0.1)
+                        api_keys="t:k", gateway_keepalive_s=0.1, metrics_host="127.0.0.1",
+                        metrics_port=ctl["metrics_port"])
     client = await TalariaClient.connect([nats_server.url], subject_prefix=prefix, namespace=GATEWAY_NAMESPACE)
     runner, port = await start_gateway(settings, client)
     try:
@@ -1313,6 +1358,38 @@ async def test_a_thinking_models_reasoning_comes_apart_from_its_answer_in_each_a
         streamed = await rs_stream.get_final_response()
     assert [o.type for o in streamed.output] == ["reasoning", "message"] and streamed.output_text == "Fixed it."
     assert streamed.output[0].content[0].text == THOUGHT  # type: ignore[union-attr]
+
+
+@pytest.mark.timeout(60)
+async def test_a_stream_that_fails_once_begun_ends_in_its_apis_error_event_and_is_counted_as_failed(
+        refusing_gateway: tuple[str, dict[str, Any]]) -> None:
+    """A streamed call that fails after its 200 was sent ends with the API's own error
+    event, which each official SDK raises; the gateway counts it by API and code, as a
+    200 in the requests counter alone would hide it from an operator."""
+    url, ctl = refusing_gateway
+    ask = f"{FAIL_MARK}: go"
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="k", max_retries=0)
+    got: list[str] = []
+    with pytest.raises(openai.APIError, match="the engine went away"):
+        async for ch in await client.chat.completions.create(model=MODEL, stream=True,
+                                                             messages=[{"role": "user", "content": ask}]):
+            got += [ch.choices[0].delta.content or ""] if ch.choices else []
+    assert "".join(got) == "partial "
+    with pytest.raises(anthropic.APIStatusError, match="the engine went away"):
+        async with anthropic.AsyncAnthropic(base_url=url, api_key="k", max_retries=0).messages.stream(
+                model=MODEL, max_tokens=50, messages=[{"role": "user", "content": ask}]) as st:
+            await st.get_final_message()
+    kinds = []
+    async with client.responses.stream(model=MODEL, input=ask, store=False) as rs_:
+        async for ev in rs_:
+            kinds.append(ev.type)
+    assert kinds[-1] == "response.failed" and "response.output_text.delta" in kinds
+    async with aiohttp.ClientSession() as http:
+        async with http.get(f"http://127.0.0.1:{ctl['metrics_port']}/metrics") as r:
+            text = await r.text()
+    for api in ("openai", "anthropic", "responses"):
+        assert f'talaria_http_stream_errors_total{{api="{api}",code="internal"}} 1.0' in text
+        assert f'talaria_http_requests_total{{api="{api}",status="200"}}' in text
 
 
 @pytest.mark.timeout(60)
@@ -1715,7 +1792,7 @@ async def test_responses_api_as_codex_calls_it_round_trips_tool_calls_keeping_th
     text = "".join(ev.delta for ev in events if ev.type == "response.output_text.delta")
     assert events[-1].type == "response.incomplete" and tr.estimate_tokens(text) == 40
     for bad, param in ((dict(previous_response_id="resp_x"), "previous_response_id"),
-                       (dict(tools=[{"type": "web_search"}]), "tools[0]"), (dict(max_output_tokens=0), "max_output_tokens"),
+                       (dict(tools=[{"type": "local_shell"}]), "tools[0]"), (dict(max_output_tokens=0), "max_output_tokens"),
                        (dict(input=[{"type": "item_reference", "id": "msg_1"}]), "input[0]"),  # (none stored)
                        (dict(input=[{"type": "function_call_output", "call_id": "call_x", "output": "1"}]), "input[0]")):
         with pytest.raises(openai.BadRequestError) as e:
@@ -1943,6 +2020,38 @@ def test_a_tool_result_must_answer_a_call_made_before_it() -> None:
     with pytest.raises(tr.BadRequest) as e:
         tr.responses_request({"model": MODEL, "input": [{"role": "user", "content": "x"}, {**out, "call_id": "call_9"}]})
     assert e.value.param == "input[1]" and "No tool call found for function call output with call_id call_9" in str(e.value)
+
+
+@pytest.mark.timeout(60)
+async def test_codexs_default_tools_are_served_namespaced_functions_named_and_hosted_ones_left_out(
+        stack: EmbeddedStack) -> None:
+    """Codex offers its sub-agent functions inside a `namespace` tool and OpenAI's hosted
+    `web_search` on every request; both were a 400, so Codex as installed failed on its
+    first call. A namespace's functions are offered by their names and each call of one
+    names its namespace again, as OpenAI's do; hosted tools are left out and logged."""
+    close_agent = {"type": "function", "name": "close_agent", "description": "close a sub-agent",
+                   "parameters": {"type": "object", "properties": {"id": {"type": "string"}}, "required": ["id"]}}
+    tools: list[Any] = [{"type": "function", **READ_FILE},
+                        {"type": "namespace", "name": "multi_agent_v1", "description": "sub-agents", "tools": [close_agent]},
+                        {"type": "web_search", "external_web_access": False}]
+    client, hdr = oai(stack), {"session_id": "codex-namespaces"}
+    r = await client.responses.create(model=MODEL, input="close the agent " * 20, tools=tools, store=False,  # type: ignore[arg-type]
+                                      tool_choice={"type": "function", "name": "close_agent"}, extra_headers=hdr)
+    (call,) = r.output
+    assert (call.type, call.name, call.namespace, set(json.loads(call.arguments))) == (
+        "function_call", "close_agent", "multi_agent_v1", {"id"})
+    async with client.responses.stream(model=MODEL, input="read a file " * 20, tools=tools, store=False,  # type: ignore[arg-type]
+                                       tool_choice={"type": "function", "name": "read_file"}, extra_headers=hdr) as st:
+        added = [ev.item for ev in [e async for e in st] if ev.type == "response.output_item.added"]
+        final = await st.get_final_response()
+    assert [(i.name, i.namespace) for i in added] == [(o.name, o.namespace) for o in final.output] == [("read_file", None)]
+    # the conversation sent back with the namespaced call in it keeps its prefix
+    items: list[Any] = [{"type": "message", "role": "user", "content": "close the agent " * 20},
+                        call.model_dump(exclude_none=True),
+                        {"type": "function_call_output", "call_id": call.call_id, "output": "closed"}]
+    r2 = await client.responses.create(model=MODEL, input=items, tools=tools, store=False, extra_headers=hdr)  # type: ignore[arg-type]
+    assert r2.usage.input_tokens_details.cached_tokens > 0
+    assert any(e.get("tools") == ["web_search"] for e in events(stack, "gateway", "gateway.tools_left_out"))
 
 
 @pytest.mark.timeout(60)

@@ -94,6 +94,22 @@ async def test_prompts_are_the_tokenizers_own_ids_and_continuations_reuse_them(
 
 
 @pytest.mark.timeout(180)
+async def test_an_anthropic_system_message_mid_conversation_renders_as_the_template_renders_it_there(
+        stack: EmbeddedStack, tiny_folder: Path) -> None:
+    """A `system` message after a user turn (Claude Code's mid-conversation instructions)
+    is the template's system message at that place, not a second top-level system."""
+    note = "Available agent types: none " * 10
+    msgs: list[dict[str, Any]] = [{"role": "user", "content": "list the files " * 20},
+                                  {"role": "system", "content": [{"type": "text", "text": note}]}]
+    own = own_count(tiny_folder, [{"role": "system", "content": "be brief"}, msgs[0], {"role": "system", "content": note}])
+    ant = anthropic.AsyncAnthropic(base_url=stack.gateway_url, api_key=stack.api_key)
+    m = await ant.messages.create(model=MODEL, max_tokens=8, system="be brief", messages=msgs)  # type: ignore[arg-type]
+    assert m.usage.input_tokens + m.usage.cache_read_input_tokens == len(own)
+    counted = await ant.messages.count_tokens(model=MODEL, system="be brief", messages=msgs)  # type: ignore[arg-type]
+    assert counted.input_tokens == len(own)
+
+
+@pytest.mark.timeout(180)
 async def test_a_prefilled_assistant_turn_is_continued_not_closed(stack: EmbeddedStack, tiny_folder: Path) -> None:
     """Anthropic's prefill (a conversation ending in the assistant's own words, `{` to start
     JSON) and chat's `continue_final_message` (vLLM's field) leave that turn open for the

@@ -117,6 +117,28 @@ def test_any_json_as_a_schema_gives_a_value_or_a_value_error(schema: Any) -> Non
         pass
 
 
+def test_a_number_is_whole_where_a_whole_number_fits() -> None:
+    # Codex declares some arguments `number` and reads them as i32: 0.5 failed its parse
+    assert example({"type": "number"}, "c") == 1 and isinstance(example({"type": "number"}, "c"), int)
+    assert example({"type": "number", "minimum": 0, "maximum": 30000}, "c") == 15000
+    assert example({"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 1}, "c") == 0.5  # none fits
+    assert example({"type": "number", "minimum": 2.2, "maximum": 2.9}, "c") == 2.55
+    assert example({"type": "number", "minimum": 1, "maximum": 9, "multipleOf": 4}, "c") == 4
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.fixed_dictionaries({}, optional={
+    k: st.integers(-50, 50) | st.floats(-50, 50, allow_nan=False)
+    for k in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")}))
+def test_a_number_meets_any_bounds_that_admit_one(bounds: dict[str, float]) -> None:
+    schema = {"type": "number", **bounds}
+    lo = max([bounds.get("minimum", -1e9), bounds.get("exclusiveMinimum", -1e9)])
+    hi = min([bounds.get("maximum", 1e9), bounds.get("exclusiveMaximum", 1e9)])
+    if lo >= hi:
+        return  # (no value, or a single one the synthetic value need not find)
+    jsonschema.validate(example(schema, "c"), schema)
+
+
 def test_bounds_written_into_the_description_are_kept() -> None:
     # Anthropic's SDK sends the constraints its structured outputs do not take as text in the
     # description (`messages.parse` then validates the reply against the full model)

@@ -78,6 +78,8 @@ SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
 REQUEST_ID_HEADER, ANTHROPIC_REQUEST_ID_HEADER = "x-request-id", "request-id"
 REQUEST_ID_KEY = web.RequestKey("talaria.call_id", str)  # a request's call id, for its answer's headers
 CLIENT_GONE_KEY = web.RequestKey("talaria.client_gone", int)  # set when the client left before its answer: 499
+# the error code a streamed answer ended in after it had begun (its status already sent: 200)
+STREAM_ERROR_KEY = web.RequestKey("talaria.stream_error", str)
 SSE_KEEPALIVE = b": keep-alive\n\n"  # an SSE comment: clients skip it; writing it finds a client that has gone
 
 OPENAI, ANTHROPIC = "openai", "anthropic"
@@ -212,6 +214,7 @@ class Gateway:
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.settings.gateway_max_body, middlewares=[self._errors])
         app.router.add_get("/health", self.health)
+        app.router.add_get("/", self.health)  # (Claude Code checks the base URL with a HEAD / first)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/v1/models/{model}", self.model_info)
         app.router.add_post("/v1/chat/completions", self.chat)
@@ -258,6 +261,8 @@ class Gateway:
             if request.path.startswith("/v1/"):
                 api = RESPONSES if request.path.startswith("/v1/responses") else shape
                 self.metrics.http_requests.labels(api=api, status=str(status)).inc()
+                if (code := request.get(STREAM_ERROR_KEY)) is not None:
+                    self.metrics.http_stream_errors.labels(api=api, code=code).inc()
                 self.metrics.http_duration.labels(api=api).observe(time.monotonic() - t0)
 
     async def _answer(self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]],
@@ -426,7 +431,7 @@ class Gateway:
             continue_final = tr.continues_final_message(body, api)
             template_kwargs = tr.chat_template_kwargs(body)
             if tok is None:
-                roles = ("user", "assistant") if api == ANTHROPIC else tr.CHAT_ROLES
+                roles = tr.ANTHROPIC_ROLES if api == ANTHROPIC else tr.CHAT_ROLES
                 prompt = tr.chat_prompt(body.get("messages"), system, roles=roles, tool_format=fmt, tools_json=tools_json)
             else:
                 messages = tr.template_messages(body.get("messages"), system, api=api)
@@ -889,7 +894,7 @@ class Gateway:
                 raise
             finally:
                 self.log.info("gateway.call", api=api, path=request.path, model=model, stream=stream, status=status,
-                              prompt_tokens=prompt.tokens, prefix_tokens=ids.prefix_tokens, named_session=ids.named,
+                              error=request.get(STREAM_ERROR_KEY), prompt_tokens=prompt.tokens, prefix_tokens=ids.prefix_tokens, named_session=ids.named,
                               session_name=ids.session_name,
                               retry=tr.retry_count(request.headers), ms=round((time.monotonic() - t0) * 1000, 2))
                 if not deferred:
@@ -946,6 +951,7 @@ class Gateway:
                     except TalariaError as exc:
                         if not started:
                             raise
+                        request[STREAM_ERROR_KEY] = exc.code  # (the 200 is sent: the log and a counter say it failed)
                         for chunk in on_error(exc):
                             await resp.write(chunk)
                         return resp
@@ -1073,12 +1079,16 @@ class Gateway:
         model, max_tokens, tools = p.model, p.max_tokens, list(p.tools)
         cid, created = p.ids.call_id, int(time.time())
         kept = [store and self.redis is not None and self.settings.gateway_responses_ttl_s > 0]
+        namespaces = tr.responses_tool_namespaces(original.get("tools"))
+        if left_out := tr.responses_left_out(original.get("tools")):  # hosted tools: not offered to this model
+            self.log.info("gateway.tools_left_out", tools=left_out)
 
         def response(reply: CallReply) -> dict[str, Any]:
             answer = p.answer(reply)
             status = tr.response_status(reply, max_tokens, answer)
             return tr.response_object(cid, model, created, original, status=status, store=kept[0],
-                                      output=tr.response_output(cid, answer, status), usage=tr.response_usage(reply))
+                                      output=tr.response_output(cid, answer, status, namespaces),
+                                      usage=tr.response_usage(reply))
 
         async def keep(reply: CallReply) -> None:
             """The response stored before the agent hears it, so its next request finds it."""

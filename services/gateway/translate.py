@@ -381,6 +381,10 @@ class Prompt:
 
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+# Anthropic's: a `system` message in `messages` is a mid-conversation instruction (Claude
+# Code sends one after the first user turn), rendered in place. Anthropic takes it only
+# after a user turn; it is taken anywhere here, looser on purpose, as tool results are.
+ANTHROPIC_ROLES = ("user", "assistant", "system")
 
 
 def chat_prompt(messages: Any, system: Any = None, *, roles: tuple[str, ...] = CHAT_ROLES,
@@ -431,7 +435,7 @@ def template_messages(messages: Any, system: Any = None, *, api: str = "openai")
     arguments as an object where they parse as one, a tool result as a `tool` message.
     Anthropic content blocks are split so: `tool_use` blocks become the assistant's
     calls, each `tool_result` a `tool` message before the user's own text."""
-    roles = ("user", "assistant") if api == "anthropic" else CHAT_ROLES
+    roles = ANTHROPIC_ROLES if api == "anthropic" else CHAT_ROLES
     out: list[dict[str, Any]] = []
     if system is not None:
         out.append({"role": "system", "content": content_text(system, "system")})
@@ -1280,15 +1284,63 @@ def _responses_content(content: Any, where: str) -> str | list[dict[str, Any]]:
     return parts
 
 
+# The Responses API's tools that run on OpenAI's servers (or need its screenshots loop):
+# left out of what the model is offered, as Messages leaves out Anthropic's server tools.
+# Codex offers `web_search` on every request by default, so a refusal refused all of them.
+RESPONSES_HOSTED_TOOLS = frozenset({
+    "web_search", "web_search_2025_08_26", "web_search_preview", "web_search_preview_2025_03_11", "file_search",
+    "code_interpreter", "image_generation", "mcp", "computer", "computer_use_preview"})
+
+
+def responses_left_out(tools: Any) -> list[str]:
+    """The hosted tools of a Responses request, by type: not offered to the model."""
+    if not isinstance(tools, list):
+        return []
+    return [t["type"] for t in tools if isinstance(t, Mapping) and t.get("type") in RESPONSES_HOSTED_TOOLS]
+
+
+def responses_tool_namespaces(tools: Any) -> dict[str, str]:
+    """Each function offered inside a `namespace` tool (Codex's `multi_agent_v1`), by its
+    name: the namespace its `function_call` items carry, as OpenAI's do."""
+    out: dict[str, str] = {}
+    for t in tools if isinstance(tools, list) else ():
+        if isinstance(t, Mapping) and t.get("type") == "namespace" and isinstance(t.get("tools"), list):
+            out.update({f["name"]: str(t.get("name")) for f in t["tools"]
+                        if isinstance(f, Mapping) and isinstance(f.get("name"), str)})
+    return out
+
+
 def _responses_tools(tools: Any) -> list[Any]:
+    """Function tools in chat's shape; a `namespace` tool's functions flat, under their own
+    names (the model calls them so; each call names its namespace again on the way out);
+    hosted tools left out. A name offered twice is refused, as the call could not say which."""
     if not isinstance(tools, list):
         raise BadRequest("tools must be a list", "tools")
     out: list[Any] = []
-    for i, t in enumerate(tools):
+    named: set[str] = set()
+
+    def function(t: Any, where: str) -> None:
         if not isinstance(t, Mapping) or t.get("type") != "function":
             kind = t.get("type") if isinstance(t, Mapping) else None
-            raise BadRequest(f"tools[{i}]: only function tools are served, not {str(kind)[:100]!r}", f"tools[{i}]")
+            raise BadRequest(f"{where}: only function tools are served, not {str(kind)[:100]!r}", where)
+        if isinstance(t.get("name"), str):
+            if t["name"] in named:
+                raise BadRequest(f"{where}: the tool name {t['name'][:100]!r} is offered twice", where)
+            named.add(t["name"])
         out.append({"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters") if k in t}})
+
+    for i, t in enumerate(tools):
+        kind = t.get("type") if isinstance(t, Mapping) else None
+        if kind in RESPONSES_HOSTED_TOOLS:
+            continue
+        if kind == "namespace":
+            inner = t.get("tools")  # type: ignore[union-attr]
+            if not isinstance(t.get("name"), str) or not isinstance(inner, list):  # type: ignore[union-attr]
+                raise BadRequest(f"tools[{i}]: a namespace needs a name and its tools", f"tools[{i}]")
+            for j, f in enumerate(inner):
+                function(f, f"tools[{i}].tools[{j}]")
+            continue
+        function(t, f"tools[{i}]")
     return out
 
 
@@ -1310,12 +1362,18 @@ def response_message_item(call_id: str, text: str, status: str) -> dict[str, Any
             "content": content}
 
 
-def response_call_item(call: tool_calls.ToolCall, status: str) -> dict[str, Any]:
-    return {"type": "function_call", "id": f"fc_{call.id}", "call_id": call.id, "name": call.name,
+def response_call_item(call: tool_calls.ToolCall, status: str, namespaces: Mapping[str, str] | None = None
+                       ) -> dict[str, Any]:
+    """A `function_call` item; one of a namespace's functions names it (`namespace`)."""
+    item = {"type": "function_call", "id": f"fc_{call.id}", "call_id": call.id, "name": call.name,
             "arguments": json.dumps(call.arguments) if status != "in_progress" else "", "status": status}
+    if namespaces and call.name in namespaces:
+        item["namespace"] = namespaces[call.name]
+    return item
 
 
-def response_output(call_id: str, answer: Answer, status: str = "completed") -> list[dict[str, Any]]:
+def response_output(call_id: str, answer: Answer, status: str = "completed",
+                    namespaces: Mapping[str, str] | None = None) -> list[dict[str, Any]]:
     """The reply's output items: its reasoning as a `reasoning` item where it has any, its
     text as a message (none where the model only called tools; `incomplete` as the
     response is, where it stopped at max_output_tokens), then each tool call as a
@@ -1324,7 +1382,7 @@ def response_output(call_id: str, answer: Answer, status: str = "completed") -> 
     items = [response_reasoning_item(call_id, answer.reasoning)] if answer.reasoning else []
     if answer.content or not answer.calls:
         items.append(response_message_item(call_id, answer.content, text_status))
-    return items + [response_call_item(c, "completed") for c in answer.calls]
+    return items + [response_call_item(c, "completed", namespaces) for c in answer.calls]
 
 
 def response_reasoning_id(call_id: str) -> str:
@@ -1376,6 +1434,7 @@ class ResponseEvents:
                  reasoning_format: str = "none", store: bool = False) -> None:
         self.call_id, self.model, self.created, self.request = call_id, model, created, request
         self.store = store  # (the response's `store`: cleared where keeping it failed before the end)
+        self.namespaces = responses_tool_namespaces(request.get("tools"))
         self.text = TextStream(held)
         self.thought = reasoning.Splitter(reasoning_format)
         self.seq = 0
@@ -1444,7 +1503,7 @@ class ResponseEvents:
     def finish(self, reply: Any, max_tokens: int, answer: Answer) -> list[tuple[str, dict[str, Any]]]:
         out: list[tuple[str, dict[str, Any]]] = []
         status = response_status(reply, max_tokens, answer)
-        items = response_output(self.call_id, answer, status)
+        items = response_output(self.call_id, answer, status, self.namespaces)
         if answer.reasoning and not self.reasoning_done:  # (the whole thought where it came at once)
             out += self._reasoning(self.thought.reasoning_rest(answer.reasoning))
             out += self._close_reasoning(answer.reasoning)
@@ -1466,7 +1525,8 @@ class ResponseEvents:
         first_call = len(items) - len(answer.calls)
         for i, c in enumerate(answer.calls, start=first_call):
             item_id, args = f"fc_{c.id}", json.dumps(c.arguments)
-            out += [self._ev("response.output_item.added", output_index=i, item=response_call_item(c, "in_progress")),
+            out += [self._ev("response.output_item.added", output_index=i,
+                             item=response_call_item(c, "in_progress", self.namespaces)),
                     self._ev("response.function_call_arguments.delta", item_id=item_id, output_index=i, delta=args),
                     self._ev("response.function_call_arguments.done", item_id=item_id, output_index=i, arguments=args),
                     self._ev("response.output_item.done", output_index=i, item=items[i])]

@@ -96,7 +96,7 @@ BAD_FIELDS: list[tuple[str, Any]] = [
     # the Responses API's own fields
     ("input", []), ("input", 5), ("input", [{"type": "item_reference", "id": "x"}]), ("input", [{"role": "user"}]),
     ("input", [{"type": "function_call", "name": 3}]), ("max_output_tokens", 0), ("previous_response_id", "resp_1"),
-    ("tools", [{"type": "web_search"}]), ("text", {"format": {"type": "json_schema"}}), ("instructions", []),
+    ("tools", [{"type": "local_shell"}]), ("tools", [{"type": "namespace", "name": "n", "tools": 5}]), ("text", {"format": {"type": "json_schema"}}), ("instructions", []),
     # structured output: refused where the API reads the field; a hostile schema the engine cannot
     # fill (endless, or with a value too large to make) gets free text, never a failed call
     ("output_config", {"format": {"type": "xml"}}), ("output_format", 5),
