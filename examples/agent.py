@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import sys
 
 from talaria.client import Deployment, TalariaClient, TokenSession
 
@@ -70,19 +71,24 @@ async def token_agent(client: TalariaClient, calls: int) -> None:
         await session.session.end()
 
 
-async def main() -> None:
+async def main() -> int:
     p = argparse.ArgumentParser(description="a minimal agent against a running Talaria")
     p.add_argument("--credentials", default=".talaria/logs/up/credentials.json",
                    help="the credentials file `talaria up` writes (default .talaria/logs/up/credentials.json)")
     p.add_argument("--calls", type=int, default=3, help="calls in the session (default 3)")
     p.add_argument("--tokens", action="store_true", help="send token ids through a TokenSession")
     a = p.parse_args()
-    client = await TalariaClient.from_deployment(Deployment.load(a.credentials))
+    try:
+        client = await TalariaClient.from_deployment(Deployment.load(a.credentials))
+    except (ValueError, ConnectionError) as exc:  # no `talaria up` running, or it is not reachable
+        print(f"no deployment: start `talaria up`, or give --credentials ({exc})", file=sys.stderr)
+        return 2
     try:
         await (token_agent if a.tokens else counted_agent)(client, a.calls)
     finally:
         await client.close()
+    return 0
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    sys.exit(asyncio.run(main()))

@@ -27,6 +27,17 @@ def _ephemeral_low() -> int:
         return 0
 
 
+def port_free(port: int, host: str = LOOPBACK) -> bool:
+    """Whether a server could bind `port` on `host` right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (as aiohttp binds: a port in TIME_WAIT is free)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+        return True
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that is free right now, for a server that binds it a moment
     later. Taken below the kernel's ephemeral range where there is room: a port from a

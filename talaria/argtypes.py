@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 import tempfile
 from pathlib import Path
 
@@ -74,30 +75,36 @@ def positive_int(text: str) -> int:
     return v
 
 
-def int_list(text: str) -> tuple[int, ...]:
-    """Comma-separated whole numbers (seeds): `1,2,3`."""
-    parts = [x.strip() for x in text.split(",") if x.strip()]
-    if not parts:
-        raise argparse.ArgumentTypeError("names no number")
-    try:
-        return tuple(int(x) for x in parts)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not comma-separated whole numbers: {text!r}") from None
+MAX_SEEDS = 10_000  # more is a typo (`1-1000000000` ran on without a word), not a study
+_SEED_PART = re.compile(r"(\d+)(?:-(\d+))?")
 
 
 def seed_list(text: str) -> tuple[int, ...]:
     """Seeds as `1-10`, `2001,2003` or both (`1-3,7`); each at most once (a seed run twice
-    only weighs its trace double)."""
+    only weighs its trace double). A range needs both ends (`5-` ran seed 5 alone)."""
     out: list[int] = []
-    try:
-        for part in (p.strip() for p in text.split(",") if p.strip()):
-            lo, _, hi = part.partition("-")
-            out.extend(range(int(lo), int(hi) + 1) if hi else [int(lo)])
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a seed list: {text!r} (e.g. 2001-2020 or 1,2,3)") from None
-    if not out or len(set(out)) != len(out):
-        raise argparse.ArgumentTypeError(f"seeds must be non-empty and distinct: {text!r}")
+    for part in text.split(","):
+        m = _SEED_PART.fullmatch(part.strip())
+        if m is None or (m[2] is not None and int(m[2]) < int(m[1])):
+            raise argparse.ArgumentTypeError(f"not a seed list: {text!r} (e.g. 2001-2020 or 1,2,3)")
+        lo, hi = int(m[1]), int(m[2] if m[2] is not None else m[1])
+        if len(out) + hi - lo + 1 > MAX_SEEDS:
+            raise argparse.ArgumentTypeError(f"{text!r} names over {MAX_SEEDS} seeds")
+        out.extend(range(lo, hi + 1))
+    if len(set(out)) != len(out):
+        raise argparse.ArgumentTypeError(f"seeds must be distinct: {text!r}")
     return tuple(out)
+
+
+def port_number(text: str) -> int:
+    """A TCP port, 1..65535."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 1 <= v <= 65535:
+        raise argparse.ArgumentTypeError(f"must be in 1..65535, got {text}")
+    return v
 
 
 def positive_float_list(text: str) -> tuple[float, ...]:

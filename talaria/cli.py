@@ -20,7 +20,8 @@ from shared.policy import PRESETS, PolicyError, resolve_policy
 from talaria.workload.trace import TraceError, TraceSession, load_runnable_trace
 from talaria.workload import generate as gen
 from talaria.argtypes import (
-    SPEED_SCALE_RANGE, OutputError, model_seconds, output_file, output_folder, positive_float, positive_int, speed_scale,
+    SPEED_SCALE_RANGE, OutputError, model_seconds, output_file, output_folder, port_number, positive_float, positive_int,
+    speed_scale,
 )
 from talaria.client import AgentLogin, Deployment
 from talaria.results.report import add_speedups, format_table, oracle_sct, slowest_sessions, summarize
@@ -29,6 +30,11 @@ from talaria.ops.stack import DEFAULT_MODELS, EmbeddedStack, LogDirInUse, StackS
 
 if TYPE_CHECKING:
     from talaria.replay import Progress, ReplayOutcome
+
+REPLAY_TIME_SCALE = 50.0  # an embedded replay's default: model seconds per wall second
+# `talaria up`'s front-door key where it is set (else a fresh one at every start): the variable
+# docs/front-door.md has Codex read its key from
+API_KEY_VAR = "TALARIA_API_KEY"
 
 
 def _fail(msg: str, code: int = 2) -> int:
@@ -195,6 +201,19 @@ def cmd_replay(a: argparse.Namespace) -> int:
     if target is not None and a.policy is not None:
         # a running deployment replays under its own policy and time scale (it reports both)
         return _fail("--policy chooses the embedded stack's policy; a running deployment uses its own")
+    # the embedded stack's own settings: a running deployment has its own (each was dropped unsaid)
+    embedded_only = [flag for flag, given in (
+        ("--servers", a.servers != 1), ("--routers", a.routers != 1), ("--time-scale", a.time_scale != REPLAY_TIME_SCALE),
+        ("--switch-cost-scale", a.switch_cost_scale != 1.0), ("--prefill-speed-scale", a.prefill_speed_scale != 1.0))
+        if given]
+    if target is not None and embedded_only:
+        return _fail(f"{', '.join(embedded_only)} set the embedded stack; a running deployment has its own "
+                     "(`talaria up --time-scale 50 --servers 2 ...` starts one so)")
+    deployment_only = [flag for flag, given in (
+        ("--nats-user", a.nats_user), ("--redis", a.redis), ("--subject-prefix", a.subject_prefix),
+        ("--key-prefix", a.key_prefix)) if given]
+    if target is None and deployment_only:
+        return _fail(f"{', '.join(deployment_only)} name a running deployment: give its --nats or --credentials too")
     if target is None:
         try:  # before the run: a log folder that cannot be made crashed the stack's start
             output_folder(a.log_dir)
@@ -323,7 +342,8 @@ def cmd_up(a: argparse.Namespace) -> int:
         spec = StackSpec(policy=policy, models=models, servers=a.servers, liveness=True, supervise_stores=True,
                          routers=a.routers, server_profile=a.server_profile, time_scale=a.time_scale, log_dir=Path(a.log_dir),
                          nats_urls=a.nats.split(",") if a.nats else None, redis_url=a.redis,
-                         subject_prefix=a.subject_prefix, key_prefix=a.key_prefix, gateway=not a.no_gateway)
+                         subject_prefix=a.subject_prefix, key_prefix=a.key_prefix, gateway=not a.no_gateway,
+                         gateway_port=a.gateway_port or 0, api_key=os.environ.get(API_KEY_VAR) or None)
         stack = EmbeddedStack(spec)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -332,8 +352,9 @@ def cmd_up(a: argparse.Namespace) -> int:
         cred_file = Path(a.log_dir) / "credentials.json"
         stack.claim_log_dir()  # (refused before anything is said or started when another stack runs from it)
         try:
-            print(f"starting NATS, Redis and the services: policy {policy.name}, time scale {a.time_scale:g}x, "
-                  f"logs in {spec.log_dir} ...", flush=True)
+            started = [name for name, external in (("NATS", a.nats), ("Redis", a.redis)) if not external]
+            print(f"starting {', '.join(started) + ' and ' if started else ''}the services: policy {policy.name}, time scale "
+                  f"{a.time_scale:g}x, logs in {spec.log_dir} ...", flush=True)
             # Ctrl-C while it starts stops it then, not once the start has waited out its health checks
             starting = asyncio.ensure_future(stack.start())
             asked_to_stop = asyncio.ensure_future(stop.wait())
@@ -417,7 +438,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("trace", help="the trace to replay (JSON Lines, docs/trace-format.md)")
     r.add_argument("--policy", default=None, help=f"comma-separated: {', '.join(PRESETS)} (default baseline; "
                                                   "the embedded stack only)")
-    r.add_argument("--time-scale", type=positive_float, default=50.0, help="model seconds per wall second (default 50)")
+    r.add_argument("--time-scale", type=positive_float, default=REPLAY_TIME_SCALE,
+                   help=f"model seconds per wall second (default {REPLAY_TIME_SCALE:g}; the embedded stack only: a "
+                        "running deployment replays at its own)")
     r.add_argument("--out", type=output_file, help="write results JSON here")
     r.add_argument("--plots", type=output_folder, help="write PNG figures (SCT distribution, slowest-session timelines) into this folder")
     r.add_argument("--credentials", metavar="FILE",
@@ -447,6 +470,9 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--time-scale", type=positive_float, default=1.0,
                    help="model seconds per wall second (default 1: agents at the HTTP front door live in wall time)")
     u.add_argument("--no-gateway", action="store_true", help="do not start the HTTP gateway (the front door)")
+    u.add_argument("--gateway-port", type=port_number, default=None,
+                   help="the front door's port on 127.0.0.1 (default: a free one at every start); with the key from "
+                        f"{API_KEY_VAR} an agent's base URL and key stay the same across restarts")
     u.add_argument("--nats", help="use this NATS (comma-separated URLs) instead of starting one")
     u.add_argument("--redis", help="use this Redis URL instead of starting one")
     u.add_argument("--subject-prefix", default=None, help="first token of every subject (default: a fresh one)")

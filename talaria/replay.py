@@ -303,7 +303,7 @@ async def replay_external(sessions: list[TraceSession], target: Deployment,
             raise ReplayTargetError(f"the deployment at {where} does not serve {', '.join(missing)} "
                                     f"(it serves {', '.join(info.models)})")
         print(f"[{info.policy}] replaying against {where} at {info.time_scale:g}x "
-              f"({len(info.servers)} servers)", file=sys.stderr, flush=True)
+              f"({len(info.servers)} server{'' if len(info.servers) == 1 else 's'})", file=sys.stderr, flush=True)
         # a running deployment's counters add up over its life: this replay's share is after - before
         before = await _deployment_stats(target, info.servers, info.policy)
         clock = ScaledClock(info.time_scale, info.clock_epoch)

@@ -6,10 +6,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
+from shared.net import free_port
 from talaria.cli import build_parser, main
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -30,7 +32,7 @@ TRACE = str(ROOT / "traces" / "swebench-30.jsonl")
         (["replay", TRACE, "--prefill-speed-scale=1e-300"], "--prefill-speed-scale: must be in 0.01..100"),
         (["status", "--timeout=-1"], "--timeout: must be above zero"),
         (["status", "--timeout=0"], "--timeout: must be above zero"),
-        (["chaos", TRACE, "--seeds=1,1"], "--seeds: seeds must be non-empty and distinct"),
+        (["chaos", TRACE, "--seeds=1,1"], "--seeds: seeds must be distinct"),
         (["replay", TRACE, "--time-scale=0"], "--time-scale: must be above zero"),
         (["replay", TRACE, "--routers=0"], "--routers: must be 1 or more"),
         (["replay", TRACE, "--max-lag-s=-5"], "--max-lag-s: must be above zero"),
@@ -40,8 +42,9 @@ TRACE = str(ROOT / "traces" / "swebench-30.jsonl")
         (["compare", "x.toml", "--jobs=1.5"], "--jobs: not a whole number"),
         (["chaos", TRACE, "--rounds=0"], "--rounds: must be 1 or more"),
         (["fidelity", "--time-scale=-50"], "--time-scale: must be above zero"),
-        (["fidelity", "--seeds=a,b"], "--seeds: not comma-separated whole numbers"),
-        (["fidelity", "--seeds=,"], "--seeds: names no number"),
+        (["fidelity", "--seeds=a,b"], "--seeds: not a seed list"),
+        (["fidelity", "--seeds=,"], "--seeds: not a seed list"),
+        (["bound", "--seeds=5-"], "--seeds: not a seed list"),
         (["bench-control-plane", "--rates=100,x"], "--rates: not a number: 'x'"),
         (["bench-control-plane", "--rates=0"], "--rates: must be above zero"),
         (["bench-control-plane", "--duration=0"], "--duration: must be above zero"),
@@ -183,6 +186,21 @@ def test_nats_user_without_a_password_names_the_variable(monkeypatch: pytest.Mon
     assert "TALARIA_NATS_PASSWORD_AGENT" in err and err.count("\n") == 1
 
 
+@pytest.mark.parametrize("args, says", [
+    (["--nats", "nats://127.0.0.1:4999", "--time-scale", "20", "--servers", "3"], "--servers, --time-scale set the embedded"),
+    (["--nats", "nats://127.0.0.1:4999", "--routers", "2", "--switch-cost-scale", "5"], "--routers, --switch-cost-scale"),
+    (["--nats-user", "agent"], "--nats-user name a running deployment: give its --nats or --credentials"),
+    (["--redis", "redis://127.0.0.1:6379", "--key-prefix", "x:"], "--redis, --key-prefix name a running deployment"),
+])
+def test_a_flag_of_the_other_kind_of_replay_is_refused_not_dropped(
+        args: list[str], says: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """A running deployment has its own servers and time scale, and the embedded stack no
+    deployment's login or prefixes: each such flag was dropped without a word."""
+    assert main(["replay", TRACE, *args]) == 2
+    err = capsys.readouterr().err
+    assert says in err and err.count("\n") == 1, err
+
+
 def test_an_unreachable_nats_is_one_line() -> None:
     import socket
     import subprocess
@@ -298,6 +316,44 @@ def test_a_second_up_in_a_running_stacks_log_folder_is_refused_and_leaves_its_fi
     os.close(lock_log_dir(tmp_path))  # free again once the first has stopped
 
 
+@pytest.mark.timeout(120)
+def test_up_keeps_the_front_doors_port_and_key_where_told(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--gateway-port` and TALARIA_API_KEY: an agent's base URL and key stay the same
+    across restarts (they were new at every start); a port in use is refused by name."""
+    import json
+    import signal
+    import socket
+    import subprocess
+    import urllib.request
+
+    port, key = free_port(), "sk-talaria-fixed-for-this-test"
+    env = {**os.environ, "TALARIA_API_KEY": key}
+    up = subprocess.Popen([sys.executable, "-m", "talaria.cli", "up", "--gateway-port", str(port), "--models",
+                           "glm-4.5-air-fp8", "--log-dir", str(tmp_path / "up")], cwd=ROOT, env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        creds = tmp_path / "up" / "credentials.json"
+        deadline = time.monotonic() + 90
+        while not creds.exists() and up.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        dep = json.loads(creds.read_text())
+        assert dep["openai_base_url"] == f"http://127.0.0.1:{port}/v1" and dep["api_key"] == key
+        ask = urllib.request.Request(f"http://127.0.0.1:{port}/v1/models", headers={"Authorization": f"Bearer {key}"})
+        with urllib.request.urlopen(ask, timeout=10) as r:
+            assert [m["id"] for m in json.load(r)["data"]] == ["glm-4.5-air-fp8"]
+        # a second stack on the same port (another folder) stops at once, naming it
+        monkeypatch.setenv("TALARIA_API_KEY", key)
+        assert main(["up", "--gateway-port", str(port), "--log-dir", str(tmp_path / "other")]) == 2
+        assert f"--gateway-port {port}: the port is in use" in capsys.readouterr().err
+    finally:
+        up.send_signal(signal.SIGINT)
+        up.wait(timeout=60)
+    with socket.socket() as s:  # (free again once it stopped)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", port))
+
+
 def test_up_serves_with_talarias_policy_unless_told() -> None:
     # the serving command runs the system, as compose's defaults do; the baseline is asked for by name
     assert build_parser().parse_args(["up"]).policy == "talaria"
@@ -384,6 +440,22 @@ def test_a_bad_setting_in_the_environment_stops_up_in_one_line(
     err = capsys.readouterr().err
     assert "TALARIA_GATEWAY_RETRY_GRACE_S must be a number, not 'abc'" in err and "Traceback" not in err, err
     assert not (tmp_path / "up" / "credentials.json").exists()
+
+
+@pytest.mark.timeout(60)
+def test_an_external_nats_or_redis_that_does_not_answer_stops_up_by_its_address(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`up --nats` / `--redis` at an address nothing listens on: every service retried it in
+    its own log while `up` waited for their health, saying nothing, without end."""
+    nobody = f"127.0.0.1:{free_port()}"
+    for flag, url, says in (("--nats", f"nats://{nobody}", "cannot connect to NATS at"),
+                            ("--redis", f"redis://{nobody}", "cannot connect to Redis at")):
+        t0 = time.monotonic()
+        assert main(["up", flag, url, "--log-dir", str(tmp_path / flag.strip("-"))]) == 2
+        err = capsys.readouterr().err
+        assert f"{says} {url}" in err and "Traceback" not in err, err
+        assert time.monotonic() - t0 < 30
+        assert not (tmp_path / flag.strip("-") / "credentials.json").exists()
 
 
 def _slow_catalog(tmp_path: Path) -> Path:

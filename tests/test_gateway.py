@@ -2052,6 +2052,20 @@ async def test_codexs_default_tools_are_served_namespaced_functions_named_and_ho
     r2 = await client.responses.create(model=MODEL, input=items, tools=tools, store=False, extra_headers=hdr)  # type: ignore[arg-type]
     assert r2.usage.input_tokens_details.cached_tokens > 0
     assert any(e.get("tools") == ["web_search"] for e in events(stack, "gateway", "gateway.tools_left_out"))
+    # a tool output Codex adds with no call before it (its goal, once one is set): context, not a 400;
+    # one with neither a call id nor a name is still refused
+    goal = {"type": "function_call_output", "id": "fco_1", "name": "goal_objective", "namespace": "agent",
+            "output": "fix the parser"}
+    r3 = await client.responses.create(model=MODEL, input=items + [goal], tools=tools, store=False,  # type: ignore[arg-type]
+                                       extra_headers=hdr)
+    assert r3.usage.input_tokens > r2.usage.input_tokens and r3.usage.input_tokens_details.cached_tokens > 0
+    with pytest.raises(openai.BadRequestError) as e:
+        await client.responses.create(model=MODEL, input=items + [{"type": "function_call_output", "output": "x"}])  # type: ignore[list-item]
+    assert e.value.body["param"] == f"input[{len(items)}]"
+    # OpenAI's server-side compaction: refused by name (it had been a 405 from a stored response's route)
+    async with aiohttp.ClientSession() as http, http.post(f"{stack.openai_base_url}/responses/compact", json={
+            "model": MODEL, "input": "x"}, headers={"Authorization": f"Bearer {stack.api_key}"}) as resp:
+        assert resp.status == 404 and "compact is not served" in (await resp.json())["error"]["message"]
 
 
 @pytest.mark.timeout(60)

@@ -528,8 +528,14 @@ EXIT_SCRIPT = textwrap.dedent("""
     from talaria.ops.nats_server import NatsServer
     from talaria.ops.processes import ProcessGroup
     from talaria.ops.redis_server import RedisServer
-    n = NatsServer(jetstream=False); n.start(timeout=30)
-    r = RedisServer(); r.start(timeout=30)
+    import asyncio
+    n, r = NatsServer(jetstream=False), RedisServer()
+    if sys.argv[1].endswith("-async"):  # as `talaria up` and replay start them: from a pool's worker thread
+        async def both():
+            await n.astart(); await r.astart()
+        asyncio.run(both())
+    else:
+        n.start(timeout=30); r.start(timeout=30)
     g = ProcessGroup()
     g.add("sleeper", [sys.executable, "-c", "import time; time.sleep(600)"])
     g.start_all()
@@ -537,12 +543,12 @@ EXIT_SCRIPT = textwrap.dedent("""
     mode = sys.argv[1]
     if mode == "kbint":
         raise KeyboardInterrupt
-    if mode == "sigkill":
+    if mode.startswith("sigkill"):
         os.kill(os.getpid(), signal.SIGKILL)
 """)
 
 
-@pytest.mark.parametrize("mode", ["normal", "kbint", "sigkill"])
+@pytest.mark.parametrize("mode", ["normal", "kbint", "sigkill", "sigkill-async"])
 def test_nothing_left_running_after_exit(mode: str, tmp_path: Path) -> None:
     # TMPDIR: a SIGKILLed parent can't run atexit, so keep its temp dirs under tmp_path.
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(tmp_path)}

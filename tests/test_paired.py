@@ -65,7 +65,8 @@ def test_paired_rows_pair_by_seed() -> None:
 
 def test_seed_list() -> None:
     assert seed_list("2001-2003,7") == (2001, 2002, 2003, 7)
-    for bad in ("", "a-b", "1,1"):
+    assert seed_list(" 3 , 5-6") == (3, 5, 6)
+    for bad in ("", "a-b", "1,1", "5-", "-3", "1,,2", "1,", "10-1", "1-1000000000", "1.5"):
         with pytest.raises(argparse.ArgumentTypeError):
             seed_list(bad)
 

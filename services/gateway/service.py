@@ -223,6 +223,7 @@ class Gateway:
         app.router.add_post("/v1/responses", self.responses)
         app.router.add_post("/v1/messages/count_tokens", self.count_tokens)
         app.router.add_post("/v1/responses/input_tokens", self.input_tokens)
+        app.router.add_post("/v1/responses/compact", self.compact)
         app.router.add_get("/v1/responses/{response_id}", self.stored_response)
         app.router.add_get("/v1/responses/{response_id}/input_items", self.response_input_items)
         app.router.add_delete("/v1/responses/{response_id}", self.delete_response)
@@ -894,8 +895,8 @@ class Gateway:
                 raise
             finally:
                 self.log.info("gateway.call", api=api, path=request.path, model=model, stream=stream, status=status,
-                              error=request.get(STREAM_ERROR_KEY), prompt_tokens=prompt.tokens, prefix_tokens=ids.prefix_tokens, named_session=ids.named,
-                              session_name=ids.session_name,
+                              error=request.get(STREAM_ERROR_KEY), prompt_tokens=prompt.tokens,
+                              prefix_tokens=ids.prefix_tokens, named_session=ids.named, session_name=ids.session_name,
                               retry=tr.retry_count(request.headers), ms=round((time.monotonic() - t0) * 1000, 2))
                 if not deferred:
                     await self._after_call(ids, final)
@@ -1115,6 +1116,13 @@ class Gateway:
                 on_error=lambda exc: written(out.failed(exc.code, exc.message)))
 
         return await self._call(request, RESPONSES, p, streamer, response, after_reply=keep)
+
+    async def compact(self, request: web.Request) -> web.Response:
+        """OpenAI's server-side compaction (an opaque `compaction` item for later input) is
+        not served: said by name, where the route of a stored response's id answered 405."""
+        self._tenant(request)
+        raise HttpError("not_found", "POST /v1/responses/compact is not served here: compact the conversation in "
+                        "the client (Codex does, with a /v1/responses call of its own) or send it whole")
 
     async def stored_response(self, request: web.Request) -> web.Response:
         """A stored response read back (`GET /v1/responses/{id}`), as it was answered."""

@@ -1245,6 +1245,11 @@ def _responses_messages(items: list[Any], previous: int = 0) -> list[dict[str, A
                 out[-1].setdefault("tool_calls", []).append(call)
             else:
                 out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output" and item.get("call_id") is None and isinstance(item.get("name"), str):
+            # a tool's output the client adds with no call before it (Codex's `goal_objective`, in
+            # its `agent` namespace, after a goal is set): context for the model, given as the
+            # user's, since it answers no call (a `tool` message would answer none)
+            out.append({"role": "user", "content": _responses_content(item.get("output"), f"{where}.output")})
         elif kind == "function_call_output":
             call_id = item.get("call_id")
             if not isinstance(call_id, str):

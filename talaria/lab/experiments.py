@@ -29,7 +29,7 @@ import msgspec
 from shared.catalog import load_catalog
 from shared.policy import PRESETS, TUNED_PATH, PolicyConfig, resolve_policy
 from talaria.workload.trace import TraceSession, load_trace
-from talaria.argtypes import int_list, output_file, positive_float, positive_int, write_output
+from talaria.argtypes import output_file, positive_float, positive_int, seed_list, write_output
 from talaria.workload.generate import generate, load_settings
 from talaria.results.report import summarize
 from talaria.workload.scenarios import (  # scenarios define the tuning seeds: they refuse to score them
@@ -443,8 +443,8 @@ def cmd_fidelity(a: argparse.Namespace) -> int:
 
 
 def configure_fidelity(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--seeds", type=int_list, default=None,
-                   help="generator seeds (comma-separated; default 1,2,3,4,5, or a scenario's first seed)")
+    p.add_argument("--seeds", type=seed_list, default=None,
+                   help="generator seeds (1-5, 1,2,3 or both; default 1,2,3,4,5, or a scenario's first seed)")
     p.add_argument("--scenario", help="a scenario file (scenarios/*.toml): its generator settings, servers and "
                                       "server profile instead of the default settings on one server")
     p.add_argument("--policy", default="baseline,talaria", help="comma-separated policies (default baseline,talaria)")

@@ -4,7 +4,8 @@ Everything binds to 127.0.0.1 on free ports and keeps its state in temp dirs, so
 touches a system NATS/Redis. Every process started here is tracked in a module registry
 and stopped by an atexit hook, so nothing outlives the Python process on a normal exit,
 an uncaught exception or a KeyboardInterrupt. On Linux, children spawned from the main
-thread also get PR_SET_PDEATHSIG=SIGKILL as a last resort if the parent is SIGKILLed.
+thread, or for other threads from one spawner thread that lives as long as the process, get
+PR_SET_PDEATHSIG=SIGKILL as a last resort if the parent is SIGKILLed.
 
 The blocking API (start/stop/...) is usable from sync code; async callers can use the
 ``a*`` twins (which run the blocking call in a worker thread) and ``ProcessGroup.supervise``.
@@ -14,12 +15,14 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import concurrent.futures
 import contextlib
 import ctypes
 import ctypes.util
 import json
 import logging
 import os
+import queue
 import shutil
 import signal
 import socket
@@ -31,7 +34,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, Self
+from typing import Any, Protocol, Self, TypeVar
 
 from shared.clock import done_within
 from shared import net
@@ -39,6 +42,7 @@ from shared.net import LOOPBACK
 
 log = logging.getLogger("talaria.ops.processes")
 
+_T = TypeVar("_T")
 POLL_S = 0.05
 SPARE_DELAY_S = 2.0  # wall seconds after a child's (re)start before its next warm spare starts
 
@@ -120,6 +124,40 @@ def set_pdeathsig() -> None:
         _prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
 
 
+class _Spawner:
+    """One daemon thread, alive as long as the process, that starts the children asked for
+    from other threads. PDEATHSIG fires when the *spawning thread* exits: a child started
+    from a pool's worker thread (the async callers' `asyncio.to_thread`: NATS and Redis)
+    got none, since that thread may end while the child should run on, so a SIGKILLed
+    `talaria up` or replay left its NATS and Redis running. This thread ends only with the
+    process, so its children get PDEATHSIG as the main thread's do."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def run(self, job: Callable[[], _T]) -> _T:
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._serve, name="talaria-spawner", daemon=True)
+                self._thread.start()
+        done: concurrent.futures.Future[_T] = concurrent.futures.Future()
+        self._jobs.put((job, done))
+        return done.result()
+
+    def _serve(self) -> None:
+        while True:
+            job, done = self._jobs.get()
+            try:
+                done.set_result(job())
+            except BaseException as exc:  # noqa: BLE001 - the asking thread raises it
+                done.set_exception(exc)
+
+
+_SPAWNER = _Spawner()
+
+
 def spawn(
     argv: Sequence[str],
     *,
@@ -128,22 +166,25 @@ def spawn(
     cwd: str | Path | None = None,
     stdin: int = subprocess.DEVNULL,
 ) -> subprocess.Popen[bytes]:
-    """Start argv in its own session (so killpg reaches grandchildren), output appended to log."""
+    """Start argv in its own session (so killpg reaches grandchildren), output appended to
+    log; it gets SIGKILL if this process dies without stopping it (PDEATHSIG, Linux)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    # PDEATHSIG fires when the *spawning thread* exits, so only use it from the main thread,
-    # whose exit is the process's exit; a worker thread could die and take the child with it.
-    preexec = set_pdeathsig if threading.current_thread() is threading.main_thread() else None
-    with open(log_path, "ab", buffering=0) as logf:
-        return subprocess.Popen(
-            list(argv),
-            stdin=stdin,
-            stdout=logf,
-            stderr=subprocess.STDOUT,
-            env=dict(env) if env is not None else None,
-            cwd=cwd,
-            start_new_session=True,
-            preexec_fn=preexec,
-        )
+
+    def start() -> subprocess.Popen[bytes]:
+        with open(log_path, "ab", buffering=0) as logf:
+            return subprocess.Popen(
+                list(argv),
+                stdin=stdin,
+                stdout=logf,
+                stderr=subprocess.STDOUT,
+                env=dict(env) if env is not None else None,
+                cwd=cwd,
+                start_new_session=True,
+                preexec_fn=set_pdeathsig,
+            )
+
+    # (from the main thread, whose exit is the process's, directly; else by the spawner thread)
+    return start() if threading.current_thread() is threading.main_thread() else _SPAWNER.run(start)
 
 
 def _signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:

@@ -23,7 +23,7 @@ import nats
 
 from shared.auth import Credentials, generate_credentials, nats_permissions
 from shared.clock import done_within
-from shared.net import LOOPBACK, free_port
+from shared.net import LOOPBACK, free_port, port_free
 from shared.policy import PolicyConfig, encode_policy
 from shared.schema import HEALTH_OK
 from shared.settings import Settings, SettingsError
@@ -41,6 +41,13 @@ DEFAULT_MODELS = ["glm-4.5-fp8", "qwen3-235b-a22b-fp8", "glm-4.5-air-fp8"]
 STORE_CHECK_S = 0.25        # wall seconds between looks at the embedded NATS and Redis processes
 STORE_RESTART_MIN_S, STORE_RESTART_MAX_S = 1.0, 30.0  # back-off between failed restarts of one
 LOCK_FILE = ".stack.lock"  # in the log folder: held while a stack runs from it
+
+
+EXTERNAL_STORE_TIMEOUT_S = 10.0  # wall seconds an external NATS or Redis has to answer at the start
+
+
+async def _quiet(e: Exception) -> None:
+    pass  # (a connection error is raised to the caller; nats-py would also log it)
 
 
 class StackStartError(RuntimeError):
@@ -115,6 +122,8 @@ class StackSpec:
     # restarts them itself on its own schedule (chaos) and for replays
     supervise_stores: bool = False
     api_keys: dict[str, str] = field(default_factory=dict)  # tenant -> key beside the generated `default` one
+    gateway_port: int = 0  # the gateway's loopback port (0: a free one at every start)
+    api_key: str | None = None  # the `default` tenant's key (None: a fresh one at every start)
 
 
 class EmbeddedStack:
@@ -145,7 +154,7 @@ class EmbeddedStack:
         self._stop_supervising = asyncio.Event()
         self.gateway_port: int | None = None
         # the gateway's key for the `default` tenant, fresh at every start like the passwords
-        self.api_key = f"sk-talaria-{secrets.token_urlsafe(24)}"
+        self.api_key = spec.api_key or f"sk-talaria-{secrets.token_urlsafe(24)}"
 
     @property
     def nats_urls(self) -> list[str]:
@@ -246,6 +255,7 @@ class EmbeddedStack:
 
     async def start(self, timeout_s: float = 90.0) -> None:
         self.claim_log_dir()
+        await self.check_external_stores()
         c = self.creds
         if not self.spec.nats_urls and self.spec.nats_cluster > 1:
             self.nats_nodes = await asyncio.to_thread(
@@ -295,7 +305,9 @@ class EmbeddedStack:
         for name, module, extra in self.service_table():
             self.group.add(name, [sys.executable, "-m", module], env={**env, **extra}, log_path=self.log_dir / f"{name}.log")
         if self.spec.gateway:
-            self.gateway_port = free_port()
+            self.gateway_port = self.spec.gateway_port or free_port()
+            if self.spec.gateway_port and not port_free(self.gateway_port):  # (else the gateway crash-looped on it)
+                raise StackStartError(f"--gateway-port {self.gateway_port}: the port is in use on {LOOPBACK}")
             self.group.add("gateway", [sys.executable, "-m", "services.gateway"], env={**env, **self.gateway_env()},
                            log_path=self.log_dir / "gateway.log")
         for child in self.group.children.values():
@@ -311,6 +323,34 @@ class EmbeddedStack:
             self._liveness = asyncio.ensure_future(self.watch_liveness())
         if self.spec.supervise_stores:
             self._stores = asyncio.ensure_future(self.supervise_stores())
+
+    async def check_external_stores(self, timeout_s: float = EXTERNAL_STORE_TIMEOUT_S) -> None:
+        """An external NATS or Redis (`--nats`, `--redis`) that does not answer is refused
+        here, by its address; else every service retried it in its log while the start
+        waited, saying nothing, for the services' health."""
+        import redis.asyncio as aioredis
+        from redis.exceptions import ConnectionError as RedisConnectionError, TimeoutError as RedisTimeoutError
+
+        if self.spec.nats_urls:
+            try:
+                nc = await nats.connect(servers=self.spec.nats_urls, connect_timeout=timeout_s, allow_reconnect=False,
+                                        # (0 attempts is taken as no limit by nats-py: one attempt, then refused)
+                                        max_reconnect_attempts=1, error_cb=_quiet, **self.nats_auth("operator"))
+            except Exception as exc:  # noqa: BLE001 - refused, unreachable, or a login refused: said by address
+                raise StackStartError(f"cannot connect to NATS at {','.join(self.spec.nats_urls)}: "
+                                      f"{str(exc) or type(exc).__name__}") from None
+            await nc.close()
+        if self.spec.redis_url:
+            client = aioredis.Redis.from_url(self.spec.redis_url, socket_connect_timeout=timeout_s,
+                                             socket_timeout=timeout_s)
+            try:
+                await client.ping()
+            except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+                raise StackStartError(f"cannot connect to Redis at {self.spec.redis_url}: {exc}") from None
+            except Exception:  # noqa: BLE001 - it answers (a login the services bring themselves): reachable
+                pass
+            finally:
+                await client.aclose()
 
     async def supervise_stores(self) -> None:
         """An embedded NATS node or Redis that exited is started again on its port (NATS
