@@ -135,20 +135,25 @@ class _Spawner:
     def __init__(self) -> None:
         self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
+        self._pid = 0  # the process that started the thread (a forked child has none running)
         self._lock = threading.Lock()
 
     def run(self, job: Callable[[], _T]) -> _T:
         with self._lock:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._serve, name="talaria-spawner", daemon=True)
+            if self._thread is None or self._pid != os.getpid():
+                self._jobs = queue.SimpleQueue()
+                self._thread = threading.Thread(target=self._serve, args=(self._jobs,), name="talaria-spawner",
+                                                daemon=True)
+                self._pid = os.getpid()
                 self._thread.start()
         done: concurrent.futures.Future[_T] = concurrent.futures.Future()
         self._jobs.put((job, done))
         return done.result()
 
-    def _serve(self) -> None:
+    @staticmethod
+    def _serve(jobs: "queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future[Any]]]") -> None:
         while True:
-            job, done = self._jobs.get()
+            job, done = jobs.get()
             try:
                 done.set_result(job())
             except BaseException as exc:  # noqa: BLE001 - the asking thread raises it
