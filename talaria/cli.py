@@ -323,6 +323,8 @@ def _interrupted(a: argparse.Namespace, sessions: list[TraceSession], oracle: di
             msg += f"; the completed results written to {a.out} (marked partial)"
         except OutputError as exc:
             msg += f"; {exc}"
+    elif a.out:
+        msg += f"; nothing written to {a.out} (no policy completed)"
     print(msg, file=sys.stderr, flush=True)
 
 

@@ -581,6 +581,16 @@ def test_an_interrupted_replay_says_how_far_it_got_and_keeps_what_completed(
     result = json.loads(out.read_text())
     assert result["partial"] == {"completed": ["baseline"], "interrupted": "talaria", "calls_answered": 7}
     assert [r["policy"] for r in result["runs"]] == ["baseline"]
+    # stopped in its first policy: it says that nothing was written
+    monkeypatch.setattr(talaria.replay, "replay_embedded", _simulated_replay("baseline", signal_exc))
+    out.unlink()
+    if signal_exc is KeyboardInterrupt:
+        assert main(argv) == 130
+    else:
+        with pytest.raises(SystemExit):
+            main(argv)
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1].endswith(f"; nothing written to {out} (no policy completed)") and not out.exists()
 
 
 def test_table_columns_stay_apart_for_any_figure(capsys: pytest.CaptureFixture[str]) -> None:
