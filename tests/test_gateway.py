@@ -811,6 +811,13 @@ async def test_401_and_404_in_each_apis_shape(stack: EmbeddedStack) -> None:
                              headers={"Authorization": f"Bearer {stack.api_key}"}) as r:
             body = await r.json()
             assert r.status == 400 and set(body["error"]) == {"message", "type", "param", "code"}
+    # a base URL one /v1 off (LiteLLM's anthropic/ callers build `/v1/v1/messages` from some bases):
+    # the 404 in the shape of the API its SDK speaks, which it reads
+    with pytest.raises(anthropic.NotFoundError) as ea:
+        await anthropic.AsyncAnthropic(base_url=stack.openai_base_url, api_key=stack.api_key, max_retries=0
+                                       ).messages.create(model=MODEL, max_tokens=4, messages=[{"role": "user", "content": "x"}])
+    assert ea.value.body["type"] == "error" and ea.value.body["error"]["type"] == "not_found_error"
+    assert "/v1/v1/messages" in ea.value.body["error"]["message"]
 
 
 @pytest.mark.timeout(60)

@@ -83,6 +83,7 @@ STREAM_ERROR_KEY = web.RequestKey("talaria.stream_error", str)
 SSE_KEEPALIVE = b": keep-alive\n\n"  # an SSE comment: clients skip it; writing it finds a client that has gone
 
 OPENAI, ANTHROPIC = "openai", "anthropic"
+OPENAI_PATHS = ("/v1/chat/", "/v1/completions", "/v1/responses")  # OpenAI's own: its shape whatever the headers
 RESPONSES = "responses"  # OpenAI's Responses API: OpenAI's error shapes, its own label in metrics and traces
 
 
@@ -245,8 +246,10 @@ class Gateway:
                       ) -> web.StreamResponse:
         """Every refusal in the API's own shape, and every API request counted by its API
         and status (refusals before a call as well as calls; a client that went away: 499)."""
-        anthropic_models = request.path.startswith("/v1/models") and "anthropic-version" in request.headers
-        shape = ANTHROPIC if request.path.startswith("/v1/messages") or anthropic_models else OPENAI
+        # Anthropic's shape for its paths and for any request its SDKs sent (they send `anthropic-version`
+        # on every call: a base URL set one /v1 off gets its 404 in the words it reads)
+        anthropic_client = "anthropic-version" in request.headers and not request.path.startswith(OPENAI_PATHS)
+        shape = ANTHROPIC if request.path.startswith("/v1/messages") or anthropic_client else OPENAI
         t0, status = time.monotonic(), 500
         try:
             resp = await self._answer(request, handler, shape)
