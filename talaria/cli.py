@@ -339,6 +339,8 @@ def cmd_up(a: argparse.Namespace) -> int:
     for m in models:
         catalog.model(m)
     policy = resolve_policy(a.policy)
+    if a.no_gateway and a.gateway_port:
+        return _fail("--gateway-port names the port of the gateway that --no-gateway leaves out")
 
     async def run() -> None:
         spec = StackSpec(policy=policy, models=models, servers=a.servers, liveness=True, supervise_stores=True,

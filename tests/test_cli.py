@@ -80,6 +80,7 @@ def test_bad_numbers_are_usage_errors(argv: list[str], fragment: str, capsys: py
         (["up", "--models", ","], "--models names no model"),
         (["up", "--server-profile", "tpu"], "unknown server profile 'tpu'"),
         (["up", "--policy", "nonsense"], "unknown policy 'nonsense'"),
+        (["up", "--no-gateway", "--gateway-port", "8080"], "--gateway-port names the port of the gateway that --no-gateway"),
         (["sim", TRACE, "--policy", "baseline,talaria,baseline"], "names baseline more than once"),
         (["replay", TRACE, "--policy", "talaria, talaria"], "names talaria more than once"),
         # an empty --policy ran the baseline
