@@ -19,10 +19,12 @@ import anthropic
 import openai
 import pytest
 import redis.asyncio as aioredis
+import structlog
+import structlog.testing
 
 from services.gateway import translate as tr
 from services.gateway import prefix as px
-from services.gateway.service import start_gateway
+from services.gateway.service import SOFT_STATE_PAUSE_S, SOFT_STATE_PROBE_S, start_gateway
 from shared import tool_calls as tc
 from shared.keys import Keys
 from shared.agent_client import TalariaClient, TalariaError
@@ -1273,20 +1275,26 @@ async def test_a_stalled_redis_holds_a_call_up_a_moment_not_for_its_commands_bud
 
 
 class _StoreFailsRedis:
-    """A Redis whose writes of stored responses fail (it stalled between a call's soft
-    steps and its response's store); everything else reaches the real one. Counts them."""
+    """A Redis whose writes of stored responses fail, and which answers no PING, while
+    `stalled` (it stalled between a call's soft steps and its response's store);
+    everything else reaches the real one. Counts the failed writes."""
 
     def __init__(self, real: aioredis.Redis) -> None:
-        self.real, self.failed_sets = real, 0
+        self.real, self.failed_sets, self.stalled = real, 0, True
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.real, name)
 
     async def set(self, key: Any, *args: Any, **kwargs: Any) -> Any:
-        if "gw:resp:" in str(key):
+        if "gw:resp:" in str(key) and self.stalled:
             self.failed_sets += 1
             raise TimeoutError("Redis did not answer")
         return await self.real.set(key, *args, **kwargs)
+
+    async def ping(self) -> Any:
+        if self.stalled:
+            raise TimeoutError("Redis did not answer")
+        return await self.real.ping()
 
 
 @pytest.mark.timeout(60)
@@ -1310,6 +1318,14 @@ async def test_a_failed_response_store_sets_the_soft_state_aside_as_a_failed_ste
         second = await client.responses.create(**ask)
         assert first.store is False and second.store is False and second.output_text == "Fixed it."
         assert redis.failed_sets == 1
+        # Redis answers again: the pause ends at its next PING, not after the whole pause (a blind
+        # pause left every call of the seconds after a stall without its prefix)
+        redis.stalled = False
+        assert 2 * SOFT_STATE_PROBE_S + 0.3 < SOFT_STATE_PAUSE_S
+        await asyncio.sleep(2 * SOFT_STATE_PROBE_S + 0.3)
+        third = await client.responses.create(**ask)
+        assert third.store is True and redis.failed_sets == 1
+        assert (await client.responses.retrieve(third.id)).id == third.id
     finally:
         await runner.cleanup()
         await bus.close()
@@ -1377,11 +1393,14 @@ async def test_a_stream_that_fails_once_begun_ends_in_its_apis_error_event_and_i
     ask = f"{FAIL_MARK}: go"
     client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="k", max_retries=0)
     got: list[str] = []
-    with pytest.raises(openai.APIError, match="the engine went away"):
+    with structlog.testing.capture_logs() as logged, pytest.raises(openai.APIError, match="the engine went away"):
         async for ch in await client.chat.completions.create(model=MODEL, stream=True,
                                                              messages=[{"role": "user", "content": ask}]):
             got += [ch.choices[0].delta.content or ""] if ch.choices else []
     assert "".join(got) == "partial "
+    # its log line names the error, at the level an operator reads (a refusal that is the client's stays info)
+    (line,) = [e for e in logged if e["event"] == "gateway.call"]
+    assert (line["status"], line["error"], line["log_level"]) == (200, "internal", "warning")
     with pytest.raises(anthropic.APIStatusError, match="the engine went away"):
         async with anthropic.AsyncAnthropic(base_url=url, api_key="k", max_retries=0).messages.stream(
                 model=MODEL, max_tokens=50, messages=[{"role": "user", "content": ask}]) as st:

@@ -73,6 +73,7 @@ BUSY_TTL_S = 3600.0            # a header-less session's in-flight mark outlives
 BUS_RETRY_AFTER_S = 2.0        # what a request refused while NATS is away is told to wait (a reconnect takes seconds)
 SOFT_STATE_PAUSE_S = 5.0       # how long the gateway does without its soft state after Redis failed to answer
 SOFT_STATE_WAIT_S = 1.0        # how long one soft step waits on Redis (a stalled one answers nothing at all)
+SOFT_STATE_PROBE_S = 0.5       # while it is set aside: a PING this often (and waited on this long) ends the pause
 RETRY_WINDOW_S = 3600          # how long a first attempt's call id waits for its SDK's retries (timeouts x retries: minutes)
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 REQUEST_ID_HEADER, ANTHROPIC_REQUEST_ID_HEADER = "x-request-id", "request-id"
@@ -192,6 +193,7 @@ class Gateway:
         # so every prefix is taken as empty and a header-less request is a session of its own
         self.redis = redis
         self.soft_state_away_until = 0.0  # (monotonic) Redis did not answer: done without until then
+        self._soft_state_probe: asyncio.Future[None] | None = None  # asks Redis meanwhile, to end it sooner
         self.rkeys = Keys(settings.key_prefix)
         self.chains = px.ChainCache()
         self.catalog = catalog or load_catalog(settings.catalog_path)
@@ -577,10 +579,32 @@ class Gateway:
                         await p.execute()
             return True
         except Exception as exc:  # noqa: BLE001 - the reply matters more than its copy
-            self.soft_state_away_until = time.monotonic() + SOFT_STATE_PAUSE_S  # (as a failed soft step)
+            self._soft_state_aside()  # (as a failed soft step)
             self.log.warning("gateway.response_not_stored", response_id=response["id"], error=type(exc).__name__,
                              paused_s=SOFT_STATE_PAUSE_S)
             return False
+
+    def _soft_state_aside(self) -> None:
+        """Do without the soft state for SOFT_STATE_PAUSE_S, or until Redis answers a PING
+        again (asked each SOFT_STATE_PROBE_S meanwhile): a blind pause gave every call in the
+        seconds after a stall ended no prefix (its engine still held its KV) and no store."""
+        self.soft_state_away_until = time.monotonic() + SOFT_STATE_PAUSE_S
+        if self._soft_state_probe is None or self._soft_state_probe.done():
+            self._soft_state_probe = asyncio.ensure_future(self._probe_soft_state())
+
+    async def _probe_soft_state(self) -> None:
+        assert self.redis is not None
+        while time.monotonic() < self.soft_state_away_until:
+            await asyncio.sleep(SOFT_STATE_PROBE_S)
+            try:
+                async with asyncio.timeout(SOFT_STATE_PROBE_S):
+                    await self.redis.ping()
+            except Exception:  # noqa: BLE001 - still away: asked again
+                continue
+            if time.monotonic() < self.soft_state_away_until:
+                self.soft_state_away_until = 0.0
+                self.log.info("gateway.prefix_state_back")
+            return
 
     async def _text_prompt(self, tenant: str, model: str, body: dict[str, Any]) -> Prompt:
         try:
@@ -698,7 +722,7 @@ class Gateway:
             async with asyncio.timeout(SOFT_STATE_WAIT_S):
                 return await op()
         except Exception as exc:  # noqa: BLE001 - soft state: log, do without
-            self.soft_state_away_until = time.monotonic() + SOFT_STATE_PAUSE_S
+            self._soft_state_aside()
             self.log.warning("gateway.prefix_state_unavailable", error=type(exc).__name__,
                              paused_s=SOFT_STATE_PAUSE_S)
             return fallback
@@ -834,7 +858,7 @@ class Gateway:
         sid, cid = ids.session_id, ids.call_id
         request[REQUEST_ID_KEY] = cid
         final = tr.is_final(request.headers)
-        status, deferred = 200, False
+        status, deferred, error = 200, False, None
         with structlog.contextvars.bound_contextvars(tenant=tenant, session_id=sid, call_id=cid), tracing.span(
                 f"chat {model}", tracing.traceparent_of(request.headers), kind=SpanKind.SERVER,
                 attributes=tracing.call_attributes(model, sid, cid, **{"talaria.api": api, "http.route": request.path,
@@ -891,16 +915,19 @@ class Gateway:
                                 deferred = True
                 return web.Response(body=msgspec.json.encode(whole(reply)), content_type="application/json")
             except TalariaError as exc:
-                status = tr.error_status(exc.code, api)
+                status, error = tr.error_status(exc.code, api), exc.code
                 raise HttpError(exc.code, exc.message, retry_after_s=exc.retry_after_s) from None
             except HttpError as exc:
-                status = tr.error_status(exc.code, api)
+                status, error = tr.error_status(exc.code, api), exc.code
                 raise
             finally:
-                self.log.info("gateway.call", api=api, path=request.path, model=model, stream=stream, status=status,
-                              error=request.get(STREAM_ERROR_KEY), prompt_tokens=prompt.tokens,
-                              prefix_tokens=ids.prefix_tokens, named_session=ids.named, session_name=ids.session_name,
-                              retry=tr.retry_count(request.headers), ms=round((time.monotonic() - t0) * 1000, 2))
+                error = error or request.get(STREAM_ERROR_KEY)
+                # (a failure on the server's side, or a stream that ended in one, where an operator looks)
+                log = self.log.warning if status >= 500 or (error is not None and status == 200) else self.log.info
+                log("gateway.call", api=api, path=request.path, model=model, stream=stream, status=status, error=error,
+                    prompt_tokens=prompt.tokens, prefix_tokens=ids.prefix_tokens, named_session=ids.named,
+                    session_name=ids.session_name, retry=tr.retry_count(request.headers),
+                    ms=round((time.monotonic() - t0) * 1000, 2))
                 if not deferred:
                     await self._after_call(ids, final)
 
