@@ -564,25 +564,21 @@ class Gateway:
         """Store a response to be read back and continued; False where the store is away
         (the agent is answered all the same, its response saying `store: false`)."""
         assert self.redis is not None
-        if time.monotonic() < self.soft_state_away_until:  # (Redis just failed to answer: not waited on again)
-            return False
-        try:
-            ttl = self.settings.gateway_responses_ttl_s
-            async with asyncio.timeout(SOFT_STATE_WAIT_S):  # (the reply is held for it)
-                await self.redis.set(self._response_key(tenant, response["id"]),
-                                     tr.stored_response(conversation, response), ex=ttl)
-                items = [it["id"] for it in response.get("output") or () if isinstance(it.get("id"), str)]
-                if items:  # (each output item found by its id, for an item_reference to it)
-                    async with self.redis.pipeline(transaction=False) as p:
-                        for item in items:
-                            p.set(self.rkeys.gateway_item(tr.item_digest(tenant, item)), response["id"], ex=ttl)
-                        await p.execute()
+        redis, ttl = self.redis, self.settings.gateway_responses_ttl_s
+
+        async def store() -> bool:
+            await redis.set(self._response_key(tenant, response["id"]), tr.stored_response(conversation, response),
+                            ex=ttl)
+            items = [it["id"] for it in response.get("output") or () if isinstance(it.get("id"), str)]
+            if items:  # (each output item found by its id, for an item_reference to it)
+                async with redis.pipeline(transaction=False) as p:
+                    for item in items:
+                        p.set(self.rkeys.gateway_item(tr.item_digest(tenant, item)), response["id"], ex=ttl)
+                    await p.execute()
             return True
-        except Exception as exc:  # noqa: BLE001 - the reply matters more than its copy
-            self._soft_state_aside()  # (as a failed soft step)
-            self.log.warning("gateway.response_not_stored", response_id=response["id"], error=type(exc).__name__,
-                             paused_s=SOFT_STATE_PAUSE_S)
-            return False
+
+        # a soft step (the reply is held for it; the reply matters more than its copy)
+        return await self._soft(store, False, "gateway.response_not_stored", response_id=response["id"])
 
     def _soft_state_aside(self) -> None:
         """Do without the soft state for SOFT_STATE_PAUSE_S, or until Redis answers a PING
@@ -710,11 +706,13 @@ class Gateway:
     def _prefix_tokens(blocks: int, prompt: Prompt) -> int:
         return min(blocks * px.BLOCK_TOKENS, prompt.tokens - 1)
 
-    async def _soft(self, op: Callable[[], Awaitable[Any]], fallback: Any) -> Any:
+    async def _soft(self, op: Callable[[], Awaitable[Any]], fallback: Any,
+                    failed: str = "gateway.prefix_state_unavailable", **fields: Any) -> Any:
         """A step on the gateway's soft state: without Redis (or with it away) the call
         goes on as if nothing were known (its engine's own cache still reuses what it holds).
         One that fails, or takes SOFT_STATE_WAIT_S, sets the state aside for SOFT_STATE_PAUSE_S:
-        a stalled Redis answers each command only with its timeout, and a request makes several."""
+        a stalled Redis answers each command only with its timeout, and a request makes several.
+        `failed`, `fields`: the warning logged then."""
         if self.redis is None or time.monotonic() < self.soft_state_away_until:
             return fallback
         try:
@@ -723,8 +721,7 @@ class Gateway:
                 return await op()
         except Exception as exc:  # noqa: BLE001 - soft state: log, do without
             self._soft_state_aside()
-            self.log.warning("gateway.prefix_state_unavailable", error=type(exc).__name__,
-                             paused_s=SOFT_STATE_PAUSE_S)
+            self.log.warning(failed, error=type(exc).__name__, paused_s=SOFT_STATE_PAUSE_S, **fields)
             return fallback
 
     async def _held_blocks(self, sid: str, chain: list[bytes]) -> int:
