@@ -30,11 +30,15 @@ import argparse
 import asyncio
 import sys
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from shared.schema import HEALTH_STARTING
 from shared.settings import Settings
 from shared.subjects import Subjects
 from talaria.argtypes import positive_float
+
+if TYPE_CHECKING:
+    from nats.aio.client import Client as NATS
 
 SERVICES = ("router", "admission", "substrate", "engine", "gateway")
 
@@ -59,23 +63,32 @@ def service_settings(env: Mapping[str, str] | None = None) -> Settings:
         raise ValueError(f"the service's settings do not parse (exit {exc.code})") from None
 
 
+async def _quiet(_exc: Exception) -> None:
+    pass  # (a failed connection is raised to its caller; nats-py would also log each try)
+
+
+async def connect_once(nats_urls: list[str], timeout_s: float, name: str,
+                       user: str | None = None, password: str | None = None) -> "NATS":
+    """A NATS connection tried once per server and given up within about twice
+    `timeout_s` (NoServersError, OSError or asyncio.TimeoutError; a refused login raises
+    nats-py's own error): a check, not a client that waits for NATS to come back."""
+    import nats
+
+    # max_reconnect_attempts=0 means "forever" in nats-py; 1 = one more try per server.
+    return await asyncio.wait_for(
+        nats.connect(servers=nats_urls, connect_timeout=timeout_s, max_reconnect_attempts=1,
+                     reconnect_time_wait=0.1, allow_reconnect=False, error_cb=_quiet,
+                     user=user or None, password=password or None, name=name),
+        timeout=timeout_s * 2 + 1)
+
+
 async def check(nats_urls: list[str], subject: str, timeout_s: float,
                 user: str | None = None, password: str | None = None) -> tuple[bool, str]:
-    import nats
     from nats.errors import NoRespondersError, NoServersError
     from nats.errors import TimeoutError as NatsTimeout
 
-    async def quiet(_exc: Exception) -> None:
-        pass
-
     try:
-        # max_reconnect_attempts=0 means "forever" in nats-py; 1 = one more try per server.
-        nc = await asyncio.wait_for(
-            nats.connect(servers=nats_urls, connect_timeout=timeout_s, max_reconnect_attempts=1,
-                         reconnect_time_wait=0.1, allow_reconnect=False, error_cb=quiet,
-                         user=user or None, password=password or None,
-                         name="talaria-healthcheck"),
-            timeout=timeout_s * 2 + 1)
+        nc = await connect_once(nats_urls, timeout_s, "talaria-healthcheck", user, password)
     except (NoServersError, OSError, asyncio.TimeoutError) as exc:
         return False, f"cannot reach NATS at {','.join(nats_urls)}: {type(exc).__name__}: {exc}"
     try:

@@ -29,6 +29,7 @@ from shared.schema import HEALTH_OK
 from shared.settings import Settings, SettingsError
 from shared.subjects import Subjects
 from talaria.client import AgentLogin, Deployment
+from talaria.ops.healthcheck import connect_once
 from talaria.ops.liveness import (LIVENESS_INTERVAL_S, LIVENESS_TICK_S, LIVENESS_TIMEOUT_S, SERVICE_GRACE_S,
                                   SERVICE_STARTUP_S, STARTUP_GRACE_S, LivenessWatch, PingRounds)
 from talaria.ops.nats_server import NatsServer, start_cluster
@@ -44,10 +45,6 @@ LOCK_FILE = ".stack.lock"  # in the log folder: held while a stack runs from it
 
 
 EXTERNAL_STORE_TIMEOUT_S = 10.0  # wall seconds an external NATS or Redis has to answer at the start
-
-
-async def _quiet(e: Exception) -> None:
-    pass  # (a connection error is raised to the caller; nats-py would also log it)
 
 
 class StackStartError(RuntimeError):
@@ -333,9 +330,8 @@ class EmbeddedStack:
 
         if self.spec.nats_urls:
             try:
-                nc = await nats.connect(servers=self.spec.nats_urls, connect_timeout=timeout_s, allow_reconnect=False,
-                                        # (0 attempts is taken as no limit by nats-py: one attempt, then refused)
-                                        max_reconnect_attempts=1, error_cb=_quiet, **self.nats_auth("operator"))
+                nc = await connect_once(self.spec.nats_urls, timeout_s, "talaria-stack-check",
+                                        **self.nats_auth("operator"))
             except Exception as exc:  # noqa: BLE001 - refused, unreachable, or a login refused: said by address
                 raise StackStartError(f"cannot connect to NATS at {','.join(self.spec.nats_urls)}: "
                                       f"{str(exc) or type(exc).__name__}") from None
