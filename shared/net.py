@@ -27,10 +27,12 @@ def _ephemeral_low() -> int:
         return 0
 
 
-def port_free(port: int, host: str = LOOPBACK) -> bool:
-    """Whether a server could bind `port` on `host` right now."""
+def port_free(port: int, host: str = LOOPBACK, reuse_addr: bool = True) -> bool:
+    """Whether a server could bind `port` on `host` right now (`reuse_addr`: as aiohttp
+    binds, so a port in TIME_WAIT counts as free)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (as aiohttp binds: a port in TIME_WAIT is free)
+        if reuse_addr:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError:
@@ -47,11 +49,7 @@ def free_port() -> int:
     low = _ephemeral_low()
     if low - LISTEN_PORTS_FROM >= 1000:
         for port in random.sample(range(LISTEN_PORTS_FROM, low), 64):
-            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-                try:
-                    s.bind((LOOPBACK, port))
-                except OSError:
-                    continue
+            if port_free(port, reuse_addr=False):  # (any server may take it, not only one binding so)
                 return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((LOOPBACK, 0))

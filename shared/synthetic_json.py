@@ -228,8 +228,8 @@ def _number(schema: Mapping[str, Any]) -> float | int:
         value = float(hi) - 1
     else:
         value = 1.0
-    step = schema.get("multipleOf")
-    if isinstance(step, (int, float)) and not isinstance(step, bool) and step > 0 and abs(value / step) < 2 ** 53:
+    step = _num(schema, "multipleOf")
+    if step is not None and step > 0 and abs(value / step) < 2 ** 53:
         near = [step * f(value / step) for f in (round, math.floor, math.ceil)]  # (the multiples nearest)
     else:
         near = [round(value), math.floor(value), math.ceil(value)]
@@ -243,12 +243,16 @@ def _number(schema: Mapping[str, Any]) -> float | int:
     return value
 
 
+def _num(schema: Mapping[str, Any], key: str) -> float | None:
+    """A numeric keyword's value (a bound, `multipleOf`); None where it is not a number."""
+    v = schema.get(key)
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
 def _admits(schema: Mapping[str, Any], value: float) -> bool:
     """Whether `value` meets the schema's numeric bounds and its `multipleOf`."""
-    def num(key: str) -> float | None:
-        v = schema.get(key)
-        return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
-    lo, hi, xlo, xhi, step = (num(k) for k in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"))
+    lo, hi, xlo, xhi, step = (_num(schema, k) for k in
+                              ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"))
     if (lo is not None and value < lo) or (hi is not None and value > hi) \
             or (xlo is not None and value <= xlo) or (xhi is not None and value >= xhi):
         return False
@@ -259,11 +263,8 @@ def _admits(schema: Mapping[str, Any], value: float) -> bool:
 
 
 def _bounds(schema: Mapping[str, Any], integer: bool) -> tuple[float | None, float | None]:
-    def num(key: str) -> float | None:
-        v = schema.get(key)
-        return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
-    lo, hi = num("minimum"), num("maximum")
-    xlo, xhi = num("exclusiveMinimum"), num("exclusiveMaximum")
+    lo, hi = _num(schema, "minimum"), _num(schema, "maximum")
+    xlo, xhi = _num(schema, "exclusiveMinimum"), _num(schema, "exclusiveMaximum")
     gap = 1.0 if integer else 0.0
     if xlo is not None and (lo is None or xlo >= lo):
         lo = xlo + gap if integer else xlo
