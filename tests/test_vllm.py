@@ -430,9 +430,14 @@ async def _sleep_wake_and_cancel(client, stack, probe, log_dir: Path) -> None:  
         probe.session.session_id, vb.MODEL, prompt_tokens=60, prompt_token_ids=list(range(300, 360)), max_tokens=500,
         call_id="kv-probe#cancel", on_event=lambda ev: first.set() if isinstance(ev, CallTokens) else None))
     await asyncio.wait_for(first.wait(), 60)
-    long_call.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await long_call
+    # a busy machine can deliver the first tokens and the whole reply in one read: the
+    # task is then done before the agent gives up, and there is nothing to cancel
+    gave_up = long_call.cancel()
+    if gave_up:
+        with pytest.raises(asyncio.CancelledError):
+            await long_call
+    else:
+        assert len(long_call.result().token_ids or []) == 500
     deadline = asyncio.get_running_loop().time() + 30
     while True:
         running = []
@@ -452,6 +457,9 @@ async def _sleep_wake_and_cancel(client, stack, probe, log_dir: Path) -> None:  
             break
         await asyncio.sleep(0.2)
     assert finished, "the cancelled call never finished at the engine"
+    if not gave_up:
+        assert finished[0].get("aborted") is False and finished[0]["output_tokens"] == 500, finished
+        return
     cancels = [d for f in log_dir.glob("*.log") for d in read_log_events(f)
                if d.get("call_id") == "kv-probe#cancel" and d.get("event") == "engine.cancel"]
     assert cancels, "the engine never heard the agent give up"
