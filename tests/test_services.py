@@ -1229,3 +1229,61 @@ async def test_a_call_asked_for_again_from_another_inbox_is_answered_there_when_
         assert any(d.get("event") == "admission.redirected" for d in stack.log_lines(stack.admission))
     finally:
         await second.close()
+
+
+# -- per-call state held in memory ---------------------------------------------------------
+async def test_admission_forgets_each_call_it_served_tracing_off(nats_server: NatsServer, redis_server: RedisServer,
+                                                                  tmp_path: Path, service_logging: None) -> None:
+    """Admission holds a few entries per call while it queues and runs it (its payload,
+    its dispatch, its arrival's wall time for the wait span); after the reply none is
+    left, traced or not. (Untraced calls, the default, once kept their arrival time for
+    good: about 130 bytes a call, never freed, 11 MB after 85,000 calls in a probe.)
+    Admission runs in this process so its memory can be read; the rest as processes."""
+    from services.admission.service import AdmissionService
+    from shared.policy import resolve_policy
+
+    prefix, key_prefix = f"t{uuid.uuid4().hex[:8]}", f"t-{uuid.uuid4().hex[:8]}:"
+    svc = Services(nats_server.url, redis_server.url, prefix, key_prefix, tmp_path / "logs",
+                   models=[MODEL_A], which=("router", "substrate", "engine"))
+    epoch = float(svc.group.children[svc.names[0]].env["TALARIA_CLOCK_EPOCH"])  # type: ignore[index]  # (one clock)
+    settings = Settings(nats_urls=[nats_server.url], redis_url=redis_server.url, subject_prefix=prefix,
+                        key_prefix=key_prefix, time_scale=TIME_SCALE, clock_epoch=epoch,
+                        policy=resolve_policy("baseline"), servers=[SERVER], models=[MODEL_A], server_id=SERVER,
+                        heartbeat_wall_s=0.05)
+    admission = AdmissionService(settings)
+    running = asyncio.create_task(admission.run())
+    client = None
+    try:
+        await svc.start()
+        await until(lambda: hasattr(admission, "payloads"), 20, "admission did not set up")
+        client = await TalariaClient.connect(nats_server.url, subject_prefix=prefix, silence_s=10.0, retries=1)
+        sessions = [await client.open_session(MODEL_A) for _ in range(3)]
+        for turn in range(4):
+            await asyncio.gather(*(s.call(prompt_tokens=400 * (turn + 1), prefix_tokens=400 * turn if turn else 0,
+                                          max_tokens=64, sim_output_tokens=16) for s in sessions))
+        assert not running.done()
+        held = {"payloads": admission.payloads, "dispatched": admission.dispatched,
+                "arrived_wall": admission.arrived_wall, "resend_at": admission.resend_at,
+                "confirmed": admission.confirmed, "confirmed_at": admission.confirmed_at}
+        await until(lambda: not any(held.values()), 10, f"admission still holds per-call state: {held}")
+    finally:
+        if client is not None:
+            await client.close()
+        admission._stop.set()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(running, 15)
+        await svc.stop()
+
+
+async def test_a_sessions_kv_locality_expires_like_its_other_soft_state(stack: Services, client: TalariaClient,
+                                                                      redis_client: aioredis.Redis) -> None:
+    """The sim engine's note of where a session's KV lives is soft state with the
+    session's lifetime, as the vLLM path's is: a session whose idle release never comes
+    (an admission restarted while it was idle knows nothing of it) leaves no key for good."""
+    from shared.keys import SESSION_TTL_S
+
+    sess = await client.open_session(MODEL_A)
+    await sess.call(prompt_tokens=300, max_tokens=32, sim_output_tokens=8)
+    key = Keys(stack.key_prefix).kv_locality(sess.session_id)
+    assert await redis_client.hget(key, SERVER) == b"hbm"
+    assert 0 < await redis_client.ttl(key) <= SESSION_TTL_S

@@ -137,7 +137,6 @@ class AdmissionService(ServiceProcess):
         for cid, data in raw.items():
             try:
                 stored[cid.decode()] = stored_submit_decoder.decode(data)
-                self.arrived_wall.setdefault(cid.decode(), recovered_at)  # (its wait span restarts here)
             except Exception:  # noqa: BLE001 - a corrupt entry is skipped, not fatal
                 self.log.warning("admission.recover_bad_entry", call_id=cid.decode(errors="replace"))
         awake: tuple[str, int] | None = None
@@ -179,6 +178,7 @@ class AdmissionService(ServiceProcess):
             if cid in answered:
                 continue
             self.payloads[cid] = sub
+            self.arrived_wall.setdefault(cid, recovered_at)  # (its wait span restarts here)
             self.last_seen[sub.call.session_id] = now
             self.session_model[sub.call.session_id] = sub.call.model
             await self.step(sch.Arrive(sub.call))
@@ -315,6 +315,7 @@ class AdmissionService(ServiceProcess):
 
     async def _finished(self, call_id: str, session_id: str, context_tokens: int, finished_at: float | None) -> None:
         sub, run = self.payloads.pop(call_id, None), self.dispatched.get(call_id)
+        self.arrived_wall.pop(call_id, None)  # (a call adopted or dispatched before its wait span was drawn)
         if sub is not None and run is not None and sub.reply_to != run.reply_to:
             # redirected after its run was sent (`_redirect`): the engine answered the first inbox
             self.spawn(self._send_redirected(call_id, session_id, sub.reply_to), "redirected reply")
@@ -478,10 +479,10 @@ class AdmissionService(ServiceProcess):
     def _wait_span(self, c: AdmissionCall, sub: SubmitCall, a: sch.Dispatch) -> str | None:
         """The call's wait here as a span (wall time, from its arrival at this process, or its
         recovery, to its dispatch), with its switch wait inside; the traceparent its run carries."""
+        end = time.time()
+        start = min(end, self.arrived_wall.pop(c.call_id, end))  # (popped traced or not: one entry a call)
         if sub.traceparent is None:
             return None
-        end = time.time()
-        start = min(end, self.arrived_wall.pop(c.call_id, end))
         attrs = tracing.call_attributes(c.model, c.session_id, c.call_id, **{
             "talaria.server_id": self.settings.server_id, "talaria.waited_model_s": round(a.waited_s, 3),
             "talaria.round_wait": a.round_wait, "talaria.sp_admit": a.sp_admit})
