@@ -39,7 +39,7 @@ from shared.keys import CALL_TTL_S, Keys
 from shared.logs import configure_logging
 from shared import tracing
 from shared.metrics import Metrics
-from shared.net import NATS_MAX_OUTSTANDING_PINGS, NATS_PING_INTERVAL_S
+from shared.net import NATS_CONNECT_TIMEOUT_S, NATS_MAX_OUTSTANDING_PINGS, NATS_PING_INTERVAL_S
 from shared.schema import HEALTH_OK, HEALTH_STARTING, ApiError, EngineState, ListCalls, encode, engine_state_decoder
 from shared.settings import Settings
 from shared.subjects import HEADER_CALL, HEADER_RECEIPT, HEADER_SESSION, Subjects
@@ -86,7 +86,7 @@ async def connect_nats(urls: list[str], name: str, log: structlog.stdlib.BoundLo
         max_reconnect_attempts=-1,   # never give up
         reconnect_time_wait=0.5,
         allow_reconnect=True,
-        connect_timeout=5,
+        connect_timeout=NATS_CONNECT_TIMEOUT_S,
         ping_interval=NATS_PING_INTERVAL_S,
         max_outstanding_pings=NATS_MAX_OUTSTANDING_PINGS,
         error_cb=on_error,

@@ -13,6 +13,17 @@ LOOPBACK = "127.0.0.1"
 # reconnects to another node of the cluster.
 NATS_PING_INTERVAL_S = 3
 NATS_MAX_OUTSTANDING_PINGS = 3
+# A stopped node still accepts TCP connections (the kernel's backlog) and never sends its INFO:
+# a client whose first pick is that node moves to the next after this long.
+NATS_CONNECT_TIMEOUT_S = 5.0
+NO_RESPONDERS_STATUS = "503"  # NATS's status on a reply subject when nobody is subscribed to the request's subject
+
+
+def no_responders(msg: object) -> bool:
+    """Whether a message on a reply subject is NATS's own "no responders" status (empty
+    data, a `Status: 503` header), not an answer from anyone."""
+    headers = getattr(msg, "headers", None)
+    return bool(headers) and headers.get("Status") == NO_RESPONDERS_STATUS  # type: ignore[union-attr]
 
 
 LISTEN_PORTS_FROM = 20000  # the lowest port `free_port` hands out (below the kernel's ephemeral range)

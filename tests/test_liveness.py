@@ -5,16 +5,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
 
 from shared.policy import resolve_policy
 from talaria.client import TalariaClient
-from talaria.ops.liveness import LivenessWatch
+from talaria.ops.liveness import LivenessWatch, PingRounds
 from talaria.ops.nats_server import NatsServer
 from talaria.ops.redis_server import RedisServer
 from talaria.ops.stack import EmbeddedStack, StackSpec
@@ -62,6 +64,63 @@ def test_an_answer_resets_the_count() -> None:
     assert w.round({"a": True}, 3.0) == []
     assert w.round({"a": False}, 4.0) == []
     assert w.round({"a": False}, 5.0) == ["a"]
+
+
+async def test_a_round_whose_probe_of_the_watchers_own_path_failed_judges_nobody() -> None:
+    """Every ping of a round goes unanswered when the watcher's own NATS node is stopped:
+    that round is dropped, not counted as a miss for each child."""
+    async def ping(name: str) -> bool:
+        return name == "up"
+
+    async def probe(ok: bool) -> bool:
+        return ok
+
+    rounds = PingRounds()
+    rounds.begin(["up", "down"], ping, lambda: probe(False))
+    rounds.begin(["up", "down"], ping, lambda: probe(True))
+    rounds.begin(["up", "down"], ping)
+    await asyncio.sleep(0.01)
+    assert rounds.finished() == [{"up": True, "down": False}] * 2
+    assert rounds.dropped == 1
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(150)
+async def test_a_stopped_nats_node_of_the_watch_itself_kills_no_service(tmp_path: Path) -> None:
+    """The liveness watch's own NATS node stopped (SIGSTOP: its connections stay open and
+    nothing answers): no health ping gets through, for the node's sake, not the services'.
+    None of them is killed (every one was, over and over, while the watch judged them by
+    pings through the stopped node), and a call is served once the node is back."""
+    spec = StackSpec(policy=resolve_policy("talaria"), models=[AIR], time_scale=20.0, log_dir=tmp_path / "logs",
+                     liveness=True, liveness_grace_s=1.0, nats_cluster=3)
+    async with EmbeddedStack(spec) as stack:
+        def connections(node: NatsServer) -> set[str]:
+            with urllib.request.urlopen(f"http://127.0.0.1:{node.http_port}/connz?limit=1000", timeout=5) as r:
+                return {c.get("name", "") for c in json.load(r).get("connections", [])}
+
+        await asyncio.sleep(1.5)  # past the grace
+        node = next(n for n in stack.nats_nodes if "talaria-liveness" in connections(n))
+        before = dict(stack.group.pids())
+        # (a service on the stopped node is out of reach itself until it leaves it, as the watch
+        # does: it may be restarted; every other one answers throughout and must be left alone)
+        on_node = connections(node)
+        elsewhere = [name for name in before if name not in on_node]
+        assert node.pid is not None and elsewhere, (on_node, before)
+        os.kill(node.pid, signal.SIGSTOP)
+        try:
+            await asyncio.sleep(15.0)  # longer than the watch takes to leave the node (about 10 s)
+        finally:
+            os.kill(node.pid, signal.SIGCONT)
+        await asyncio.sleep(2.0)
+        replaced = sorted(name for name in elsewhere if stack.group.pids().get(name) != before[name])
+        assert replaced == [], f"killed for the watch's NATS node's stop: {replaced} (on the node: {sorted(on_node)})"
+        client = await TalariaClient.from_deployment(stack.deployment())
+        try:
+            sess = await client.open_session(AIR)
+            assert (await asyncio.wait_for(sess.call(prompt_tokens=800, max_tokens=16, sim_output_tokens=4),
+                                           30)).output_tokens == 4
+        finally:
+            await client.close()
 
 
 @pytest.mark.e2e

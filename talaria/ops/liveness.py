@@ -17,6 +17,7 @@ import asyncio
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 LIVENESS_INTERVAL_S = 0.25  # wall seconds between two rounds of health pings
 LIVENESS_TIMEOUT_S = 0.3    # wall seconds a ping may take (a served ping takes about 1 ms)
@@ -71,27 +72,49 @@ class PingRounds:
     """Rounds of health pings on a fixed cadence: a round begins every interval beside
     the rounds whose pings are still out (a hung child's ping waits out its timeout),
     and finished rounds come back in the order they began, so a hang is judged
-    misses x interval + timeout after it began, not misses x (interval + timeout)."""
+    misses x interval + timeout after it began, not misses x (interval + timeout).
+
+    A round may carry a probe of the watcher's own path (its NATS node answers a PING):
+    a round whose probe failed says nothing of the children, since their pings went
+    through a path that was away (a stopped NATS node keeps its connections open, so
+    the client still looks connected), and it is dropped instead of judged."""
 
     def __init__(self) -> None:
-        self._rounds: deque[tuple[asyncio.Future, list[str]]] = deque()
+        self._rounds: deque[tuple[asyncio.Future, list[str], bool]] = deque()
+        self.dropped = 0  # rounds dropped by a failed probe of the watcher's own path
 
-    def begin(self, names: list[str], ping: Callable[[str], Awaitable[bool]]) -> None:
-        pings = asyncio.gather(*(ping(n) for n in names))
+    def begin(self, names: list[str], ping: Callable[[str], Awaitable[bool]],
+              probe: Callable[[], Awaitable[bool]] | None = None) -> None:
+        pings = asyncio.gather(*(ping(n) for n in names), *([probe()] if probe is not None else []))
         # a round cut short at shutdown (its pings cancelled) is nobody's error to log
         pings.add_done_callback(lambda f: f.cancelled() or f.exception())
-        self._rounds.append((pings, names))
+        self._rounds.append((pings, names, probe is not None))
 
     def finished(self) -> list[dict[str, bool]]:
-        """The answers (name -> answered) of every round done, oldest first, until one is not."""
+        """The answers (name -> answered) of every round done, oldest first, until one is
+        not; a round whose probe failed is left out."""
         out = []
         while self._rounds and self._rounds[0][0].done():
-            done, names = self._rounds.popleft()
-            out.append(dict(zip(names, done.result())))
+            done, names, probed = self._rounds.popleft()
+            answers = done.result()
+            if probed and not answers[-1]:
+                self.dropped += 1
+                continue
+            out.append(dict(zip(names, answers)))
         return out
 
     def drop(self) -> None:
         """Forget the rounds still out (their misses are our own disconnection's)."""
-        for pending, _ in self._rounds:
+        for pending, _, _ in self._rounds:
             pending.cancel()
         self._rounds.clear()
+
+
+async def bus_answers(nc: Any, timeout_s: float = LIVENESS_TIMEOUT_S) -> bool:
+    """The watcher's own NATS node answers a PING (`PingRounds`' probe): if not, its
+    health pings are unanswered for its own sake, not the children's."""
+    try:
+        await nc.flush(timeout=timeout_s)
+        return True
+    except Exception:  # noqa: BLE001 - stopped, partitioned, reconnecting: all "away"
+        return False

@@ -23,7 +23,7 @@ import nats
 
 from shared.auth import Credentials, generate_credentials, nats_permissions
 from shared.clock import done_within
-from shared.net import LOOPBACK, free_port, port_free
+from shared.net import LOOPBACK, NATS_MAX_OUTSTANDING_PINGS, NATS_PING_INTERVAL_S, free_port, port_free
 from shared.policy import PolicyConfig, encode_policy
 from shared.schema import HEALTH_OK
 from shared.settings import Settings, SettingsError
@@ -31,7 +31,7 @@ from shared.subjects import Subjects
 from talaria.client import AgentLogin, Deployment
 from talaria.ops.healthcheck import connect_once
 from talaria.ops.liveness import (LIVENESS_INTERVAL_S, LIVENESS_TICK_S, LIVENESS_TIMEOUT_S, SERVICE_GRACE_S,
-                                  SERVICE_STARTUP_S, STARTUP_GRACE_S, LivenessWatch, PingRounds)
+                                  SERVICE_STARTUP_S, STARTUP_GRACE_S, LivenessWatch, PingRounds, bus_answers)
 from talaria.ops.nats_server import NatsServer, start_cluster
 from talaria.ops import prometheus
 from talaria.ops.processes import Child, ProcessGroup, ServerBase
@@ -418,8 +418,10 @@ class EmbeddedStack:
             names.append("gateway")  # (judged by its HTTP health: it has no NATS endpoint, being an agent)
         pids: dict[str, int | None] = {}
         try:
+            # (the services' keep-alive: a stopped node is left in about 10 s, not nats-py's minutes)
             nc = await nats.connect(servers=self.nats_urls, name="talaria-liveness", error_cb=quiet,
-                                    max_reconnect_attempts=-1, **self.nats_auth("operator"))
+                                    max_reconnect_attempts=-1, ping_interval=NATS_PING_INTERVAL_S,
+                                    max_outstanding_pings=NATS_MAX_OUTSTANDING_PINGS, **self.nats_auth("operator"))
         except Exception:  # no NATS: nothing to judge by (the supervisor still restarts crashes)
             return
         async def ping(name: str) -> bool:
@@ -456,7 +458,9 @@ class EmbeddedStack:
                 pids = now_pids
                 if time.monotonic() >= next_round:
                     next_round = time.monotonic() + LIVENESS_INTERVAL_S
-                    rounds.begin([n for n in names if now_pids.get(n) is not None], ping)
+                    # (probed: while the watch's own NATS node is stopped, every ping goes unanswered
+                    # and every service would be killed, again and again, for the node's fault)
+                    rounds.begin([n for n in names if now_pids.get(n) is not None], ping, lambda: bus_answers(nc))
         finally:
             rounds.drop()
             await nc.close()

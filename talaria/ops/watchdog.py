@@ -32,12 +32,14 @@ import subprocess
 import sys
 import time
 
+from shared.net import NATS_MAX_OUTSTANDING_PINGS, NATS_PING_INTERVAL_S
 from shared.subjects import Subjects
 from talaria.argtypes import positive_float
 from talaria.ops.healthcheck import SERVICES, http_check, instance_name, service_settings
 from talaria.argtypes import positive_int
 from talaria.ops.processes import set_pdeathsig
-from talaria.ops.liveness import LIVENESS_INTERVAL_S, LIVENESS_MISSES, LIVENESS_TIMEOUT_S, LivenessWatch, PingRounds
+from talaria.ops.liveness import (LIVENESS_INTERVAL_S, LIVENESS_MISSES, LIVENESS_TIMEOUT_S, LivenessWatch, PingRounds,
+                                  bus_answers)
 
 HUNG_EXIT_CODE = 75  # EX_TEMPFAIL: the watched service was hung and killed; restart the container
 DEFAULT_GRACE_S = 30.0  # wall seconds after the start before a hang is judged (engines: set more, weights load)
@@ -110,6 +112,8 @@ class Watchdog:
             with contextlib.suppress(Exception):  # no bus yet: tried again on a later round
                 return await nats.connect(servers=s.nats_urls, name=f"talaria-watchdog-{name}", error_cb=quiet,
                                           max_reconnect_attempts=-1, connect_timeout=2,
+                                          ping_interval=NATS_PING_INTERVAL_S,
+                                          max_outstanding_pings=NATS_MAX_OUTSTANDING_PINGS,
                                           user=s.nats_user or None, password=s.nats_password or None)
             return None
 
@@ -129,7 +133,10 @@ class Watchdog:
                              exit_code=HUNG_EXIT_CODE, reason="stopped answering its health checks")
                         self.kill()
                         return HUNG_EXIT_CODE
-                rounds.begin([name], lambda _name: self.ping(nc))
+                # (a NATS node that stops answering keeps the connection open: the probe tells
+                # the watchdog's own node away from its service, which it must not kill for that)
+                rounds.begin([name], lambda _name: self.ping(nc),
+                             None if self.service == "gateway" else (lambda: bus_answers(nc)))
             return child.returncode if child.returncode >= 0 else 128 - child.returncode
         finally:
             rounds.drop()
