@@ -48,12 +48,11 @@ from shared.schema import (
     call_event_decoder, encode,
 )
 from shared import tracing
-from shared.net import NATS_MAX_OUTSTANDING_PINGS, NATS_PING_INTERVAL_S
+from shared.net import NATS_MAX_OUTSTANDING_PINGS, NATS_PING_INTERVAL_S, no_responders
 from shared.accept_timer import AcceptTimer
 from shared.prompt_store import PromptStore, PromptStoreUnavailable, encode_payload, object_name
 from shared.subjects import AGENT_NAMESPACE, HEADER_RECEIPT, Subjects, inbox_prefix, is_namespace
 
-NO_RESPONDERS_STATUS = "503"  # NATS's status on a reply subject when nobody is subscribed to the request's subject
 NO_ROUTER_RETRY_S = 0.2       # wall seconds between two sends of a call while no router is subscribed
 
 log = logging.getLogger("talaria.client")
@@ -378,7 +377,7 @@ class TalariaClient:
                         await send()
                         resend_at = time.monotonic() + self.accept_timer.wait_s(resends)
                         continue
-                    if msg.headers and msg.headers.get("Status") == NO_RESPONDERS_STATUS:
+                    if no_responders(msg):
                         if time.monotonic() > give_up_at:
                             break
                         await asyncio.sleep(NO_ROUTER_RETRY_S)  # a router restarting: not an attempt

@@ -1287,3 +1287,42 @@ async def test_a_sessions_kv_locality_expires_like_its_other_soft_state(stack: S
     key = Keys(stack.key_prefix).kv_locality(sess.session_id)
     assert await redis_client.hget(key, SERVER) == b"hbm"
     assert 0 < await redis_client.ttl(key) <= SESSION_TTL_S
+
+
+async def test_an_engine_down_with_its_substrate_is_waited_for_without_errors(
+        nats_server: NatsServer, redis_server: RedisServer, tmp_path: Path) -> None:
+    """The active model's engine-worker and the substrate die together; the substrate
+    comes back first. Its wake of the engine finds nobody listening, and admission's
+    dispatch of a call meanwhile hears NATS's "no responders" on its inbox: both wait
+    for the worker (its announcement wakes it, the unacknowledged dispatch goes again),
+    and neither is logged as a failure (they were a traceback and a "malformed" reply)."""
+    svc = Services(nats_server.url, redis_server.url, f"t{uuid.uuid4().hex[:8]}", f"t-{uuid.uuid4().hex[:8]}:",
+                   tmp_path / "logs", models=[MODEL_A])
+    await svc.start()
+    client = await TalariaClient.connect(nats_server.url, subject_prefix=svc.subject_prefix, silence_s=20.0, retries=1)
+    try:
+        sess = await client.open_session(MODEL_A)
+        await sess.call(prompt_tokens=300, max_tokens=32, sim_output_tokens=8)  # (model A active)
+        svc.group.kill(svc.engine(MODEL_A))
+        svc.group.kill(svc.substrate)
+        await asyncio.sleep(0.3)
+        svc.group.start(svc.substrate)
+        await svc.wait_healthy([svc.substrate])
+        call = asyncio.create_task(sess.call(prompt_tokens=500, prefix_tokens=308, max_tokens=32, sim_output_tokens=8,
+                                             call_id="while-away"))
+        await until(lambda: any(d.get("event") == "admission.dispatched" and d.get("call_id") == "while-away"
+                                for d in svc.log_lines(svc.admission)), 10, "admission never dispatched the call")
+        await asyncio.sleep(0.5)
+        assert not call.done()
+        svc.group.start(svc.engine(MODEL_A))
+        reply = await asyncio.wait_for(call, 30)
+        assert reply.output_tokens == 8
+        substrate = svc.log_lines(svc.substrate)
+        admission = svc.log_lines(svc.admission)
+        assert not [d for d in substrate if d.get("level") == "error"]
+        assert not [d for d in admission if d.get("event") == "request.rejected"]
+        assert any(d.get("event") == "substrate.rewake_deferred" for d in substrate), substrate[-10:]
+        assert any(d.get("event") == "admission.dispatch_unheard" for d in admission)
+    finally:
+        await client.close()
+        await svc.stop()

@@ -27,6 +27,7 @@ from shared.bus import REDIS_AWAY, RequestInterrupted, RequestLost, ServiceProce
 from shared.call_record import CallRecordUnavailable
 from shared.clock import done_within, drive_timer
 from shared.keys import CALL_TTL_S
+from shared.net import no_responders
 from shared.state import CounterMirror, ServerLoad, add_counters, write_server_load
 from shared.schema import (
     Abort, AdmissionCall, ApiError, CallQueued, EngineState, CallRunning, ListCalls, ProtectKv, RunCall, SessionReleased,
@@ -419,6 +420,12 @@ class AdmissionService(ServiceProcess):
                 continue
 
     async def on_dispatch_ack(self, msg: Msg) -> None:
+        if no_responders(msg):
+            # a dispatch published while no engine-worker of its model listened (restarting):
+            # NATS says so on the shared inbox without naming the call; the unacknowledged
+            # dispatch goes again (redispatcher) once the worker is back
+            self.log.info("admission.dispatch_unheard", reason="no engine-worker listens")
+            return
         ack = dispatch_ack_decoder.decode(msg.data)
         if isinstance(ack, ApiError) and ack.code == "superseded":  # an engine has heard from a newer admission
             self.superseded(None)

@@ -13,6 +13,7 @@ import asyncio
 import time
 
 import msgspec
+import nats.errors
 from nats.aio.msg import Msg
 
 from shared.costmodel import CostModel
@@ -86,13 +87,22 @@ class SubstrateManager(ServiceProcess):
             # Admission still serves that model; wake it, or its calls wait on a sleeping engine for ever
             self.ledger.recover_active(last)
             self.log.warning("substrate.recovered", active=last, source="the mirrored resident; its worker restarted")
-            self.spawn(self._control(last, self._wake_active(last)), "rewake")
+            self.spawn(self._rewake(last), "rewake")
 
     def _wake_active(self, model: str) -> Wake:
         """The Wake that brings the active model's worker back as the ledger has it (its KV
         capacity, and its host KV view where the policy keeps one)."""
         view = self.ledger.host_view(model) if self.settings.policy.host_kv else {}
         return Wake(kv_capacity_tokens=self.ledger.kv_capacity_tokens(model), host_kv=view)
+
+    async def _rewake(self, model: str) -> None:
+        """Wake the active model's worker again. None listening (it is down too, restarting
+        beside us) is no failure: its announcement, when it is back, wakes it (above)."""
+        try:
+            await self._control(model, self._wake_active(model))
+        except nats.errors.NoRespondersError:
+            self.log.warning("substrate.rewake_deferred", model=model,
+                             reason="no engine-worker listens; woken when it announces itself")
 
     async def _last_resident(self) -> str | None:
         """The resident model our predecessor mirrored (None: none, or Redis away)."""
@@ -110,7 +120,7 @@ class SubstrateManager(ServiceProcess):
         if ann.model == self.ledger.active and not ann.awake and ann.model not in self.switching_to:
             # the active model's worker restarted: wake it again (its KV is gone)
             self.log.warning("substrate.rewake", model=ann.model)
-            self.spawn(self._control(ann.model, self._wake_active(ann.model)), "rewake")
+            self.spawn(self._rewake(ann.model), "rewake")
 
     async def on_session_released(self, msg: Msg) -> None:
         """An ended or idle session's host KV is released (the ledger owns host memory)."""
