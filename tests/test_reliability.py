@@ -591,7 +591,8 @@ async def test_a_stalled_redis_holds_up_admissions_ack_for_half_a_second_at_most
 
 @contextlib.asynccontextmanager
 async def router_and_fake_admissions(nats_server: NatsServer, redis_server: RedisServer, subject_prefix: str,
-                                     key_prefix: str, tmp_path: Path, session_id: str) -> AsyncIterator[Any]:
+                                     key_prefix: str, tmp_path: Path, session_id: str,
+                                     policy: str = "baseline") -> AsyncIterator[Any]:
     """A router for servers s0 and s1 whose admissions are fakes that take every call,
     and an open session: (the services, a client, the call ids each admission was asked
     to take, each admission's subscription: unsubscribe it and that admission is away)."""
@@ -600,7 +601,7 @@ async def router_and_fake_admissions(nats_server: NatsServer, redis_server: Redi
     from shared.schema import ApiError, OpenSession, Submitted, admission_decoder, api_reply_decoder, encode
 
     svc = Services(nats_server.url, redis_server.url, subject_prefix, key_prefix, tmp_path / "logs",
-                   models=[MODEL_A], which=("router",), extra_env={"TALARIA_SERVERS": "s0,s1"})
+                   models=[MODEL_A], which=("router",), extra_env={"TALARIA_SERVERS": "s0,s1"}, policy=policy)
     await svc.start()
     nc = NATS()
     await nc.connect(nats_server.url)
@@ -675,6 +676,51 @@ async def test_a_call_waits_out_an_admission_restarting_and_is_not_refused_as_if
         away = await call_raw(nc, svc.subjects, CallRequest(call_id="back#1", session_id="back", model=MODEL_A,
                                                             prompt_tokens=1200, prefix_tokens=1000), timeout=15.0)
         assert isinstance(away, ApiError) and away.code == "unavailable", away
+
+
+async def test_a_continuation_waits_a_moment_for_the_admission_of_the_server_holding_its_kv(
+        nats_server: NatsServer, redis_server: RedisServer, subject_prefix: str, key_prefix: str,
+        tmp_path: Path) -> None:
+    """The admission of the server that holds a session's KV restarts (away for 0.4 s,
+    as a warm spare takes over) just as the session's next call comes: the call waits
+    for it instead of moving to the other server, where its whole prefix would be
+    prefilled again. A server whose admission stays away is left after about a second."""
+    from shared.schema import CallRequest, Submitted, admission_decoder, encode
+    from test_services import call_raw
+
+    async with router_and_fake_admissions(nats_server, redis_server, subject_prefix, key_prefix, tmp_path,
+                                          "home", policy="talaria") as (svc, nc, got, subs):
+        first = await call_raw(nc, svc.subjects, CallRequest(call_id="home#0", session_id="home", model=MODEL_A,
+                                                              prompt_tokens=20_000))
+        holder = first.server_id
+        other = "s1" if holder == "s0" else "s0"
+        r = aioredis.Redis.from_url(redis_server.url)
+        try:
+            await r.hset(Keys(key_prefix).kv_locality("home"), holder, "hbm")  # (its engine's report)
+        finally:
+            await r.aclose()
+
+        async def take(msg: Any) -> None:
+            sub = admission_decoder.decode(msg.data)
+            got[holder].append(sub.call.call_id)
+            await nc.publish(msg.reply, encode(Submitted(call_id=sub.call.call_id, server_id=holder)))
+
+        await subs[holder].unsubscribe()  # restarting
+        cont = CallRequest(call_id="home#1", session_id="home", model=MODEL_A, prompt_tokens=21_000,
+                           prefix_tokens=20_000)
+        pending = asyncio.ensure_future(call_raw(nc, svc.subjects, cont, timeout=15.0))
+        await asyncio.sleep(0.4)
+        subs[holder] = await nc.subscribe(svc.subjects.admission_submit(holder), cb=take)  # back
+        taken = await pending
+        assert isinstance(taken, CallAccepted) and taken.server_id == holder, taken
+        assert "home#1" not in got[other], got
+
+        await subs[holder].unsubscribe()  # away for good: the other server takes the next one
+        t0 = time.monotonic()
+        moved = await call_raw(nc, svc.subjects, CallRequest(call_id="home#2", session_id="home", model=MODEL_A,
+                                                              prompt_tokens=22_000, prefix_tokens=21_000), timeout=15.0)
+        assert isinstance(moved, CallAccepted) and moved.server_id == other, moved
+        assert time.monotonic() - t0 < 3.0
 
 
 async def test_copies_of_a_call_sent_at_once_are_each_answered_and_held_by_one_server(
