@@ -41,6 +41,7 @@ TRACE = str(ROOT / "traces" / "swebench-30.jsonl")
         (["study", "headline", "--jobs=0"], "--jobs: must be 1 or more"),
         (["compare", "x.toml", "--jobs=1.5"], "--jobs: not a whole number"),
         (["chaos", TRACE, "--rounds=0"], "--rounds: must be 1 or more"),
+        (["chaos", TRACE, "--servers=0"], "--servers: must be 1 or more"),
         (["fidelity", "--time-scale=-50"], "--time-scale: must be above zero"),
         (["fidelity", "--seeds=a,b"], "--seeds: not a seed list"),
         (["fidelity", "--seeds=,"], "--seeds: not a seed list"),

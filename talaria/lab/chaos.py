@@ -55,6 +55,7 @@ from shared import state
 from shared.auth import AGENT_REPLY_NAMESPACE
 from shared.clock import ScaledClock
 from shared.keys import Keys
+from shared.net import NATS_CONNECT_TIMEOUT_S, NATS_MAX_OUTSTANDING_PINGS, NATS_PING_INTERVAL_S
 from shared.schema import HEALTH_OK, CallReply, reply_decoder
 from shared.logs import read_log_events
 from shared.policy import resolve_policy
@@ -77,7 +78,10 @@ REDIS_STALL_S = 2.0  # wall seconds redis-server is stopped (SIGSTOP; DEBUG SLEE
 NATS_STALL_S = 20.0  # wall seconds a NATS node is stopped: longer than its clients take to leave it (about 10 s)
 LIVENESS_GRACE_S = 0.5  # chaos runs are short: a service is judged hung this soon after its (re)start (and only
                         # once it has answered since; a longer grace let a stop soon after a restart go unjudged)
-LIVENESS_STARTUP_S = 2.0  # ... and, if it has not answered since, this soon (a sim service answers in about 0.5 s)
+# ... and, if it has not answered since, this soon: a sim service answers in about 0.5 s, but one whose
+# first pick of a NATS node is a stopped one (`nats-stall`) waits out the connect timeout before the next
+# (at 2 s such restarts were killed before they could connect, again and again)
+LIVENESS_STARTUP_S = NATS_CONNECT_TIMEOUT_S + 2.0
 OVERLAP_WITHIN_S = 1.0  # the second fault of an `overlap` comes this soon after the first, with no wait between
 SWITCH_WAIT_S = 15.0    # wall seconds a `switch` fault waits for a model switch to start (then it kills anyway)
 RECOVERY_WAIT_S = 15.0  # wall seconds the next fault waits for the previous one's recovery at most
@@ -367,7 +371,9 @@ class Injector:
         async def quiet() -> None:
             pass
 
+        # (the services' keep-alive: a stopped node is left in about 10 s, as they leave it)
         opts = dict(servers=self.stack.nats_urls, max_reconnect_attempts=-1, reconnect_time_wait=0.2,
+                    ping_interval=NATS_PING_INTERVAL_S, max_outstanding_pings=NATS_MAX_OUTSTANDING_PINGS,
                     error_cb=on_error, disconnected_cb=quiet, reconnected_cb=quiet)
         self.nc = await nats.connect(name="talaria-chaos", **opts, **self.stack.nats_auth("operator"))
         # what the agents hear, as an agent may: their reply subjects
@@ -517,6 +523,7 @@ async def chaos_run(ref: Reference, *, seed: int, policy: str = "talaria", time_
         "policy": policy,
         "time_scale": time_scale,
         "nats_nodes": nats_cluster,
+        "servers": servers,
         "calls_total": total,
         "calls_completed": completed,
         "calls_generated_twice": len(generated_twice),   # an engine generated it to the end more than once
@@ -559,7 +566,7 @@ def clean(r: dict) -> bool:
 def format_report(r: dict) -> str:
     lines = [
         f"chaos: {r['trace_sessions']} sessions, seed {r['seed']}, policy {r['policy']}, "
-        f"{r['nats_nodes']} NATS node(s), time scale {r['time_scale']:g}",
+        f"{r.get('servers', 1)} server(s), {r['nats_nodes']} NATS node(s), time scale {r['time_scale']:g}",
         f"faults injected: {len(r['faults'])}"
         + (f" (not injected, the replay ended first: {', '.join(r['faults_not_injected'])})"
            if r["faults_not_injected"] else ""),
@@ -622,6 +629,8 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", default="talaria", help="the policy the stack runs (default talaria)")
     p.add_argument("--time-scale", type=positive_float, default=50.0, help="model seconds per wall second (default 50)")
     p.add_argument("--nats-nodes", type=positive_int, default=3, help="nodes of the embedded NATS cluster, one of which is killed (default 3)")
+    p.add_argument("--servers", type=positive_int, default=1,
+                   help="servers of the stack (default 1); a fault picks its target among all of them")
     p.add_argument("--rounds", type=positive_int, default=1, help="how many times each fault kind is injected")
     p.add_argument("--silence-s", type=positive_float, default=5.0, help="the agents' silence before a retry (wall s)")
     p.add_argument("--stall-s", type=positive_float, default=STALL_S,
@@ -632,7 +641,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
 
 async def _run_seeds(sessions: list[TraceSession], a: argparse.Namespace) -> list[dict]:
     common = dict(policy=a.policy, time_scale=a.time_scale, log_dir=Path(a.log_dir), nats_cluster=a.nats_nodes,
-                  silence_s=a.silence_s)
+                  silence_s=a.silence_s, servers=a.servers)
     ref = await reference_run(sessions, **common)  # type: ignore[arg-type]
     out = []
     for seed in a.seeds:
@@ -654,7 +663,7 @@ def run(a: argparse.Namespace) -> int:
         return 0 if all(clean(r) for r in results) else 1
     r = asyncio.run(run_chaos(sessions, seed=a.seed, policy=a.policy, time_scale=a.time_scale,
                               log_dir=Path(a.log_dir), nats_cluster=a.nats_nodes, kinds=a.kinds, rounds=a.rounds,
-                              silence_s=a.silence_s, stall_s=a.stall_s))
+                              silence_s=a.silence_s, stall_s=a.stall_s, servers=a.servers))
     print(format_report(r))
     if a.out:
         write_json(a.out, r)
