@@ -105,3 +105,23 @@ def test_the_chain_cache_gives_exactly_the_full_hash_whatever_the_conversation_d
         assert cache.chain("t\0m", ids) == px.block_hashes(ids)
         held = ids + array("I", [7] * (n % 20))  # the reply: the next prompt may extend it
         assert cache.chain("t\0m", held) == px.block_hashes(held)
+
+
+def test_the_chain_cache_holds_about_the_memory_it_is_bounded_to() -> None:
+    """Its bound is memory, not the ids' bytes alone: many short prompts (a header-less
+    agent's first calls, say) filled 2.5x the bound when only their ids were counted."""
+    import tracemalloc
+    from array import array
+
+    bound = 2 << 20
+    cache = px.ChainCache(max_bytes=bound)
+    prompts = [array("I", [n] * 110) for n in range(40_000)]  # 110 ids, 6 blocks each
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for ids in prompts:
+            cache.chain("tenant\0model", ids)
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert held <= 1.25 * bound, f"{held / bound:.2f}x its bound"
