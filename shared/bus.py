@@ -36,7 +36,7 @@ from shared.call_record import CallRecords
 from shared.catalog import Catalog, load_catalog
 from shared.clock import LagMonitor, ScaledClock
 from shared.keys import CALL_TTL_S, Keys
-from shared.logs import configure_logging
+from shared.logs import StdoutRotation, configure_logging, rotate_logs
 from shared import tracing
 from shared.metrics import Metrics
 from shared.net import NATS_CONNECT_TIMEOUT_S, NATS_MAX_OUTSTANDING_PINGS, NATS_PING_INTERVAL_S
@@ -475,6 +475,9 @@ class ServiceProcess:
         tracing.configure(self.name, self.settings.otlp_endpoint)
         self.spawn(self.lag.run(), "lag-monitor")
         self.spawn(self._lag_reporter(), "lag-reporter")
+        rotation = StdoutRotation.for_stdout(self.settings.log_max_bytes, self.settings.log_keep)
+        if rotation is not None:
+            self.spawn(rotate_logs(rotation), "log-rotation")
         if self.uses_call_records:
             self.call_records = await CallRecords.open(self.nc, self.settings.subject_prefix,
                                                        replicas=self.settings.call_record_replicas, ttl_s=CALL_TTL_S)

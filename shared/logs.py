@@ -8,8 +8,11 @@ carries them.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+import os
+import stat
 import sys
 from pathlib import Path
 from typing import Any
@@ -52,6 +55,70 @@ def configure_logging(service: str, fmt: str = "json", level: str = "INFO") -> s
     root.handlers[:] = [h for h in root.handlers if h.get_name() != _STDLIB_HANDLER] + [handler]
     root.setLevel(lvl)
     return structlog.get_logger().bind(service=service)
+
+
+LOG_ROTATE_CHECK_S = 5.0  # wall seconds between two looks at the log file's size
+
+
+class StdoutRotation:
+    """Size-based rotation of the log file this process's stdout and stderr append to
+    (the embedded stack's supervisor opens `NAME.log` for each service; under compose
+    they are pipes, which Docker's log driver rotates). Past `max_bytes` the file becomes
+    `NAME.1.log` (the older ones `NAME.2.log` ... up to `keep`, the oldest dropped) and
+    the process goes on in a new `NAME.log`. The process moves its own descriptors
+    (dup2), so no line is lost or split, and a log reader's `*.log` finds them all."""
+
+    def __init__(self, path: Path, max_bytes: int, keep: int) -> None:
+        self.path = path
+        self.max_bytes = max_bytes
+        self.keep = max(1, keep)
+
+    @classmethod
+    def for_stdout(cls, max_bytes: int, keep: int) -> "StdoutRotation | None":
+        """The rotation of this process's stdout, where it is a `*.log` file (else None:
+        a terminal, a pipe, or rotation off with `max_bytes` 0)."""
+        if max_bytes <= 0:
+            return None
+        try:
+            if not stat.S_ISREG(os.fstat(1).st_mode):
+                return None
+            path = Path(os.readlink("/proc/self/fd/1"))
+        except OSError:  # (no /proc: not Linux)
+            return None
+        return cls(path, max_bytes, keep) if path.name.endswith(".log") and path.is_file() else None
+
+    def generation(self, n: int) -> Path:
+        """The n-th rotated file (1: the newest)."""
+        return self.path.with_name(f"{self.path.name[:-len('.log')]}.{n}.log")
+
+    def due(self) -> bool:
+        return os.fstat(1).st_size >= self.max_bytes
+
+    def rotate(self) -> None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for n in range(self.keep - 1, 0, -1):
+            if self.generation(n).exists():
+                self.generation(n).replace(self.generation(n + 1))
+        if self.path.exists():
+            self.path.replace(self.generation(1))
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.dup2(fd, 1)
+            os.dup2(fd, 2)
+        finally:
+            os.close(fd)
+
+
+async def rotate_logs(rotation: StdoutRotation) -> None:
+    """A service's background task: rotate its log file whenever it has grown past its bound."""
+    while True:
+        await asyncio.sleep(LOG_ROTATE_CHECK_S)
+        try:
+            if rotation.due():
+                rotation.rotate()
+        except OSError as exc:  # (a full disk, a folder removed): logged, tried again later
+            structlog.get_logger().warning("log.rotation_failed", path=str(rotation.path), error=str(exc))
 
 
 def read_log_events(path: Path) -> list[dict[str, Any]]:

@@ -137,6 +137,8 @@ class Settings:
     vllm: VllmSettings | None = None  # the vllm backend's settings (read when engine == "vllm")
     log_format: str = "json"        # json lines, or console for a person
     log_level: str = "INFO"
+    log_max_bytes: int = 64 << 20  # a service's log file (`talaria up`) this big is rotated to NAME.1.log (0 = never)
+    log_keep: int = 3               # rotated log files kept per service (NAME.1.log ... NAME.3.log)
     gateway_host: str = "0.0.0.0"   # the HTTP gateway's listen address
     gateway_port: int = 8080        # the HTTP gateway's port
     api_keys: str = ""              # the gateway's API keys, `tenant:key,...` (a bare key: its own tenant)
@@ -221,6 +223,10 @@ class Settings:
         p.add_argument("--log-format", default=_env("TALARIA_LOG_FORMAT", "json"), choices=("json", "console"))
         p.add_argument("--log-level", default=_env("TALARIA_LOG_LEVEL", "INFO"),
                        choices=("DEBUG", "INFO", "WARNING", "ERROR"), type=str.upper)
+        p.add_argument("--log-max-bytes", type=int, default=_int(src, "TALARIA_LOG_MAX_BYTES", 64 << 20),
+                       help="bytes at which a service's log file is rotated, where its output is a file (0 = never)")
+        p.add_argument("--log-keep", type=int, default=_int(src, "TALARIA_LOG_KEEP", 3),
+                       help="rotated log files kept per service")
         p.add_argument("--gateway-host", default=_env("TALARIA_GATEWAY_HOST", "0.0.0.0"),
                        help="the HTTP gateway's listen address")
         p.add_argument("--gateway-port", type=int, default=_int(src, "TALARIA_GATEWAY_PORT", 8080),
@@ -301,6 +307,8 @@ class Settings:
             vllm=vllm,
             log_format=a.log_format,
             log_level=a.log_level,
+            log_max_bytes=max(0, a.log_max_bytes),
+            log_keep=max(1, a.log_keep),
             gateway_host=a.gateway_host,
             gateway_port=a.gateway_port,
             # keys only from the environment (a flag would show them in `ps`)
