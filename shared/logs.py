@@ -58,6 +58,9 @@ def configure_logging(service: str, fmt: str = "json", level: str = "INFO") -> s
 
 
 LOG_ROTATE_CHECK_S = 5.0  # wall seconds between two looks at the log file's size
+# the file a supervisor appends a child's output to, named in the child's environment: what the
+# descriptor points at is not enough, since a warm spare's file may have been rotated under it
+LOG_FILE_ENV = "TALARIA_LOG_FILE"
 
 
 class StdoutRotation:
@@ -75,17 +78,18 @@ class StdoutRotation:
 
     @classmethod
     def for_stdout(cls, max_bytes: int, keep: int) -> "StdoutRotation | None":
-        """The rotation of this process's stdout, where it is a `*.log` file (else None:
-        a terminal, a pipe, or rotation off with `max_bytes` 0)."""
-        if max_bytes <= 0:
+        """The rotation of this process's stdout, where it is the `*.log` file its
+        supervisor named (`TALARIA_LOG_FILE`; else None: a terminal, a pipe, a file of
+        the caller's own, or rotation off with `max_bytes` 0)."""
+        named = os.environ.get(LOG_FILE_ENV, "")
+        if max_bytes <= 0 or not named.endswith(".log"):
             return None
         try:
             if not stat.S_ISREG(os.fstat(1).st_mode):
                 return None
-            path = Path(os.readlink("/proc/self/fd/1"))
-        except OSError:  # (no /proc: not Linux)
+        except OSError:
             return None
-        return cls(path, max_bytes, keep) if path.name.endswith(".log") and path.is_file() else None
+        return cls(Path(named), max_bytes, keep)
 
     def generation(self, n: int) -> Path:
         """The n-th rotated file (1: the newest)."""

@@ -4,6 +4,7 @@ goes on in a new NAME.log, with no line lost or split; `keep` generations at mos
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import uuid
@@ -12,7 +13,7 @@ from pathlib import Path
 import nats
 
 from polling import until
-from shared.logs import read_log_events
+from shared.logs import LOG_FILE_ENV, read_log_events
 from talaria.ops.nats_server import NatsServer
 from talaria.ops.redis_server import RedisServer
 
@@ -35,7 +36,8 @@ for n in range(1000):
 def test_a_log_past_its_bound_is_rotated_without_losing_a_line(tmp_path: Path) -> None:
     log = tmp_path / "svc.log"
     with open(log, "ab", buffering=0) as f:
-        subprocess.run([sys.executable, "-c", WRITER], stdout=f, stderr=subprocess.STDOUT, check=True, cwd=ROOT)
+        subprocess.run([sys.executable, "-c", WRITER], stdout=f, stderr=subprocess.STDOUT, check=True, cwd=ROOT,
+                       env={**os.environ, LOG_FILE_ENV: str(log)})
     files = sorted(p.name for p in tmp_path.iterdir())
     assert files == ["svc.1.log", "svc.2.log", "svc.log"], files  # two generations kept, older ones dropped
     lines = [ln for p in (tmp_path / "svc.2.log", tmp_path / "svc.1.log", log) for ln in p.read_text().splitlines()]
@@ -46,11 +48,20 @@ def test_a_log_past_its_bound_is_rotated_without_losing_a_line(tmp_path: Path) -
     assert all(p.stat().st_size < 4000 + 200 for p in tmp_path.iterdir())
 
 
-def test_output_that_is_not_a_log_file_is_not_rotated() -> None:
-    out = subprocess.run([sys.executable, "-c", "from shared.logs import StdoutRotation as R; "
-                          "print(R.for_stdout(1, 2), R.for_stdout(0, 2))"],
-                         capture_output=True, text=True, check=True, cwd=ROOT)
-    assert out.stdout.split() == ["None", "None"]  # a pipe
+def test_output_that_is_not_a_log_file_its_supervisor_named_is_not_rotated(tmp_path: Path) -> None:
+    probe = [sys.executable, "-c", "from shared.logs import StdoutRotation as R; "
+             "print(R.for_stdout(1, 2) is not None, R.for_stdout(0, 2) is not None)"]
+    named = {**os.environ, LOG_FILE_ENV: str(tmp_path / "svc.log")}
+    piped = subprocess.run(probe, capture_output=True, text=True, check=True, cwd=ROOT, env=named)
+    assert piped.stdout.split() == ["False", "False"]  # a pipe
+    mine = tmp_path / "mine.log"
+    with open(mine, "wb") as f:  # a file of the caller's own, named to nobody
+        subprocess.run(probe, stdout=f, check=True, cwd=ROOT, env={k: v for k, v in os.environ.items()
+                                                                     if k != LOG_FILE_ENV})
+    assert mine.read_text().split() == ["False", "False"]
+    with open(tmp_path / "svc.log", "wb") as f:
+        subprocess.run(probe, stdout=f, check=True, cwd=ROOT, env=named)
+    assert (tmp_path / "svc.log").read_text().split() == ["True", "False"]  # (0: rotation off)
 
 
 async def test_a_service_rotates_its_own_log(nats_server: NatsServer, redis_server: RedisServer,

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any, Protocol, Self, TypeVar
 
 from shared.clock import done_within
+from shared.logs import LOG_FILE_ENV
 from shared import net
 from shared.net import LOOPBACK
 
@@ -175,6 +176,9 @@ def spawn(
     log; it gets SIGKILL if this process dies without stopping it (PDEATHSIG, Linux)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
 
+    # (named for the child: a service rotates this file by size, shared/logs.py)
+    child_env = {**(os.environ if env is None else env), LOG_FILE_ENV: str(log_path.resolve())}
+
     def start() -> subprocess.Popen[bytes]:
         with open(log_path, "ab", buffering=0) as logf:
             return subprocess.Popen(
@@ -182,7 +186,7 @@ def spawn(
                 stdin=stdin,
                 stdout=logf,
                 stderr=subprocess.STDOUT,
-                env=dict(env) if env is not None else None,
+                env=child_env,
                 cwd=cwd,
                 start_new_session=True,
                 preexec_fn=set_pdeathsig,
@@ -528,8 +532,8 @@ class ProcessGroup:
             return None
         if spare.poll() is None and spare.stdin is not None:
             try:
-                spare.stdin.write(json.dumps({"env": child.env if child.env is not None else dict(os.environ)}).encode()
-                                  + b"\n")
+                env = {**(child.env if child.env is not None else os.environ), LOG_FILE_ENV: str(child.log_path.resolve())}
+                spare.stdin.write(json.dumps({"env": env}).encode() + b"\n")
                 spare.stdin.close()
                 return spare
             except OSError:  # it died just now: start a fresh one
