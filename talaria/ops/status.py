@@ -29,6 +29,7 @@ from shared.keys import Keys
 from shared.state import decode_server
 from talaria.argtypes import positive_float
 from talaria.client import Deployment, TalariaClient, TalariaError
+from talaria.ops.healthcheck import connect_once
 
 
 @dataclass
@@ -111,12 +112,8 @@ async def gather(dep: Deployment, timeout_s: float = 3.0) -> Status:
     if login is None:
         st.problems.append("health not checked: the credentials file has no operator login")
     else:
-        async def quiet(_exc: Exception) -> None:
-            pass
-
-        nc = await nats.connect(servers=dep.nats_urls, user=login.user or None, password=login.password or None,
-                                connect_timeout=timeout_s, allow_reconnect=False, error_cb=quiet,
-                                name="talaria-status")
+        # (bounded: nats-py's own connect may retry a server that went away meanwhile for long)
+        nc = await connect_once(dep.nats_urls, timeout_s, "talaria-status", login.user, login.password)
         try:
             found = await _instances(nc, min(1.0, timeout_s), dep.subject_prefix)
             routers = [i for i in found if i.startswith("router-")]
