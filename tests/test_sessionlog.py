@@ -122,6 +122,10 @@ def test_run_picks_a_run_folder_or_a_deployment_prefix(logs: Path, capsys: pytes
     assert main(["logs", "swe-007", "--run", "baseline", "--log-dir", str(logs), "--json"]) == 0
     recs = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
     assert [r["timestamp"] for r in recs] == ["2026-11-30T03:21:10.000000Z"]  # that run folder's line only
+    # the folder's path as the replay printed it picks it too
+    assert main(["logs", "swe-007", "--run", str(logs / "baseline"), "--log-dir", str(logs), "--json"]) == 0
+    recs = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert [r["timestamp"] for r in recs] == ["2026-11-30T03:21:10.000000Z"]
     # without --run, the renamed session is found and the prefix named
     _write(logs / "up2" / "router-0.log", _line("50.000000", "router.placed", session="r5c397f-swe-009"))
     assert main(["logs", "swe-009", "--log-dir", str(logs)]) == 1

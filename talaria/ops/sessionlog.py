@@ -143,7 +143,10 @@ def render(runs: dict[Path, list[LogLine]]) -> str:
 
 
 def _run_roots(log_dir: Path, run: str) -> list[Path]:
-    """The run folders named `run` under `log_dir` (a replay prints its own)."""
+    """The run folders named `run` under `log_dir`, by name or by the path a replay printed."""
+    given = Path(run)
+    if len(given.parts) > 1 and given.is_dir():  # (the path as printed: `.talaria/logs/<start>-<tag>/talaria`)
+        return [given]
     if log_dir.name == run:
         return [log_dir]
     return sorted(d for d in log_dir.rglob(run) if d.is_dir())
