@@ -556,6 +556,30 @@ def events(stack: EmbeddedStack, name: str, event: str) -> list[dict[str, Any]]:
 
 
 @pytest.mark.timeout(120)
+async def test_a_continued_conversation_never_claims_more_prefix_than_its_engine_holds(stack: EmbeddedStack) -> None:
+    """With stand-in tokens the next turn re-sends the reply inside an assistant message's
+    framing, which the engine never generated: the gateway's prefix counts only what the
+    engine holds (the last prompt and its output tokens), so a turn that continues the
+    conversation verbatim re-prefills nothing (a probe saw 1-5 tokens "re-prefilled" on a
+    fifth of such calls, counted as KV the session had lost)."""
+    client = oai(stack)
+    hdr = {"x-session-id": "held-prefix"}
+    msgs: list[dict[str, Any]] = [{"role": "system", "content": "you are terse " * 9},
+                                  {"role": "user", "content": "fix the bug " * 13}]
+    for turn in range(12):
+        r = await client.chat.completions.create(model=MODEL, max_tokens=64, messages=msgs, extra_headers=hdr,
+                                                 extra_body={"talaria": {"sim_output_tokens": 3 + 5 * turn}})
+        msgs += [{"role": "assistant", "content": r.choices[0].message.content},
+                 {"role": "user", "content": "tool output " * (3 + turn)}]
+    calls = [e for e in events(stack, "gateway", "gateway.call") if e.get("session_name") == "held-prefix"]
+    assert len(calls) == 12
+    engine = [e for f in Path(stack.log_dir).glob("engine-*.log") for e in read_log_events(f)
+              if e.get("event") == "engine.finished" and e.get("session_id") == calls[0]["session_id"]]
+    assert len(engine) == 12 and sum(e["cached_tokens"] for e in engine) > 0
+    assert [e["reprefill_tokens"] for e in engine] == [0] * 12, engine
+
+
+@pytest.mark.timeout(120)
 async def test_deployment_names_the_front_door(stack: EmbeddedStack) -> None:
     dep = stack.deployment()
     assert dep.openai_base_url and dep.openai_base_url.endswith("/v1") and dep.api_key == stack.api_key

@@ -761,7 +761,8 @@ class Gateway:
         assert self.redis is not None
         # (from the cache, which holds this prompt's chain: only what the reply added is hashed)
         out_ids = list(reply.token_ids) if reply.token_ids and reply.engine != "sim" else None  # a real engine's own
-        chain = self.chains.chain(_cache_scope(tenant, model), prompt.continued(reply.text or "", out_ids))
+        chain = self.chains.chain(_cache_scope(tenant, model),
+                                  prompt.continued(reply.text or "", out_ids, reply.output_tokens))
         async with self.redis.pipeline(transaction=False) as p:
             p.set(self.rkeys.gateway_chain(ids.session_id), px.pack(chain), ex=SESSION_TTL_S)
             if not ids.named and chain:

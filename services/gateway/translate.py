@@ -368,16 +368,17 @@ class Prompt:
     def real(self) -> bool:
         return self.tokenizer is not None
 
-    def continued(self, output: str, output_ids: list[int] | None = None) -> array:
+    def continued(self, output: str, output_ids: list[int] | None = None, output_tokens: int | None = None) -> array:
         """The ids the session's engine holds once it answered `output`: with real tokens the
         prompt's ids and the engine's own output ids (or, from an engine that returns none,
         the output's encoding); with stand-ins a conversation's next turn re-sends it as an
-        assistant message, a completion as more text."""
+        assistant message, a completion as more text, cut to the `output_tokens` the engine
+        generated (the message's framing and the stand-in encoding of its text are not what
+        the engine holds: a prefix counted past them was re-prefilled on the next turn)."""
         if self.tokenizer is not None:
             return self.ids + array("I", output_ids if output_ids else self.tokenizer.encode_whole(output))
-        if self.chat:
-            return self.ids + px.message_ids("assistant", output)
-        return px.text_ids(self.text + output)
+        ids = self.ids + px.message_ids("assistant", output) if self.chat else px.text_ids(self.text + output)
+        return ids if output_tokens is None else ids[:len(self.ids) + output_tokens]
 
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
