@@ -9,6 +9,7 @@ carries them.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -84,12 +85,20 @@ class StdoutRotation:
         named = os.environ.get(LOG_FILE_ENV, "")
         if max_bytes <= 0 or not named.endswith(".log"):
             return None
+        rotation = cls(Path(named), max_bytes, keep)
         try:
-            if not stat.S_ISREG(os.fstat(1).st_mode):
+            out = os.fstat(1)
+            if not stat.S_ISREG(out.st_mode):
                 return None
+            # stdout is that file, or one of its generations (a warm spare's file rotated under
+            # it); not a file of the caller's own beside a variable inherited from elsewhere
+            for path in (rotation.path, *(rotation.generation(n) for n in range(1, rotation.keep + 1))):
+                with contextlib.suppress(OSError):
+                    if os.path.samestat(out, os.stat(path)):
+                        return rotation
         except OSError:
-            return None
-        return cls(Path(named), max_bytes, keep)
+            pass
+        return None
 
     def generation(self, n: int) -> Path:
         """The n-th rotated file (1: the newest)."""

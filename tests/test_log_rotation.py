@@ -59,9 +59,16 @@ def test_output_that_is_not_a_log_file_its_supervisor_named_is_not_rotated(tmp_p
         subprocess.run(probe, stdout=f, check=True, cwd=ROOT, env={k: v for k, v in os.environ.items()
                                                                      if k != LOG_FILE_ENV})
     assert mine.read_text().split() == ["False", "False"]
+    (tmp_path / "svc.log").touch()
+    with open(mine, "wb") as f:  # ... or beside a variable that names another file
+        subprocess.run(probe, stdout=f, check=True, cwd=ROOT, env=named)
+    assert mine.read_text().split() == ["False", "False"]
     with open(tmp_path / "svc.log", "wb") as f:
         subprocess.run(probe, stdout=f, check=True, cwd=ROOT, env=named)
     assert (tmp_path / "svc.log").read_text().split() == ["True", "False"]  # (0: rotation off)
+    with open(tmp_path / "svc.1.log", "wb") as f:  # a warm spare whose file was rotated under it
+        subprocess.run(probe, stdout=f, check=True, cwd=ROOT, env=named)
+    assert (tmp_path / "svc.1.log").read_text().split() == ["True", "False"]
 
 
 async def test_a_service_rotates_its_own_log(nats_server: NatsServer, redis_server: RedisServer,
