@@ -90,6 +90,16 @@ class Prometheus:
             time.sleep(0.2)
         raise AssertionError(f"the target on port {port} was never scraped")
 
+    def scraped_since(self, wall: float, timeout_s: float = 30) -> None:
+        """Wait until every live target has been scraped, successfully, after wall time
+        `wall` (a busy machine can miss a second's scrape: a fixed sleep read stale totals)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.value("min(timestamp(up))") > wall and self.value("min(up)") == 1.0:
+                return
+            time.sleep(0.2)
+        raise AssertionError(f"not every target was scraped in the {timeout_s:.0f} s after the last call")
+
     def stop(self) -> None:
         self.proc.terminate()
         try:
@@ -163,7 +173,10 @@ async def test_prometheus_totals_equal_the_clients_records_and_the_logs(tmp_path
                         http_tokens = (await r.json())["usage"]["completion_tokens"]
             finally:
                 await client.close()
-            await asyncio.sleep(3.5)  # the last scrapes (every second)
+            # the last scrapes (every second), two of each target after the last call: a rate() over
+            # a series the last calls began needs two samples
+            for _ in range(2):
+                await asyncio.to_thread(prom.scraped_since, time.time())
             # both admission incarnations were scraped: two targets, one process
             incarnations = prom.value(
                 f'count(count by (instance) (last_over_time(talaria_event_loop_lag_seconds{{process="{admission}"}}[1h])))')
