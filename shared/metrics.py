@@ -32,7 +32,8 @@ from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 import structlog
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, make_wsgi_app
+from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, disable_created_metrics,
+                               make_wsgi_app)
 from prometheus_client.exposition import ThreadingWSGIServer
 
 WSGIApp = Callable[[dict[str, Any], Any], Iterable[bytes]]
@@ -54,6 +55,9 @@ class Metrics:
 
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
+        # the process's own figures (process_start_time_seconds, resident memory, CPU, open fds):
+        # restarts and growth over a long run show here, not only in the logs
+        ProcessCollector(registry=r)
         # -- calls (router: accepted, refused; engine-worker: generated, completed) -----------
         self.calls_accepted = Counter(
             "talaria_calls_accepted", "Calls taken for the first time (the router created their call record).",
