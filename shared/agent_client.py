@@ -48,7 +48,7 @@ from shared.schema import (
     call_event_decoder, encode,
 )
 from shared import tracing
-from shared.net import NATS_MAX_OUTSTANDING_PINGS, NATS_PING_INTERVAL_S, no_responders
+from shared.net import NATS_KEEPALIVE, no_responders
 from shared.accept_timer import AcceptTimer
 from shared.prompt_store import PromptStore, PromptStoreUnavailable, encode_payload, object_name
 from shared.subjects import AGENT_NAMESPACE, HEADER_RECEIPT, Subjects, inbox_prefix, is_namespace
@@ -184,7 +184,7 @@ class TalariaClient:
         nc = nats.NATS()
         connecting = asyncio.ensure_future(nc.connect(
             servers=urls, max_reconnect_attempts=-1, reconnect_time_wait=0.5, name="talaria-agent",
-            ping_interval=NATS_PING_INTERVAL_S, max_outstanding_pings=NATS_MAX_OUTSTANDING_PINGS,
+            **NATS_KEEPALIVE,
             user=user, password=password, error_cb=on_error, inbox_prefix=inbox_prefix(namespace)))
         refusal = asyncio.ensure_future(refused.wait())
         done, _ = await asyncio.wait({connecting, refusal}, timeout=connect_timeout_s,

@@ -36,10 +36,10 @@ from shared.call_record import CallRecords
 from shared.catalog import Catalog, load_catalog
 from shared.clock import LagMonitor, ScaledClock
 from shared.keys import CALL_TTL_S, Keys
-from shared.logs import StdoutRotation, configure_logging, rotate_logs
+from shared.logs import configure_logging, rotate_logs
 from shared import tracing
 from shared.metrics import Metrics
-from shared.net import NATS_CONNECT_TIMEOUT_S, NATS_MAX_OUTSTANDING_PINGS, NATS_PING_INTERVAL_S
+from shared.net import NATS_CONNECT_TIMEOUT_S, NATS_KEEPALIVE
 from shared.schema import HEALTH_OK, HEALTH_STARTING, ApiError, EngineState, ListCalls, encode, engine_state_decoder
 from shared.settings import Settings
 from shared.subjects import HEADER_CALL, HEADER_RECEIPT, HEADER_SESSION, Subjects
@@ -87,8 +87,7 @@ async def connect_nats(urls: list[str], name: str, log: structlog.stdlib.BoundLo
         reconnect_time_wait=0.5,
         allow_reconnect=True,
         connect_timeout=NATS_CONNECT_TIMEOUT_S,
-        ping_interval=NATS_PING_INTERVAL_S,
-        max_outstanding_pings=NATS_MAX_OUTSTANDING_PINGS,
+        **NATS_KEEPALIVE,
         error_cb=on_error,
         disconnected_cb=on_disconnect,
         reconnected_cb=on_reconnect,
@@ -475,9 +474,7 @@ class ServiceProcess:
         tracing.configure(self.name, self.settings.otlp_endpoint)
         self.spawn(self.lag.run(), "lag-monitor")
         self.spawn(self._lag_reporter(), "lag-reporter")
-        rotation = StdoutRotation.for_stdout(self.settings.log_max_bytes, self.settings.log_keep)
-        if rotation is not None:
-            self.spawn(rotate_logs(rotation), "log-rotation")
+        self.spawn(rotate_logs(self.settings.log_max_bytes, self.settings.log_keep), "log-rotation")
         if self.uses_call_records:
             self.call_records = await CallRecords.open(self.nc, self.settings.subject_prefix,
                                                        replicas=self.settings.call_record_replicas, ttl_s=CALL_TTL_S)

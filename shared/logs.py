@@ -123,8 +123,12 @@ class StdoutRotation:
             os.close(fd)
 
 
-async def rotate_logs(rotation: StdoutRotation) -> None:
-    """A service's background task: rotate its log file whenever it has grown past its bound."""
+async def rotate_logs(max_bytes: int, keep: int) -> None:
+    """A service's background task: rotate its log file whenever it has grown past its
+    bound; ends at once where there is nothing to rotate (`StdoutRotation.for_stdout`)."""
+    rotation = StdoutRotation.for_stdout(max_bytes, keep)
+    if rotation is None:
+        return
     while True:
         await asyncio.sleep(LOG_ROTATE_CHECK_S)
         try:

@@ -13,6 +13,8 @@ LOOPBACK = "127.0.0.1"
 # reconnects to another node of the cluster.
 NATS_PING_INTERVAL_S = 3
 NATS_MAX_OUTSTANDING_PINGS = 3
+# nats-py's connect keywords for that keep-alive: every long-lived connection takes them
+NATS_KEEPALIVE = {"ping_interval": NATS_PING_INTERVAL_S, "max_outstanding_pings": NATS_MAX_OUTSTANDING_PINGS}
 # A stopped node still accepts TCP connections (the kernel's backlog) and never sends its INFO:
 # a client whose first pick is that node moves to the next after this long.
 NATS_CONNECT_TIMEOUT_S = 5.0

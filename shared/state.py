@@ -202,6 +202,14 @@ def mark_started(pipe: Any, keys: Keys, session_id: str, at: float) -> None:
     pipe.hsetnx(keys.session(session_id), "started_at", repr(at))
 
 
+def note_kv_locality(pipe: Any, keys: Keys, session_id: str, server_id: str, tier: str) -> None:
+    """The engine-worker's group: where the session's KV lives on this server (`hbm` or
+    `host`); soft state that expires with the session's other keys even where no release
+    reaches it (an admission restarted while the session was idle)."""
+    pipe.hset(keys.kv_locality(session_id), server_id, tier)
+    pipe.expire(keys.kv_locality(session_id), SESSION_TTL_S)
+
+
 def record_finish(pipe: Any, keys: Keys, session_id: str, server_id: str, finished_at: float, output_tokens: int) -> None:
     """The engine-worker's group: where and when the session's last call ended, and its output length."""
     skey = keys.session(session_id)

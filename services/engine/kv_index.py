@@ -22,6 +22,7 @@ from collections import OrderedDict
 
 import redis.asyncio as aioredis
 
+from shared import state
 from shared.keys import SESSION_TTL_S, Keys
 from shared.schema import KvAllCleared, KvBlocksRemoved, KvBlocksStored, KvEvent
 
@@ -99,15 +100,15 @@ class KvIndex:
                     # unless the session also holds blocks in HBM here
                     current = await self.redis.hget(k.kv_locality(session), sid_server)
                     if current != b"hbm":
-                        await self.redis.hset(k.kv_locality(session), sid_server, "host")
-                        await self.redis.expire(k.kv_locality(session), SESSION_TTL_S)
+                        pipe = self.redis.pipeline(transaction=True)
+                        state.note_kv_locality(pipe, k, session, sid_server, "host")
+                        await pipe.execute()
                     return
                 pipe = self.redis.pipeline(transaction=True)
                 pipe.hset(blocks, mapping={h: session for h in hashes})
                 pipe.sadd(k.kv_session_blocks(session, sid_server), *hashes)
                 pipe.expire(k.kv_session_blocks(session, sid_server), SESSION_TTL_S)
-                pipe.hset(k.kv_locality(session), sid_server, "hbm")
-                pipe.expire(k.kv_locality(session), SESSION_TTL_S)
+                state.note_kv_locality(pipe, k, session, sid_server, "hbm")
                 await pipe.execute()
             case KvBlocksRemoved(block_hashes=hashes):
                 if not hashes:
@@ -153,7 +154,6 @@ class KvIndex:
         pipe.delete(blocks)
         for session in sessions:
             pipe.delete(k.kv_session_blocks(session, sid_server))
-            pipe.hset(k.kv_locality(session), sid_server, "host")
-            pipe.expire(k.kv_locality(session), SESSION_TTL_S)
+            state.note_kv_locality(pipe, k, session, sid_server, "host")
         await pipe.execute()
         return sessions

@@ -32,7 +32,6 @@ from shared import state, synthetic_json, tool_calls
 from shared.bus import REDIS_AWAY
 from shared.clock import drive_timer
 from shared.costmodel import MEDIAN_OUTPUT_TOKENS, CostModel
-from shared.keys import SESSION_TTL_S
 from shared.schema import CallReply, CallRunning, KvSpilled, RunCall, Wake, encode
 
 STREAM_WALL_S = 0.05  # wall seconds between two token batches of a streamed call
@@ -339,8 +338,7 @@ class SimBackend(EngineBackend):
 
         def locality(pipe: Any) -> None:
             for sid in spilled:
-                pipe.hset(w.keys.kv_locality(sid), s.server_id, "host")
-                pipe.expire(w.keys.kv_locality(sid), SESSION_TTL_S)
+                state.note_kv_locality(pipe, w.keys, sid, s.server_id, "host")
 
         w.state_writes.write(locality)  # (in order with the finishes; not waited on)
         await w.nc.publish(w.subjects.kv_spilled(s.server_id),
@@ -384,10 +382,7 @@ class SimBackend(EngineBackend):
         busy = self.busy.pending({state.BUSY_PREFIX + s.model: round(self.engine.busy_s, 3)})
 
         def writes(pipe: Any, session_id: str = r.session_id, busy: dict[str, float] = busy) -> None:
-            pipe.hset(w.keys.kv_locality(session_id), s.server_id, "hbm")
-            # (soft state: gone with the session's other keys even where no release reaches it,
-            # as after an admission restart that did not know the session was idle)
-            pipe.expire(w.keys.kv_locality(session_id), SESSION_TTL_S)
+            state.note_kv_locality(pipe, w.keys, session_id, s.server_id, "hbm")
             # model seconds with a call running, for the replay's utilisation (a counter per engine)
             state.add_counters(pipe, w.keys, s.server_id, busy)
 

@@ -58,7 +58,7 @@ from shared.bus import run_loop
 from shared.agent_client import Session, TalariaClient, TalariaError
 from shared.catalog import Catalog, load_catalog
 from shared.keys import CALL_TTL_S, SESSION_TTL_S, Keys
-from shared.logs import StdoutRotation, configure_logging, rotate_logs
+from shared.logs import configure_logging, rotate_logs
 from shared.schema import CallReply, CallRunning, CallTokens, Sampling, context_limit_message
 from shared import tracing
 from shared.metrics import Metrics
@@ -1353,16 +1353,14 @@ async def serve(settings: Settings) -> None:
         raise SystemExit(1) from None
     log.info("gateway.listening", instance=settings.instance_name("gateway"), host=settings.gateway_host, port=port,
              url=f"http://{settings.gateway_host}:{port}/v1")
-    rotation = StdoutRotation.for_stdout(settings.log_max_bytes, settings.log_keep)
-    rotating = asyncio.ensure_future(rotate_logs(rotation)) if rotation is not None else None
+    rotating = asyncio.ensure_future(rotate_logs(settings.log_max_bytes, settings.log_keep))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     log.info("gateway.stopping")
-    if rotating is not None:
-        rotating.cancel()
+    rotating.cancel()
     await runner.cleanup()  # stops taking requests and lets in-flight ones finish
     await client.close()
     await redis.aclose()

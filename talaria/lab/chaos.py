@@ -55,7 +55,7 @@ from shared import state
 from shared.auth import AGENT_REPLY_NAMESPACE
 from shared.clock import ScaledClock
 from shared.keys import Keys
-from shared.net import NATS_CONNECT_TIMEOUT_S, NATS_MAX_OUTSTANDING_PINGS, NATS_PING_INTERVAL_S
+from shared.net import NATS_CONNECT_TIMEOUT_S, NATS_KEEPALIVE
 from shared.schema import HEALTH_OK, CallReply, reply_decoder
 from shared.logs import read_log_events
 from shared.policy import resolve_policy
@@ -373,7 +373,7 @@ class Injector:
 
         # (the services' keep-alive: a stopped node is left in about 10 s, as they leave it)
         opts = dict(servers=self.stack.nats_urls, max_reconnect_attempts=-1, reconnect_time_wait=0.2,
-                    ping_interval=NATS_PING_INTERVAL_S, max_outstanding_pings=NATS_MAX_OUTSTANDING_PINGS,
+                    **NATS_KEEPALIVE,
                     error_cb=on_error, disconnected_cb=quiet, reconnected_cb=quiet)
         self.nc = await nats.connect(name="talaria-chaos", **opts, **self.stack.nats_auth("operator"))
         # what the agents hear, as an agent may: their reply subjects

@@ -164,6 +164,12 @@ class _Spawner:
 _SPAWNER = _Spawner()
 
 
+def with_log_file(env: Mapping[str, str] | None, log_path: Path) -> dict[str, str]:
+    """A child's environment (this process's where `env` is None) naming the file its
+    output is appended to, which a service rotates by size (shared/logs.py)."""
+    return {**(os.environ if env is None else env), LOG_FILE_ENV: str(log_path.resolve())}
+
+
 def spawn(
     argv: Sequence[str],
     *,
@@ -176,8 +182,7 @@ def spawn(
     log; it gets SIGKILL if this process dies without stopping it (PDEATHSIG, Linux)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
 
-    # (named for the child: a service rotates this file by size, shared/logs.py)
-    child_env = {**(os.environ if env is None else env), LOG_FILE_ENV: str(log_path.resolve())}
+    child_env = with_log_file(env, log_path)
 
     def start() -> subprocess.Popen[bytes]:
         with open(log_path, "ab", buffering=0) as logf:
@@ -532,8 +537,7 @@ class ProcessGroup:
             return None
         if spare.poll() is None and spare.stdin is not None:
             try:
-                env = {**(child.env if child.env is not None else os.environ), LOG_FILE_ENV: str(child.log_path.resolve())}
-                spare.stdin.write(json.dumps({"env": env}).encode() + b"\n")
+                spare.stdin.write(json.dumps({"env": with_log_file(child.env, child.log_path)}).encode() + b"\n")
                 spare.stdin.close()
                 return spare
             except OSError:  # it died just now: start a fresh one

@@ -23,7 +23,7 @@ import nats
 
 from shared.auth import Credentials, generate_credentials, nats_permissions
 from shared.clock import done_within
-from shared.net import LOOPBACK, NATS_MAX_OUTSTANDING_PINGS, NATS_PING_INTERVAL_S, free_port, port_free
+from shared.net import LOOPBACK, NATS_KEEPALIVE, free_port, port_free
 from shared.policy import PolicyConfig, encode_policy
 from shared.schema import HEALTH_OK
 from shared.settings import Settings, SettingsError
@@ -420,8 +420,7 @@ class EmbeddedStack:
         try:
             # (the services' keep-alive: a stopped node is left in about 10 s, not nats-py's minutes)
             nc = await nats.connect(servers=self.nats_urls, name="talaria-liveness", error_cb=quiet,
-                                    max_reconnect_attempts=-1, ping_interval=NATS_PING_INTERVAL_S,
-                                    max_outstanding_pings=NATS_MAX_OUTSTANDING_PINGS, **self.nats_auth("operator"))
+                                    max_reconnect_attempts=-1, **NATS_KEEPALIVE, **self.nats_auth("operator"))
         except Exception:  # no NATS: nothing to judge by (the supervisor still restarts crashes)
             return
         async def ping(name: str) -> bool:

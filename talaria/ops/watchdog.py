@@ -32,7 +32,7 @@ import subprocess
 import sys
 import time
 
-from shared.net import NATS_MAX_OUTSTANDING_PINGS, NATS_PING_INTERVAL_S
+from shared.net import NATS_KEEPALIVE
 from shared.subjects import Subjects
 from talaria.argtypes import positive_float
 from talaria.ops.healthcheck import SERVICES, http_check, instance_name, service_settings
@@ -112,8 +112,7 @@ class Watchdog:
             with contextlib.suppress(Exception):  # no bus yet: tried again on a later round
                 return await nats.connect(servers=s.nats_urls, name=f"talaria-watchdog-{name}", error_cb=quiet,
                                           max_reconnect_attempts=-1, connect_timeout=2,
-                                          ping_interval=NATS_PING_INTERVAL_S,
-                                          max_outstanding_pings=NATS_MAX_OUTSTANDING_PINGS,
+                                          **NATS_KEEPALIVE,
                                           user=s.nats_user or None, password=s.nats_password or None)
             return None
 
