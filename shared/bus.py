@@ -40,6 +40,7 @@ from shared.logs import configure_logging, rotate_logs
 from shared import tracing
 from shared.metrics import Metrics
 from shared.net import NATS_CONNECT_TIMEOUT_S, NATS_KEEPALIVE
+from shared.redis_client import RedisUrlError, open_redis, refuse_cluster
 from shared.schema import HEALTH_OK, HEALTH_STARTING, ApiError, EngineState, ListCalls, encode, engine_state_decoder
 from shared.settings import Settings
 from shared.subjects import HEADER_CALL, HEADER_RECEIPT, HEADER_SESSION, Subjects
@@ -450,12 +451,12 @@ class ServiceProcess:
         # A bounded pool that waits for a free connection: requests handled side by side
         # (concurrent_handler) would otherwise open more than redis-py's default pool
         # allows, and it refuses the rest (MaxConnectionsError, seen at 200 calls/s)
-        pool = aioredis.BlockingConnectionPool.from_url(
-            self.settings.redis_url, max_connections=REDIS_POOL_CONNECTIONS, timeout=REDIS_POOL_WAIT_S,
+        # (a Sentinel-watched master's failover is waited out the same way: shared/redis_client.py)
+        self.redis = open_redis(
+            self.settings.redis_url, max_connections=REDIS_POOL_CONNECTIONS, pool_wait_s=REDIS_POOL_WAIT_S,
             health_check_interval=10, socket_timeout=REDIS_SOCKET_TIMEOUT_S, **self.settings.redis_credentials(),
             retry=BoundedRetry(ExponentialBackoff(cap=0.5, base=0.05), retries=30, budget_s=self.redis_outage_wait_s),
             retry_on_error=list(REDIS_AWAY))
-        self.redis = aioredis.Redis.from_pool(pool)  # (closing the client closes its pool)
         svc = await add_service(self.nc, ServiceConfig(name=f"talaria-{self.name}", version=VERSION,
                                                        description=f"Talaria {self.name}", metadata={
                                                            "instance": self.instance,
@@ -478,6 +479,11 @@ class ServiceProcess:
         if self.uses_call_records:
             self.call_records = await CallRecords.open(self.nc, self.settings.subject_prefix,
                                                        replicas=self.settings.call_record_replicas, ttl_s=CALL_TTL_S)
+        try:
+            await refuse_cluster(self.redis, self.settings.redis_url)
+        except RedisUrlError as exc:  # a deployment error: a restart would not mend it
+            self.log.error("service.redis_unsupported", error=str(exc))
+            raise SystemExit(78) from None
         await self.setup()
         ready.set()
         if self.settings.loop_stall_exit_s > 0:  # armed after start-up (a real engine blocks while it loads)

@@ -18,6 +18,7 @@ import msgspec
 
 from shared.auth import nats_password_from_env
 from shared.policy import PolicyConfig, decode_policy, resolve_policy
+from shared.redis_client import RedisUrlError, parse_redis_url
 
 
 ENGINE_BACKENDS = ("sim", "vllm")
@@ -277,6 +278,10 @@ class Settings:
             raise SettingsError(f"TALARIA_POLICY: {exc}") from None
         if a.time_scale <= 0:
             raise SettingsError(f"TALARIA_TIME_SCALE (--time-scale) must be above 0, not {a.time_scale:g}")
+        try:
+            parse_redis_url(a.redis)
+        except RedisUrlError as exc:
+            raise SettingsError(f"TALARIA_REDIS_URL (--redis): {exc}") from None
         return cls(
             nats_urls=[u.strip() for u in a.nats.split(",") if u.strip()],
             redis_url=a.redis,

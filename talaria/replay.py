@@ -21,10 +21,10 @@ from pathlib import Path
 from typing import TypeVar
 
 import nats.errors
-import redis.asyncio as aioredis
 
 from shared.clock import LagMonitor, ScaledClock
 from shared.keys import Keys
+from shared.redis_client import open_redis
 from shared.state import decode_server
 from shared.policy import PolicyConfig
 from shared.schema import CallReply
@@ -174,7 +174,7 @@ async def _retrying(retries: int, make: Callable[[], Awaitable[T]]) -> T:
 
 
 async def worst_lag(redis_url: str, key_prefix: str) -> tuple[str, float]:
-    r = aioredis.Redis.from_url(redis_url)
+    r = open_redis(redis_url)
     try:
         worst = ("", 0.0)
         async for key in r.scan_iter(match=Keys(key_prefix).lag("*")):
@@ -198,7 +198,7 @@ async def reported_lag(redis_url: str, key_prefix: str, instances: list[str],
     the service's life, so clearing loses nothing). Returns the worst and the
     instances that did not report within `wait_s`. For a stack this replay owns."""
     keys = Keys(key_prefix)
-    r = aioredis.Redis.from_url(redis_url)
+    r = open_redis(redis_url)
     try:
         await r.delete(*(keys.lag(i) for i in instances))
         deadline = time.monotonic() + wait_s
@@ -229,7 +229,7 @@ def _worst_lag_of(out: ReplayOutcome, services: tuple[str, float] | None, time_s
 
 async def server_stats(redis_url: str, key_prefix: str, server_ids: list[str]) -> dict[str, float]:
     """Sum the admission schedulers' counters (mirrored in Redis) over servers."""
-    r = aioredis.Redis.from_url(redis_url)
+    r = open_redis(redis_url)
     out: dict[str, float] = {}
     try:
         for sid in server_ids:

@@ -11,13 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from shared.clock import ScaledClock
 from shared.policy import resolve_policy
 from talaria.workload.trace import load_trace
 from talaria.lab.chaos import EXTRA_KINDS, FAULT_KINDS, run_chaos
-from talaria.client import TalariaClient
-from talaria.replay import drive
 from talaria.ops.stack import EmbeddedStack, StackSpec
+
+from replaying import replay_with_a_fault
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "traces" / "smoke-4.jsonl"
@@ -83,21 +82,8 @@ async def test_nats_cluster_node_killed_mid_replay(tmp_path: Path) -> None:
     async with EmbeddedStack(spec) as stack:
         assert len(stack.nats_nodes) == 3 and len(stack.nats_urls) == 3
         assert stack.creds is not None  # authentication stays on with the cluster
-        client = await TalariaClient.connect(stack.nats_urls, subject_prefix=stack.subject_prefix,
-                                             silence_s=5.0, retries=20, **stack.nats_auth("agent"))
-        done: list[str] = []
-        try:
-            clock = ScaledClock(spec.time_scale, stack.clock_epoch)
-            replay = asyncio.ensure_future(drive(client, clock, sessions, "talaria",
-                                                 on_reply=lambda r: done.append(r.call_id), error_retries=10))
-            while len(done) < 4:
-                assert not replay.done(), replay
-                await asyncio.sleep(0.05)
-            victim = stack.nats_nodes[1]
-            await asyncio.to_thread(victim.kill)
-            out = await asyncio.wait_for(replay, timeout=150)
-        finally:
-            await client.close()
+        out = await replay_with_a_fault(stack, sessions, lambda: asyncio.to_thread(stack.nats_nodes[1].kill),
+                                        after_calls=4, timeout_s=150)
     total = sum(len(s.calls) for s in sessions)
     assert not out.failures, out.failures
     assert len({r.call_id for r in out.records}) == total

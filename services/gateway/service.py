@@ -62,6 +62,7 @@ from shared.logs import configure_logging, rotate_logs
 from shared.schema import CallReply, CallRunning, CallTokens, Sampling, context_limit_message
 from shared import tracing
 from shared.metrics import Metrics
+from shared.redis_client import RedisUrlError, open_redis, refuse_cluster
 from shared.settings import Settings
 from shared.subjects import GATEWAY_NAMESPACE
 
@@ -1336,12 +1337,14 @@ async def serve(settings: Settings) -> None:
                                          subject_prefix=settings.subject_prefix, connect_timeout_s=30.0,
                                          namespace=GATEWAY_NAMESPACE)
     # soft state: fail fast rather than wait out a Redis restart as the services' pools do
-    redis = aioredis.Redis.from_url(settings.redis_url, socket_timeout=2.0, socket_connect_timeout=2.0,
-                                    **settings.redis_credentials())
+    redis = open_redis(settings.redis_url, socket_timeout=2.0, socket_connect_timeout=2.0,
+                       **settings.redis_credentials())
     try:
+        await refuse_cluster(redis, settings.redis_url)
         runner, port = await start_gateway(settings, client, redis)
-    except tk.TokenizerError as exc:  # a deployment error: say which, and stay down (a restart would not mend it)
-        log.error("gateway.bad_tokenizer", error=str(exc))
+    except (tk.TokenizerError, RedisUrlError) as exc:  # a deployment error: say which, and stay down
+        log.error("gateway.bad_tokenizer" if isinstance(exc, tk.TokenizerError) else "gateway.redis_unsupported",
+                  error=str(exc))
         await client.close()
         await redis.aclose()
         raise SystemExit(78) from None

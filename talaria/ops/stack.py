@@ -325,8 +325,9 @@ class EmbeddedStack:
         """An external NATS or Redis (`--nats`, `--redis`) that does not answer is refused
         here, by its address; else every service retried it in its log while the start
         waited, saying nothing, for the services' health."""
-        import redis.asyncio as aioredis
         from redis.exceptions import ConnectionError as RedisConnectionError, TimeoutError as RedisTimeoutError
+
+        from shared.redis_client import RedisUrlError, open_redis, redacted, refuse_cluster
 
         if self.spec.nats_urls:
             try:
@@ -337,12 +338,17 @@ class EmbeddedStack:
                                       f"{str(exc) or type(exc).__name__}") from None
             await nc.close()
         if self.spec.redis_url:
-            client = aioredis.Redis.from_url(self.spec.redis_url, socket_connect_timeout=timeout_s,
-                                             socket_timeout=timeout_s)
+            try:
+                client = open_redis(self.spec.redis_url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s)
+            except RedisUrlError as exc:
+                raise StackStartError(str(exc)) from None
             try:
                 await client.ping()
+                await refuse_cluster(client, self.spec.redis_url)
+            except RedisUrlError as exc:
+                raise StackStartError(str(exc)) from None
             except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
-                raise StackStartError(f"cannot connect to Redis at {self.spec.redis_url}: {exc}") from None
+                raise StackStartError(f"cannot connect to Redis at {redacted(self.spec.redis_url)}: {exc}") from None
             except Exception:  # noqa: BLE001 - it answers (a login the services bring themselves): reachable
                 pass
             finally:

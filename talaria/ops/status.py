@@ -20,12 +20,12 @@ from pathlib import Path
 import aiohttp
 import nats
 import nats.errors
-import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from shared.keys import Keys
+from shared.redis_client import open_redis
 from shared.state import decode_server
 from talaria.argtypes import positive_float
 from talaria.client import Deployment, TalariaClient, TalariaError
@@ -141,8 +141,8 @@ async def gather(dep: Deployment, timeout_s: float = 3.0) -> Status:
 
     if dep.redis_url and st.servers:
         # bounded as the health checks are: a stopped Redis accepts connections and answers nothing
-        r = aioredis.Redis.from_url(dep.redis_url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s,
-                                    retry=Retry(NoBackoff(), 0))
+        r = open_redis(dep.redis_url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s,
+                       retry=Retry(NoBackoff(), 0))
         try:
             keys = Keys(dep.key_prefix)
             for sid in st.servers:

@@ -1,0 +1,170 @@
+"""Where Redis is and how to reach it: one node, or a master found through Sentinel.
+
+`TALARIA_REDIS_URL` names either
+
+- one node: `redis://[user:password@]host:port[/db]` (also `rediss://`, `unix://`), or
+- a Sentinel-watched master: `redis+sentinel://[user:password@]host:port[,host:port...]/service[/db]`,
+  the hosts being the sentinels and `service` the master's name in their
+  `sentinel monitor` line. The credentials are the master's (as `TALARIA_REDIS_USER`
+  and `TALARIA_REDIS_PASSWORD` are); sentinels that ask for their own take
+  `?sentinel_username=...&sentinel_password=...`.
+
+With Sentinel a client asks the sentinels for the master before each new connection,
+and a connection to a master that was demoted fails (redis-py's `SentinelManagedConnection`),
+so after a failover the next retry of a command reaches the promoted replica: the
+services' bounded retries (`shared/bus.py`) wait a failover out as they wait out a restart.
+Redis holds soft state only (`shared/keys.py`), so the writes a failover loses (Redis
+replicates asynchronously) are rebuilt like any lost soft state.
+"""
+
+from __future__ import annotations
+
+import urllib.parse
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import redis.asyncio as aioredis
+from redis.asyncio.connection import BlockingConnectionPool
+from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool, SentinelManagedConnection
+
+SENTINEL_SCHEME = "redis+sentinel"
+NODE_SCHEMES = ("redis", "rediss", "unix")
+SENTINEL_PORT = 26379
+
+
+class RedisUrlError(ValueError):
+    """A `TALARIA_REDIS_URL` that names no Redis this module can reach; the message says why."""
+
+
+@dataclass(frozen=True, slots=True)
+class RedisTarget:
+    kind: Literal["node", "sentinel"]
+    url: str                                   # as given (a node's is handed to redis-py as is)
+    sentinels: tuple[tuple[str, int], ...] = ()
+    service: str = ""                          # the master's name at the sentinels
+    db: int = 0
+    username: str | None = None
+    password: str | None = None
+    sentinel_username: str | None = None
+    sentinel_password: str | None = None
+
+    def shown(self) -> str:
+        """The URL with any password hidden, for logs and error messages."""
+        return redacted(self.url)
+
+
+def redacted(url: str) -> str:
+    parts = urllib.parse.urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.netloc.rsplit("@", 1)[1]
+    user = parts.username or ""
+    return urllib.parse.urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+
+
+def parse_redis_url(url: str) -> RedisTarget:
+    """What `url` names, or RedisUrlError saying what is wrong with it."""
+    parts = urllib.parse.urlsplit(url.strip())
+    scheme = parts.scheme.lower()
+    if scheme in NODE_SCHEMES:
+        return RedisTarget(kind="node", url=url.strip())
+    if scheme != SENTINEL_SCHEME:
+        raise RedisUrlError(f"Redis URL {redacted(url)!r}: the scheme must be one of "
+                            f"{', '.join(NODE_SCHEMES + (SENTINEL_SCHEME,))}, not {parts.scheme or 'none'!r}")
+    userinfo, _, hosts = parts.netloc.rpartition("@")
+    sentinels: list[tuple[str, int]] = []
+    for item in filter(None, (h.strip() for h in hosts.split(","))):
+        try:
+            node = urllib.parse.urlsplit("//" + item)
+            host, port = node.hostname, node.port or SENTINEL_PORT
+        except ValueError:
+            host = None
+        if not host:
+            raise RedisUrlError(f"Redis URL {redacted(url)!r}: {item!r} is not a sentinel's host[:port]")
+        sentinels.append((host, port))
+    if not sentinels:
+        raise RedisUrlError(f"Redis URL {redacted(url)!r}: name at least one sentinel (host:port)")
+    path = [p for p in parts.path.split("/") if p]
+    if not path or len(path) > 2:
+        raise RedisUrlError(f"Redis URL {redacted(url)!r}: the path must be /<master name>[/<db>], "
+                            f"the name the sentinels monitor the master by")
+    if len(path) == 2 and not path[1].isdigit():
+        raise RedisUrlError(f"Redis URL {redacted(url)!r}: the database must be a number, not {path[1]!r}")
+    user, _, password = userinfo.partition(":")
+    query = urllib.parse.parse_qs(parts.query)
+
+    def one(name: str) -> str | None:
+        values = query.get(name)
+        return values[-1] if values else None
+
+    unknown = set(query) - {"sentinel_username", "sentinel_password"}
+    if unknown:
+        raise RedisUrlError(f"Redis URL {redacted(url)!r}: unknown option(s) {', '.join(sorted(unknown))} "
+                            f"(known: sentinel_username, sentinel_password)")
+    return RedisTarget(
+        kind="sentinel", url=url.strip(), sentinels=tuple(sentinels), service=urllib.parse.unquote(path[0]),
+        db=int(path[1]) if len(path) == 2 else 0,
+        username=urllib.parse.unquote(user) or None, password=urllib.parse.unquote(password) or None,
+        sentinel_username=one("sentinel_username"), sentinel_password=one("sentinel_password"))
+
+
+class SentinelMasterConnection(SentinelManagedConnection):
+    """A connection that asks the sentinels for the master at every connect, its retries'
+    included. redis-py's asks only at a connection's first connect, and a command's
+    retries reconnect the same connection to the address it had: after a failover they
+    knocked on the dead master until their budget ran out (30 s here; redis-py's open
+    upstream issue "SentinelConnectionPool does not retrieve updated master address
+    from Sentinel on connection retries")."""
+
+    async def _connect(self) -> None:
+        if self.connection_pool.is_master:
+            self.host, self.port = await self.connection_pool.get_master_address()
+        await super()._connect()
+
+
+class BlockingSentinelConnectionPool(SentinelConnectionPool, BlockingConnectionPool):
+    """Sentinel's master-finding pool that waits for a free connection when all are in use
+    (as the services' one-node pool does), instead of refusing the command."""
+
+
+def open_redis(url: str, *, username: str | None = None, password: str | None = None,
+               max_connections: int | None = None, pool_wait_s: float | None = None,
+               **options: Any) -> aioredis.Redis:
+    """A client of the Redis `url` names. `username`/`password` (the settings' credentials)
+    apply where the URL carries none; `max_connections` with `pool_wait_s` bound the pool,
+    a command waiting up to that long for a free connection; `options` are redis-py's
+    connection keywords (timeouts, retry)."""
+    target = parse_redis_url(url)
+    creds = {k: v for k, v in (("username", username), ("password", password)) if v}
+    pooled = max_connections is not None
+    if target.kind == "node":
+        if pooled:
+            pool = BlockingConnectionPool.from_url(target.url, max_connections=max_connections,
+                                                   timeout=pool_wait_s, **creds, **options)
+            return aioredis.Redis.from_pool(pool)  # (closing the client closes its pool)
+        return aioredis.Redis.from_url(target.url, **creds, **options)
+    if target.username or target.password:
+        creds = {k: v for k, v in (("username", target.username), ("password", target.password)) if v}
+    sentinel_kwargs: dict[str, Any] = {k: v for k, v in options.items() if k.startswith("socket_")}
+    sentinel_kwargs.update({k: v for k, v in (("username", target.sentinel_username),
+                                               ("password", target.sentinel_password)) if v})
+    sentinel = Sentinel(list(target.sentinels), sentinel_kwargs=sentinel_kwargs)
+    pool: dict[str, Any] = dict(connection_pool_class=BlockingSentinelConnectionPool, max_connections=max_connections,
+                                timeout=pool_wait_s) if pooled else {}
+    return sentinel.master_for(target.service, connection_class=SentinelMasterConnection, db=target.db,
+                               **pool, **creds, **options)
+
+
+async def refuse_cluster(client: aioredis.Redis, url: str) -> None:
+    """RedisUrlError when `url` leads to a Redis Cluster node: Talaria's transactions put
+    one session's keys beside the server's in one MULTI, which a cluster refuses across
+    slots, and its one-node client would meet MOVED for most keys. Said once at start,
+    by name, instead of a service failing on every write. A Redis that does not answer or
+    does not allow INFO is let through (the commands that follow say what is wrong)."""
+    try:
+        info = await client.info("cluster")
+    except Exception:  # noqa: BLE001 - away, or INFO not allowed to this user: not this check's business
+        return
+    if info.get("cluster_enabled"):
+        raise RedisUrlError(f"Redis at {redacted(url)} is a Redis Cluster node; Talaria needs one Redis "
+                            f"or a Sentinel-watched master (redis+sentinel://, docs/deploy.md)")
