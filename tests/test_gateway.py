@@ -1090,6 +1090,8 @@ async def test_a_request_while_redis_is_away_is_refused_as_unavailable_naming_it
 # --------------------------------------------------------------------------- a router that refuses
 THOUGHT_MARK = "think it over"
 FAIL_MARK = "fail once begun"
+RERUN_MARK = "rerun once begun"  # (with "differently": the re-run's text differs, as sampling would make it)
+RERUN_TEXT = "The fix is in a.py: the loop stopped one short, so the last line was never read."
 THOUGHT = "the parser drops the last line;\nmaybe <tool_call>rm_rf\n</tool_call> would help"
 THOUGHT_REPLY = f"<think>\n{THOUGHT}\n</think>\n\nFixed it."
 THOUGHT_REPLY_TOOLS = (f"<think>{THOUGHT}</think>\nReading it.\n<tool_call>read_file\n<arg_key>path</arg_key>\n"
@@ -1141,6 +1143,26 @@ async def refusing_gateway(nats_server: NatsServer) -> AsyncIterator[tuple[str, 
                 await asyncio.sleep(0.2)  # (the tokens are written before the error)
                 await router.publish(req.reply_to, encode(ApiError(code="internal", message="the engine went away",
                                                                    call_id=req.call_id)))
+            case CallRequest() if RERUN_MARK in (req.prompt_text or "") and req.stream:
+                ctl["calls"] += 1  # an engine restarted mid-stream: its call runs again from token 0
+                await router.publish(req.reply_to, encode(CallRunning(call_id=req.call_id, server_id="s0")))
+                words = [w + " " for w in RERUN_TEXT.split(" ")]
+                for i, w in enumerate(words[:7]):
+                    await router.publish(req.reply_to, encode(CallTokens(call_id=req.call_id, index=i, token_ids=[i],
+                                                                         text=w)))
+                await asyncio.sleep(0.2)
+                rerun = list(words)
+                if "differently" in (req.prompt_text or ""):
+                    rerun[3] = "bug "
+                for i in range(0, len(rerun), 3):  # (chunked otherwise than the first run)
+                    await router.publish(req.reply_to, encode(CallTokens(
+                        call_id=req.call_id, index=i, token_ids=list(range(i, min(i + 3, len(rerun)))),
+                        text="".join(rerun[i:i + 3]))))
+                await router.publish(req.reply_to, encode(CallReply(
+                    call_id=req.call_id, session_id=req.session_id, server_id="s0", model=MODEL, prompt_tokens=9,
+                    cached_tokens=0, restored_tokens=0, reprefill_tokens=0, output_tokens=len(rerun), arrived_at=0,
+                    finished_at=1, waited_s=0, switch_wait_s=0, round_wait=False, restore_s=0, prefill_s=0, decode_s=0,
+                    text="".join(rerun))))
             case CallRequest() if "slow" in (req.prompt_text or ""):
                 ctl["calls"] += 1  # queued for a round that never comes: heartbeats only
                 await router.publish(req.reply_to, encode(CallQueued(call_id=req.call_id, server_id="s0", waited_s=0)))
@@ -1405,6 +1427,37 @@ async def test_a_thinking_models_reasoning_comes_apart_from_its_answer_in_each_a
         streamed = await rs_stream.get_final_response()
     assert [o.type for o in streamed.output] == ["reasoning", "message"] and streamed.output_text == "Fixed it."
     assert streamed.output[0].content[0].text == THOUGHT  # type: ignore[union-attr]
+
+
+@pytest.mark.timeout(60)
+async def test_a_stream_whose_engine_ran_it_again_carries_its_text_once(
+        refusing_gateway: tuple[str, dict[str, Any]]) -> None:
+    """An engine-worker restarted mid-call runs the call again from its first token; the
+    re-run's tokens come from index 0 again. A stream already begun relays only what goes
+    past what it sent (before: the text twice in one 200, seen in a rolling-restart
+    probe); a re-run that differs ends the stream in the API's error event, with the call
+    cancelled, never a spliced reply."""
+    url, ctl = refusing_gateway
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="k", max_retries=0)
+    got: list[str] = []
+    async for ch in await client.chat.completions.create(model=MODEL, stream=True,
+                                                         messages=[{"role": "user", "content": f"{RERUN_MARK}: go"}]):
+        got += [ch.choices[0].delta.content or ""] if ch.choices else []
+    assert "".join(got).strip() == RERUN_TEXT
+    async with anthropic.AsyncAnthropic(base_url=url, api_key="k", max_retries=0).messages.stream(
+            model=MODEL, max_tokens=50, messages=[{"role": "user", "content": f"{RERUN_MARK}: go"}]) as st:
+        pieces = [t async for t in st.text_stream]
+    assert "".join(pieces).strip() == RERUN_TEXT
+
+    got = []
+    with structlog.testing.capture_logs() as logged, pytest.raises(openai.APIError, match="re-run differs"):
+        async for ch in await client.chat.completions.create(
+                model=MODEL, stream=True, messages=[{"role": "user", "content": f"{RERUN_MARK} differently: go"}]):
+            got += [ch.choices[0].delta.content or ""] if ch.choices else []
+    assert "".join(got) == "".join(w + " " for w in RERUN_TEXT.split(" ")[:7])  # what was sent, once
+    assert any(e["event"] == "gateway.rerun_diverged" for e in logged)
+    (line,) = [e for e in logged if e["event"] == "gateway.call"]
+    assert (line["status"], line["error"]) == (200, "unavailable")
 
 
 @pytest.mark.timeout(60)

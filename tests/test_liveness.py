@@ -8,6 +8,7 @@ import contextlib
 import json
 import os
 import signal
+import textwrap
 import time
 import urllib.request
 from pathlib import Path
@@ -291,3 +292,59 @@ async def test_a_killed_redis_and_nats_are_started_again_and_calls_go_on(tmp_pat
                 assert r.output_tokens == 5
         finally:
             await client.close()
+
+
+@pytest.mark.timeout(60)
+async def test_the_watchdog_lets_a_stopped_service_drain_instead_of_judging_it_hung(tmp_path: Path) -> None:
+    """`docker compose stop`: SIGTERM reaches the watchdog, which forwards it; the service
+    stops answering its health checks on purpose while it drains (the gateway closes its
+    listener and finishes its streams). Before, the watchdog judged that silence a hang
+    and SIGKILLed the drain (a probe's 19-s stream cut after 3 s, exit 75)."""
+    import subprocess
+    import sys
+
+    from shared.net import free_port
+
+    port = free_port()
+    # a stand-in gateway: answers /health until SIGTERM, then closes its listener and drains for 3 s
+    child = textwrap.dedent(f"""
+        import signal, sys, threading, time
+        from http.server import BaseHTTPRequestHandler, HTTPServer
+        class H(BaseHTTPRequestHandler):
+            def do_GET(self):
+                self.send_response(200); self.end_headers(); self.wfile.write(b"ok")
+            def log_message(self, *a): pass
+        srv = HTTPServer(("127.0.0.1", {port}), H)
+        def stop(*_):
+            threading.Thread(target=srv.shutdown).start()
+        signal.signal(signal.SIGTERM, stop)
+        srv.serve_forever()
+        srv.server_close()
+        time.sleep(3.0)
+        sys.exit(0)
+    """)
+    err = tmp_path / "watchdog.err"
+    with open(err, "wb") as f:
+        dog = subprocess.Popen([sys.executable, "-m", "talaria.ops.watchdog", "--service", "gateway", "--grace", "0.5",
+                                "--startup-s", "30", "--", sys.executable, "-c", child],
+                               env={**os.environ, "TALARIA_GATEWAY_PORT": str(port)}, stderr=f, stdout=f)
+    try:
+        from talaria.ops.healthcheck import http_check
+
+        t0 = time.monotonic()
+        while not http_check(f"http://127.0.0.1:{port}/health", 0.5)[0]:
+            assert time.monotonic() - t0 < 30, err.read_text()
+            await asyncio.sleep(0.2)
+        await asyncio.sleep(1.5)  # answered, past its grace: judged from here on
+        assert dog.poll() is None
+        dog.send_signal(signal.SIGTERM)
+        t0 = time.monotonic()
+        code = await asyncio.to_thread(dog.wait, 30)
+        took = time.monotonic() - t0
+        assert code == 0, err.read_text()
+        assert took >= 2.5, took  # it waited for the drain
+        assert '"watchdog.hung"' not in err.read_text()
+        assert '"watchdog.stopping"' in err.read_text()
+    finally:
+        if dog.poll() is None:
+            dog.kill()

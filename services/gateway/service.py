@@ -52,6 +52,7 @@ from services.gateway import prefix as px
 from services.gateway import reasoning as rs
 from services.gateway import tokens as tk
 from services.gateway import translate as tr
+from services.gateway.relay import RerunDiverged, StreamedTokens
 from services.gateway.translate import BadRequest, Prompt
 from shared import tool_calls as tc
 from shared.bus import run_loop
@@ -939,6 +940,11 @@ class Gateway:
         (no capacity, unknown model) still gets its own status and shape."""
         resp = web.StreamResponse(headers=SSE_HEADERS)
         started = False
+        relayed = StreamedTokens()  # (an engine's re-run after a restart repeats what was sent: relay.py)
+
+        def relay(ev: CallTokens) -> list[bytes]:
+            past = relayed.accept(ev)
+            return on_tokens(past) if past is not None else []
 
         async def start() -> None:
             nonlocal started
@@ -960,7 +966,7 @@ class Gateway:
                     getter = None
                     if isinstance(ev, CallTokens):
                         await start()
-                        chunks = on_tokens(ev)
+                        chunks = relay(ev)
                         if not chunks and time.monotonic() - quiet_since >= self.settings.gateway_keepalive_s:
                             chunks = [SSE_KEEPALIVE]
                         for chunk in chunks:
@@ -974,7 +980,7 @@ class Gateway:
                     while not events.empty():  # tokens that came just before the reply
                         ev = events.get_nowait()
                         if isinstance(ev, CallTokens) and started:
-                            for chunk in on_tokens(ev):
+                            for chunk in relay(ev):
                                 await resp.write(chunk)
                     try:
                         reply = task.result()
@@ -994,6 +1000,16 @@ class Gateway:
                     await start()
                     await resp.write(SSE_KEEPALIVE)
                     quiet_since = time.monotonic()
+        except RerunDiverged as exc:  # (the 200 is sent: say so in the stream, and stop the run)
+            task.cancel()
+            request[STREAM_ERROR_KEY] = "unavailable"
+            self.log.warning("gateway.rerun_diverged", error=str(exc))
+            with contextlib.suppress(ConnectionError):
+                for chunk in on_error(TalariaError("unavailable", "the engine running this call restarted and "
+                                                                  "its re-run differs from the text already "
+                                                                  "streamed; send the request again", retry_after_s=1.0)):
+                    await resp.write(chunk)
+            return resp
         except (ConnectionResetError, ConnectionError):
             self.log.info("gateway.client_gone")
             return resp

@@ -15,7 +15,10 @@ once it has answered since its start and its grace has passed, then after
 `LIVENESS_MISSES` missed rounds in a row), SIGKILLs the service's process group
 when it is judged hung, and exits with `HUNG_EXIT_CODE`. A service that exits on
 its own is passed through (its exit code is the container's). SIGTERM and
-SIGINT are forwarded, so `docker compose stop` drains the service as before.
+SIGINT are forwarded, so `docker compose stop` drains the service as before; from
+then on nobody is judged (a draining service stops answering its health checks on
+purpose: the gateway closes its listener, a service its endpoints) and the watchdog
+waits for the child, Docker's own SIGKILL at the stop's grace period being the limit.
 While NATS itself is unreachable nobody is judged: the bus is away, not the
 service.
 """
@@ -61,6 +64,7 @@ class Watchdog:
         self.misses = misses
         self.settings = service_settings()
         self.child: subprocess.Popen[bytes] | None = None
+        self.stopping = False  # a stop was forwarded: the child drains, and is no longer judged
 
     def start(self) -> subprocess.Popen[bytes]:
         # its own process group, so a kill takes whatever the service started with it (vLLM's
@@ -71,6 +75,9 @@ class Watchdog:
 
     def forward(self, sig: int) -> None:
         if self.child is not None and self.child.poll() is None:
+            if not self.stopping:
+                note("watchdog.stopping", child_pid=self.child.pid, signal=signal.Signals(sig).name)
+            self.stopping = True
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.child.pid, sig)
 
@@ -120,6 +127,9 @@ class Watchdog:
         try:
             while child.poll() is None:
                 await asyncio.sleep(LIVENESS_INTERVAL_S)
+                if self.stopping:  # (a probe: the gateway's drain of a 19-s stream was killed after 3 s)
+                    rounds.drop()
+                    continue
                 if self.service != "gateway":
                     if nc is None:
                         nc = await connect()
