@@ -263,6 +263,10 @@ class ServiceProcess:
     async def setup(self) -> None:  # subscriptions
         raise NotImplementedError
 
+    async def drain(self) -> None:
+        """On SIGTERM, before the health endpoint and the subscriptions go: finish what
+        must not be cut (a service whose work ends with the process does nothing)."""
+
     def spawn(self, coro: Awaitable[object], what: str, essential: bool = False) -> asyncio.Task:
         """A background task whose failure is logged, never silently lost. An `essential`
         one is a loop the process cannot serve without (its engine's clock, its token
@@ -495,6 +499,10 @@ class ServiceProcess:
                       policy=self.settings.policy.name)
         await self._stop.wait()
         self.log.info("service.stopping")
+        try:
+            await self.drain()
+        except Exception:  # noqa: BLE001 - a drain that failed still stops
+            self.log.exception("service.drain_failed")
         with contextlib.suppress(Exception):
             tracing.shutdown()
         with contextlib.suppress(Exception):

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import signal
 import time
 from collections import Counter
 from collections.abc import AsyncIterator
@@ -109,6 +111,42 @@ async def test_admission_sigkilled_with_calls_queued_and_running(nats_server: Na
 
 def _has(events: list[Any], kind: type) -> bool:
     return any(isinstance(e, kind) for e in events)
+
+
+async def test_a_stopped_engine_worker_finishes_its_running_call_and_its_successor_takes_the_next(
+        nats_server: NatsServer, redis_server: RedisServer, subject_prefix: str, key_prefix: str,
+        tmp_path: Path) -> None:
+    """SIGTERM to an engine-worker (a rolling restart; compose gives it 60 s): it takes no
+    new run and lets its running call finish, which is generated once. A call sent
+    meanwhile is heard by nobody and taken by the worker started after it. Before, the
+    stop cut the run, and the next worker generated it again from its first token."""
+    svc = Services(nats_server.url, redis_server.url, subject_prefix, key_prefix, tmp_path / "logs", models=[MODEL_A])
+    await svc.start()
+    engine = svc.engine(MODEL_A)
+    try:
+        async with await TalariaClient.connect(nats_server.url, subject_prefix=subject_prefix,
+                                               silence_s=600.0, retries=0) as c:
+            a, b = await c.open_session(MODEL_A), await c.open_session(MODEL_A)
+            ev_a: list[Any] = []
+            ta = asyncio.ensure_future(a.call(prompt_tokens=3000, max_tokens=60000, sim_output_tokens=20000,
+                                              call_id=f"{a.session_id}-0", on_event=ev_a.append))
+            await until(lambda: _has(ev_a, CallRunning), 15, "A never ran")
+            pid = svc.group.pids()[engine]
+            assert pid is not None
+            os.kill(pid, signal.SIGTERM)
+            tb = asyncio.ensure_future(b.call(prompt_tokens=2000, max_tokens=512, sim_output_tokens=30,
+                                              call_id=f"{b.session_id}-0"))
+            await until(lambda: not svc.group.running(engine), 60, "the stopped engine-worker never exited")
+            assert ta.done() and not tb.done()  # A finished on it before it exited; B waited for the next
+            svc.group.start(engine)
+            ra, rb = await asyncio.wait_for(asyncio.gather(ta, tb), timeout=60)
+            assert (ra.output_tokens, rb.output_tokens) == (20000, 30)
+        await asyncio.sleep(0.5)  # (a wrong second generation would show in the log meanwhile)
+        started = engine_counts(svc, "engine.started")
+        assert started[f"{a.session_id}-0"] == 1 and started[f"{b.session_id}-0"] == 1, started
+        assert any(d.get("event") == "engine.draining" for d in svc.log_lines(engine))
+    finally:
+        await svc.stop()
 
 
 async def test_bounded_queue_refuses_new_sessions_only(nats_server: NatsServer, redis_server: RedisServer,

@@ -52,6 +52,10 @@ from shared.settings import Settings
 # call) before it goes without: Redis stalled, the write follows once Redis takes it
 FINISH_STATE_WAIT_S = 1.0
 FinishWrites = Callable[[Any], None]  # a backend's own writes in the finish transaction (a Redis pipeline)
+# how long a stopped worker lets its running calls finish (SIGTERM; compose gives engine-workers
+# 60 s before its SIGKILL): a call longer than that is cut and generated again by the next worker
+ENGINE_DRAIN_WALL_S = 45.0
+DRAIN_POLL_WALL_S = 0.05
 ANSWERED_KEPT = 4096  # call ids a worker remembers answering (a late resend's stale claim is checked again)
 
 
@@ -170,8 +174,8 @@ class EngineWorker(ServiceProcess):
         with contextlib.suppress(Exception):
             self.admission_epoch, _ = await self.call_records.current_epoch("admission", s.server_id)
         await self.backend.start()
-        await self.nc.subscribe(self.subjects.engine_run(s.server_id, s.model), queue="engine",
-                                cb=self.guarded_handler(self.on_run, "run"))
+        self.runs_sub = await self.nc.subscribe(self.subjects.engine_run(s.server_id, s.model), queue="engine",
+                                                cb=self.guarded_handler(self.on_run, "run"))
         # one command at a time, in order; each acknowledged as it arrives, not when the
         # ones before it are done (a Sleep of a real engine takes seconds)
         await self.nc.subscribe(self.subjects.engine_control(s.server_id, s.model), queue="engine",
@@ -185,6 +189,26 @@ class EngineWorker(ServiceProcess):
         # announce (re)start: a restarted worker comes back asleep and empty
         await self.nc.publish(self.subjects.engine_announce(s.server_id),
                               encode(EngineAnnounce(server_id=s.server_id, model=s.model, awake=False)))
+
+    async def drain(self) -> None:
+        """SIGTERM (a rolling restart, `docker compose stop`): take no new run, and let
+        those running finish, for up to ENGINE_DRAIN_WALL_S, with their state written.
+        A dispatch meanwhile is heard by nobody and admission sends it again until this
+        server's next worker takes it. Before, a stop cut every run, and each was
+        generated again from its first token by the next worker (a probe: 6 calls in a
+        rolling restart, 2.4-3 s late; under vLLM the new worker loads its weights first)."""
+        await self.runs_sub.unsubscribe()
+        deadline = time.monotonic() + ENGINE_DRAIN_WALL_S
+
+        def running() -> int:  # (a run waiting for a wake is not running: it goes to the next worker)
+            return len(self.claims.keys() - self.pending.keys()) + len(self.finishing)
+
+        if running():
+            self.log.info("engine.draining", running=running(), within_s=ENGINE_DRAIN_WALL_S)
+        while (running() or self.state_writes.queue) and time.monotonic() < deadline:
+            await asyncio.sleep(DRAIN_POLL_WALL_S)
+        if running():
+            self.log.warning("engine.drain_cut", running=running())
 
     # -- runs --------------------------------------------------------------------------
     def stale_admission(self, epoch: int) -> bool:

@@ -77,6 +77,7 @@ SOFT_STATE_PAUSE_S = 5.0       # how long the gateway does without its soft stat
 SOFT_STATE_WAIT_S = 1.0        # how long one soft step waits on Redis (a stalled one answers nothing at all)
 SOFT_STATE_PROBE_S = 0.5       # while it is set aside: a PING this often (and waited on this long) ends the pause
 RETRY_WINDOW_S = 3600          # how long a first attempt's call id waits for its SDK's retries (timeouts x retries: minutes)
+GATEWAY_DRAIN_WALL_S = 25.0    # on SIGTERM: how long calls in flight may finish (under compose's 30-s stop grace)
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 REQUEST_ID_HEADER, ANTHROPIC_REQUEST_ID_HEADER = "x-request-id", "request-id"
 REQUEST_ID_KEY = web.RequestKey("talaria.call_id", str)  # a request's call id, for its answer's headers
@@ -1335,7 +1336,8 @@ async def start_gateway(settings: Settings, client: TalariaClient, redis: aiored
     if not gw.keys:
         gw.log.warning("gateway.no_keys", reason="TALARIA_API_KEYS is empty: every API request gets 401")
     # auto_decompress off: `Gateway._body` decodes a compressed body, bounded, and refuses a corrupt one by name
-    runner = web.AppRunner(gw.app(), handler_cancellation=True, access_log=None, auto_decompress=False)
+    runner = web.AppRunner(gw.app(), handler_cancellation=True, access_log=None, auto_decompress=False,
+                           shutdown_timeout=GATEWAY_DRAIN_WALL_S)
     await runner.setup()
     site = web.TCPSite(runner, settings.gateway_host, settings.gateway_port)
     await site.start()
