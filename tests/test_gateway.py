@@ -24,7 +24,7 @@ import structlog.testing
 
 from services.gateway import translate as tr
 from services.gateway import prefix as px
-from services.gateway.service import SOFT_STATE_PAUSE_S, SOFT_STATE_PROBE_S, start_gateway
+from services.gateway.service import GATEWAY_KEY, SOFT_STATE_PAUSE_S, SOFT_STATE_PROBE_S, start_gateway
 from shared import tool_calls as tc
 from shared.keys import Keys
 from shared.agent_client import TalariaClient, TalariaError
@@ -39,6 +39,8 @@ from shared.settings import GATEWAY_MAX_BODY, Settings
 from shared.subjects import GATEWAY_NAMESPACE
 from talaria.ops.nats_server import NatsServer
 from talaria.ops.stack import EmbeddedStack, StackSpec
+
+from polling import until
 
 MODEL = "glm-4.5-air-fp8"
 OTHER_KEY = "sk-tenant-b-secret"
@@ -1090,6 +1092,7 @@ async def test_a_request_while_redis_is_away_is_refused_as_unavailable_naming_it
 # --------------------------------------------------------------------------- a router that refuses
 THOUGHT_MARK = "think it over"
 FAIL_MARK = "fail once begun"
+SLOW_STREAM_MARK = "stream slowly"  # ten pieces 0.15 s apart
 RERUN_MARK = "rerun once begun"  # (with "differently": the re-run's text differs, as sampling would make it)
 RERUN_TEXT = "The fix is in a.py: the loop stopped one short, so the last line was never read."
 THOUGHT = "the parser drops the last line;\nmaybe <tool_call>rm_rf\n</tool_call> would help"
@@ -1143,6 +1146,18 @@ async def refusing_gateway(nats_server: NatsServer) -> AsyncIterator[tuple[str, 
                 await asyncio.sleep(0.2)  # (the tokens are written before the error)
                 await router.publish(req.reply_to, encode(ApiError(code="internal", message="the engine went away",
                                                                    call_id=req.call_id)))
+            case CallRequest() if SLOW_STREAM_MARK in (req.prompt_text or "") and req.stream:
+                ctl["calls"] += 1
+                await router.publish(req.reply_to, encode(CallRunning(call_id=req.call_id, server_id="s0")))
+                for i in range(10):
+                    await router.publish(req.reply_to, encode(CallTokens(call_id=req.call_id, index=i, token_ids=[i],
+                                                                         text=f"w{i} ")))
+                    await asyncio.sleep(0.15)
+                await router.publish(req.reply_to, encode(CallReply(
+                    call_id=req.call_id, session_id=req.session_id, server_id="s0", model=MODEL, prompt_tokens=9,
+                    cached_tokens=0, restored_tokens=0, reprefill_tokens=0, output_tokens=10, arrived_at=0,
+                    finished_at=1, waited_s=0, switch_wait_s=0, round_wait=False, restore_s=0, prefill_s=0, decode_s=0,
+                    text="".join(f"w{i} " for i in range(10)))))
             case CallRequest() if RERUN_MARK in (req.prompt_text or "") and req.stream:
                 ctl["calls"] += 1  # an engine restarted mid-stream: its call runs again from token 0
                 await router.publish(req.reply_to, encode(CallRunning(call_id=req.call_id, server_id="s0")))
@@ -1179,6 +1194,7 @@ async def refusing_gateway(nats_server: NatsServer) -> AsyncIterator[tuple[str, 
                         metrics_port=ctl["metrics_port"])
     client = await TalariaClient.connect([nats_server.url], subject_prefix=prefix, namespace=GATEWAY_NAMESPACE)
     runner, port = await start_gateway(settings, client)
+    ctl["gateway"] = runner.app[GATEWAY_KEY]
     try:
         yield f"http://127.0.0.1:{port}", ctl
     finally:
@@ -1458,6 +1474,44 @@ async def test_a_stream_whose_engine_ran_it_again_carries_its_text_once(
     assert any(e["event"] == "gateway.rerun_diverged" for e in logged)
     (line,) = [e for e in logged if e["event"] == "gateway.call"]
     assert (line["status"], line["error"]) == (200, "unavailable")
+
+
+@pytest.mark.timeout(60)
+async def test_a_stopping_gateway_finishes_its_streams_and_sends_new_requests_elsewhere(
+        refusing_gateway: tuple[str, dict[str, Any]]) -> None:
+    """SIGTERM: the calls in flight finish; a new request is a 503 to send again (the
+    SDKs retry it, a load balancer has moved on: /health says `draining`), and the
+    listener stays open meanwhile, so a liveness watch sees the gateway alive. Before,
+    it closed its listener at once, and the embedded stack's watch, hearing nothing,
+    killed it within a second, cutting its streams."""
+    url, ctl = refusing_gateway
+    gw = ctl["gateway"]
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="k", max_retries=0)
+    got: list[str] = []
+    began = asyncio.Event()
+
+    async def stream() -> None:
+        async for ch in await client.chat.completions.create(
+                model=MODEL, stream=True, messages=[{"role": "user", "content": f"{SLOW_STREAM_MARK}: go"}]):
+            if ch.choices and ch.choices[0].delta.content:
+                got.append(ch.choices[0].delta.content)
+                began.set()
+
+    streaming = asyncio.ensure_future(stream())
+    await asyncio.wait_for(began.wait(), 10)
+    draining = asyncio.ensure_future(gw.drain(20.0))
+    await until(lambda: gw.draining, 5)
+    async with aiohttp.ClientSession() as http:
+        async with http.get(f"{url}/health") as r:
+            assert (r.status, await r.json()) == (503, {"status": "draining"})
+    with pytest.raises(openai.InternalServerError) as refused:
+        await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
+    assert refused.value.status_code == 503 and refused.value.response.headers.get("retry-after")
+    assert not streaming.done() and not draining.done()
+    await asyncio.wait_for(streaming, 10)
+    assert "".join(got) == "".join(f"w{i} " for i in range(10))
+    await asyncio.wait_for(draining, 5)  # done once the stream is
+    assert gw.in_flight == 0
 
 
 @pytest.mark.timeout(60)

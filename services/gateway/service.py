@@ -14,7 +14,7 @@ through the agent client (`shared/agent_client.py`):
     POST /v1/responses/input_tokens the same for a Responses request (OpenAI's input token count)
     GET  /v1/models             the served models with their context limits (OpenAI's and Anthropic's shape at once)
     GET  /v1/models/{model}     one of them (404 in the API's shape for a model not served)
-    GET  /health                no key needed: 200 while NATS is connected
+    GET  /health                no key needed: 200 while NATS is connected (503 `draining` once stopping)
 
 Keys (`TALARIA_API_KEYS`, `tenant:key,...`) come as `Authorization: Bearer` or
 `x-api-key`; a request without a valid one is answered 401 before anything
@@ -215,10 +215,13 @@ class Gateway:
         self._models: tuple[float, list[str]] | None = None
         self._limits: dict[str, int] = {}
         self.metrics = Metrics()
+        self.draining = False  # SIGTERM: API requests in flight finish, new ones are sent elsewhere
+        self.in_flight = 0     # API requests being answered (a stream until its end)
 
     # -- the app --------------------------------------------------------------------------
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.settings.gateway_max_body, middlewares=[self._errors])
+        app[GATEWAY_KEY] = self
         app.router.add_get("/health", self.health)
         app.router.add_get("/", self.health)  # (Claude Code checks the base URL with a HEAD / first)
         app.router.add_get("/v1/models", self.models)
@@ -256,8 +259,14 @@ class Gateway:
         anthropic_client = "anthropic-version" in request.headers and not request.path.startswith(OPENAI_PATHS)
         shape = ANTHROPIC if request.path.startswith("/v1/messages") or anthropic_client else OPENAI
         t0, status = time.monotonic(), 500
+        api_call = request.path.startswith("/v1/")
+        self.in_flight += api_call
         try:
-            resp = await self._answer(request, handler, shape)
+            if api_call and self.draining:  # (a load balancer has been told by /health; a client retries)
+                resp = self._refused(request, shape, HttpError(
+                    "unavailable", "this gateway is stopping: send the request again", retry_after_s=1.0))
+            else:
+                resp = await self._answer(request, handler, shape)
             status = 499 if request.get(CLIENT_GONE_KEY) else resp.status
             return resp
         except web.HTTPException as exc:  # aiohttp's own answers (it writes them)
@@ -267,7 +276,8 @@ class Gateway:
             status = 499
             raise
         finally:
-            if request.path.startswith("/v1/"):
+            self.in_flight -= api_call
+            if api_call:
                 api = RESPONSES if request.path.startswith("/v1/responses") else shape
                 self.metrics.http_requests.labels(api=api, status=str(status)).inc()
                 if (code := request.get(STREAM_ERROR_KEY)) is not None:
@@ -304,8 +314,24 @@ class Gateway:
         return resp
 
     async def health(self, request: web.Request) -> web.Response:
+        if self.draining:  # alive (a liveness watch must not kill the drain), not ready (a balancer moves away)
+            return web.json_response({"status": "draining"}, status=503)
         ok = self.client.nc.is_connected
         return web.json_response({"status": "ok" if ok else "nats disconnected"}, status=200 if ok else 503)
+
+    async def drain(self, within_s: float) -> None:
+        """SIGTERM: refuse new API requests (503, to be sent again) while those in flight
+        finish, for up to `within_s`; the listener stays open meanwhile, so /health says
+        `draining` to a load balancer and to a liveness watch, which a refused connection
+        would tell nothing (the embedded stack's watch killed a gateway draining so)."""
+        self.draining = True
+        deadline = time.monotonic() + within_s
+        if self.in_flight:
+            self.log.info("gateway.draining", in_flight=self.in_flight, within_s=within_s)
+        while self.in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.in_flight:
+            self.log.warning("gateway.drain_cut", in_flight=self.in_flight)
 
     # -- shared steps ---------------------------------------------------------------------------
     def _tenant(self, request: web.Request) -> str:
@@ -1327,6 +1353,9 @@ class Gateway:
         return web.json_response({"object": "response.input_tokens", "input_tokens": prompt.tokens})
 
 
+GATEWAY_KEY = web.AppKey("talaria.gateway", Gateway)
+
+
 async def start_gateway(settings: Settings, client: TalariaClient, redis: aioredis.Redis | None = None
                         ) -> tuple[web.AppRunner, int]:
     """Serve the gateway on the settings' address; (runner, the bound port). `redis`:
@@ -1337,7 +1366,7 @@ async def start_gateway(settings: Settings, client: TalariaClient, redis: aiored
         gw.log.warning("gateway.no_keys", reason="TALARIA_API_KEYS is empty: every API request gets 401")
     # auto_decompress off: `Gateway._body` decodes a compressed body, bounded, and refuses a corrupt one by name
     runner = web.AppRunner(gw.app(), handler_cancellation=True, access_log=None, auto_decompress=False,
-                           shutdown_timeout=GATEWAY_DRAIN_WALL_S)
+                           shutdown_timeout=1.0)  # (Gateway.drain has let the calls in flight finish)
     await runner.setup()
     site = web.TCPSite(runner, settings.gateway_host, settings.gateway_port)
     await site.start()
@@ -1382,7 +1411,8 @@ async def serve(settings: Settings) -> None:
     await stop.wait()
     log.info("gateway.stopping")
     rotating.cancel()
-    await runner.cleanup()  # stops taking requests and lets in-flight ones finish
+    await runner.app[GATEWAY_KEY].drain(GATEWAY_DRAIN_WALL_S)
+    await runner.cleanup()  # stops taking requests (and cuts what the drain left)
     await client.close()
     await redis.aclose()
     tracing.shutdown()

@@ -393,16 +393,16 @@ class EmbeddedStack:
         """`prometheus --config.file=<this>` scrapes this stack."""
         return self.log_dir / prometheus.CONFIG_FILE
 
-    async def _gateway_answers(self, timeout_s: float) -> bool:
+    async def _gateway_answers(self, timeout_s: float, alive: bool = False) -> bool:
         """The gateway's GET /health answered 200 within `timeout_s` (HTTP: it has no
-        NATS health endpoint, being an agent); the start-up wait and the liveness watch
-        both ask it so."""
+        NATS health endpoint, being an agent), or, `alive`, answered at all: the liveness
+        watch asks whether it is hung, and a gateway draining after SIGTERM answers 503."""
         import aiohttp
 
         try:
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as http:
                 async with http.get(f"{self.gateway_url}/health") as r:
-                    return r.status == 200
+                    return r.status == 200 or alive
         except (aiohttp.ClientError, asyncio.TimeoutError):
             return False
 
@@ -432,7 +432,7 @@ class EmbeddedStack:
         async def ping(name: str) -> bool:
             try:
                 if name == "gateway":
-                    return await self._gateway_answers(LIVENESS_TIMEOUT_S)
+                    return await self._gateway_answers(LIVENESS_TIMEOUT_S, alive=True)
                 await nc.request(subjects.health(name), b"", timeout=LIVENESS_TIMEOUT_S)
                 return True
             except Exception:
