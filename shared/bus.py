@@ -103,6 +103,7 @@ REDIS_POOL_CONNECTIONS = 64  # Redis connections a service process keeps at most
 REDIS_POOL_WAIT_S = 30.0      # ... for at most this long (a Redis restart is waited out by the commands' retries)
 REDIS_AWAY = (RedisConnectionError, RedisTimeoutError)  # a Redis restarting or stopped, not a bad command
 REDIS_SOCKET_TIMEOUT_S = 2.0  # a reply a stalled Redis (stopped, not dead: it accepts and answers nothing) owes fails so late
+REDIS_UP_WITHIN_S = 5.0       # a process reports Redis down (its metric) this long after its last answer
 REDIS_OUTAGE_WAIT_S = 14.0    # how long a command waits out a Redis restart or stall, retrying, before it fails
 AGENT_REQUEST_REDIS_WAIT_S = 3.0  # ... in a process that answers agents: below their request timeout
                                    # (`agent_client`, 5 s), so they hear `unavailable` and a retry time, not silence
@@ -446,6 +447,16 @@ class ServiceProcess:
             self.metrics.loop_lag.set(self.lag.worst_s)
             with contextlib.suppress(Exception):
                 await self.redis.set(self.keys.lag(self.instance), f"{self.lag.worst_s:.4f}", ex=3600)
+                self.redis_answered_at = time.monotonic()  # (the report is also this process's Redis probe)
+
+    def _report_dependencies(self) -> None:
+        """`talaria_dependency_up` as each scrape finds it: NATS by the connection's state,
+        Redis by this process's once-a-second lag report (a stalled Redis holds the report,
+        so it reads 0 after REDIS_UP_WITHIN_S)."""
+        self.redis_answered_at = time.monotonic()
+        up = self.metrics.dependency_up
+        up.labels("nats").set_function(lambda: float(self.nc.is_connected))
+        up.labels("redis").set_function(lambda: float(time.monotonic() - self.redis_answered_at < REDIS_UP_WITHIN_S))
 
     async def run(self) -> None:
         self.nc = await connect_nats(self.settings.nats_urls, self.instance, self.log,
@@ -478,6 +489,7 @@ class ServiceProcess:
         self.metrics.serve(self.settings.metrics_port, self.settings.metrics_host)
         tracing.configure(self.name, self.settings.otlp_endpoint)
         self.spawn(self.lag.run(), "lag-monitor")
+        self._report_dependencies()
         self.spawn(self._lag_reporter(), "lag-reporter")
         self.spawn(rotate_logs(self.settings.log_max_bytes, self.settings.log_keep), "log-rotation")
         if self.uses_call_records:

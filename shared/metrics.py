@@ -163,6 +163,9 @@ class Metrics:
         # -- every process ------------------------------------------------------------------------
         self.loop_lag = Gauge("talaria_event_loop_lag_seconds", "Worst event-loop lag since the process "
                               "started (wall seconds).", registry=r)
+        self.dependency_up = Gauge("talaria_dependency_up", "1 while this process reaches the dependency (nats, "
+                                   "redis) as its own use of it last found, 0 while it does not.", ["dependency"],
+                                   registry=r)
 
     def reexport(self, source: CollectorRegistry, prefix: str, skip: frozenset[str]) -> None:
         """Expose another registry's metrics named `prefix*` here too (a real engine's own

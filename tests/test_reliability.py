@@ -389,6 +389,50 @@ async def test_redis_commands_wait_out_an_outage_for_their_budget_then_fail(redi
         await r.aclose()
 
 
+@pytest.mark.timeout(90)
+async def test_a_process_says_on_its_metrics_when_it_cannot_reach_redis(
+        nats_server: NatsServer, redis_server: RedisServer, subject_prefix: str, key_prefix: str,
+        tmp_path: Path) -> None:
+    """`talaria_dependency_up{dependency="redis"}` falls to 0 while Redis is stopped and
+    comes back with it (TalariaDependencyDown pages on it); NATS's stays 1. Before, no
+    metric said so: a stall before admission showed only in the gateway's 5xx."""
+    import aiohttp
+
+    from shared.bus import REDIS_UP_WITHIN_S
+    from shared.net import free_port
+
+    port = free_port()
+    svc = Services(nats_server.url, redis_server.url, subject_prefix, key_prefix, tmp_path / "logs",
+                   models=[MODEL_A], which=("router",),
+                   extra_env={"TALARIA_METRICS_PORT": str(port), "TALARIA_METRICS_HOST": "127.0.0.1"})
+    await svc.start()
+
+    async def up() -> dict[str, float]:
+        async with aiohttp.ClientSession() as http:
+            async with http.get(f"http://127.0.0.1:{port}/metrics") as r:
+                text = await r.text()
+        return {line.split('"')[1]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                if line.startswith("talaria_dependency_up{")}
+
+    assert redis_server.pid is not None
+    try:
+        await until(lambda: _async_is(up, {"nats": 1.0, "redis": 1.0}), 10, "never up")
+        os.kill(redis_server.pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            await until(lambda: _async_is(up, {"nats": 1.0, "redis": 0.0}), 15, "Redis never reported down")
+            assert time.monotonic() - t0 >= REDIS_UP_WITHIN_S - 1.5
+        finally:
+            os.kill(redis_server.pid, signal.SIGCONT)
+        await until(lambda: _async_is(up, {"nats": 1.0, "redis": 1.0}), 20, "Redis never reported back")
+    finally:
+        await svc.stop()
+
+
+async def _async_is(read: Any, want: Any) -> bool:
+    return await read() == want
+
+
 @pytest.mark.timeout(120)
 async def test_a_stopped_redis_is_unavailable_to_agents_and_holds_up_no_switch(
         nats_server: NatsServer, redis_server: RedisServer, subject_prefix: str, key_prefix: str,

@@ -1361,6 +1361,10 @@ async def start_gateway(settings: Settings, client: TalariaClient, redis: aiored
     """Serve the gateway on the settings' address; (runner, the bound port). `redis`:
     where sessions' prefix chains are kept (None: not kept, see `Gateway`)."""
     gw = Gateway(settings, client, redis=redis)
+    up = gw.metrics.dependency_up  # (as each scrape finds it; Redis as the gateway's own use of it last found)
+    up.labels("nats").set_function(lambda: float(client.nc.is_connected))
+    if redis is not None:
+        up.labels("redis").set_function(lambda: float(time.monotonic() >= gw.soft_state_away_until))
     gw.metrics.serve(settings.metrics_port, settings.metrics_host)
     if not gw.keys:
         gw.log.warning("gateway.no_keys", reason="TALARIA_API_KEYS is empty: every API request gets 401")
