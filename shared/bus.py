@@ -40,7 +40,7 @@ from shared.logs import configure_logging, rotate_logs
 from shared import tracing
 from shared.metrics import Metrics
 from shared.net import NATS_CONNECT_TIMEOUT_S, NATS_KEEPALIVE
-from shared.redis_client import RedisUrlError, open_redis, refuse_cluster
+from shared.redis_client import RedisUrlError, open_redis, check_target
 from shared.schema import HEALTH_OK, HEALTH_STARTING, ApiError, EngineState, ListCalls, encode, engine_state_decoder
 from shared.settings import Settings
 from shared.subjects import HEADER_CALL, HEADER_RECEIPT, HEADER_SESSION, Subjects
@@ -496,7 +496,7 @@ class ServiceProcess:
             self.call_records = await CallRecords.open(self.nc, self.settings.subject_prefix,
                                                        replicas=self.settings.call_record_replicas, ttl_s=CALL_TTL_S)
         try:
-            await refuse_cluster(self.redis, self.settings.redis_url)
+            await check_target(self.redis, self.settings.redis_url)
         except RedisUrlError as exc:  # a deployment error: a restart would not mend it
             self.log.error("service.redis_unsupported", error=str(exc))
             raise SystemExit(78) from None

@@ -19,6 +19,8 @@ replicates asynchronously) are rebuilt like any lost soft state.
 
 from __future__ import annotations
 
+import contextlib
+import time
 import urllib.parse
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -26,10 +28,15 @@ from typing import Any, Literal
 import redis.asyncio as aioredis
 from redis.asyncio.connection import BlockingConnectionPool
 from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool, SentinelManagedConnection
+from redis.exceptions import AuthenticationError, ResponseError
 
 SENTINEL_SCHEME = "redis+sentinel"
 NODE_SCHEMES = ("redis", "rediss", "unix")
 SENTINEL_PORT = 26379
+# how often a busy pool asks the sentinels whether the master moved: after a clean failover
+# (SENTINEL FAILOVER) the old master answers writes until the sentinels demote it, about 10 s,
+# and its resync then drops them (a probe lost stored responses so)
+MASTER_RECHECK_S = 1.0
 
 
 class RedisUrlError(ValueError):
@@ -67,6 +74,11 @@ def parse_redis_url(url: str) -> RedisTarget:
     parts = urllib.parse.urlsplit(url.strip())
     scheme = parts.scheme.lower()
     if scheme in NODE_SCHEMES:
+        try:
+            parts.port  # (redis-py's own parse fails later, with a traceback)
+        except ValueError as exc:
+            hint = f" (several sentinels: {SENTINEL_SCHEME}://host:port,host:port/<master name>)" if "," in parts.netloc else ""
+            raise RedisUrlError(f"Redis URL {redacted(url)!r}: {exc}{hint}") from None
         return RedisTarget(kind="node", url=url.strip())
     if scheme != SENTINEL_SCHEME:
         raise RedisUrlError(f"Redis URL {redacted(url)!r}: the scheme must be one of "
@@ -124,7 +136,24 @@ class SentinelMasterConnection(SentinelManagedConnection):
 
 class BlockingSentinelConnectionPool(SentinelConnectionPool, BlockingConnectionPool):
     """Sentinel's master-finding pool that waits for a free connection when all are in use
-    (as the services' one-node pool does), instead of refusing the command."""
+    (as the services' one-node pool does), instead of refusing the command; and that asks
+    the sentinels every MASTER_RECHECK_S whether the master moved, handing out no
+    connection still open to the one before (redis-py asks only when a connection opens)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.recheck_at = 0.0
+
+    async def get_connection(self, *args: Any, **kwargs: Any) -> Any:
+        if self.is_master and time.monotonic() >= self.recheck_at:
+            self.recheck_at = time.monotonic() + MASTER_RECHECK_S
+            with contextlib.suppress(Exception):  # (sentinels away or electing: keep what we have)
+                await self.get_master_address()  # (on a change it closes the idle connections)
+        conn = await super().get_connection(*args, **kwargs)
+        if (self.is_master and self.master_address is not None and conn.is_connected
+                and (conn.host, conn.port) != self.master_address):
+            await conn.disconnect()  # (it was in use at the change: it reconnects to the new master)
+        return conn
 
 
 def open_redis(url: str, *, username: str | None = None, password: str | None = None,
@@ -155,16 +184,52 @@ def open_redis(url: str, *, username: str | None = None, password: str | None = 
                                **pool, **creds, **options)
 
 
-async def refuse_cluster(client: aioredis.Redis, url: str) -> None:
-    """RedisUrlError when `url` leads to a Redis Cluster node: Talaria's transactions put
-    one session's keys beside the server's in one MULTI, which a cluster refuses across
-    slots, and its one-node client would meet MOVED for most keys. Said once at start,
-    by name, instead of a service failing on every write. A Redis that does not answer or
-    does not allow INFO is let through (the commands that follow say what is wrong)."""
+async def check_target(client: aioredis.Redis, url: str) -> None:
+    """RedisUrlError where `url` leads somewhere Talaria cannot keep its state, said once
+    at start, by name, instead of a service failing on every write or crash-looping:
+    a Redis Cluster node (Talaria's transactions put one session's keys beside the
+    server's in one MULTI, which a cluster refuses across slots; a probe saw MOVED
+    crash loops), a sentinel named as a Redis (every command unknown to it), or a
+    database the server does not have. A Redis that does not answer or does not
+    allow INFO is let through (the commands that follow say what is wrong)."""
     try:
-        info = await client.info("cluster")
+        info = await client.info()
+    except ResponseError as exc:
+        if "DB index" in str(exc):
+            raise RedisUrlError(f"Redis at {redacted(url)}: {exc} (its `databases` setting bounds the "
+                                f"index in the URL's path)") from None
+        return
     except Exception:  # noqa: BLE001 - away, or INFO not allowed to this user: not this check's business
         return
+    if info.get("redis_mode") == "sentinel":
+        raise RedisUrlError(f"Redis at {redacted(url)} is a Sentinel, not a Redis: name it as "
+                            f"{SENTINEL_SCHEME}://host:port/<master name> (docs/deploy.md)")
     if info.get("cluster_enabled"):
         raise RedisUrlError(f"Redis at {redacted(url)} is a Redis Cluster node; Talaria needs one Redis "
-                            f"or a Sentinel-watched master (redis+sentinel://, docs/deploy.md)")
+                            f"or a Sentinel-watched master ({SENTINEL_SCHEME}://, docs/deploy.md)")
+
+
+async def sentinels_say(url: str, timeout_s: float = 2.0) -> str:
+    """Why the sentinels of `url` name no master, one short clause per sentinel (refused,
+    login refused, does not watch the name), for a start error that reads at a glance
+    (redis-py's MasterNotFoundError prints each sentinel client's whole repr)."""
+    target = parse_redis_url(url)
+    said = []
+    for host, port in target.sentinels:
+        login = {k: v for k, v in (("username", target.sentinel_username),
+                                   ("password", target.sentinel_password)) if v}
+        s = aioredis.Redis(host=host, port=port, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, **login)
+        try:
+            addr = await s.sentinel_get_master_addr_by_name(target.service)
+            said.append(f"{host}:{port} " + (f"names {addr[0]}:{addr[1]}" if addr else
+                                             f"does not watch a master named {target.service!r}"))
+        except AuthenticationError:
+            said.append(f"{host}:{port} refused the login (its password: ?sentinel_password=...)")
+        except ResponseError as exc:
+            said.append(f"{host}:{port} answered {str(exc)[:80]!r}"
+                        + (" (its password: ?sentinel_password=...)" if "auth" in str(exc).lower() else ""))
+        except Exception as exc:  # noqa: BLE001 - refused, unreachable, timed out: said by name
+            said.append(f"{host}:{port} {type(exc).__name__}: {str(exc)[:80]}")
+        finally:
+            await s.aclose()
+    return "; ".join(said)

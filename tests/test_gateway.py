@@ -1476,6 +1476,23 @@ async def test_a_stream_whose_engine_ran_it_again_carries_its_text_once(
     assert (line["status"], line["error"]) == (200, "unavailable")
 
 
+async def _slow_stream_begun(client: openai.AsyncOpenAI, got: list[str]) -> "asyncio.Future[None]":
+    """The stand-in router's slow stream (SLOW_STREAM_MARK), once its first text came; its
+    text is appended to `got`."""
+    began = asyncio.Event()
+
+    async def stream() -> None:
+        async for ch in await client.chat.completions.create(
+                model=MODEL, stream=True, messages=[{"role": "user", "content": f"{SLOW_STREAM_MARK}: go"}]):
+            if ch.choices and ch.choices[0].delta.content:
+                got.append(ch.choices[0].delta.content)
+                began.set()
+
+    streaming = asyncio.ensure_future(stream())
+    await asyncio.wait_for(began.wait(), 10)
+    return streaming
+
+
 @pytest.mark.timeout(60)
 async def test_a_stopping_gateway_finishes_its_streams_and_sends_new_requests_elsewhere(
         refusing_gateway: tuple[str, dict[str, Any]]) -> None:
@@ -1488,17 +1505,7 @@ async def test_a_stopping_gateway_finishes_its_streams_and_sends_new_requests_el
     gw = ctl["gateway"]
     client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="k", max_retries=0)
     got: list[str] = []
-    began = asyncio.Event()
-
-    async def stream() -> None:
-        async for ch in await client.chat.completions.create(
-                model=MODEL, stream=True, messages=[{"role": "user", "content": f"{SLOW_STREAM_MARK}: go"}]):
-            if ch.choices and ch.choices[0].delta.content:
-                got.append(ch.choices[0].delta.content)
-                began.set()
-
-    streaming = asyncio.ensure_future(stream())
-    await asyncio.wait_for(began.wait(), 10)
+    streaming = await _slow_stream_begun(client, got)
     draining = asyncio.ensure_future(gw.drain(20.0))
     await until(lambda: gw.draining, 5)
     async with aiohttp.ClientSession() as http:
@@ -1512,6 +1519,29 @@ async def test_a_stopping_gateway_finishes_its_streams_and_sends_new_requests_el
     assert "".join(got) == "".join(f"w{i} " for i in range(10))
     await asyncio.wait_for(draining, 5)  # done once the stream is
     assert gw.in_flight == 0
+
+
+@pytest.mark.timeout(60)
+async def test_a_stream_longer_than_the_gateways_drain_ends_in_its_apis_error_event(
+        refusing_gateway: tuple[str, dict[str, Any]]) -> None:
+    """Past its drain's bound the gateway ends each open stream with the API's error
+    event (`unavailable`: send it again), and stops its run, instead of a bare close at
+    its exit (a probe: a 50-s stream cut after SIGTERM, logged as the client's 499)."""
+    url, ctl = refusing_gateway
+    gw = ctl["gateway"]
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="k", max_retries=0)
+    got: list[str] = []
+    streaming = await _slow_stream_begun(client, got)
+    t0 = time.monotonic()
+    with structlog.testing.capture_logs() as logged:
+        await gw.drain(0.3)  # (the stand-in's stream lasts 1.5 s)
+        with pytest.raises(openai.APIError, match="gateway is stopping"):
+            await asyncio.wait_for(streaming, 5)
+    assert time.monotonic() - t0 < 1.2, "the drain waited for the stream's end"
+    assert 0 < len(got) < 10 and gw.in_flight == 0
+    assert any(e["event"] == "gateway.drain_cut" for e in logged)
+    (line,) = [e for e in logged if e["event"] == "gateway.call"]
+    assert (line["status"], line["error"]) == (200, "unavailable")
 
 
 @pytest.mark.timeout(60)

@@ -57,6 +57,19 @@ def test_a_real_engine_keeps_its_weight_load_allowance_while_quick_services_are_
     assert w.round({"engine": False}, 300.0) == [] and w.round({"engine": False}, 300.5) == ["engine"]
 
 
+def test_a_child_nobody_listens_for_is_starting_or_stopping_not_hung() -> None:
+    """None: no subscriber on its health subject (NATS's "no responders") or nothing on
+    its port. A drained service tearing down lets go of its subscriptions, and was killed
+    as hung 1 s later (a rolling-restart probe: an engine-worker's clean exit turned -9);
+    a hung one keeps them, and its pings go unanswered."""
+    w = LivenessWatch(misses=2, grace_s=1.0)
+    w.started("a", 0.0)
+    w.round({"a": True}, 0.5)
+    assert [w.round({"a": None}, t) for t in (2.0, 3.0, 4.0, 60.0)] == [[]] * 4
+    assert w.round({"a": False}, 61.0) == [] and w.round({"a": None}, 61.5) == []
+    assert w.round({"a": False}, 62.0) == ["a"]  # (misses need not be adjacent rounds: absences count for nothing)
+
+
 def test_an_answer_resets_the_count() -> None:
     w = LivenessWatch(misses=2, grace_s=0.0)
     w.started("a", 0.0)

@@ -17,7 +17,7 @@ from redis.backoff import ExponentialBackoff
 
 from shared.bus import REDIS_AWAY, REDIS_OUTAGE_WAIT_S, BoundedRetry
 from shared.policy import resolve_policy
-from shared.redis_client import RedisUrlError, open_redis, parse_redis_url, redacted, refuse_cluster
+from shared.redis_client import RedisUrlError, check_target, open_redis, parse_redis_url, redacted
 from shared.settings import Settings, SettingsError
 from talaria.ops.nats_server import NatsServer
 from talaria.ops.redis_server import RedisServer, RedisSentinel
@@ -48,12 +48,14 @@ def test_a_sentinel_url_names_its_sentinels_master_and_database() -> None:
     ("redis+sentinel://h1:99999/main", "host[:port]"),
     ("redis+sentinel://h1/main?master=x", "unknown option"),
     ("http://h1:6379/0", "scheme"),
+    ("redis://u:pw@h1:26379,h2:26379/main", "several sentinels"),
 ])
 def test_a_bad_redis_url_is_refused_at_start_saying_why(url: str, says: str) -> None:
     with pytest.raises(RedisUrlError, match=says.replace("[", r"\[").replace("]", r"\]")):
         parse_redis_url(url)
     with pytest.raises(SettingsError, match="TALARIA_REDIS_URL"):
         Settings.from_env([], env={"TALARIA_REDIS_URL": url})
+    assert "pw" not in str(pytest.raises(RedisUrlError, parse_redis_url, url).value)
 
 
 def test_a_password_in_a_refused_url_is_not_repeated() -> None:
@@ -82,9 +84,13 @@ class SentinelRedis:
         import redis
 
         deadline = time.monotonic() + timeout_s
+        def good(replica: dict) -> bool:  # (what SENTINEL FAILOVER asks of a replica it promotes)
+            return replica.get("is_slave") and not replica.get("is_sdown") and not replica.get("is_disconnected") \
+                and replica.get("master-link-status") == "ok"
+
         with redis.Redis(port=self.sentinel.port, socket_timeout=2) as s:
-            while not s.sentinel_slaves("talaria"):
-                assert time.monotonic() < deadline, "the sentinel never saw the replica"
+            while not any(good(r) for r in s.sentinel_slaves("talaria")):
+                assert time.monotonic() < deadline, f"the sentinel never saw the replica: {s.sentinel_slaves('talaria')}"
                 time.sleep(0.2)
 
     def kill_master(self) -> None:
@@ -169,7 +175,7 @@ async def test_a_redis_cluster_node_is_refused_at_start_by_name(tmp_path: Path, 
     client = open_redis(cluster_node.url)
     try:
         with pytest.raises(RedisUrlError, match="Redis Cluster node"):
-            await refuse_cluster(client, cluster_node.url)
+            await check_target(client, cluster_node.url)
     finally:
         await client.aclose()
     spec = StackSpec(policy=resolve_policy("talaria"), models=["glm-4.5"], time_scale=10.0, log_dir=tmp_path,
@@ -181,7 +187,7 @@ async def test_a_redis_cluster_node_is_refused_at_start_by_name(tmp_path: Path, 
     plain.start()
     try:
         ok = open_redis(plain.url)
-        await refuse_cluster(ok, plain.url)
+        await check_target(ok, plain.url)
         await ok.aclose()
     finally:
         plain.stop()
@@ -198,3 +204,89 @@ def test_a_service_pointed_at_a_redis_cluster_stays_down_saying_why(nats_server:
     assert done.returncode == 78, (done.returncode, done.stdout[-2000:], done.stderr[-2000:])
     assert "service.redis_unsupported" in done.stdout + done.stderr
     assert "Redis Cluster node" in done.stdout + done.stderr
+
+
+@pytest.mark.timeout(90)
+async def test_a_clean_failover_moves_every_write_to_the_new_master_within_seconds(
+        sentinel_redis: SentinelRedis) -> None:
+    """`SENTINEL FAILOVER`: the old master answers writes until the sentinel demotes it
+    (about 10 s), and its resync then drops them (a probe lost stored responses so). The
+    services' pool asks the sentinels every MASTER_RECHECK_S, so writes made 2 s after the
+    switch land on the new master."""
+    import redis
+
+    client = open_redis(sentinel_redis.sentinel.url, max_connections=8, pool_wait_s=5.0, socket_timeout=2.0,
+                        retry=BoundedRetry(ExponentialBackoff(cap=0.5, base=0.05), retries=30,
+                                           budget_s=REDIS_OUTAGE_WAIT_S),
+                        retry_on_error=list(REDIS_AWAY))
+    user, pw = next(iter(sentinel_redis.master.acl_users.items()))
+    try:
+        await asyncio.gather(*(client.set(f"warm{i}", 1) for i in range(8)))  # (the pool's connections open)
+        with redis.Redis(port=sentinel_redis.sentinel.port, socket_timeout=5) as s:
+            for _ in range(50):  # (a replica is promotable once the sentinel has its INFO since its link came up)
+                try:
+                    s.execute_command("SENTINEL", "FAILOVER", "talaria")
+                    break
+                except redis.ResponseError as exc:
+                    assert "NOGOODSLAVE" in str(exc), exc
+                    await asyncio.sleep(0.2)
+        t0 = time.monotonic()
+        while sentinel_redis.sentinel.master_port() != sentinel_redis.replica.port:
+            assert time.monotonic() - t0 < 20, "no failover"
+            await asyncio.sleep(0.1)
+        switched = time.monotonic()
+        written = []
+        while time.monotonic() - switched < 3.0:
+            key = f"after{len(written)}"
+            await asyncio.gather(*(client.set(f"{key}-{j}", 1) for j in range(4)))
+            written.append((time.monotonic() - switched, key))
+            await asyncio.sleep(0.1)
+        with redis.Redis(port=sentinel_redis.replica.port, username=user, password=pw, socket_timeout=5) as new:
+            late = [key for at, key in written if at >= 2.0]
+            assert late and all(new.exists(f"{key}-{j}") for key in late for j in range(4)), late
+    finally:
+        await client.aclose()
+
+
+@pytest.mark.timeout(60)
+async def test_a_sentinel_or_a_missing_database_named_as_redis_is_refused_by_name(
+        tmp_path: Path, sentinel_redis: SentinelRedis) -> None:
+    user, pw = next(iter(sentinel_redis.master.acl_users.items()))
+    for url, says in ((f"redis://127.0.0.1:{sentinel_redis.sentinel.port}/0", "is a Sentinel"),
+                      (f"redis://{user}:{pw}@127.0.0.1:{sentinel_redis.master.port}/99", "DB index")):
+        client = open_redis(url)
+        try:
+            with pytest.raises(RedisUrlError, match=says):
+                await check_target(client, url)
+        finally:
+            await client.aclose()
+    # the sentinels asked one by one: which of them said what, in a line
+    wrong_name = sentinel_redis.sentinel.url.replace("/talaria", "/nosuchname")
+    spec = StackSpec(policy=resolve_policy("talaria"), models=["glm-4.5-air-fp8"], time_scale=10.0,
+                     log_dir=tmp_path / "wrong-name", redis_url=wrong_name)
+    with pytest.raises(StackStartError, match="does not watch a master named 'nosuchname'") as err:
+        async with EmbeddedStack(spec):
+            pass
+    assert len(str(err.value)) < 300 and pw not in str(err.value)
+
+
+@pytest.mark.timeout(120)
+async def test_an_external_redis_leaves_the_embedded_nats_authenticated(tmp_path: Path) -> None:
+    """`talaria up --redis URL` had started its own NATS open to anyone (no credentials
+    were made unless both stores were its own)."""
+    import nats
+
+    plain = RedisServer(log_file=tmp_path / "redis.log")
+    plain.start()
+    try:
+        spec = StackSpec(policy=resolve_policy("talaria"), models=["glm-4.5-air-fp8"], time_scale=10.0,
+                         log_dir=tmp_path / "logs", redis_url=plain.url)
+        async with EmbeddedStack(spec) as stack:
+            assert stack.creds is not None
+            with pytest.raises(Exception):
+                await nats.connect(stack.nats_urls, connect_timeout=2, max_reconnect_attempts=0,
+                                   allow_reconnect=False)
+            nc = await nats.connect(stack.nats_urls, **stack.nats_auth("agent"))
+            await nc.close()
+    finally:
+        plain.stop()

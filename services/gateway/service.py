@@ -63,7 +63,7 @@ from shared.logs import configure_logging, rotate_logs
 from shared.schema import CallReply, CallRunning, CallTokens, Sampling, context_limit_message
 from shared import tracing
 from shared.metrics import Metrics
-from shared.redis_client import RedisUrlError, open_redis, refuse_cluster
+from shared.redis_client import RedisUrlError, open_redis, check_target
 from shared.settings import Settings
 from shared.subjects import GATEWAY_NAMESPACE
 
@@ -78,6 +78,7 @@ SOFT_STATE_WAIT_S = 1.0        # how long one soft step waits on Redis (a stalle
 SOFT_STATE_PROBE_S = 0.5       # while it is set aside: a PING this often (and waited on this long) ends the pause
 RETRY_WINDOW_S = 3600          # how long a first attempt's call id waits for its SDK's retries (timeouts x retries: minutes)
 GATEWAY_DRAIN_WALL_S = 25.0    # on SIGTERM: how long calls in flight may finish (under compose's 30-s stop grace)
+STREAMS_STOP_WALL_S = 2.0      # ... then how long streams still open have to write their error event
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 REQUEST_ID_HEADER, ANTHROPIC_REQUEST_ID_HEADER = "x-request-id", "request-id"
 REQUEST_ID_KEY = web.RequestKey("talaria.call_id", str)  # a request's call id, for its answer's headers
@@ -217,6 +218,7 @@ class Gateway:
         self.metrics = Metrics()
         self.draining = False  # SIGTERM: API requests in flight finish, new ones are sent elsewhere
         self.in_flight = 0     # API requests being answered (a stream until its end)
+        self.streams_stop = asyncio.Event()  # the drain's time is up: streams end with the API's error event
 
     # -- the app --------------------------------------------------------------------------
     def app(self) -> web.Application:
@@ -330,8 +332,12 @@ class Gateway:
             self.log.info("gateway.draining", in_flight=self.in_flight, within_s=within_s)
         while self.in_flight and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        if self.in_flight:
+        if self.in_flight:  # streams say why they end (else cut by the exit, a bare close: a probe's 50-s one)
             self.log.warning("gateway.drain_cut", in_flight=self.in_flight)
+            self.streams_stop.set()
+            deadline = time.monotonic() + STREAMS_STOP_WALL_S
+            while self.in_flight and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
 
     # -- shared steps ---------------------------------------------------------------------------
     def _tenant(self, request: web.Request) -> str:
@@ -973,6 +979,11 @@ class Gateway:
             past = relayed.accept(ev)
             return on_tokens(past) if past is not None else []
 
+        async def stop_run() -> None:  # (ended by the gateway, not by a client that left: its run is stopped)
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+
         async def start() -> None:
             nonlocal started
             if not started:
@@ -982,12 +993,23 @@ class Gateway:
                     await resp.write(chunk)
 
         getter: asyncio.Future[Any] | None = None
+        stopping = asyncio.ensure_future(self.streams_stop.wait())
         quiet_since = time.monotonic()  # tokens that show nothing (text held for the tool parser) write nothing
         try:
             while True:
                 getter = getter or asyncio.ensure_future(events.get())
-                done, _ = await asyncio.wait({getter, task}, timeout=self.settings.gateway_keepalive_s,
+                done, _ = await asyncio.wait({getter, task, stopping}, timeout=self.settings.gateway_keepalive_s,
                                              return_when=asyncio.FIRST_COMPLETED)
+                if stopping in done:  # the gateway's drain is over: said in the stream, the run stopped
+                    await stop_run()
+                    stopped = TalariaError("unavailable", "the gateway is stopping: send the request again",
+                                           retry_after_s=1.0)
+                    if not started:
+                        raise stopped
+                    request[STREAM_ERROR_KEY] = stopped.code
+                    for chunk in on_error(stopped):
+                        await resp.write(chunk)
+                    return resp
                 if getter in done:
                     ev = getter.result()
                     getter = None
@@ -1028,7 +1050,7 @@ class Gateway:
                     await resp.write(SSE_KEEPALIVE)
                     quiet_since = time.monotonic()
         except RerunDiverged as exc:  # (the 200 is sent: say so in the stream, and stop the run)
-            task.cancel()
+            await stop_run()
             request[STREAM_ERROR_KEY] = "unavailable"
             self.log.warning("gateway.rerun_diverged", error=str(exc))
             with contextlib.suppress(ConnectionError):
@@ -1041,6 +1063,7 @@ class Gateway:
             self.log.info("gateway.client_gone")
             return resp
         finally:
+            stopping.cancel()
             if getter is not None:
                 getter.cancel()
 
@@ -1391,7 +1414,7 @@ async def serve(settings: Settings) -> None:
     redis = open_redis(settings.redis_url, socket_timeout=2.0, socket_connect_timeout=2.0,
                        **settings.redis_credentials())
     try:
-        await refuse_cluster(redis, settings.redis_url)
+        await check_target(redis, settings.redis_url)
         runner, port = await start_gateway(settings, client, redis)
     except (tk.TokenizerError, RedisUrlError) as exc:  # a deployment error: say which, and stay down
         log.error("gateway.bad_tokenizer" if isinstance(exc, tk.TokenizerError) else "gateway.redis_unsupported",

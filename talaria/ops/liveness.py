@@ -49,10 +49,17 @@ class LivenessWatch:
         self.answered.discard(name)
         self.missed.pop(name, None)
 
-    def round(self, answers: dict[str, bool], now: float) -> list[str]:
-        """One round of pings (name -> answered) at wall time `now`; returns the children to kill."""
+    def round(self, answers: dict[str, bool | None], now: float) -> list[str]:
+        """One round of pings (name -> answered, or None: nobody listens on its health
+        subject or port, so it is starting or stopping, not hung) at wall time `now`;
+        returns the children to kill. A hung process keeps its subscription and its
+        listener, so its ping goes unanswered (False); one that has let them go on purpose
+        (a drained service tearing down, a gateway between its listener and its exit) was
+        killed as hung after 1 s."""
         kill = []
         for name, ok in answers.items():
+            if ok is None:
+                continue
             if ok:
                 self.answered.add(name)
                 self.missed.pop(name, None)
@@ -83,14 +90,14 @@ class PingRounds:
         self._rounds: deque[tuple[asyncio.Future, list[str], bool]] = deque()
         self.dropped = 0  # rounds dropped by a failed probe of the watcher's own path
 
-    def begin(self, names: list[str], ping: Callable[[str], Awaitable[bool]],
+    def begin(self, names: list[str], ping: Callable[[str], Awaitable[bool | None]],
               probe: Callable[[], Awaitable[bool]] | None = None) -> None:
         pings = asyncio.gather(*(ping(n) for n in names), *([probe()] if probe is not None else []))
         # a round cut short at shutdown (its pings cancelled) is nobody's error to log
         pings.add_done_callback(lambda f: f.cancelled() or f.exception())
         self._rounds.append((pings, names, probe is not None))
 
-    def finished(self) -> list[dict[str, bool]]:
+    def finished(self) -> list[dict[str, bool | None]]:
         """The answers (name -> answered) of every round done, oldest first, until one is
         not; a round whose probe failed is left out."""
         out = []

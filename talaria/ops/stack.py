@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import nats
+from nats.errors import NoRespondersError
 
 from shared.auth import Credentials, generate_credentials, nats_permissions
 from shared.clock import done_within
@@ -144,10 +145,9 @@ class EmbeddedStack:
         self._supervisor: asyncio.Task | None = None
         self._liveness: asyncio.Task | None = None
         self._stores: asyncio.Task | None = None
-        # credentials only when we start the servers ourselves
-        self.creds: Credentials | None = (
-            generate_credentials() if spec.auth and not spec.nats_urls and not spec.redis_url else None
-        )
+        # credentials when we start NATS ourselves (the Redis ACL user only with our own Redis: an
+        # external one is reached with its URL's login; NATS had been left open beside one)
+        self.creds: Credentials | None = generate_credentials() if spec.auth and not spec.nats_urls else None
         self._stop_supervising = asyncio.Event()
         self.gateway_port: int | None = None
         # the gateway's key for the `default` tenant, fresh at every start like the passwords
@@ -327,7 +327,9 @@ class EmbeddedStack:
         waited, saying nothing, for the services' health."""
         from redis.exceptions import ConnectionError as RedisConnectionError, TimeoutError as RedisTimeoutError
 
-        from shared.redis_client import RedisUrlError, open_redis, redacted, refuse_cluster
+        from redis.asyncio.sentinel import MasterNotFoundError
+
+        from shared.redis_client import RedisUrlError, check_target, open_redis, redacted, sentinels_say
 
         if self.spec.nats_urls:
             try:
@@ -344,9 +346,12 @@ class EmbeddedStack:
                 raise StackStartError(str(exc)) from None
             try:
                 await client.ping()
-                await refuse_cluster(client, self.spec.redis_url)
+                await check_target(client, self.spec.redis_url)
             except RedisUrlError as exc:
                 raise StackStartError(str(exc)) from None
+            except MasterNotFoundError:  # (redis-py's message is each sentinel client's whole repr)
+                raise StackStartError(f"no master found through the sentinels of {redacted(self.spec.redis_url)}: "
+                                      f"{await sentinels_say(self.spec.redis_url, timeout_s)}") from None
             except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
                 raise StackStartError(f"cannot connect to Redis at {redacted(self.spec.redis_url)}: {exc}") from None
             except Exception:  # noqa: BLE001 - it answers (a login the services bring themselves): reachable
@@ -393,16 +398,19 @@ class EmbeddedStack:
         """`prometheus --config.file=<this>` scrapes this stack."""
         return self.log_dir / prometheus.CONFIG_FILE
 
-    async def _gateway_answers(self, timeout_s: float, alive: bool = False) -> bool:
+    async def _gateway_answers(self, timeout_s: float, alive: bool = False) -> bool | None:
         """The gateway's GET /health answered 200 within `timeout_s` (HTTP: it has no
         NATS health endpoint, being an agent), or, `alive`, answered at all: the liveness
-        watch asks whether it is hung, and a gateway draining after SIGTERM answers 503."""
+        watch asks whether it is hung, and a gateway draining after SIGTERM answers 503;
+        for it a refused connection is None (not listening: starting or stopping, not hung)."""
         import aiohttp
 
         try:
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as http:
                 async with http.get(f"{self.gateway_url}/health") as r:
                     return r.status == 200 or alive
+        except aiohttp.ClientConnectorError:
+            return None if alive else False
         except (aiohttp.ClientError, asyncio.TimeoutError):
             return False
 
@@ -429,12 +437,14 @@ class EmbeddedStack:
                                     max_reconnect_attempts=-1, **NATS_KEEPALIVE, **self.nats_auth("operator"))
         except Exception:  # no NATS: nothing to judge by (the supervisor still restarts crashes)
             return
-        async def ping(name: str) -> bool:
+        async def ping(name: str) -> bool | None:
             try:
                 if name == "gateway":
                     return await self._gateway_answers(LIVENESS_TIMEOUT_S, alive=True)
                 await nc.request(subjects.health(name), b"", timeout=LIVENESS_TIMEOUT_S)
                 return True
+            except NoRespondersError:  # nobody listens: starting or tearing down, not hung
+                return None
             except Exception:
                 return False
 
