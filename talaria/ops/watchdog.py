@@ -48,9 +48,9 @@ HUNG_EXIT_CODE = 75  # EX_TEMPFAIL: the watched service was hung and killed; res
 DEFAULT_GRACE_S = 30.0  # wall seconds after the start before a hang is judged (engines: set more, weights load)
 
 
-def note(event: str, **fields: object) -> None:
+def note(event: str, level: str = "info", **fields: object) -> None:
     """One JSON line on stderr, in the services' own log shape."""
-    sys.stderr.write(json.dumps({"event": event, "service": "watchdog", "level": "warning", **fields}) + "\n")
+    sys.stderr.write(json.dumps({"event": event, "service": "watchdog", "level": level, **fields}) + "\n")
     sys.stderr.flush()
 
 
@@ -138,7 +138,7 @@ class Watchdog:
                         continue  # the bus is away, not the service: judge nobody
                 for answers in rounds.finished():
                     if child.poll() is None and watch.round(answers, time.monotonic()):
-                        note("watchdog.hung", child_pid=child.pid, instance=name,
+                        note("watchdog.hung", "warning", child_pid=child.pid, instance=name,
                              exit_code=HUNG_EXIT_CODE, reason="stopped answering its health checks")
                         self.kill()
                         return HUNG_EXIT_CODE
