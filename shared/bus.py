@@ -40,7 +40,7 @@ from shared.logs import configure_logging, rotate_logs
 from shared import tracing
 from shared.metrics import Metrics
 from shared.net import NATS_CONNECT_TIMEOUT_S, NATS_KEEPALIVE
-from shared.redis_client import RedisUrlError, open_redis, check_target
+from shared.redis_client import RedisUrlError, check_target, open_redis
 from shared.schema import HEALTH_OK, HEALTH_STARTING, ApiError, EngineState, ListCalls, encode, engine_state_decoder
 from shared.settings import Settings
 from shared.subjects import HEADER_CALL, HEADER_RECEIPT, HEADER_SESSION, Subjects

@@ -9,10 +9,12 @@
   and `TALARIA_REDIS_PASSWORD` are); sentinels that ask for their own take
   `?sentinel_username=...&sentinel_password=...`.
 
-With Sentinel a client asks the sentinels for the master before each new connection,
-and a connection to a master that was demoted fails (redis-py's `SentinelManagedConnection`),
-so after a failover the next retry of a command reaches the promoted replica: the
-services' bounded retries (`shared/bus.py`) wait a failover out as they wait out a restart.
+With Sentinel a client asks the sentinels for the master at every connect and, while
+busy, once a second, and a connection to a master that was demoted fails (redis-py's
+`SentinelManagedConnection`), so after a failover the next retry of a command reaches the
+promoted replica: the services' bounded retries (`shared/bus.py`) wait a failover out as
+they wait out a restart. `check_target` refuses at start what Talaria cannot use (a
+Redis Cluster node, a sentinel named as a Redis, a database the server lacks).
 Redis holds soft state only (`shared/keys.py`), so the writes a failover loses (Redis
 replicates asynchronously) are rebuilt like any lost soft state.
 """
@@ -55,12 +57,9 @@ class RedisTarget:
     sentinel_username: str | None = None
     sentinel_password: str | None = None
 
-    def shown(self) -> str:
-        """The URL with any password hidden, for logs and error messages."""
-        return redacted(self.url)
-
 
 def redacted(url: str) -> str:
+    """`url` with any password hidden, for logs and error messages."""
     parts = urllib.parse.urlsplit(url)
     if parts.password is None:
         return url
@@ -77,7 +76,8 @@ def parse_redis_url(url: str) -> RedisTarget:
         try:
             parts.port  # (redis-py's own parse fails later, with a traceback)
         except ValueError as exc:
-            hint = f" (several sentinels: {SENTINEL_SCHEME}://host:port,host:port/<master name>)" if "," in parts.netloc else ""
+            hint = (f" (several sentinels: {SENTINEL_SCHEME}://host:port,host:port/<master name>)"
+                    if "," in parts.netloc else "")
             raise RedisUrlError(f"Redis URL {redacted(url)!r}: {exc}{hint}") from None
         return RedisTarget(kind="node", url=url.strip())
     if scheme != SENTINEL_SCHEME:

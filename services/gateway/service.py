@@ -63,7 +63,7 @@ from shared.logs import configure_logging, rotate_logs
 from shared.schema import CallReply, CallRunning, CallTokens, Sampling, context_limit_message
 from shared import tracing
 from shared.metrics import Metrics
-from shared.redis_client import RedisUrlError, open_redis, check_target
+from shared.redis_client import RedisUrlError, check_target, open_redis
 from shared.settings import Settings
 from shared.subjects import GATEWAY_NAMESPACE
 
