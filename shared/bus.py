@@ -445,6 +445,7 @@ class ServiceProcess:
         while True:
             await asyncio.sleep(1.0)
             self.metrics.loop_lag.set(self.lag.worst_s)
+            self.metrics.loop_lag_recent.set(self.lag.recent_worst_s(time.monotonic()))
             with contextlib.suppress(Exception):
                 await self.redis.set(self.keys.lag(self.instance), f"{self.lag.worst_s:.4f}", ex=3600)
                 self.redis_answered_at = time.monotonic()  # (the report is also this process's Redis probe)

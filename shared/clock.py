@@ -52,6 +52,7 @@ async def done_within(aw: Awaitable[object], timeout_s: float) -> bool:
     return True
 
 
+LAG_WINDOW_S = 30.0  # the recent worst lag covers the last 30-60 wall s
 SOURCE_LAG_MAX_WALL_S = 5.0  # how far back an event's source time is taken: a hop's latency, not a stall's
 
 
@@ -81,9 +82,30 @@ class LagMonitor:
         self.idle_interval_s = max(interval_s, idle_interval_s)
         self.busy_fraction = busy_fraction
         self.worst_s = 0.0
+        # the worst in the current and the previous window of LAG_WINDOW_S: the recent worst, for an
+        # alert that ends when the lag does (the worst since the start never comes down)
+        self.window = (0.0, 0.0)
+        self.window_began = time.monotonic()
         self.last_tick = time.monotonic()  # when the loop last ran this monitor (a stuck loop stops it)
         self.due = self.last_tick + interval_s  # when it should run next (monotonic): a watchdog's reference
         self.sleep_s = interval_s  # the sleep now
+
+    def observe(self, lag_s: float, now: float) -> None:
+        """One measured lag (wall s) at monotonic time `now`."""
+        self.worst_s = max(self.worst_s, lag_s)
+        if now - self.window_began >= 2 * LAG_WINDOW_S:  # (nothing observed for a whole window)
+            self.window, self.window_began = (0.0, 0.0), now
+        elif now - self.window_began >= LAG_WINDOW_S:
+            self.window, self.window_began = (self.window[1], 0.0), self.window_began + LAG_WINDOW_S
+        self.window = (self.window[0], max(self.window[1], lag_s))
+
+    def recent_worst_s(self, now: float) -> float:
+        """The worst lag of the last LAG_WINDOW_S to 2 x LAG_WINDOW_S (0 once that long passed without one)."""
+        if now - self.window_began >= 2 * LAG_WINDOW_S:
+            return 0.0
+        if now - self.window_began >= LAG_WINDOW_S:
+            return self.window[1]
+        return max(self.window)
 
     def next_sleep_s(self, slept_s: float, elapsed_s: float, cpu_s: float) -> float:
         """The next sleep, given the last one and the process's CPU meanwhile."""
@@ -100,7 +122,7 @@ class LagMonitor:
             await asyncio.sleep(self.sleep_s)
             self.last_tick = time.monotonic()
             elapsed = loop.time() - t0
-            self.worst_s = max(self.worst_s, elapsed - self.sleep_s)
+            self.observe(elapsed - self.sleep_s, self.last_tick)
             cpu = time.process_time()
             self.sleep_s, cpu0 = self.next_sleep_s(self.sleep_s, elapsed, cpu - cpu0), cpu
 

@@ -163,6 +163,8 @@ class Metrics:
         # -- every process ------------------------------------------------------------------------
         self.loop_lag = Gauge("talaria_event_loop_lag_seconds", "Worst event-loop lag since the process "
                               "started (wall seconds).", registry=r)
+        self.loop_lag_recent = Gauge("talaria_event_loop_lag_recent_seconds", "Worst event-loop lag of the last "
+                                     "30-60 wall seconds (0 after a minute without one).", registry=r)
         self.dependency_up = Gauge("talaria_dependency_up", "1 while this process reaches the dependency (nats, "
                                    "redis) as its own use of it last found, 0 while it does not.", ["dependency"],
                                    registry=r)

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from shared.bus import LOOP_STALL_EXIT_CODE
-from shared.clock import LagMonitor
+from shared.clock import LAG_WINDOW_S, LagMonitor
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -51,6 +51,25 @@ def test_a_stuck_loop_ends_the_process() -> None:
 def test_a_running_loop_is_left_alone() -> None:
     code, _, err = _run(False)
     assert code == 0, err
+
+
+def test_the_recent_worst_lag_holds_a_lag_for_one_to_two_windows_then_lets_it_go() -> None:
+    """What `talaria_event_loop_lag_recent_seconds` (and TalariaEventLoopLag) reads: the
+    worst since the start never comes down, so one blip kept the alert open 10 minutes."""
+    w = LAG_WINDOW_S
+    lag = LagMonitor()
+    lag.window_began = 0.0
+    lag.observe(0.01, 1.0)
+    lag.observe(0.7, 5.0)
+    assert lag.recent_worst_s(6.0) == 0.7 and lag.recent_worst_s(w + 5.0) == 0.7  # held through the next window
+    assert lag.recent_worst_s(2 * w + 1.0) == 0.0                                 # ... and gone after it
+    lag.observe(0.02, w + 2.0)        # a new window: the blip is the previous one's
+    assert lag.recent_worst_s(w + 3.0) == 0.7
+    lag.observe(0.03, 2 * w + 2.0)    # the blip's window is two back: forgotten
+    assert lag.recent_worst_s(2 * w + 3.0) == 0.03
+    lag.observe(0.9, 10 * w)          # after a long quiet spell (an idle process samples seldom)
+    assert lag.recent_worst_s(10 * w + 1.0) == 0.9
+    assert lag.worst_s == 0.9
 
 
 def test_the_lag_monitor_sleeps_longer_while_its_process_is_idle() -> None:
