@@ -70,6 +70,19 @@ def test_a_child_nobody_listens_for_is_starting_or_stopping_not_hung() -> None:
     assert w.round({"a": False}, 62.0) == ["a"]  # (misses need not be adjacent rounds: absences count for nothing)
 
 
+def test_a_child_of_its_own_patience_is_judged_after_its_own_misses() -> None:
+    """The gateway under `talaria up` (its kill cuts every agent's stream): compose's 12
+    rounds, where the services are judged after 3."""
+    w = LivenessWatch(misses=3, grace_s=0.0)
+    w.allow("gateway", 0.0, 0.0, misses=12)
+    for name in ("router", "gateway"):
+        w.started(name, 0.0)
+        w.round({name: True}, 0.1)
+    kills = [w.round({"router": False, "gateway": False}, 1.0 + i) for i in range(12)]
+    assert kills[2] == ["router"] and kills[11] == ["gateway"]
+    assert all("gateway" not in k for k in kills[:11])
+
+
 def test_an_answer_resets_the_count() -> None:
     w = LivenessWatch(misses=2, grace_s=0.0)
     w.started("a", 0.0)

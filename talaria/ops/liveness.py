@@ -21,6 +21,7 @@ from typing import Any
 
 LIVENESS_INTERVAL_S = 0.25  # wall seconds between two rounds of health pings
 LIVENESS_TIMEOUT_S = 0.3    # wall seconds a ping may take (a served ping takes about 1 ms)
+GATEWAY_LIVENESS_MISSES = 12  # the gateway's (as compose gives it): a kill cuts every stream it relays
 LIVENESS_MISSES = 3         # rounds in a row without an answer before a kill (about 1 s of silence: rounds
                             # start every interval, each judged when its pings answer or time out)
 LIVENESS_TICK_S = 0.05      # wall seconds between two looks at the rounds out (a finished one is judged then)
@@ -35,13 +36,17 @@ class LivenessWatch:
     grace_s: float = STARTUP_GRACE_S
     startup_s: float = STARTUP_GRACE_S  # a child that never answered is judged this long after its start
     allowances: dict[str, tuple[float, float]] = field(default_factory=dict)  # per child: (grace_s, startup_s)
+    own_misses: dict[str, int] = field(default_factory=dict)  # per child: rounds missed before a kill
     started_at: dict[str, float] = field(default_factory=dict)
     answered: set[str] = field(default_factory=set)   # answered since its (re)start
     missed: dict[str, int] = field(default_factory=dict)
 
-    def allow(self, name: str, grace_s: float, startup_s: float) -> None:
-        """A child of its own allowances (a real engine's weight load among quick services)."""
+    def allow(self, name: str, grace_s: float, startup_s: float, misses: int | None = None) -> None:
+        """A child of its own allowances (a real engine's weight load among quick services;
+        the gateway's longer patience, its streams being agents' own)."""
         self.allowances[name] = (grace_s, startup_s)
+        if misses is not None:
+            self.own_misses[name] = misses
 
     def started(self, name: str, at: float) -> None:
         """The child (re)started at wall time `at`: not judged until it answers and its grace is over."""
@@ -69,7 +74,7 @@ class LivenessWatch:
             if age < (grace_s if name in self.answered else max(grace_s, startup_s)):
                 continue
             self.missed[name] = self.missed.get(name, 0) + 1
-            if self.missed[name] >= self.misses:
+            if self.missed[name] >= self.own_misses.get(name, self.misses):
                 kill.append(name)
                 self.started(name, now)  # judged again once the restarted one answers
         return kill

@@ -31,8 +31,9 @@ from shared.settings import Settings, SettingsError
 from shared.subjects import Subjects
 from talaria.client import AgentLogin, Deployment
 from talaria.ops.healthcheck import connect_once
-from talaria.ops.liveness import (LIVENESS_INTERVAL_S, LIVENESS_TICK_S, LIVENESS_TIMEOUT_S, SERVICE_GRACE_S,
-                                  SERVICE_STARTUP_S, STARTUP_GRACE_S, LivenessWatch, PingRounds, bus_answers)
+from talaria.ops.liveness import (GATEWAY_LIVENESS_MISSES, LIVENESS_INTERVAL_S, LIVENESS_TICK_S, LIVENESS_TIMEOUT_S,
+                                  SERVICE_GRACE_S, SERVICE_STARTUP_S, STARTUP_GRACE_S, LivenessWatch, PingRounds,
+                                  bus_answers)
 from talaria.ops.nats_server import NatsServer, start_cluster
 from talaria.ops import prometheus
 from talaria.ops.processes import Child, ProcessGroup, ServerBase
@@ -430,6 +431,8 @@ class EmbeddedStack:
                                 max(STARTUP_GRACE_S, self.spec.liveness_startup_s))
         if self.spec.gateway:
             names.append("gateway")  # (judged by its HTTP health: it has no NATS endpoint, being an agent)
+            # killing it cuts every agent's stream: compose's patience (12 rounds, 3 s), not the services' 1 s
+            watch.allow("gateway", self.spec.liveness_grace_s, self.spec.liveness_startup_s, GATEWAY_LIVENESS_MISSES)
         pids: dict[str, int | None] = {}
         try:
             # (the services' keep-alive: a stopped node is left in about 10 s, not nats-py's minutes)
