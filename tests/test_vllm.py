@@ -8,6 +8,8 @@ Skips with the reason when vLLM's async engine does not import (install with
 from __future__ import annotations
 
 import asyncio
+import time
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -433,6 +435,7 @@ async def _sleep_wake_and_cancel(client, stack, probe, log_dir: Path) -> None:  
     # a busy machine can deliver the first tokens and the whole reply in one read: the
     # task is then done before the agent gives up, and there is nothing to cancel
     gave_up = long_call.cancel()
+    gave_up_at = time.time()
     if gave_up:
         with pytest.raises(asyncio.CancelledError):
             await long_call
@@ -462,7 +465,13 @@ async def _sleep_wake_and_cancel(client, stack, probe, log_dir: Path) -> None:  
         return
     cancels = [d for f in log_dir.glob("*.log") for d in read_log_events(f)
                if d.get("call_id") == "kv-probe#cancel" and d.get("event") == "engine.cancel"]
-    assert cancels, "the engine never heard the agent give up"
+    if not cancels:
+        # the engine had finished the call (every token out, its reply on the way) before the
+        # agent's cancel reached it: a worker ignores a cancel of a call it no longer runs
+        ended_at = datetime.fromisoformat(finished[0]["timestamp"].replace("Z", "+00:00")).timestamp()
+        assert ended_at <= gave_up_at + 0.5, "the engine never heard the agent give up"
+        assert finished[0].get("aborted") is False and finished[0]["output_tokens"] == 500, finished
+        return
     out = finished[0]["output_tokens"]
     if cancels[0].get("generating"):
         # the usual case: the cancel reached vLLM mid-generation and it stopped there
