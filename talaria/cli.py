@@ -453,7 +453,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--nats", help="replay against a running deployment at these NATS URLs (comma-separated)")
     r.add_argument("--nats-user", help="with --nats: log in as this NATS user (a compose deployment's agents: agent); "
                                        "the password from TALARIA_NATS_PASSWORD or TALARIA_NATS_PASSWORD_<USER>")
-    r.add_argument("--redis", help="with --nats: the deployment's Redis, to read its loop-lag reports")
+    r.add_argument("--redis", help="with --nats: the deployment's Redis, to read its loop-lag reports "
+                                   "(redis://host:port/db, or redis+sentinel://host:port,.../<master name>)")
     r.add_argument("--subject-prefix", default=None, help="a running deployment's subject prefix (default talaria)")
     r.add_argument("--key-prefix", default=None, help="a running deployment's Redis key prefix (default talaria:)")
     r.add_argument("--log-dir", default=str(default_log_dir()),
@@ -478,7 +479,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the front door's port on 127.0.0.1 (default: a free one at every start); with the key from "
                         f"{API_KEY_VAR} an agent's base URL and key stay the same across restarts")
     u.add_argument("--nats", help="use this NATS (comma-separated URLs) instead of starting one")
-    u.add_argument("--redis", help="use this Redis URL instead of starting one")
+    u.add_argument("--redis", help="use this Redis instead of starting one: redis://[user:pw@]host:port/db, or a "
+                                   "Sentinel-watched master, redis+sentinel://[user:pw@]host:port,.../<master name> "
+                                   "(docs/deploy.md)")
     u.add_argument("--subject-prefix", default=None, help="first token of every subject (default: a fresh one)")
     u.add_argument("--key-prefix", default=None, help="prefix of every Redis key (default: a fresh one)")
     u.add_argument("--log-dir", default=str(default_log_dir() / "up"),
