@@ -58,6 +58,11 @@ class RedisTarget:
     sentinel_password: str | None = None
 
 
+def login(username: str | None, password: str | None) -> dict[str, str]:
+    """redis-py's `username`/`password` keywords, those that are set."""
+    return {k: v for k, v in (("username", username), ("password", password)) if v}
+
+
 def redacted(url: str) -> str:
     """`url` with any password hidden, for logs and error messages."""
     parts = urllib.parse.urlsplit(url)
@@ -164,7 +169,7 @@ def open_redis(url: str, *, username: str | None = None, password: str | None = 
     a command waiting up to that long for a free connection; `options` are redis-py's
     connection keywords (timeouts, retry)."""
     target = parse_redis_url(url)
-    creds = {k: v for k, v in (("username", username), ("password", password)) if v}
+    creds = login(username, password)
     pooled = max_connections is not None
     if target.kind == "node":
         if pooled:
@@ -172,11 +177,9 @@ def open_redis(url: str, *, username: str | None = None, password: str | None = 
                                                    timeout=pool_wait_s, **creds, **options)
             return aioredis.Redis.from_pool(pool)  # (closing the client closes its pool)
         return aioredis.Redis.from_url(target.url, **creds, **options)
-    if target.username or target.password:
-        creds = {k: v for k, v in (("username", target.username), ("password", target.password)) if v}
+    creds = login(target.username, target.password) or creds  # (the URL's login first, as redis-py's own)
     sentinel_kwargs: dict[str, Any] = {k: v for k, v in options.items() if k.startswith("socket_")}
-    sentinel_kwargs.update({k: v for k, v in (("username", target.sentinel_username),
-                                               ("password", target.sentinel_password)) if v})
+    sentinel_kwargs.update(login(target.sentinel_username, target.sentinel_password))
     sentinel = Sentinel(list(target.sentinels), sentinel_kwargs=sentinel_kwargs)
     pool: dict[str, Any] = dict(connection_pool_class=BlockingSentinelConnectionPool, max_connections=max_connections,
                                 timeout=pool_wait_s) if pooled else {}
@@ -215,10 +218,10 @@ async def sentinels_say(url: str, timeout_s: float = 2.0) -> str:
     (redis-py's MasterNotFoundError prints each sentinel client's whole repr)."""
     target = parse_redis_url(url)
     said = []
+    sentinel_login = login(target.sentinel_username, target.sentinel_password)
     for host, port in target.sentinels:
-        login = {k: v for k, v in (("username", target.sentinel_username),
-                                   ("password", target.sentinel_password)) if v}
-        s = aioredis.Redis(host=host, port=port, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, **login)
+        s = aioredis.Redis(host=host, port=port, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+                           **sentinel_login)
         try:
             addr = await s.sentinel_get_master_addr_by_name(target.service)
             said.append(f"{host}:{port} " + (f"names {addr[0]}:{addr[1]}" if addr else

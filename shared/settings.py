@@ -18,7 +18,7 @@ import msgspec
 
 from shared.auth import nats_password_from_env
 from shared.policy import PolicyConfig, decode_policy, resolve_policy
-from shared.redis_client import RedisUrlError, parse_redis_url
+from shared.redis_client import RedisUrlError, login, parse_redis_url
 
 
 ENGINE_BACKENDS = ("sim", "vllm")
@@ -159,7 +159,7 @@ class Settings:
 
     def redis_credentials(self) -> dict[str, str]:
         """redis-py's `username`/`password` keywords, those that are set (the URL may carry them instead)."""
-        return {k: v for k, v in (("username", self.redis_user), ("password", self.redis_password)) if v}
+        return login(self.redis_user, self.redis_password)
 
     def instance_name(self, kind: str) -> str:
         """A service process's instance: its name in logs, in NATS and on its health subject."""

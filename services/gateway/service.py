@@ -326,18 +326,20 @@ class Gateway:
         finish, for up to `within_s`; the listener stays open meanwhile, so /health says
         `draining` to a load balancer and to a liveness watch, which a refused connection
         would tell nothing (the embedded stack's watch killed a gateway draining so)."""
-        self.draining = True
-        deadline = time.monotonic() + within_s
-        if self.in_flight:
-            self.log.info("gateway.draining", in_flight=self.in_flight, within_s=within_s)
-        while self.in_flight and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        if self.in_flight:  # streams say why they end (else cut by the exit, a bare close: a probe's 50-s one)
-            self.log.warning("gateway.drain_cut", in_flight=self.in_flight)
-            self.streams_stop.set()
-            deadline = time.monotonic() + STREAMS_STOP_WALL_S
+        async def settled(within_s: float) -> bool:
+            deadline = time.monotonic() + within_s
             while self.in_flight and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
+            return not self.in_flight
+
+        self.draining = True
+        if self.in_flight:
+            self.log.info("gateway.draining", in_flight=self.in_flight, within_s=within_s)
+        if not await settled(within_s):
+            # streams say why they end (else cut by the exit, a bare close: a probe's 50-s one)
+            self.log.warning("gateway.drain_cut", in_flight=self.in_flight)
+            self.streams_stop.set()
+            await settled(STREAMS_STOP_WALL_S)
 
     # -- shared steps ---------------------------------------------------------------------------
     def _tenant(self, request: web.Request) -> str:
@@ -984,6 +986,16 @@ class Gateway:
             with contextlib.suppress(BaseException):
                 await task
 
+        async def failed(exc: TalariaError) -> web.StreamResponse:
+            """The call ended in `exc`: its own status and shape before the 200 is sent, else
+            the API's error event as the stream's last (the log and a counter say it failed)."""
+            if not started:
+                raise exc
+            request[STREAM_ERROR_KEY] = exc.code
+            for chunk in on_error(exc):
+                await resp.write(chunk)
+            return resp
+
         async def start() -> None:
             nonlocal started
             if not started:
@@ -1002,14 +1014,8 @@ class Gateway:
                                              return_when=asyncio.FIRST_COMPLETED)
                 if stopping in done:  # the gateway's drain is over: said in the stream, the run stopped
                     await stop_run()
-                    stopped = TalariaError("unavailable", "the gateway is stopping: send the request again",
-                                           retry_after_s=1.0)
-                    if not started:
-                        raise stopped
-                    request[STREAM_ERROR_KEY] = stopped.code
-                    for chunk in on_error(stopped):
-                        await resp.write(chunk)
-                    return resp
+                    return await failed(TalariaError("unavailable", "the gateway is stopping: send the request "
+                                                                    "again", retry_after_s=1.0))
                 if getter in done:
                     ev = getter.result()
                     getter = None
@@ -1034,12 +1040,7 @@ class Gateway:
                     try:
                         reply = task.result()
                     except TalariaError as exc:
-                        if not started:
-                            raise
-                        request[STREAM_ERROR_KEY] = exc.code  # (the 200 is sent: the log and a counter say it failed)
-                        for chunk in on_error(exc):
-                            await resp.write(chunk)
-                        return resp
+                        return await failed(exc)
                     await start()
                     for chunk in on_reply(reply):
                         await resp.write(chunk)
@@ -1051,13 +1052,11 @@ class Gateway:
                     quiet_since = time.monotonic()
         except RerunDiverged as exc:  # (the 200 is sent: say so in the stream, and stop the run)
             await stop_run()
-            request[STREAM_ERROR_KEY] = "unavailable"
             self.log.warning("gateway.rerun_diverged", error=str(exc))
             with contextlib.suppress(ConnectionError):
-                for chunk in on_error(TalariaError("unavailable", "the engine running this call restarted and "
-                                                                  "its re-run differs from the text already "
-                                                                  "streamed; send the request again", retry_after_s=1.0)):
-                    await resp.write(chunk)
+                return await failed(TalariaError("unavailable", "the engine running this call restarted and its "
+                                                                "re-run differs from the text already streamed; "
+                                                                "send the request again", retry_after_s=1.0))
             return resp
         except (ConnectionResetError, ConnectionError):
             self.log.info("gateway.client_gone")

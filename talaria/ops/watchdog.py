@@ -16,8 +16,8 @@ once it has answered since its start and its grace has passed, then after
 when it is judged hung, and exits with `HUNG_EXIT_CODE`. A service that exits on
 its own is passed through (its exit code is the container's). SIGTERM and
 SIGINT are forwarded, so `docker compose stop` drains the service as before; from
-then on nobody is judged (a draining service stops answering its health checks on
-purpose: the gateway closes its listener, a service its endpoints) and the watchdog
+then on nobody is judged (a draining service's health is not `ok` on purpose: the
+gateway's says `draining`, a service's endpoints go as it exits) and the watchdog
 waits for the child, Docker's own SIGKILL at the stop's grace period being the limit.
 While NATS itself is unreachable nobody is judged: the bus is away, not the
 service.
