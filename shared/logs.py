@@ -58,6 +58,23 @@ def configure_logging(service: str, fmt: str = "json", level: str = "INFO") -> s
     return structlog.get_logger().bind(service=service)
 
 
+class LogEvery:
+    """A repeated event logged at most once per `every_s` (wall seconds), saying how many
+    happened since: `due(now)` counts one and returns the count to log, or 0 to stay quiet."""
+
+    def __init__(self, every_s: float) -> None:
+        self.every_s = every_s
+        self.count = 0
+        self.logged_at: float | None = None
+
+    def due(self, now: float) -> int:
+        self.count += 1
+        if self.logged_at is not None and now - self.logged_at < self.every_s:
+            return 0
+        count, self.count, self.logged_at = self.count, 0, now
+        return count
+
+
 LOG_ROTATE_CHECK_S = 5.0  # wall seconds between two looks at the log file's size
 # the file a supervisor appends a child's output to, named in the child's environment: what the
 # descriptor points at is not enough, since a warm spare's file may have been rotated under it

@@ -18,6 +18,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from shared.keys import Keys
+from shared.logs import LogEvery
 from shared.schema import CallAccepted, CallQueued, CallReply, CallRunning
 from talaria.client import NoCapacity, TalariaClient
 from talaria.ops.nats_server import NatsServer
@@ -145,8 +146,20 @@ async def test_a_stopped_engine_worker_finishes_its_running_call_and_its_success
         started = engine_counts(svc, "engine.started")
         assert started[f"{a.session_id}-0"] == 1 and started[f"{b.session_id}-0"] == 1, started
         assert any(d.get("event") == "engine.draining" for d in svc.log_lines(engine))
+        # B's dispatch went unheard each second of the drain: one warning, then its count at the acknowledgement
+        adm = svc.log_lines(svc.admission)
+        b_id = f"{b.session_id}-0"
+        warned = [d for d in adm if d.get("event") == "admission.redispatch" and d.get("call_id") == b_id
+                  and d.get("level") == "warning" and d.get("reason") == "no acknowledgement"]
+        acked = [d for d in adm if d.get("event") == "admission.dispatch_acknowledged" and d.get("call_id") == b_id]
+        assert len(warned) == 1 and len(acked) == 1 and acked[0]["resends"] >= 2, (warned, acked)
     finally:
         await svc.stop()
+
+
+def test_a_repeated_event_is_logged_once_per_period_with_its_count() -> None:
+    every = LogEvery(10.0)
+    assert [every.due(t) for t in (0.0, 1.0, 2.0, 9.9, 10.0, 10.5, 25.0)] == [1, 0, 0, 0, 4, 0, 2]
 
 
 async def test_bounded_queue_refuses_new_sessions_only(nats_server: NatsServer, redis_server: RedisServer,

@@ -27,6 +27,7 @@ from shared.bus import REDIS_AWAY, RequestInterrupted, RequestLost, ServiceProce
 from shared.call_record import CallRecordUnavailable
 from shared.clock import done_within, drive_timer
 from shared.keys import CALL_TTL_S
+from shared.logs import LogEvery
 from shared.net import no_responders
 from shared.state import CounterMirror, ServerLoad, add_counters, write_server_load
 from shared.schema import (
@@ -45,6 +46,7 @@ SWITCH_RESULT_MARGIN_WALL_S = 2.0  # wall seconds past a switch's planned end be
 PERSIST_WAIT_WALL_S = 0.5  # wall seconds a submit waits for its durable write before it is acknowledged anyway
 DISPATCH_ACK_WALL_S = 1.0  # wall seconds a dispatch may go unacknowledged before it is sent again
 DISPATCH_RETRY_MAX_WALL_S = 10.0  # the longest wait between two sends of a dispatch an engine refused
+UNHEARD_LOG_EVERY_WALL_S = 10.0  # dispatches no engine-worker heard (one restarting): logged once per this, counted
 MIRROR_COALESCE_S = 0.005  # wall seconds between two writes of the scheduler's mirror
 RESERVATION_MIRROR_WAIT_WALL_S = 1.0  # how long a scheduler step waits on a reservation's claim or release in Redis
 RESERVATION_MIRROR_PAUSE_WALL_S = 5.0  # ... and does without them after one failed (a stalled Redis answers nothing)
@@ -82,6 +84,10 @@ class AdmissionService(ServiceProcess):
         self.confirmed: set[str] = set()
         self.confirmed_at: dict[str, float] = {}  # wall time a confirmed call was last checked by the reconciler
         self.resend_at: dict[str, tuple[float, float]] = {}  # unacknowledged -> (next send, backoff), wall clock
+        # unacknowledged -> sends after the first: logged at the first and at the acknowledgement, not at
+        # each (an engine-worker's drain and restart, minutes under vLLM, had logged every call every second)
+        self.resends: dict[str, int] = {}
+        self.unheard_log = LogEvery(UNHEARD_LOG_EVERY_WALL_S)
         self.ack_inbox = self.nc.new_inbox()
         await self.nc.subscribe(self.ack_inbox, cb=self.guarded_handler(self.on_dispatch_ack, "dispatch_ack"))
         # the newest admission of this server: engines refuse its predecessors' dispatches from
@@ -390,6 +396,7 @@ class AdmissionService(ServiceProcess):
         self.confirmed.discard(call_id)
         self.confirmed_at.pop(call_id, None)
         self.resend_at.pop(call_id, None)
+        self.resends.pop(call_id, None)
 
     def superseded(self, newer: int | None) -> None:
         """A newer admission of this server exists (we were stopped and replaced, then
@@ -424,7 +431,9 @@ class AdmissionService(ServiceProcess):
             # a dispatch published while no engine-worker of its model listened (restarting):
             # NATS says so on the shared inbox without naming the call; the unacknowledged
             # dispatch goes again (redispatcher) once the worker is back
-            self.log.info("admission.dispatch_unheard", reason="no engine-worker listens")
+            unheard = self.unheard_log.due(time.monotonic())
+            if unheard:
+                self.log.info("admission.dispatch_unheard", reason="no engine-worker listens", dispatches=unheard)
             return
         ack = dispatch_ack_decoder.decode(msg.data)
         if isinstance(ack, ApiError) and ack.code == "superseded":  # an engine has heard from a newer admission
@@ -440,6 +449,9 @@ class AdmissionService(ServiceProcess):
             self.confirmed.add(ack.call_id)
             self.confirmed_at[ack.call_id] = time.monotonic()
             self.resend_at.pop(ack.call_id, None)
+            resends = self.resends.pop(ack.call_id, 0)
+            if resends:
+                self.log.info("admission.dispatch_acknowledged", call_id=ack.call_id, resends=resends)
 
     async def redispatcher(self) -> None:
         """Send again what no engine acknowledged in time (lost on the bus, or its
@@ -453,8 +465,11 @@ class AdmissionService(ServiceProcess):
                     self.resend_at.pop(cid, None)
                     continue
                 if now >= due:
-                    self.log.warning("admission.redispatch", call_id=cid, session_id=run.session_id, model=run.model,
-                                     reason="no acknowledgement")
+                    resends = self.resends[cid] = self.resends.get(cid, 0) + 1
+                    # the first resend says so; the rest are sent quietly until the acknowledgement says how many
+                    (self.log.warning if resends == 1 else self.log.debug)(
+                        "admission.redispatch", call_id=cid, session_id=run.session_id, model=run.model,
+                        reason="no acknowledgement", resends=resends, every_s=backoff)
                     await self._send_run(run, backoff)
 
     async def on_substrate_announce(self, msg: Msg) -> None:
