@@ -52,7 +52,9 @@ class Keys:
         return f"{self.prefix}kv:{session_id}:blocks:{server_id}"
 
     def engine(self, server_id: str, model: str) -> str:
-        """Hash: a real engine's backend, state (starting|ready), start-up wall seconds, KV block size."""
+        """Hash: the engine's backend and state (starting|ready|draining; routers rank a server
+        whose engine is starting or draining last for the model); a real engine's start-up
+        wall seconds, KV block size and context limit."""
         return f"{self.prefix}engine:{server_id}:{model}"
 
     def server(self, server_id: str) -> str:
@@ -156,7 +158,7 @@ DURABILITY: dict[str, Durability] = {
     "kv_locality": "soft",             # rebuilt from finishes and KV events
     "kv_blocks": "soft",               # rebuilt from the real engines' KV events
     "kv_session_blocks": "soft",
-    "engine": "soft",                  # a real engine rewrites it at start-up
+    "engine": "soft",                  # an engine-worker rewrites it at start-up (and a draining one its state)
     "server": "soft",                  # admission's and the substrate's mirrors rewrite it (counters restart from the survivors' totals)
     "placements": "soft",
     "in_flight": "soft",               # entries age out; a lost one only misses a moment's count

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from services.router.placement import (
@@ -137,6 +139,22 @@ def test_ties_broken_by_server_id(policy) -> None:
     assert [c.server_id for c in rank(M, views, policy)] == ["s1", "s10", "s2", "s3"]
     views = [view("b", running=1), view("a", running=1), view("c")]
     assert [c.server_id for c in rank(M, views, policy)] == ["c", "a", "b"]
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_a_server_whose_engine_for_the_model_is_away_comes_after_every_ready_one(name: str) -> None:
+    """Starting or draining (a rolling restart): last, whatever the rule's score says, and in
+    the rule's order among the others; an engine away for another model changes nothing."""
+    views = [view("s0", active=M, session_kv="hbm"), view("s1", queued=2), view("s2", queued=1, running=1),
+             view("s3", active=M, session_kv="host")]
+    as_scored = [c.server_id for c in rank(M, views, PRESETS[name], session_id="sess-1", call_id="c-1")]
+    away = [dataclasses.replace(v, models_away=frozenset({M})) if v.server_id in ("s0", "s3") else v for v in views]
+    got = [c.server_id for c in rank(M, away, PRESETS[name], session_id="sess-1", call_id="c-1")]
+    assert got == [s for s in as_scored if s not in ("s0", "s3")] + [s for s in as_scored if s in ("s0", "s3")]
+    other_away = [dataclasses.replace(v, models_away=frozenset({OTHER})) for v in views]
+    assert [c.server_id for c in rank(M, other_away, PRESETS[name], session_id="sess-1", call_id="c-1")] == as_scored
+    every_away = [dataclasses.replace(v, models_away=frozenset({M})) for v in views]
+    assert [c.server_id for c in rank(M, every_away, PRESETS[name], session_id="sess-1", call_id="c-1")] == as_scored
 
 
 def test_rank_is_pure() -> None:

@@ -17,11 +17,14 @@ import msgspec
 import pytest
 import redis.asyncio as aioredis
 
+from services.router.service import ENGINE_LIMITS_TTL_WALL_S
 from shared.keys import Keys
 from shared.logs import LogEvery
 from shared.schema import CallAccepted, CallQueued, CallReply, CallRunning
 from talaria.client import NoCapacity, TalariaClient
 from talaria.ops.nats_server import NatsServer
+from talaria.ops.stack import EmbeddedStack, StackSpec
+from shared.policy import resolve_policy
 from talaria.ops.redis_server import RedisServer
 from polling import until
 from test_services import MODEL_A, MODEL_B, SERVER, Services, svc_redis_hash
@@ -155,6 +158,35 @@ async def test_a_stopped_engine_worker_finishes_its_running_call_and_its_success
         assert len(warned) == 1 and len(acked) == 1 and acked[0]["resends"] >= 2, (warned, acked)
     finally:
         await svc.stop()
+
+
+@pytest.mark.timeout(150)
+async def test_a_new_call_goes_to_another_server_while_its_engine_worker_drains(tmp_path: Path) -> None:
+    """Two servers of one model; the engine-worker of the server where a session runs a long
+    call is stopped (a rolling restart) and drains. A new session's call goes to the other
+    server, though the draining one has the model active: it would wait there for the drain
+    and the next worker (minutes under vLLM). The draining call finishes whole."""
+    spec = StackSpec(policy=resolve_policy("talaria"), models=[MODEL_A], servers=2, time_scale=20.0,
+                     log_dir=tmp_path / "logs")
+    async with EmbeddedStack(spec) as stack:
+        async with await TalariaClient.from_deployment(stack.deployment()) as c:
+            x = await c.open_session(MODEL_A)
+            first = await x.call(prompt_tokens=2000, max_tokens=64, sim_output_tokens=8, call_id=f"{x.session_id}-0")
+            home = first.server_id
+            ev: list[Any] = []
+            long = asyncio.ensure_future(x.call(prompt_tokens=2100, prefix_tokens=2008, max_tokens=60000,
+                                                sim_output_tokens=20000, call_id=f"{x.session_id}-1",
+                                                on_event=ev.append))
+            await until(lambda: _has(ev, CallRunning), 15, "the long call never ran")
+            pid = stack.group.pids()[f"engine-{home}-{MODEL_A}"]
+            assert pid is not None
+            os.kill(pid, signal.SIGTERM)
+            await asyncio.sleep(ENGINE_LIMITS_TTL_WALL_S + 1.0)  # (routers read the engines' states this often)
+            assert not long.done()  # still draining
+            y = await c.open_session(MODEL_A)
+            other = await asyncio.wait_for(y.call(prompt_tokens=1500, max_tokens=64, sim_output_tokens=8), 30)
+            assert other.server_id != home and other.output_tokens == 8
+            assert (await asyncio.wait_for(long, 60)).output_tokens == 20000
 
 
 def test_a_repeated_event_is_logged_once_per_period_with_its_count() -> None:

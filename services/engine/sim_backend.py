@@ -164,6 +164,7 @@ class SimBackend(EngineBackend):
         self.undelivered: list[CallResult] = []  # finished in the engine, not yet told (a write failed): sent first next time
 
     async def start(self) -> None:
+        await self.worker.write_engine_state("ready")  # (a predecessor's drain may have said draining)
         self.worker.spawn(self.timer(), "engine-timer", essential=True)
         self.worker.spawn(self.streamer(), "engine-streamer", essential=True)
 

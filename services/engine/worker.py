@@ -56,6 +56,7 @@ FinishWrites = Callable[[Any], None]  # a backend's own writes in the finish tra
 # 60 s before its SIGKILL): a call longer than that is cut and generated again by the next worker
 ENGINE_DRAIN_WALL_S = 45.0
 DRAIN_POLL_WALL_S = 0.05
+ENGINE_STATE_WRITE_WALL_S = 1.0  # how long a drain or a start waits to write the engine hash's state
 ANSWERED_KEPT = 4096  # call ids a worker remembers answering (a late resend's stale claim is checked again)
 
 
@@ -161,6 +162,7 @@ class EngineWorker(ServiceProcess):
         self.epoch = uuid.uuid4().hex          # this process: a restarted worker takes its old claims over
         # the sessions' finishes and the KV view, written in order and never waited on for long
         self.state_writes = OrderedWrites(lambda: self.redis, lambda: self.log, "engine")
+        self.draining = False  # SIGTERM: no new run taken (drain)
 
     async def setup(self) -> None:
         s = self.settings
@@ -198,6 +200,9 @@ class EngineWorker(ServiceProcess):
         generated again from its first token by the next worker (a probe: 6 calls in a
         rolling restart, 2.4-3 s late; under vLLM the new worker loads its weights first)."""
         await self.runs_sub.unsubscribe()
+        self.draining = True
+        # routers rank this server last for the model meanwhile (and until the next worker is ready)
+        await self.write_engine_state("draining")
         deadline = time.monotonic() + ENGINE_DRAIN_WALL_S
 
         def running() -> int:  # (a run waiting for a wake is not running: it goes to the next worker)
@@ -209,6 +214,17 @@ class EngineWorker(ServiceProcess):
             await asyncio.sleep(DRAIN_POLL_WALL_S)
         if running():
             self.log.warning("engine.drain_cut", running=running())
+
+    async def write_engine_state(self, engine_state: str) -> None:
+        """The engine hash's `state` (starting, ready, draining), which routers read to rank a
+        server whose engine cannot run the model's calls now after those that can. Best effort:
+        Redis away, placement goes by the mirrors alone, as before any state was written."""
+        try:
+            await asyncio.wait_for(self.redis.hset(self.keys.engine(self.settings.server_id, self.settings.model),
+                                                   mapping={"backend": self.backend.name, "state": engine_state}),
+                                   ENGINE_STATE_WRITE_WALL_S)
+        except Exception as exc:  # noqa: BLE001 - best effort, see above
+            self.log.warning("engine.state_unwritten", state=engine_state, error=type(exc).__name__)
 
     # -- runs --------------------------------------------------------------------------
     def stale_admission(self, epoch: int) -> bool:

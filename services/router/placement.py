@@ -44,10 +44,12 @@ class ServerView:
     session_reserved: bool = False  # this server holds a soft reservation for the session
     load_tokens: int = 0  # prompt tokens of the calls queued or running here (a router's active-sequence count)
     live_models: frozenset[str] = frozenset()  # models with calls queued, running or claimed here
+    models_away: frozenset[str] = frozenset()  # models whose engine-worker here is starting or draining
 
 
 def server_view(server_id: str, models: frozenset[str], load: ServerLoad, staged_model: str | None,
-                session_kv: KvTier, reserved_on: str | None) -> ServerView:
+                session_kv: KvTier, reserved_on: str | None,
+                models_away: frozenset[str] = frozenset()) -> ServerView:
     """A server as placement sees it for one call: the server's load (admission's
     mirror), the model being staged in, and where the call's session has its KV
     and its reservation. The one constructor the router and the simulator share."""
@@ -56,7 +58,7 @@ def server_view(server_id: str, models: frozenset[str], load: ServerLoad, staged
         server_id=server_id, models=models, active_model=load.active, staged_model=staged_model,
         queued_calls=load.queued, running_calls=load.running, kv_occupancy=load.kv_occupancy,
         reservations_for_others=load.reservations - mine, session_kv=session_kv, session_reserved=mine,
-        load_tokens=load.load_tokens, live_models=load.live_models,
+        load_tokens=load.load_tokens, live_models=load.live_models, models_away=models_away,
     )
 
 
@@ -288,7 +290,18 @@ def rank(model: str, views: list[ServerView], policy: PolicyConfig, *, session_i
     """Best first. Servers that do not serve `model` are never candidates.
 
     `session_id`, `call_id`, `prompt_tokens` and `prefix_tokens` are the call's
-    own (what the router sees in the request); only the peer rules read them."""
+    own (what the router sees in the request); only the peer rules read them.
+
+    Under every rule, a server whose engine-worker for `model` is starting or draining
+    comes after every server with one ready (a rolling restart: the call would wait
+    for the next worker there, minutes under vLLM), in the rule's order among them."""
+    away = {v.server_id for v in views if model in v.models_away}
+    ranked = _rank(model, views, policy, session_id, call_id, prompt_tokens, prefix_tokens)
+    return [c for c in ranked if c.server_id not in away] + [c for c in ranked if c.server_id in away]
+
+
+def _rank(model: str, views: list[ServerView], policy: PolicyConfig, session_id: str, call_id: str,
+          prompt_tokens: int, prefix_tokens: int) -> list[Candidate]:
     if policy.placement in ("load", "talaria"):
         return _rank_talaria(model, views, policy)
     serving = [v for v in views if model in v.models]

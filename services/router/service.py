@@ -100,6 +100,7 @@ class PendingPlacement:
 IN_FLIGHT_MAX_WALL_S = 2.0  # forget an in-flight placement the mirror never counted (e.g. admission restarted)
 ENGINE_LIMITS_TTL_WALL_S = 5.0  # how long the engines' reported context limits are reused
 ENGINE_LIMITS_READ_WALL_S = 1.0  # ... and how long a fresh read may take (Redis away: the last known ones serve)
+ENGINE_AWAY_STATES = frozenset({"starting", "draining"})  # an engine hash's states with no engine to run a call
 
 
 class Router(ServiceProcess):
@@ -122,7 +123,7 @@ class Router(ServiceProcess):
                 await self.redis.script_load(script)
         except Exception as exc:  # Redis away at start: the router still starts, and loads them on first use
             self.log.warning("router.scripts_not_loaded", error=str(exc))
-        self._engine_limits: tuple[float, dict[str, int]] = (float("-inf"), {})
+        self._engine_states: tuple[float, dict[str, int], dict[str, frozenset[str]]] = (float("-inf"), {}, {})
         # every agent-facing namespace's store of prompts sent by reference (the router creates them)
         await PromptStore(self.nc, self.settings.subject_prefix).create(
             list(AGENT_FACING_NAMESPACES), replicas=self.settings.call_record_replicas, ttl_s=CALL_TTL_S,
@@ -187,27 +188,42 @@ class Router(ServiceProcess):
     async def engine_limits(self) -> dict[str, int]:
         """Per served model, the smallest context limit its running engines report (the vLLM
         engine-worker writes it; a model whose engines report none is absent)."""
-        at, limits = self._engine_limits
+        return (await self.engine_states())[0]
+
+    async def engines_away(self) -> dict[str, frozenset[str]]:
+        """Per server, the models whose engine-worker there says it is starting or draining
+        (a rolling restart: under vLLM, minutes without an engine to run the call)."""
+        return (await self.engine_states())[1]
+
+    async def engine_states(self) -> tuple[dict[str, int], dict[str, frozenset[str]]]:
+        """What the engine-workers write in their hashes, read at most every
+        ENGINE_LIMITS_TTL_WALL_S: the context limits and the engines away."""
+        at, limits, away = self._engine_states
         if time.monotonic() - at < ENGINE_LIMITS_TTL_WALL_S:
-            return limits
+            return limits, away
         pairs = [(srv, m) for srv in self.settings.servers for m in sorted(self.served)]
         pipe = self.redis.pipeline(transaction=False)
         for srv, m in pairs:
-            pipe.hget(self.keys.engine(srv, m), "context_limit")
+            pipe.hmget(self.keys.engine(srv, m), ["context_limit", "state"])
         try:
             # (Redis away: its commands retry for seconds, and `api.info` would not be answered)
             raws = await asyncio.wait_for(pipe.execute(), ENGINE_LIMITS_READ_WALL_S)
         except (asyncio.TimeoutError, RedisError) as exc:
             self.log.warning("router.engine_limits_unread", error=type(exc).__name__, using="the last known")
             # reused as if read: each request would otherwise wait the read out again, and log it
-            self._engine_limits = (time.monotonic(), limits)
-            return limits
-        limits = {}
-        for (_, m), raw in zip(pairs, raws):
-            if raw is not None and int(raw) > 0:
-                limits[m] = min(limits.get(m, int(raw)), int(raw))
-        self._engine_limits = (time.monotonic(), limits)
-        return limits
+            self._engine_states = (time.monotonic(), limits, away)
+            return limits, away
+        limits, away_pairs = {}, {}
+        for (srv, m), (raw_limit, raw_state) in zip(pairs, raws):
+            if raw_limit is not None and int(raw_limit) > 0:
+                limits[m] = min(limits.get(m, int(raw_limit)), int(raw_limit))
+            if raw_state is not None and raw_state.decode() in ENGINE_AWAY_STATES:
+                away_pairs.setdefault(srv, set()).add(m)
+        away = {srv: frozenset(ms) for srv, ms in away_pairs.items()}
+        if away != self._engine_states[2]:
+            self.log.info("router.engines_away", engines={srv: sorted(ms) for srv, ms in away.items()})
+        self._engine_states = (time.monotonic(), limits, away)
+        return limits, away
 
     async def prompt_limit(self, model: str) -> int:
         """What a call carrying its real prompt may use: the engines' limit, else the catalog's."""
@@ -386,6 +402,7 @@ class Router(ServiceProcess):
         # ranking (past saturation nearly every call waited that long, and its write was refused)
         attempt, raw = 0, server_raw
         ranked: list[Any] = []
+        away = await self.engines_away()  # (cached: a read every few seconds at most)
         # the call record names the first choice while its placement's write lands (two
         # waits side by side, not one after the other: the call is counted in flight meanwhile)
         recording: tuple[str, asyncio.Task[int | None]] | None = None
@@ -401,7 +418,7 @@ class Router(ServiceProcess):
                         pipe = self.redis.pipeline(transaction=False)
                         self._queue_server_reads(pipe)  # the only reads in this pipeline: no count needed
                         read, raw = await self._execute_read(pipe)
-                    seq, views, counted = self._server_views(raw, read, kv, reserved_on)
+                    seq, views, counted = self._server_views(raw, read, kv, reserved_on, away)
                     # placed now (its age is the in-flight entry's: one that waited for the lock is not stale)
                     placement = InFlight(req.call_id, req.model, req.prompt_tokens, time.time())
                     ranked = rank(req.model, views, self.settings.policy, session_id=req.session_id,
@@ -596,10 +613,11 @@ class Router(ServiceProcess):
             self.in_flight.end_read(read)
             raise
 
-    def _server_views(self, raw: list[Any], read: int, kv: dict[str, str],
-                      reserved_on: str | None) -> tuple[str, list[ServerView], list[str]]:
+    def _server_views(self, raw: list[Any], read: int, kv: dict[str, str], reserved_on: str | None,
+                      away: dict[str, frozenset[str]]) -> tuple[str, list[ServerView], list[str]]:
         """The placement sequence, every server's view (uncounted placements included) and
-        this router's placements the views count that the snapshot may not hold."""
+        this router's placements the views count that the snapshot may not hold.
+        `away`: per server, the models whose engine-worker there is starting or draining."""
         seq = raw[0].decode() if raw[0] is not None else "0"
         views = []
         wall = time.time()
@@ -613,7 +631,8 @@ class Router(ServiceProcess):
                 self.spawn(self.redis.hdel(self.keys.in_flight(server_id), *stale), "in-flight-prune")
             models = load.models if load.models is not None else frozenset(self.settings.models)
             view = server_view(server_id, models, load, mirror.substrate.staged,
-                               kv.get(server_id, "none"), reserved_on)  # type: ignore[arg-type]
+                               kv.get(server_id, "none"), reserved_on,  # type: ignore[arg-type]
+                               models_away=away.get(server_id, frozenset()))
             views.append(with_in_flight(view, self.in_flight.pending(server_id, shared, read, wall)))
         counted = self.in_flight.unsettled(read)  # (before the read closes: it may drop some)
         self.in_flight.end_read(read)
