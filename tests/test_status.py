@@ -11,7 +11,9 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from shared.keys import Keys
 from shared.net import LOOPBACK, free_port
+from shared.redis_client import open_redis
 from shared.policy import resolve_policy
 from talaria.cli import main
 from talaria.client import AgentLogin, TalariaClient
@@ -69,6 +71,20 @@ async def test_status_names_every_service_and_each_servers_active_model(tmp_path
         assert after.active == {"s0": "glm-4.5-air-fp8"}, status.render(after)
         text = status.render(after)
         assert "engine-s0-glm-4.5-fp8" in text and "glm-4.5-air-fp8" in text
+
+        # an engine-worker that says it drains (a rolling restart) answers, and is not ready
+        assert dep.redis_url is not None
+        r = open_redis(dep.redis_url)
+        engine_key = Keys(dep.key_prefix).engine("s0", "glm-4.5-fp8")
+        try:
+            assert await r.hget(engine_key, "state") == b"ready"  # (every engine-worker says so as it starts)
+            await r.hset(engine_key, "state", "draining")
+            draining = await status.gather(dep)
+            await r.hset(engine_key, "state", "ready")
+        finally:
+            await r.aclose()
+        assert draining.health["engine-s0-glm-4.5-fp8"] == "ok (draining)" and not draining.healthy, \
+            status.render(draining)
 
         # a stopped Redis (it accepts connections and answers nothing) is a failing row, within the timeout
         assert stack.redis is not None and stack.redis.pid is not None

@@ -147,6 +147,11 @@ async def gather(dep: Deployment, timeout_s: float = 3.0) -> Status:
             keys = Keys(dep.key_prefix)
             for sid in st.servers:
                 st.active[sid] = decode_server(await r.hgetall(keys.server(sid))).load.active or ""
+                for m in st.models:  # an engine-worker starting (loading weights) or draining (a rolling restart)
+                    engine_state = await r.hget(keys.engine(sid, m), "state")
+                    instance = f"engine-{sid}-{m}"
+                    if engine_state is not None and engine_state.decode() != "ready" and instance in st.health:
+                        st.health[instance] += f" ({engine_state.decode()})"
             st.health["redis"] = "ok"
         except Exception as exc:  # an operator's extra: the health table stands without it
             st.health["redis"] = (f"no answer within {timeout_s:g} s" if isinstance(exc, RedisTimeoutError)
