@@ -111,6 +111,12 @@ def test_keys_and_token_estimate() -> None:
     assert tr.tenant_for({"authorization": "Bearer k2"}, keys) == "b"
     assert tr.tenant_for({"x-api-key": "k1"}, keys) == "a"
     assert tr.tenant_for({"authorization": "Bearer nope"}, keys) is None and tr.tenant_for({}, keys) is None
+    # both headers (Claude Code with both kinds of key set, a proxy's own bearer): either known key counts
+    assert tr.tenant_for({"authorization": "Bearer stale", "x-api-key": "k1"}, keys) == "a"
+    assert tr.tenant_for({"authorization": "Bearer k2", "x-api-key": "stale"}, keys) == "b"
+    assert tr.tenant_for({"authorization": "Bearer k2", "x-api-key": "k1"}, keys) == "b"  # (the bearer first)
+    assert tr.tenant_for({"authorization": "Bearer nope", "x-api-key": "nope2"}, keys) is None
+    assert tr.presented_keys({"authorization": "Basic k1", "x-api-key": " "}) == []
     assert tr.estimate_tokens("abcd") == 1 and tr.estimate_tokens("abcde") == 2
     p = tr.chat_prompt([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"},
                         {"role": "user", "content": [{"type": "text", "text": "again"}]}])
@@ -641,6 +647,15 @@ async def test_chat_completion_whole_and_streamed_with_usage(stack: EmbeddedStac
 
     c = await client.completions.create(model=MODEL, prompt="def f():", max_tokens=5)
     assert c.object == "text_completion" and c.usage.completion_tokens == 5
+    # a whole number sent as a float (a client's float arithmetic; vLLM takes it) is that number
+    w = await client.chat.completions.create(model=MODEL, max_tokens=6.0, messages=msgs, seed=7.0)  # type: ignore[arg-type]
+    assert w.usage.completion_tokens == 6
+    mw = await ant(stack).messages.create(model=MODEL, max_tokens=5.0, messages=msgs,  # type: ignore[arg-type]
+                                        extra_body={"top_k": 3.0})
+    assert mw.usage.output_tokens == 5
+    with pytest.raises(openai.BadRequestError) as half:
+        await client.chat.completions.create(model=MODEL, max_tokens=6.5, messages=msgs)  # type: ignore[arg-type]
+    assert half.value.body["param"] == "max_tokens"  # type: ignore[index]
 
     # each answer names its call as the APIs do, so an agent's log meets the services' logs
     assert r._request_id == r.id.removeprefix("chatcmpl-") and c._request_id == c.id.removeprefix("cmpl-")
@@ -2007,6 +2022,11 @@ async def test_a_stored_response_is_read_back_and_continued_with_previous_respon
     assert r1.store is True and r1.previous_response_id is None and r1.output[-1].type == "function_call"
     got = await client.responses.retrieve(r1.id)
     assert got.model_dump() == r1.model_dump()
+    # its stream again (a background response's resumption) is refused by name, not the object
+    # answered where the SDK reads a stream (which then yielded nothing and raised nothing)
+    with pytest.raises(openai.BadRequestError) as again:
+        await client.responses.retrieve(r1.id, stream=True)
+    assert again.value.body["param"] == "stream"  # type: ignore[index]
     call = r1.output[-1]
     result = [{"type": "function_call_output", "call_id": call.call_id, "output": "x = 1\n" * 50}]
     # (an agent sends its instructions every turn: a stored response's are not carried over, as OpenAI's are not)
@@ -2181,11 +2201,13 @@ def test_a_tool_result_must_answer_a_call_made_before_it() -> None:
     for bad, param in (([{"role": "tool", "tool_call_id": "call_1", "content": "1"}], "messages[0].tool_call_id"),
                        ([*ok[:2], {"role": "tool", "tool_call_id": "call_9", "content": "9"}], "messages[2].tool_call_id"),
                        ([*ok, {"role": "user", "content": "y"}, {**ok[2], "tool_call_id": "call_7"}],
-                        "messages[5].tool_call_id"),
-                       ([*ok[:2], {"role": "tool", "content": "no id"}], "messages[2].tool_call_id")):
+                        "messages[5].tool_call_id")):
         with pytest.raises(tr.BadRequest) as e:
             tr.check_tool_results(bad)
         assert e.value.param == param and "must be a response to a preceding message" in str(e.value), bad
+    with pytest.raises(tr.BadRequest) as e:  # no id at all: said so (it had read "tool_call_id 'None'")
+        tr.check_tool_results([*ok[:2], {"role": "tool", "content": "no id"}])
+    assert e.value.param == "messages[2].tool_call_id" and "needs the tool_call_id" in str(e.value)
     use = {"type": "tool_use", "id": "toolu_1", "name": "f", "input": {}}
     use2 = {**use, "id": "toolu_2"}
     result = {"type": "tool_result", "tool_use_id": "toolu_1", "content": "1"}

@@ -345,7 +345,7 @@ class Gateway:
     def _tenant(self, request: web.Request) -> str:
         tenant = tr.tenant_for(request.headers, self.keys)
         if tenant is None:
-            why = "no API key" if tr.presented_key(request.headers) is None else "invalid API key"
+            why = "invalid API key" if tr.presented_keys(request.headers) else "no API key"
             raise HttpError("unauthorized", f"{why}: send `Authorization: Bearer <key>` or `x-api-key: <key>`")
         return tenant
 
@@ -413,7 +413,7 @@ class Gateway:
         if prompt.tokens + 1 > limit:
             raise HttpError("context_limit", context_limit_message(limit, prompt.tokens), prompt_param)
         for name in names:
-            v = body.get(name)
+            v = tr.whole(body.get(name))
             if v is None:
                 continue
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -1219,9 +1219,14 @@ class Gateway:
                         "the client (Codex does, with a /v1/responses call of its own) or send it whole")
 
     async def stored_response(self, request: web.Request) -> web.Response:
-        """A stored response read back (`GET /v1/responses/{id}`), as it was answered."""
+        """A stored response read back (`GET /v1/responses/{id}`), as it was answered. Its
+        stream again (`?stream=true`, OpenAI's resumption of a background response) is
+        refused by name: answered with the whole object, the SDK's stream yielded nothing."""
         tenant = self._tenant(request)
         rid = request.match_info["response_id"]
+        if request.query.get("stream", "false").lower() not in ("false", "0", ""):
+            raise HttpError("malformed", "stream is not served for a stored response: it is read back whole "
+                            "(GET without stream); only POST /v1/responses streams", "stream")
         stored = await self._read_response(tenant, rid)
         if stored is None:
             raise HttpError("not_found", f"Response with id '{rid[:256]}' not found.")

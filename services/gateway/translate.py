@@ -73,24 +73,27 @@ def parse_keys(spec: str) -> dict[str, str]:
     return out
 
 
-def presented_key(headers: Mapping[str, str]) -> str | None:
-    """The key a request carries: `Authorization: Bearer K` (OpenAI) or `x-api-key: K` (Anthropic)."""
+def presented_keys(headers: Mapping[str, str]) -> list[str]:
+    """The keys a request carries: `Authorization: Bearer K` (OpenAI) and `x-api-key: K`
+    (Anthropic), in that order. Both count: Claude Code sends both where its user set both
+    kinds of key, and a proxy may add a bearer of its own beside the agent's `x-api-key`."""
     auth = headers.get("authorization", "")
-    if auth[:7].lower() == "bearer ":
-        return auth[7:].strip() or None
-    return headers.get("x-api-key", "").strip() or None
+    keys = [auth[7:].strip()] if auth[:7].lower() == "bearer " else []
+    keys.append(headers.get("x-api-key", "").strip())
+    return [k for i, k in enumerate(keys) if k and k not in keys[:i]]
 
 
 def tenant_for(headers: Mapping[str, str], keys: Mapping[str, str]) -> str | None:
-    key = presented_key(headers)
-    if key is None:
-        return None
-    # constant-time over the known keys: the answer's timing says nothing about a guess
-    found = None
-    for known, tenant in keys.items():
-        if _eq(known, key):
-            found = tenant
-    return found
+    """The tenant of the first key presented that is known (None: no key is)."""
+    for key in presented_keys(headers):
+        # constant-time over the known keys: the answer's timing says nothing about a guess
+        found = None
+        for known, tenant in keys.items():
+            if _eq(known, key):
+                found = tenant
+        if found is not None:
+            return found
+    return None
 
 
 def _eq(a: str, b: str) -> bool:
@@ -487,6 +490,9 @@ def _check_answers_a_call(call_id: Any, asked: set[Any], i: int, api: str) -> No
         raise BadRequest(f"messages.{i}.content: unexpected `tool_use_id` found in `tool_result` blocks: {str(call_id)[:100]}. "
                          "Each `tool_result` block must have a corresponding `tool_use` block in the previous message.",
                          f"messages[{i}].content")
+    if call_id is None:
+        raise BadRequest(f"messages[{i}]: a message with role 'tool' needs the tool_call_id of the call it answers",
+                         f"messages[{i}].tool_call_id")
     raise BadRequest(f"Invalid parameter: messages with role 'tool' must be a response to a preceding message with "
                      f"'tool_calls' (messages[{i}].tool_call_id {str(call_id)[:100]!r} answers no call the "
                      "assistant made before it).", f"messages[{i}].tool_call_id")
@@ -600,12 +606,18 @@ def sim_output_tokens(body: Mapping[str, Any], max_tokens: int) -> int | None:
     where = f"{EXTENSION_FIELD}.sim_output_tokens"
     if not isinstance(ext, Mapping) or set(ext) - {"sim_output_tokens"}:
         raise BadRequest(f"{EXTENSION_FIELD} must be an object with sim_output_tokens only", EXTENSION_FIELD)
-    n = ext.get("sim_output_tokens")
+    n = whole(ext.get("sim_output_tokens"))
     if n is None:
         return None
     if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= max_tokens:
         raise BadRequest(f"{where} must be an integer from 1 to max_tokens ({max_tokens})", where)
     return n
+
+
+def whole(v: Any) -> Any:
+    """A whole-number float as its int (`100.0` -> 100), anything else as it is: a Python
+    client that computes a token count in floats sends one, and vLLM takes it."""
+    return int(v) if isinstance(v, float) and v.is_integer() and abs(v) < 2 ** 63 else v
 
 
 # -- sampling ----------------------------------------------------------------------------------
@@ -703,7 +715,7 @@ def sampling_of(body: Mapping[str, Any], api: str) -> Sampling:
             continue
         if ours == "stop" and isinstance(v, str):
             v = [v]
-        fields[ours] = v
+        fields[ours] = whole(v) if ours in ("top_k", "seed") else v
     if api == "anthropic" and isinstance(fields.get("temperature"), (int, float)) and fields["temperature"] > 1:
         raise BadRequest("temperature must be between 0 and 1", "temperature")
     try:
@@ -795,7 +807,7 @@ def check_thinking(body: Mapping[str, Any], max_tokens: int) -> None:
         raise BadRequest("thinking must be an object whose type is enabled, disabled or adaptive", "thinking")
     if thinking.get("type") != "enabled":
         return
-    budget = thinking.get("budget_tokens")
+    budget = whole(thinking.get("budget_tokens"))
     if not isinstance(budget, int) or isinstance(budget, bool) or budget < THINKING_MIN_BUDGET:
         raise BadRequest(f"thinking.budget_tokens must be an integer of at least {THINKING_MIN_BUDGET}",
                          "thinking.budget_tokens")
