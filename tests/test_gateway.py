@@ -2277,6 +2277,49 @@ async def test_codexs_default_tools_are_served_namespaced_functions_named_and_ho
         assert resp.status == 404 and "compact is not served" in (await resp.json())["error"]["message"]
 
 
+APPLY_PATCH_GRAMMAR = 'start: begin_patch hunk+ end_patch\nbegin_patch: "*** Begin Patch" LF\nend_patch: "*** End Patch" LF?'
+
+
+@pytest.mark.timeout(90)
+async def test_a_custom_tool_is_offered_as_one_string_and_called_as_a_custom_tool_call(stack: EmbeddedStack) -> None:
+    """Codex's freeform `apply_patch` (a `custom` tool with a Lark grammar) had been a 400 on
+    every request that offered it. The model is offered it as a function of one string with the
+    grammar in its description; its call comes back as a `custom_tool_call` whose `input` is that
+    string (streamed as `response.custom_tool_call_input.*`), and the conversation sent back with
+    the call and its `custom_tool_call_output` keeps its prefix."""
+    apply_patch = {"type": "custom", "name": "apply_patch", "description": "edit files with a patch",
+                   "format": {"type": "grammar", "syntax": "lark", "definition": APPLY_PATCH_GRAMMAR}}
+    tools: list[Any] = [{"type": "function", **READ_FILE}, apply_patch]
+    client, hdr = oai(stack), {"session_id": "codex-custom-tool"}
+    task = "fix the parser " * 20
+    r = await client.responses.create(model=MODEL, input=task, tools=tools, store=False,  # type: ignore[arg-type]
+                                      tool_choice={"type": "custom", "name": "apply_patch"}, extra_headers=hdr)
+    (call,) = r.output
+    assert (call.type, call.name) == ("custom_tool_call", "apply_patch") and isinstance(call.input, str) and call.input
+    async with client.responses.stream(model=MODEL, input=task, tools=tools, store=False,  # type: ignore[arg-type]
+                                       tool_choice={"type": "custom", "name": "apply_patch"}, extra_headers=hdr) as st:
+        seen = [e async for e in st]
+        final = await st.get_final_response()
+    (streamed,) = final.output
+    deltas = "".join(e.delta for e in seen if e.type == "response.custom_tool_call_input.delta")
+    done = [e.input for e in seen if e.type == "response.custom_tool_call_input.done"]
+    assert streamed.type == "custom_tool_call" and deltas == done[0] == streamed.input
+    items: list[Any] = [{"type": "message", "role": "user", "content": task}, call.model_dump(exclude_none=True),
+                        {"type": "custom_tool_call_output", "call_id": call.call_id, "output": "Done!"}]
+    r2 = await client.responses.create(model=MODEL, input=items, tools=tools, store=False, extra_headers=hdr)  # type: ignore[arg-type]
+    assert r2.usage.input_tokens_details.cached_tokens > 0
+    # what the model was offered: a function of one string whose description carries the grammar
+    offered = tr.responses_request({"model": MODEL, "input": "x", "tools": [apply_patch]})["tools"][0]["function"]
+    assert offered["parameters"]["required"] == [tr.CUSTOM_INPUT]
+    assert APPLY_PATCH_GRAMMAR in offered["parameters"]["properties"][tr.CUSTOM_INPUT]["description"]
+    assert tr.custom_input({"input": "*** Begin Patch"}) == "*** Begin Patch" == tr.custom_input({"patch": "*** Begin Patch"})
+    for bad in ({"type": "custom"}, {"type": "custom", "name": "p", "format": {"type": "grammar", "syntax": "ebnf",
+                                                                               "definition": "x"}}):
+        with pytest.raises(tr.BadRequest) as e:
+            tr.responses_request({"model": MODEL, "input": "x", "tools": [bad]})
+        assert e.value.param is not None and e.value.param.startswith("tools[0]")
+
+
 @pytest.mark.timeout(60)
 async def test_anthropics_server_tools_are_not_offered_to_the_model(stack: EmbeddedStack) -> None:
     # Claude Code sends its web search as Anthropic's server tool: the model here never calls it

@@ -1174,7 +1174,7 @@ class Gateway:
         model, max_tokens, tools = p.model, p.max_tokens, list(p.tools)
         cid, created = p.ids.call_id, int(time.time())
         kept = [store and self.redis is not None and self.settings.gateway_responses_ttl_s > 0]
-        namespaces = tr.responses_tool_namespaces(original.get("tools"))
+        offered = tr.responses_offered(original.get("tools"))
         if left_out := tr.responses_left_out(original.get("tools")):  # hosted tools: not offered to this model
             self.log.info("gateway.tools_left_out", tools=left_out)
 
@@ -1182,7 +1182,7 @@ class Gateway:
             answer = p.answer(reply)
             status = tr.response_status(reply, max_tokens, answer)
             return tr.response_object(cid, model, created, original, status=status, store=kept[0],
-                                      output=tr.response_output(cid, answer, status, namespaces),
+                                      output=tr.response_output(cid, answer, status, offered),
                                       usage=tr.response_usage(reply))
 
         async def keep(reply: CallReply) -> None:

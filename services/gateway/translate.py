@@ -26,7 +26,7 @@ import uuid
 import zlib
 from array import array
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -1128,7 +1128,8 @@ def read_stored_response(blob: bytes) -> tuple[list[Any], dict[str, Any]]:
     return doc["conversation"], doc["response"]
 
 
-_INPUT_ITEM_ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
+_INPUT_ITEM_ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs",
+                         "custom_tool_call": "ctc", "custom_tool_call_output": "ctco"}
 
 
 def _input_item(item: Any, response_id: str, index: int) -> dict[str, Any]:
@@ -1214,7 +1215,7 @@ def responses_request(body: Mapping[str, Any], previous: list[Any] | None = None
     if tools is not None:
         out["tools"] = _responses_tools(tools)
     choice = body.get("tool_choice")
-    if isinstance(choice, Mapping) and choice.get("type") == "function":
+    if isinstance(choice, Mapping) and choice.get("type") in ("function", "custom"):
         choice = {"type": "function", "function": {"name": choice.get("name")}}
     if choice is not None:
         out["tool_choice"] = choice
@@ -1258,15 +1259,27 @@ def _responses_messages(items: list[Any], previous: int = 0) -> list[dict[str, A
                 out[-1].setdefault("tool_calls", []).append(call)
             else:
                 out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "custom_tool_call":
+            name, call_id, text = item.get("name"), item.get("call_id"), item.get("input")
+            if not isinstance(name, str) or not name or not isinstance(call_id, str) or not isinstance(text, str):
+                raise BadRequest(f"{where}: a custom_tool_call needs a name, a call_id and its input as a string", where)
+            # as the model was offered the tool: a function of one string
+            call = {"id": call_id, "type": "function",
+                    "function": {"name": name, "arguments": json.dumps({CUSTOM_INPUT: text})}}
+            calls.add(call_id)
+            if out and out[-1]["role"] == "assistant":
+                out[-1].setdefault("tool_calls", []).append(call)
+            else:
+                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
         elif kind == "function_call_output" and item.get("call_id") is None and isinstance(item.get("name"), str):
             # a tool's output the client adds with no call before it (Codex's `goal_objective`, in
             # its `agent` namespace, after a goal is set): context for the model, given as the
             # user's, since it answers no call (a `tool` message would answer none)
             out.append({"role": "user", "content": _responses_content(item.get("output"), f"{where}.output")})
-        elif kind == "function_call_output":
+        elif kind in ("function_call_output", "custom_tool_call_output"):
             call_id = item.get("call_id")
             if not isinstance(call_id, str):
-                raise BadRequest(f"{where}: a function_call_output needs the call_id it answers", where)
+                raise BadRequest(f"{where}: a {kind} needs the call_id it answers", where)
             if call_id not in calls:
                 raise BadRequest(f"No tool call found for function call output with call_id {call_id[:100]}.", where)
             out.append({"role": "tool", "tool_call_id": call_id,
@@ -1275,7 +1288,8 @@ def _responses_messages(items: list[Any], previous: int = 0) -> list[dict[str, A
             continue  # a past turn's reasoning: the engine keeps none, and chat templates drop it
         else:
             raise BadRequest(f"{where}.type {str(kind)[:100]!r} is not served (message, function_call, "
-                             "function_call_output, reasoning)", f"{where}.type")
+                             "function_call_output, custom_tool_call, custom_tool_call_output, reasoning)",
+                             f"{where}.type")
     if not out:
         raise BadRequest("input must hold at least one message", "input")
     return out
@@ -1317,34 +1331,90 @@ def responses_left_out(tools: Any) -> list[str]:
     return [t["type"] for t in tools if isinstance(t, Mapping) and t.get("type") in RESPONSES_HOSTED_TOOLS]
 
 
-def responses_tool_namespaces(tools: Any) -> dict[str, str]:
-    """Each function offered inside a `namespace` tool (Codex's `multi_agent_v1`), by its
-    name: the namespace its `function_call` items carry, as OpenAI's do."""
-    out: dict[str, str] = {}
+@dataclass(frozen=True)
+class OfferedTools:
+    """What a Responses request's tools say of the items its calls come back as: the
+    namespace each function offered inside a `namespace` tool came from (Codex's
+    `multi_agent_v1`; its `function_call` items carry it, as OpenAI's do), and the names
+    of its custom (freeform) tools, whose calls are `custom_tool_call` items."""
+
+    namespaces: Mapping[str, str] = field(default_factory=dict)
+    custom: frozenset[str] = frozenset()
+
+
+def responses_offered(tools: Any) -> OfferedTools:
+    namespaces: dict[str, str] = {}
+    custom: set[str] = set()
     for t in tools if isinstance(tools, list) else ():
         if isinstance(t, Mapping) and t.get("type") == "namespace" and isinstance(t.get("tools"), list):
-            out.update({f["name"]: str(t.get("name")) for f in t["tools"]
-                        if isinstance(f, Mapping) and isinstance(f.get("name"), str)})
-    return out
+            namespaces.update({f["name"]: str(t.get("name")) for f in t["tools"]
+                               if isinstance(f, Mapping) and isinstance(f.get("name"), str)})
+        elif isinstance(t, Mapping) and t.get("type") == "custom" and isinstance(t.get("name"), str):
+            custom.add(t["name"])
+    return OfferedTools(namespaces, frozenset(custom))
+
+
+CUSTOM_INPUT = "input"  # the one string parameter a custom tool is offered to the model with
+
+
+def _custom_as_function(t: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """A custom (freeform) tool offered as a function of one string, `input`: the engines
+    parse a model's calls as JSON arguments, and decode no grammar. The tool's format (a
+    Lark or regex grammar, Codex's `apply_patch`) is given in the parameter's description,
+    so the model writes to it; its call goes back as a `custom_tool_call` with that string."""
+    if not isinstance(t.get("name"), str) or not t["name"]:
+        raise BadRequest(f"{where}: a custom tool needs a name", where)
+    fmt = t.get("format")
+    if fmt is not None and (not isinstance(fmt, Mapping) or fmt.get("type") not in ("text", "grammar")):
+        raise BadRequest(f"{where}.format: type must be text or grammar", f"{where}.format")
+    about = "The tool's whole input, as raw text."
+    if isinstance(fmt, Mapping) and fmt.get("type") == "grammar":
+        definition, syntax = fmt.get("definition"), fmt.get("syntax")
+        if not isinstance(definition, str) or syntax not in ("lark", "regex"):
+            raise BadRequest(f"{where}.format: a grammar needs its definition and a syntax of lark or regex",
+                             f"{where}.format")
+        about += f" It must match this {syntax} grammar:\n{definition}"
+    function = {"name": t.get("name"), "parameters": {
+        "type": "object", "properties": {CUSTOM_INPUT: {"type": "string", "description": about}},
+        "required": [CUSTOM_INPUT], "additionalProperties": False}}
+    if "description" in t:
+        function["description"] = t["description"]
+    return {"type": "function", "function": function}
+
+
+def custom_input(arguments: Any) -> str:
+    """A custom tool's input from the model's call of it as a function: its `input`, else
+    the one string it gave under another name, else the arguments as JSON."""
+    if isinstance(arguments, Mapping):
+        if isinstance(arguments.get(CUSTOM_INPUT), str):
+            return arguments[CUSTOM_INPUT]
+        strings = [v for v in arguments.values() if isinstance(v, str)]
+        if len(arguments) == 1 and strings:
+            return strings[0]
+    return arguments if isinstance(arguments, str) else json.dumps(arguments)
 
 
 def _responses_tools(tools: Any) -> list[Any]:
     """Function tools in chat's shape; a `namespace` tool's functions flat, under their own
     names (the model calls them so; each call names its namespace again on the way out);
-    hosted tools left out. A name offered twice is refused, as the call could not say which."""
+    a custom tool as a function of one string (`_custom_as_function`); hosted tools left
+    out. A name offered twice is refused, as the call could not say which."""
     if not isinstance(tools, list):
         raise BadRequest("tools must be a list", "tools")
     out: list[Any] = []
     named: set[str] = set()
 
     def function(t: Any, where: str) -> None:
-        if not isinstance(t, Mapping) or t.get("type") != "function":
+        if not isinstance(t, Mapping) or t.get("type") not in ("function", "custom"):
             kind = t.get("type") if isinstance(t, Mapping) else None
-            raise BadRequest(f"{where}: only function tools are served, not {str(kind)[:100]!r}", where)
+            raise BadRequest(f"{where}: only function and custom tools are served, not {str(kind)[:100]!r}", where)
         if isinstance(t.get("name"), str):
             if t["name"] in named:
                 raise BadRequest(f"{where}: the tool name {t['name'][:100]!r} is offered twice", where)
             named.add(t["name"])
+        if t["type"] == "custom":
+            out.append(_custom_as_function(t, where))
+            return
         out.append({"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters") if k in t}})
 
     for i, t in enumerate(tools):
@@ -1380,27 +1450,36 @@ def response_message_item(call_id: str, text: str, status: str) -> dict[str, Any
             "content": content}
 
 
-def response_call_item(call: tool_calls.ToolCall, status: str, namespaces: Mapping[str, str] | None = None
+def response_call_item_id(call: tool_calls.ToolCall, offered: OfferedTools | None = None) -> str:
+    return f"ctc_{call.id}" if offered and call.name in offered.custom else f"fc_{call.id}"
+
+
+def response_call_item(call: tool_calls.ToolCall, status: str, offered: OfferedTools | None = None
                        ) -> dict[str, Any]:
-    """A `function_call` item; one of a namespace's functions names it (`namespace`)."""
-    item = {"type": "function_call", "id": f"fc_{call.id}", "call_id": call.id, "name": call.name,
-            "arguments": json.dumps(call.arguments) if status != "in_progress" else "", "status": status}
-    if namespaces and call.name in namespaces:
-        item["namespace"] = namespaces[call.name]
+    """A `function_call` item; one of a namespace's functions names it (`namespace`); a
+    custom tool's call is a `custom_tool_call` with its `input`."""
+    done = status != "in_progress"
+    if offered and call.name in offered.custom:
+        return {"type": "custom_tool_call", "id": response_call_item_id(call, offered), "call_id": call.id,
+                "name": call.name, "input": custom_input(call.arguments) if done else "", "status": status}
+    item = {"type": "function_call", "id": response_call_item_id(call, offered), "call_id": call.id, "name": call.name,
+            "arguments": json.dumps(call.arguments) if done else "", "status": status}
+    if offered and call.name in offered.namespaces:
+        item["namespace"] = offered.namespaces[call.name]
     return item
 
 
 def response_output(call_id: str, answer: Answer, status: str = "completed",
-                    namespaces: Mapping[str, str] | None = None) -> list[dict[str, Any]]:
+                    offered: OfferedTools | None = None) -> list[dict[str, Any]]:
     """The reply's output items: its reasoning as a `reasoning` item where it has any, its
     text as a message (none where the model only called tools; `incomplete` as the
     response is, where it stopped at max_output_tokens), then each tool call as a
-    `function_call` item."""
+    `function_call` item (a custom tool's as a `custom_tool_call`)."""
     text_status = "incomplete" if status == "incomplete" else "completed"
     items = [response_reasoning_item(call_id, answer.reasoning)] if answer.reasoning else []
     if answer.content or not answer.calls:
         items.append(response_message_item(call_id, answer.content, text_status))
-    return items + [response_call_item(c, "completed", namespaces) for c in answer.calls]
+    return items + [response_call_item(c, "completed", offered) for c in answer.calls]
 
 
 def response_reasoning_id(call_id: str) -> str:
@@ -1445,14 +1524,15 @@ class ResponseEvents:
     model writes no reasoning, else with the answer's first text (its text then comes as
     `response.output_text.delta`s), or at the reply where tools are offered (the text may
     be a call the parser must read whole); each tool call as a `function_call` item with
-    its arguments in one delta; then `response.completed` (or `response.incomplete` at
+    its arguments in one delta (a custom tool's as a `custom_tool_call`, its input in one
+    delta); then `response.completed` (or `response.incomplete` at
     max_output_tokens, `response.failed` on an error)."""
 
     def __init__(self, call_id: str, model: str, created: int, request: Mapping[str, Any], held: bool,
                  reasoning_format: str = "none", store: bool = False) -> None:
         self.call_id, self.model, self.created, self.request = call_id, model, created, request
         self.store = store  # (the response's `store`: cleared where keeping it failed before the end)
-        self.namespaces = responses_tool_namespaces(request.get("tools"))
+        self.offered = responses_offered(request.get("tools"))
         self.text = TextStream(held)
         self.thought = reasoning.Splitter(reasoning_format)
         self.seq = 0
@@ -1521,7 +1601,7 @@ class ResponseEvents:
     def finish(self, reply: Any, max_tokens: int, answer: Answer) -> list[tuple[str, dict[str, Any]]]:
         out: list[tuple[str, dict[str, Any]]] = []
         status = response_status(reply, max_tokens, answer)
-        items = response_output(self.call_id, answer, status, self.namespaces)
+        items = response_output(self.call_id, answer, status, self.offered)
         if answer.reasoning and not self.reasoning_done:  # (the whole thought where it came at once)
             out += self._reasoning(self.thought.reasoning_rest(answer.reasoning))
             out += self._close_reasoning(answer.reasoning)
@@ -1542,12 +1622,19 @@ class ResponseEvents:
                     self._ev("response.output_item.done", output_index=m, item=item)]
         first_call = len(items) - len(answer.calls)
         for i, c in enumerate(answer.calls, start=first_call):
-            item_id, args = f"fc_{c.id}", json.dumps(c.arguments)
-            out += [self._ev("response.output_item.added", output_index=i,
-                             item=response_call_item(c, "in_progress", self.namespaces)),
-                    self._ev("response.function_call_arguments.delta", item_id=item_id, output_index=i, delta=args),
-                    self._ev("response.function_call_arguments.done", item_id=item_id, output_index=i, arguments=args),
-                    self._ev("response.output_item.done", output_index=i, item=items[i])]
+            item_id = response_call_item_id(c, self.offered)
+            out.append(self._ev("response.output_item.added", output_index=i,
+                                item=response_call_item(c, "in_progress", self.offered)))
+            if c.name in self.offered.custom:
+                text = custom_input(c.arguments)
+                out += [self._ev("response.custom_tool_call_input.delta", item_id=item_id, output_index=i, delta=text),
+                        self._ev("response.custom_tool_call_input.done", item_id=item_id, output_index=i, input=text)]
+            else:
+                args = json.dumps(c.arguments)
+                out += [self._ev("response.function_call_arguments.delta", item_id=item_id, output_index=i, delta=args),
+                        self._ev("response.function_call_arguments.done", item_id=item_id, output_index=i,
+                                 arguments=args)]
+            out.append(self._ev("response.output_item.done", output_index=i, item=items[i]))
         kind = "response.incomplete" if status == "incomplete" else "response.completed"
         return [*out, self._ev(kind, response=self._response(status, items, response_usage(reply)))]
 
