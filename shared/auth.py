@@ -24,10 +24,11 @@ _SERVICE_PUB = ["_INBOX.>"]  # (health checks inside a service's container ping 
 
 
 def _call_record_api(prefix: str) -> list[str]:
-    """JetStream API subjects to open and read the call record bucket (its stream is KV_<bucket>)."""
+    """JetStream API subjects to open and read the call record bucket (its stream is KV_<bucket>)
+    and to set its bound (whichever process opens it first)."""
     stream = f"KV_{Subjects(prefix).call_record_bucket}"
-    return [f"$JS.API.STREAM.CREATE.{stream}", f"$JS.API.STREAM.INFO.{stream}", f"$JS.API.STREAM.MSG.GET.{stream}",
-            f"$JS.API.DIRECT.GET.{stream}", f"$JS.API.DIRECT.GET.{stream}.>"]
+    return [f"$JS.API.STREAM.CREATE.{stream}", f"$JS.API.STREAM.UPDATE.{stream}", f"$JS.API.STREAM.INFO.{stream}",
+            f"$JS.API.STREAM.MSG.GET.{stream}", f"$JS.API.DIRECT.GET.{stream}", f"$JS.API.DIRECT.GET.{stream}.>"]
 
 
 def _prompt_store_api(prefix: str, namespace: str, *, write: bool = False, read: bool = False,

@@ -495,7 +495,8 @@ class ServiceProcess:
         self.spawn(rotate_logs(self.settings.log_max_bytes, self.settings.log_keep), "log-rotation")
         if self.uses_call_records:
             self.call_records = await CallRecords.open(self.nc, self.settings.subject_prefix,
-                                                       replicas=self.settings.call_record_replicas, ttl_s=CALL_TTL_S)
+                                                       replicas=self.settings.call_record_replicas, ttl_s=CALL_TTL_S,
+                                                       max_bytes=self.settings.call_record_max_bytes)
         try:
             await check_target(self.redis, self.settings.redis_url)
         except RedisUrlError as exc:  # a deployment error: a restart would not mend it

@@ -50,7 +50,7 @@ import nats.errors
 import nats.js.errors
 import structlog
 from nats.aio.client import Client as NATS
-from nats.js.api import Header, KeyValueConfig, StorageType
+from nats.js.api import DiscardPolicy, Header, KeyValueConfig, StorageType
 from nats.js.client import JetStreamContext
 from nats.js.kv import KeyValue
 
@@ -145,9 +145,10 @@ class CallRecords:
         self.deadline_s = deadline_s
 
     @classmethod
-    async def open(cls, nc: NATS, subject_prefix: str, *, replicas: int, ttl_s: float,
+    async def open(cls, nc: NATS, subject_prefix: str, *, replicas: int, ttl_s: float, max_bytes: int | None = None,
                    deadline_s: float = RETRY_DEADLINE_S) -> CallRecords:
-        """Create the bucket, or bind to it if it exists (every service may be first)."""
+        """Create the bucket, or bind to it if it exists (every service may be first).
+        `max_bytes`: the bucket's bound, its oldest records dropped past it (see `bound`)."""
         js = nc.jetstream(timeout=REQUEST_TIMEOUT_S)
         name = Subjects(subject_prefix).call_record_bucket
         config = KeyValueConfig(bucket=name, history=1, ttl=ttl_s, replicas=max(1, replicas), storage=StorageType.FILE)
@@ -159,7 +160,10 @@ class CallRecords:
                     kv = await js.create_key_value(config)
                 except nats.js.errors.BadRequestError:  # exists with another config (e.g. other replicas)
                     kv = await js.key_value(name)
-                return cls(kv, js, name, deadline_s)
+                records = cls(kv, js, name, deadline_s)
+                if max_bytes:
+                    await records.bound(max_bytes)
+                return records
             except Exception as exc:
                 if not is_transient(exc) or time.monotonic() > end:
                     hint = (" (is JetStream enabled on the NATS server? the call record needs it: nats-server -js)"
@@ -167,6 +171,31 @@ class CallRecords:
                     raise CallRecordUnavailable(f"call record bucket {name}: {type(exc).__name__}: {exc}{hint}") from exc
                 await asyncio.sleep(_BACKOFF_S[min(attempt, len(_BACKOFF_S) - 1)])
                 attempt += 1
+
+    async def bound(self, max_bytes: int) -> None:
+        """Hold the bucket to `max_bytes`, its oldest records dropped first once it is full
+        (JetStream's discard-old, where a key-value bucket's own discard-new would refuse
+        every new call): records are written for every call and kept for hours, so a busy
+        fleet had filled the NATS server's JetStream store, and then every call failed. A
+        record dropped early is a retry of an old call no longer deduplicated; an admission's
+        epoch (rewritten every minute) and an open session's model (also in Redis) are the
+        rest of what the bucket holds. The same bound from every process: set once."""
+        info = await self.js.stream_info(self.stream)
+        if info.config.max_bytes != max_bytes or info.config.discard != DiscardPolicy.OLD:
+            await self.js.update_stream(info.config.evolve(max_bytes=max_bytes, discard=DiscardPolicy.OLD))
+
+    async def usage(self) -> tuple[int, float | None]:
+        """The bucket's bytes and its oldest record's age in wall seconds (None: it is empty):
+        how far back a retry is still deduplicated, once the bound drops records early."""
+        state = (await self.js.stream_info(self.stream)).state
+        if not state.messages or not state.first_seq:
+            return int(state.bytes or 0), None
+        try:
+            first = await self.js.get_msg(self.stream, seq=state.first_seq)
+        except nats.js.errors.NotFoundError:  # (dropped meanwhile: next time)
+            return int(state.bytes or 0), None
+        age = max(0.0, time.time() - first.time.timestamp()) if first.time is not None else None
+        return int(state.bytes or 0), age
 
     async def _retry(self, what: str, step):  # type: ignore[no-untyped-def]
         return await retry_transient(what, step, self.deadline_s, CallRecordUnavailable)
@@ -292,15 +321,19 @@ class CallRecords:
     # -- epochs: who is the newest process of a role (admission's fence) -----------------
     async def take_epoch(self, role: str, scope: str) -> tuple[int, int]:
         """Become the newest holder of `role` for `scope` (an admission for its server):
-        the stored epoch plus one, written by compare-and-set, so two processes never
-        hold one epoch. Returns (epoch, revision)."""
+        above the stored epoch and at least the wall clock in milliseconds, written by
+        compare-and-set, so two processes never hold one epoch, and a successor's epoch is
+        newer than its predecessors' even where the bounded bucket dropped their record
+        (counting up from 1 again, it would be refused as older by every engine).
+        Returns (epoch, revision)."""
         key = epoch_key(role, scope)
         while True:
             current, revision = await self.current_epoch(role, scope)
+            epoch = max(current + 1, int(time.time() * 1000))
             # None: another process took one meanwhile: read again
-            rev = await self._write("take epoch", key, str(current + 1).encode(), revision)
+            rev = await self._write("take epoch", key, str(epoch).encode(), revision)
             if rev is not None:
-                return current + 1, rev
+                return epoch, rev
 
     async def current_epoch(self, role: str, scope: str) -> tuple[int, int]:
         """The newest epoch of `role` for `scope` and its revision ((0, 0): none yet)."""
@@ -319,9 +352,17 @@ class CallRecords:
         return await self._retry("epoch", step)
 
     async def refresh_epoch(self, role: str, scope: str, epoch: int, revision: int) -> int | None:
-        """Write our epoch again (the bucket's TTL would age it out under a long-lived
-        holder); the new revision, or None when a newer holder has taken it."""
-        return await self._write("refresh epoch", epoch_key(role, scope), str(epoch).encode(), revision)
+        """Write our epoch again (the bucket's TTL, or its bound, would drop it under a
+        long-lived holder); the new revision, or None when a newer holder has taken it.
+        A record dropped meanwhile is written again."""
+        key = epoch_key(role, scope)
+        while True:
+            rev = await self._write("refresh epoch", key, str(epoch).encode(), revision)
+            if rev is not None:
+                return rev
+            current, revision = await self.current_epoch(role, scope)
+            if current > epoch:
+                return None
 
     # -- open sessions (the router's) ---------------------------------------------------
     async def open_session(self, session_id: str, model: str, owner: str) -> None:

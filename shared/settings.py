@@ -152,6 +152,7 @@ class Settings:
     gateway_reasoning_parsers: str = ""  # `model=FORMAT,...` (`*` every model; think, none): over the catalog's
     call_record_replicas: int = 1   # JetStream replicas of the at-most-once call record and the prompt store (3 on a 3-node cluster)
     prompt_store_max_bytes: int = 1024 ** 3  # bytes each namespace's prompt store may hold (prompts sent by reference)
+    call_record_max_bytes: int = 1024 ** 3  # bytes the call record bucket may hold (its oldest records dropped past it)
     loop_stall_exit_s: float = 0.0  # wall seconds of a stuck event loop after which the process exits (0 = off)
     metrics_port: int = 0           # this process's Prometheus endpoint (0 = off; compose: 9464 in every container)
     metrics_host: str = "0.0.0.0"   # the address it listens on
@@ -258,6 +259,10 @@ class Settings:
         p.add_argument("--prompt-store-max-bytes", type=int,
                        default=_int(src, "TALARIA_PROMPT_STORE_MAX_BYTES", 1024 ** 3),
                        help="bytes each agent namespace's prompt store may hold (large prompts go by reference)")
+        p.add_argument("--call-record-max-bytes", type=int,
+                       default=_int(src, "TALARIA_CALL_RECORD_MAX_BYTES", 1024 ** 3),
+                       help="bytes the call record bucket may hold on each NATS node; past it its oldest records "
+                            "are dropped (a retry older than them is no longer deduplicated)")
         p.add_argument("--metrics-port", type=int, default=_int(src, "TALARIA_METRICS_PORT", 0),
                        help="serve Prometheus metrics on this port (0 = off)")
         p.add_argument("--metrics-host", default=_env("TALARIA_METRICS_HOST", "0.0.0.0"),
@@ -327,6 +332,7 @@ class Settings:
             gateway_reasoning_parsers=a.gateway_reasoning_parsers,
             call_record_replicas=min(5, max(1, a.call_record_replicas)),
             prompt_store_max_bytes=max(1024 * 1024, a.prompt_store_max_bytes),
+            call_record_max_bytes=max(1024 * 1024, a.call_record_max_bytes),
             loop_stall_exit_s=max(0.0, a.loop_stall_exit_s),
             metrics_port=max(0, a.metrics_port),
             metrics_host=a.metrics_host,

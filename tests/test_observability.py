@@ -221,6 +221,11 @@ async def test_prometheus_totals_equal_the_clients_records_and_the_logs(tmp_path
             # series per (server, model), not as `vllm_*`
             for name in ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc"):
                 assert prom.value(f"count(count by (server, model) (last_over_time({name}[1h])))") == len(models), name
+            # the call record bucket, as the router reads it (at its start, then every 10 s): its bound,
+            # and what it holds under it
+            assert prom.value("max(last_over_time(talaria_call_record_max_bytes[1h]))") == 1024 ** 3
+            held = prom.get("/api/v1/query", query="max(last_over_time(talaria_call_record_bytes[1h]))")
+            assert held["data"]["result"] and float(held["data"]["result"][0]["value"][1]) < 1024 ** 3, held
             stored = prom.get("/api/v1/label/__name__/values")["data"]
             assert not [n for n in stored if n.startswith("vllm_")], stored
             # no session or call label anywhere, and no `instance` label of ours

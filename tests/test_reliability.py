@@ -1073,8 +1073,48 @@ async def test_a_call_record_write_whose_ack_is_lost_is_retried_to_its_own_revis
         assert (await records.get("s-1", "c-1"))[0] is None
         assert await records.create("s-1", "c-1", CallRecord(state="placing")) is not None
         # epochs go through the same write
-        assert (await records.take_epoch("admission", "s0"))[0] == 1
-        assert (await records.take_epoch("admission", "s0"))[0] == 2
+        one = (await records.take_epoch("admission", "s0"))[0]
+        assert (await records.take_epoch("admission", "s0"))[0] > one
+    finally:
+        await nc.close()
+
+
+async def test_the_call_record_bucket_keeps_to_its_bound_dropping_its_oldest_records(
+        nats_server: NatsServer, subject_prefix: str) -> None:
+    """Past `max_bytes` the bucket drops its oldest records, and every write still lands (a
+    key-value bucket's own discard-new refused them: every call failed once the NATS store
+    was full, which nothing bounded). An admission's epoch dropped with them is written again
+    by its refresh, and a successor's epoch is still newer (counting from 1 again, every
+    engine would refuse it as older than the one it last heard)."""
+    from nats.aio.client import Client as NATS
+
+    from shared.call_record import CallRecords
+    from shared.keys import CALL_TTL_S
+    from shared.schema import CallRecord
+
+    bound = 256 * 1024
+    nc = NATS()
+    await nc.connect(nats_server.url)
+    try:
+        records = await CallRecords.open(nc, subject_prefix, replicas=1, ttl_s=CALL_TTL_S, max_bytes=bound)
+        first, first_rev = await records.take_epoch("admission", "s0")
+        reply = b"r" * 4096  # (a real engine's reply: its text and token ids)
+        n = 3 * bound // len(reply)
+        for i in range(n):
+            rev = await records.create("sess", f"c-{i}", CallRecord(state="placing"))
+            assert rev is not None
+            assert await records.update("sess", f"c-{i}", CallRecord(state="answered", reply=reply), rev) is not None
+        size, oldest = await records.usage()
+        assert 0 < size <= bound and oldest is not None and oldest < 60
+        assert (await records.get("sess", "c-0"))[0] is None  # dropped early
+        assert (await records.get("sess", f"c-{n - 1}"))[0] is not None
+        assert (await records.current_epoch("admission", "s0"))[0] == 0  # the epoch was dropped too
+        assert await records.refresh_epoch("admission", "s0", first, first_rev) is not None  # and is written again
+        assert (await records.current_epoch("admission", "s0"))[0] == first
+        assert (await records.take_epoch("admission", "s0"))[0] > first
+        # a second process opening it with the same bound changes nothing; the bound is the stream's
+        again = await CallRecords.open(nc, subject_prefix, replicas=1, ttl_s=CALL_TTL_S, max_bytes=bound)
+        assert (await again.js.stream_info(again.stream)).config.max_bytes == bound
     finally:
         await nc.close()
 

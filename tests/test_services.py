@@ -92,6 +92,7 @@ class Services:
             # every Services of the session shares one test NATS: each prompt store reserves its
             # bound there, and at the default 1 GiB each the server ran out of storage to reserve
             "TALARIA_PROMPT_STORE_MAX_BYTES": str(64 * 2**20),
+            "TALARIA_CALL_RECORD_MAX_BYTES": str(64 * 2**20),  # (the same for the call record's bound)
             "TALARIA_LOG_FORMAT": "json",
             "PYTHONUNBUFFERED": "1",
             "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p),

@@ -26,7 +26,6 @@ from shared.costmodel import CostModel
 from shared.bus import REDIS_AWAY, RequestInterrupted, RequestLost, ServiceProcess, run_service, trace_headers
 from shared.call_record import CallRecordUnavailable
 from shared.clock import done_within, drive_timer
-from shared.keys import CALL_TTL_S
 from shared.logs import LogEvery
 from shared.net import no_responders
 from shared.state import CounterMirror, ServerLoad, add_counters, write_server_load
@@ -39,7 +38,7 @@ from shared.schema import (
 
 RECONCILE_WALL_S = 3.0  # wall seconds a confirmed run may go without CallFinished before its record is read
 EPOCH_CHECK_WALL_S = 1.0  # wall seconds between two checks that no newer admission of this server exists
-EPOCH_REFRESH_WALL_S = CALL_TTL_S / 4  # our epoch is rewritten this often (the bucket's TTL)
+EPOCH_REFRESH_WALL_S = 60.0  # our epoch is rewritten this often (the bucket's TTL and bound drop its oldest)
 SUPERSEDED_EXIT_CODE = 75  # a newer admission holds this server: this process must not go on
 SWITCH_ACK_WALL_S = 1.0  # wall seconds a switch request may go unacknowledged before it is asked again
 SWITCH_RESULT_MARGIN_WALL_S = 2.0  # wall seconds past a switch's planned end before its result counts as lost
@@ -92,6 +91,8 @@ class AdmissionService(ServiceProcess):
         await self.nc.subscribe(self.ack_inbox, cb=self.guarded_handler(self.on_dispatch_ack, "dispatch_ack"))
         # the newest admission of this server: engines refuse its predecessors' dispatches from
         # now on (a stopped one that resumes cannot dispatch twice); durable, not in Redis
+        # (none before us: the stack's first start, where engines not answering yet is expected)
+        self.first_start = (await self.call_records.current_epoch("admission", sid))[0] == 0
         self.epoch, self.epoch_revision = await self.call_records.take_epoch("admission", sid)
         self.log.info("admission.epoch", epoch=self.epoch)
         # rebuild queued and running calls a predecessor held (docs/reliability.md)
@@ -153,7 +154,7 @@ class AdmissionService(ServiceProcess):
         for m, st in states.items():
             if not isinstance(st, EngineState):  # engine down: it announces when back, and we re-send then
                 # (the stack's first start: the engines start beside us, nothing to recover)
-                first = self.epoch == 1 and not stored
+                first = self.first_start and not stored
                 (self.log.info if first else self.log.warning)("admission.recover_engine_unknown", model=m, error=st)
                 continue
             if st.awake and (awake is None or st.running):

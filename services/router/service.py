@@ -100,6 +100,7 @@ class PendingPlacement:
 IN_FLIGHT_MAX_WALL_S = 2.0  # forget an in-flight placement the mirror never counted (e.g. admission restarted)
 ENGINE_LIMITS_TTL_WALL_S = 5.0  # how long the engines' reported context limits are reused
 ENGINE_LIMITS_READ_WALL_S = 1.0  # ... and how long a fresh read may take (Redis away: the last known ones serve)
+CALL_RECORD_WATCH_WALL_S = 10.0  # how often the router reads the call record bucket's size for the metrics
 ENGINE_AWAY_STATES = frozenset({"starting", "draining"})  # an engine hash's states with no engine to run a call
 
 
@@ -128,12 +129,26 @@ class Router(ServiceProcess):
         await PromptStore(self.nc, self.settings.subject_prefix).create(
             list(AGENT_FACING_NAMESPACES), replicas=self.settings.call_record_replicas, ttl_s=CALL_TTL_S,
             max_bytes=self.settings.prompt_store_max_bytes)
+        self.metrics.call_record_max_bytes.set(self.settings.call_record_max_bytes)
+        self.spawn(self.call_record_watch(), "call-record-watch")
         received = encode(CallReceived())
         for subject in self.subjects.api_requests:
             # each request in its own task: one waiting on a dead admission must not hold up the rest;
             # a call is acknowledged as it is taken (its agent sends it again when nothing comes)
             receipt = received if subject == self.subjects.api_call("*") else None
             await self.nc.subscribe(subject, queue="router", cb=self.concurrent_handler(self.on_api, "api", receipt=receipt))
+
+    async def call_record_watch(self) -> None:
+        """The call record bucket's bytes and its oldest record's age on the metrics, every
+        CALL_RECORD_WATCH_WALL_S: a bucket at its bound drops its oldest records early."""
+        while True:
+            try:
+                size, oldest = await self.call_records.usage()
+                self.metrics.call_record_bytes.set(size)
+                self.metrics.call_record_oldest_age.set(oldest or 0.0)
+            except Exception as exc:  # noqa: BLE001 - NATS away: the next look
+                self.log.debug("router.call_record_unread", error=type(exc).__name__)
+            await asyncio.sleep(CALL_RECORD_WATCH_WALL_S)
 
     async def on_api(self, msg: Msg) -> None:
         if len(msg.data) > MAX_MESSAGE_BYTES:
