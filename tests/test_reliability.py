@@ -17,7 +17,7 @@ import msgspec
 import pytest
 import redis.asyncio as aioredis
 
-from services.router.service import ENGINE_LIMITS_TTL_WALL_S
+from services.router.service import ENGINE_STATES_TTL_WALL_S
 from shared.keys import Keys
 from shared.logs import LogEvery
 from shared.schema import CallAccepted, CallQueued, CallReply, CallRunning
@@ -181,7 +181,7 @@ async def test_a_new_call_goes_to_another_server_while_its_engine_worker_drains(
             pid = stack.group.pids()[f"engine-{home}-{MODEL_A}"]
             assert pid is not None
             os.kill(pid, signal.SIGTERM)
-            await asyncio.sleep(ENGINE_LIMITS_TTL_WALL_S + 1.0)  # (routers read the engines' states this often)
+            await asyncio.sleep(ENGINE_STATES_TTL_WALL_S + 1.0)  # (routers read the engines' states this often)
             assert not long.done()  # still draining
             y = await c.open_session(MODEL_A)
             other = await asyncio.wait_for(y.call(prompt_tokens=1500, max_tokens=64, sim_output_tokens=8), 30)

@@ -98,8 +98,8 @@ class PendingPlacement:
 
 
 IN_FLIGHT_MAX_WALL_S = 2.0  # forget an in-flight placement the mirror never counted (e.g. admission restarted)
-ENGINE_LIMITS_TTL_WALL_S = 5.0  # how long the engines' reported context limits are reused
-ENGINE_LIMITS_READ_WALL_S = 1.0  # ... and how long a fresh read may take (Redis away: the last known ones serve)
+ENGINE_STATES_TTL_WALL_S = 5.0  # how long what the engine-workers wrote (context limits, starting or draining) is reused
+ENGINE_STATES_READ_WALL_S = 1.0  # ... and how long a fresh read may take (Redis away: the last known ones serve)
 CALL_RECORD_WATCH_WALL_S = 10.0  # how often the router reads the call record bucket's size for the metrics
 ENGINE_AWAY_STATES = frozenset({"starting", "draining"})  # an engine hash's states with no engine to run a call
 
@@ -212,9 +212,9 @@ class Router(ServiceProcess):
 
     async def engine_states(self) -> tuple[dict[str, int], dict[str, frozenset[str]]]:
         """What the engine-workers write in their hashes, read at most every
-        ENGINE_LIMITS_TTL_WALL_S: the context limits and the engines away."""
+        ENGINE_STATES_TTL_WALL_S: the context limits and the engines away."""
         at, limits, away = self._engine_states
-        if time.monotonic() - at < ENGINE_LIMITS_TTL_WALL_S:
+        if time.monotonic() - at < ENGINE_STATES_TTL_WALL_S:
             return limits, away
         pairs = [(srv, m) for srv in self.settings.servers for m in sorted(self.served)]
         pipe = self.redis.pipeline(transaction=False)
@@ -222,7 +222,7 @@ class Router(ServiceProcess):
             pipe.hmget(self.keys.engine(srv, m), ["context_limit", "state"])
         try:
             # (Redis away: its commands retry for seconds, and `api.info` would not be answered)
-            raws = await asyncio.wait_for(pipe.execute(), ENGINE_LIMITS_READ_WALL_S)
+            raws = await asyncio.wait_for(pipe.execute(), ENGINE_STATES_READ_WALL_S)
         except (asyncio.TimeoutError, RedisError) as exc:
             self.log.warning("router.engine_limits_unread", error=type(exc).__name__, using="the last known")
             # reused as if read: each request would otherwise wait the read out again, and log it
