@@ -301,11 +301,15 @@ class VllmBackend(EngineBackend):
         self.ready = True
         self.engine_hash = {"backend": "vllm", "state": "ready", "start_wall_s": f"{start_s:.2f}",
                             "block_size": self.block_size, "model_dir": model_dir, "context_limit": self.context_limit or 0}
-        await w.redis.hset(w.keys.engine(s.server_id, s.model),  # (stopped while it started: draining)
-                           mapping={**self.engine_hash, "state": "draining"} if w.draining else self.engine_hash)
+        await w.redis.hset(w.keys.engine(s.server_id, s.model), mapping=self._engine_hash_now())
         w.spawn(self._keep_engine_hash(), "engine-hash")
         self.log.info("engine.vllm_ready", start_wall_s=round(start_s, 2), context_limit=self.context_limit)
         await self._apply_power()
+
+    def _engine_hash_now(self) -> dict[str, Any]:
+        """The engine hash as written now: ready, or draining once the worker was stopped
+        (while it started, too), which routers read to rank this server last for the model."""
+        return {**self.engine_hash, "state": "draining"} if self.worker.draining else self.engine_hash
 
     async def _keep_engine_hash(self) -> None:
         """Soft state: written again every few seconds, so a Redis that restarts empty has
@@ -314,8 +318,7 @@ class VllmBackend(EngineBackend):
         while True:
             await asyncio.sleep(ENGINE_HASH_EVERY_WALL_S)
             with contextlib.suppress(Exception):  # Redis away: next time
-                await w.redis.hset(w.keys.engine(s.server_id, s.model),
-                                   mapping={**self.engine_hash, "state": "draining"} if w.draining else self.engine_hash)
+                await w.redis.hset(w.keys.engine(s.server_id, s.model), mapping=self._engine_hash_now())
 
     # -- sleep / wake (the substrate's switch plans) -------------------------------------
     async def _apply_power(self) -> None:
