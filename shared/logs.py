@@ -31,6 +31,9 @@ def configure_logging(service: str, fmt: str = "json", level: str = "INFO") -> s
     )
     structlog.configure(
         processors=[
+            # every line names its process's service, a logger made without the bound one too
+            # (the gateway's, the metrics endpoint's): merged logs are read by it
+            lambda _, __, event: {"service": service, **event},
             structlog.contextvars.merge_contextvars,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),

@@ -211,7 +211,7 @@ class Settings:
         p.add_argument("--prefill-speed-scale", type=float, default=_float(src, "TALARIA_PREFILL_SPEED_SCALE", 1.0))
         p.add_argument("--nats-user", default=src.get("TALARIA_NATS_USER"))
         p.add_argument("--nats-password", default=src.get("TALARIA_NATS_PASSWORD"), help="prefer the environment variable")
-        p.add_argument("--max-queued", type=int, default=int(_env("TALARIA_MAX_QUEUED", "512")),
+        p.add_argument("--max-queued", type=int, default=_int(src, "TALARIA_MAX_QUEUED", 512),
                        help="queued calls per server above which new sessions get no_capacity (0 = unbounded)")
         p.add_argument("--session-idle-s", type=float, default=_float(src, "TALARIA_SESSION_IDLE_S", 600.0),
                        help="model seconds of idleness after which a session's reservation and KV are released")

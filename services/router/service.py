@@ -246,7 +246,8 @@ class Router(ServiceProcess):
 
     def _model_error(self, model: str) -> str | None:
         if model not in self.catalog.models:
-            return f"unknown model {model!r}; the catalog has {sorted(self.catalog.models)}"
+            # (the served ones: a catalog model this deployment does not serve would be refused next)
+            return f"unknown model {model!r}; this deployment serves {sorted(self.served)}"
         if model not in self.served:
             return f"model {model!r} is not served by this deployment (serving {sorted(self.served)})"
         return None

@@ -171,6 +171,9 @@ def run(a: argparse.Namespace) -> int:
               f"{a.tokenizer or 'the tiny local model'}; median wall ms)")
         for r in tokenizer_cost(sizes, a.tokenizer):
             print(f"{r['tokens']:>8} {r['render_ms']:>10.2f} {r['encode_ms']:>16.2f} {r['appended_ms']:>19.2f}")
+    else:
+        print("(the model's own chat template and tokenizer are not measured: they need transformers and the "
+              "tiny local model, which `make vllm-cpu` installs, or --tokenizer FOLDER)")
     if a.prefix_only:
         return 0
     rows = asyncio.run(bench(sizes, a.calls, a.rate, Path(a.log_dir)))

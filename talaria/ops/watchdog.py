@@ -157,7 +157,8 @@ class Watchdog:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--" not in argv:
-        print("usage: python -m talaria.ops.watchdog --service KIND [--grace S] -- COMMAND ...", file=sys.stderr)
+        print("usage: python -m talaria.ops.watchdog --service KIND [--grace S] [--startup-s S] [--misses N] "
+              "-- COMMAND ...", file=sys.stderr)
         return 2
     cut = argv.index("--")
     p = argparse.ArgumentParser(prog="python -m talaria.ops.watchdog", description=__doc__.split("\n\n")[0])
