@@ -308,15 +308,23 @@ class CallRecords:
     async def answer(self, session_id: str, call_id: str, reply: bytes, claim: Claim) -> tuple[bytes | None, bool]:
         """Store the reply on the claim's revision. Returns (the reply to publish,
         whether it is this one): the stored first answer if there is one, or None
-        when this process's claim was taken over (fenced: publish nothing)."""
+        when this process's claim was taken over (fenced: publish nothing). A record
+        the bucket dropped while the call ran (its bound, its TTL), or one a retry placed
+        again since, is answered all the same: else nobody answered the call, and its
+        server's admission counted it as running for ever (a probe's bucket at its
+        smallest bound stalled two servers so)."""
         answered = CallRecord(state="answered", server_id=claim.record.server_id, owner=claim.record.owner,
                               epoch=claim.record.epoch, reply=reply)
-        if await self.update(session_id, call_id, answered, claim.revision) is not None:
-            return reply, True
-        record, _ = await self.get(session_id, call_id)
-        if record is not None and record.state == "answered" and record.reply is not None:
-            return record.reply, record.reply == reply
-        return None, False
+        revision = claim.revision
+        while True:
+            if await self.update(session_id, call_id, answered, revision) is not None:
+                return reply, True
+            record, revision = await self.get(session_id, call_id)
+            if record is not None and record.state == "answered" and record.reply is not None:
+                return record.reply, record.reply == reply
+            if record is not None and record.state == "claimed":
+                return None, False  # another process's claim: fenced
+            # dropped (revision 0: created afresh) or placed again: answered on what is there
 
     # -- epochs: who is the newest process of a role (admission's fence) -----------------
     async def take_epoch(self, role: str, scope: str) -> tuple[int, int]:

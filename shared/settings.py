@@ -24,6 +24,9 @@ from shared.redis_client import RedisUrlError, login, parse_redis_url
 ENGINE_BACKENDS = ("sim", "vllm")
 GATEWAY_MAX_BODY = 32 * 1024 * 1024  # the default request body limit: Anthropic's own 32 MB, for conversations carrying images
 GATEWAY_RESPONSES_TTL_S = 6 * 3600   # how long a stored Responses-API response can be continued (an agent session's span)
+# the call record bucket's least bound: it must reach back past the longest call (a record dropped
+# while its call runs is answered again, but a retry of it meanwhile would run it a second time)
+CALL_RECORD_MIN_BYTES = 64 * 1024 * 1024
 
 
 class SettingsError(ValueError):
@@ -261,8 +264,8 @@ class Settings:
                        help="bytes each agent namespace's prompt store may hold (large prompts go by reference)")
         p.add_argument("--call-record-max-bytes", type=int,
                        default=_int(src, "TALARIA_CALL_RECORD_MAX_BYTES", 1024 ** 3),
-                       help="bytes the call record bucket may hold on each NATS node; past it its oldest records "
-                            "are dropped (a retry older than them is no longer deduplicated)")
+                       help="bytes the call record bucket may hold on each NATS node (at least 64 MiB); past it "
+                            "its oldest records are dropped (a retry older than them is no longer deduplicated)")
         p.add_argument("--metrics-port", type=int, default=_int(src, "TALARIA_METRICS_PORT", 0),
                        help="serve Prometheus metrics on this port (0 = off)")
         p.add_argument("--metrics-host", default=_env("TALARIA_METRICS_HOST", "0.0.0.0"),
@@ -332,7 +335,7 @@ class Settings:
             gateway_reasoning_parsers=a.gateway_reasoning_parsers,
             call_record_replicas=min(5, max(1, a.call_record_replicas)),
             prompt_store_max_bytes=max(1024 * 1024, a.prompt_store_max_bytes),
-            call_record_max_bytes=max(1024 * 1024, a.call_record_max_bytes),
+            call_record_max_bytes=max(CALL_RECORD_MIN_BYTES, a.call_record_max_bytes),
             loop_stall_exit_s=max(0.0, a.loop_stall_exit_s),
             metrics_port=max(0, a.metrics_port),
             metrics_host=a.metrics_host,

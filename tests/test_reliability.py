@@ -1098,6 +1098,11 @@ async def test_the_call_record_bucket_keeps_to_its_bound_dropping_its_oldest_rec
     try:
         records = await CallRecords.open(nc, subject_prefix, replicas=1, ttl_s=CALL_TTL_S, max_bytes=bound)
         first, first_rev = await records.take_epoch("admission", "s0")
+        # a long call claimed before the flood: its record is dropped while it runs
+        placed = await records.create("sess-long", "long", CallRecord(state="placed", server_id="s0"))
+        claim = await records.claim("sess-long", "long", server_id="s0", owner="w0", epoch="e1",
+                                    placed_revision=placed or 0)
+        assert claim.outcome == "run"
         reply = b"r" * 4096  # (a real engine's reply: its text and token ids)
         n = 3 * bound // len(reply)
         for i in range(n):
@@ -1107,6 +1112,11 @@ async def test_the_call_record_bucket_keeps_to_its_bound_dropping_its_oldest_rec
         size, oldest = await records.usage()
         assert 0 < size <= bound and oldest is not None and oldest < 60
         assert (await records.get("sess", "c-0"))[0] is None  # dropped early
+        # the long call is answered all the same (it had been taken as fenced: no reply, no finish,
+        # and its admission counted it running for ever), and its answer is stored again
+        assert (await records.get("sess-long", "long"))[0] is None
+        assert await records.answer("sess-long", "long", b"the long reply", claim) == (b"the long reply", True)
+        assert (await records.answered_reply("sess-long", "long")) == b"the long reply"
         assert (await records.get("sess", f"c-{n - 1}"))[0] is not None
         assert (await records.current_epoch("admission", "s0"))[0] == 0  # the epoch was dropped too
         assert await records.refresh_epoch("admission", "s0", first, first_rev) is not None  # and is written again

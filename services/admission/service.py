@@ -379,8 +379,10 @@ class AdmissionService(ServiceProcess):
         ann = engine_announce_decoder.decode(msg.data)
         for cid, run in list(self.dispatched.items()):
             if run.model == ann.model and cid in self.scheduler.running:
-                self.log.warning("admission.redispatch", call_id=cid, session_id=run.session_id, model=run.model,
-                                 reason="engine restarted")
+                resends = self.resends[cid] = self.resends.get(cid, 0) + 1
+                (self.log.warning if resends == 1 else self.log.debug)(
+                    "admission.redispatch", call_id=cid, session_id=run.session_id, model=run.model,
+                    reason="engine restarted", resends=resends)
                 self.confirmed.discard(cid)
                 await self._send_run(run)
 

@@ -338,7 +338,8 @@ class EngineWorker(ServiceProcess):
             # stored before it is published, on this process's claim: the first stored reply is the answer
             published, first = await self.call_records.answer(reply.session_id, reply.call_id, data, claim)
             if published is None:
-                self.log.error("engine.fenced", reason="another process of this worker took the call over")
+                self.log.error("engine.fenced", reason="another process of this worker took the call over",
+                               call_id=rc.call_id, session_id=rc.session_id)
                 return
             if not first:
                 self.log.warning("engine.second_generation", answered_with="the first stored reply")

@@ -98,7 +98,7 @@ class PendingPlacement:
 
 
 IN_FLIGHT_MAX_WALL_S = 2.0  # forget an in-flight placement the mirror never counted (e.g. admission restarted)
-ENGINE_STATES_TTL_WALL_S = 5.0  # how long what the engine-workers wrote (context limits, starting or draining) is reused
+ENGINE_STATES_TTL_WALL_S = 2.0  # how long what the engine-workers wrote (context limits, starting or draining) is reused
 ENGINE_STATES_READ_WALL_S = 1.0  # ... and how long a fresh read may take (Redis away: the last known ones serve)
 CALL_RECORD_WATCH_WALL_S = 10.0  # how often the router reads the call record bucket's size for the metrics
 ENGINE_AWAY_STATES = frozenset({"starting", "draining"})  # an engine hash's states with no engine to run a call
