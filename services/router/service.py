@@ -145,7 +145,8 @@ class Router(ServiceProcess):
             try:
                 size, oldest = await self.call_records.usage()
                 self.metrics.call_record_bytes.set(size)
-                self.metrics.call_record_oldest_age.set(oldest or 0.0)
+                if oldest is not None:  # (unread: the last reading stands, not a 0 that reads as dropping)
+                    self.metrics.call_record_oldest_age.set(oldest)
             except Exception as exc:  # noqa: BLE001 - NATS away: the next look
                 self.log.debug("router.call_record_unread", error=type(exc).__name__)
             await asyncio.sleep(CALL_RECORD_WATCH_WALL_S)
