@@ -379,10 +379,7 @@ class AdmissionService(ServiceProcess):
         ann = engine_announce_decoder.decode(msg.data)
         for cid, run in list(self.dispatched.items()):
             if run.model == ann.model and cid in self.scheduler.running:
-                resends = self.resends[cid] = self.resends.get(cid, 0) + 1
-                (self.log.warning if resends == 1 else self.log.debug)(
-                    "admission.redispatch", call_id=cid, session_id=run.session_id, model=run.model,
-                    reason="engine restarted", resends=resends)
+                self._count_resend(run, reason="engine restarted")
                 self.confirmed.discard(cid)
                 await self._send_run(run)
 
@@ -393,6 +390,14 @@ class AdmissionService(ServiceProcess):
         run = msgspec.structs.replace(run, admission_epoch=self.epoch)
         await self.nc.publish(self.subjects.engine_run(self.settings.server_id, run.model), encode(run),
                               reply=self.ack_inbox, headers=trace_headers(run.session_id, run.call_id))
+
+    def _count_resend(self, run: RunCall, **why: Any) -> None:
+        """A dispatch sent again: the first resend is a warning, the rest are counted quietly
+        until the acknowledgement says how many (`admission.dispatch_acknowledged`)."""
+        resends = self.resends[run.call_id] = self.resends.get(run.call_id, 0) + 1
+        (self.log.warning if resends == 1 else self.log.debug)(
+            "admission.redispatch", call_id=run.call_id, session_id=run.session_id, model=run.model,
+            resends=resends, **why)
 
     def _forget_dispatch(self, call_id: str) -> None:
         self.dispatched.pop(call_id, None)
@@ -468,11 +473,7 @@ class AdmissionService(ServiceProcess):
                     self.resend_at.pop(cid, None)
                     continue
                 if now >= due:
-                    resends = self.resends[cid] = self.resends.get(cid, 0) + 1
-                    # the first resend says so; the rest are sent quietly until the acknowledgement says how many
-                    (self.log.warning if resends == 1 else self.log.debug)(
-                        "admission.redispatch", call_id=cid, session_id=run.session_id, model=run.model,
-                        reason="no acknowledgement", resends=resends, every_s=backoff)
+                    self._count_resend(run, reason="no acknowledgement", every_s=backoff)
                     await self._send_run(run, backoff)
 
     async def on_substrate_announce(self, msg: Msg) -> None:
