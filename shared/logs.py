@@ -58,7 +58,7 @@ def configure_logging(service: str, fmt: str = "json", level: str = "INFO") -> s
     root = logging.getLogger()
     root.handlers[:] = [h for h in root.handlers if h.get_name() != _STDLIB_HANDLER] + [handler]
     root.setLevel(lvl)
-    return structlog.get_logger().bind(service=service)
+    return structlog.get_logger()  # (named by the first processor: every line carries `service`)
 
 
 class LogEvery:

@@ -1249,23 +1249,14 @@ def _responses_messages(items: list[Any], previous: int = 0) -> list[dict[str, A
             if role not in _RESPONSES_ROLES:
                 raise BadRequest(f"{where}.role must be one of {', '.join(_RESPONSES_ROLES)}", f"{where}.role")
             out.append({"role": role, "content": _responses_content(item.get("content"), f"{where}.content")})
-        elif kind == "function_call":
-            name, call_id, args = item.get("name"), item.get("call_id"), item.get("arguments")
-            if not isinstance(name, str) or not name or not isinstance(call_id, str) or not isinstance(args, str):
-                raise BadRequest(f"{where}: a function_call needs a name, a call_id and its arguments as a string", where)
+        elif kind in ("function_call", "custom_tool_call"):
+            field_name = "input" if kind == "custom_tool_call" else "arguments"
+            name, call_id, given = item.get("name"), item.get("call_id"), item.get(field_name)
+            if not isinstance(name, str) or not name or not isinstance(call_id, str) or not isinstance(given, str):
+                raise BadRequest(f"{where}: a {kind} needs a name, a call_id and its {field_name} as a string", where)
+            # (a custom tool's call as the model was offered the tool: a function of one string)
+            args = json.dumps({CUSTOM_INPUT: given}) if kind == "custom_tool_call" else given
             call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
-            calls.add(call_id)
-            if out and out[-1]["role"] == "assistant":
-                out[-1].setdefault("tool_calls", []).append(call)
-            else:
-                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
-        elif kind == "custom_tool_call":
-            name, call_id, text = item.get("name"), item.get("call_id"), item.get("input")
-            if not isinstance(name, str) or not name or not isinstance(call_id, str) or not isinstance(text, str):
-                raise BadRequest(f"{where}: a custom_tool_call needs a name, a call_id and its input as a string", where)
-            # as the model was offered the tool: a function of one string
-            call = {"id": call_id, "type": "function",
-                    "function": {"name": name, "arguments": json.dumps({CUSTOM_INPUT: text})}}
             calls.add(call_id)
             if out and out[-1]["role"] == "assistant":
                 out[-1].setdefault("tool_calls", []).append(call)
@@ -1450,19 +1441,15 @@ def response_message_item(call_id: str, text: str, status: str) -> dict[str, Any
             "content": content}
 
 
-def response_call_item_id(call: tool_calls.ToolCall, offered: OfferedTools | None = None) -> str:
-    return f"ctc_{call.id}" if offered and call.name in offered.custom else f"fc_{call.id}"
-
-
 def response_call_item(call: tool_calls.ToolCall, status: str, offered: OfferedTools | None = None
                        ) -> dict[str, Any]:
     """A `function_call` item; one of a namespace's functions names it (`namespace`); a
     custom tool's call is a `custom_tool_call` with its `input`."""
     done = status != "in_progress"
     if offered and call.name in offered.custom:
-        return {"type": "custom_tool_call", "id": response_call_item_id(call, offered), "call_id": call.id,
+        return {"type": "custom_tool_call", "id": f"ctc_{call.id}", "call_id": call.id,
                 "name": call.name, "input": custom_input(call.arguments) if done else "", "status": status}
-    item = {"type": "function_call", "id": response_call_item_id(call, offered), "call_id": call.id, "name": call.name,
+    item = {"type": "function_call", "id": f"fc_{call.id}", "call_id": call.id, "name": call.name,
             "arguments": json.dumps(call.arguments) if done else "", "status": status}
     if offered and call.name in offered.namespaces:
         item["namespace"] = offered.namespaces[call.name]
@@ -1622,15 +1609,15 @@ class ResponseEvents:
                     self._ev("response.output_item.done", output_index=m, item=item)]
         first_call = len(items) - len(answer.calls)
         for i, c in enumerate(answer.calls, start=first_call):
-            item_id = response_call_item_id(c, self.offered)
+            item_id = items[i]["id"]
             out.append(self._ev("response.output_item.added", output_index=i,
                                 item=response_call_item(c, "in_progress", self.offered)))
-            if c.name in self.offered.custom:
-                text = custom_input(c.arguments)
+            if items[i]["type"] == "custom_tool_call":
+                text = items[i]["input"]
                 out += [self._ev("response.custom_tool_call_input.delta", item_id=item_id, output_index=i, delta=text),
                         self._ev("response.custom_tool_call_input.done", item_id=item_id, output_index=i, input=text)]
             else:
-                args = json.dumps(c.arguments)
+                args = items[i]["arguments"]
                 out += [self._ev("response.function_call_arguments.delta", item_id=item_id, output_index=i, delta=args),
                         self._ev("response.function_call_arguments.done", item_id=item_id, output_index=i,
                                  arguments=args)]
