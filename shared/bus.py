@@ -442,11 +442,17 @@ class ServiceProcess:
         return dict(zip(models, await asyncio.gather(*(ask(m) for m in models))))
 
     async def _lag_reporter(self) -> None:
+        counted_stalls_s = 0.0
         while True:
             await asyncio.sleep(1.0)
             self.metrics.loop_lag.set(self.lag.worst_s)
             self.metrics.loop_lag_recent.set(self.lag.recent_worst_s(time.monotonic()))
+            stalled_s = self.lag.stalled_s
+            self.metrics.loop_stalled.inc(stalled_s - counted_stalls_s)
+            counted_stalls_s = stalled_s
             with contextlib.suppress(Exception):
+                # the stalls first: a reader waits for the worst's report, then reads both
+                await self.redis.set(self.keys.stalled(self.instance), f"{stalled_s:.4f}", ex=3600)
                 await self.redis.set(self.keys.lag(self.instance), f"{self.lag.worst_s:.4f}", ex=3600)
                 self.redis_answered_at = time.monotonic()  # (the report is also this process's Redis probe)
 

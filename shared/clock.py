@@ -53,6 +53,7 @@ async def done_within(aw: Awaitable[object], timeout_s: float) -> bool:
 
 
 LAG_WINDOW_S = 30.0  # the recent worst lag covers the last 30-60 wall s
+STALL_MIN_WALL_S = 0.01  # a wake-up at least this late is a stall (the loop held up), not the timer's jitter
 SOURCE_LAG_MAX_WALL_S = 5.0  # how far back an event's source time is taken: a hop's latency, not a stall's
 
 
@@ -82,6 +83,8 @@ class LagMonitor:
         self.idle_interval_s = max(interval_s, idle_interval_s)
         self.busy_fraction = busy_fraction
         self.worst_s = 0.0
+        # the stalls' total (wall s): a run is distorted by stalls adding up, not by one short one
+        self.stalled_s = 0.0
         # the worst in the current and the previous window of LAG_WINDOW_S: the recent worst, for an
         # alert that ends when the lag does (the worst since the start never comes down)
         self.window = (0.0, 0.0)
@@ -93,6 +96,8 @@ class LagMonitor:
     def observe(self, lag_s: float, now: float) -> None:
         """One measured lag (wall s) at monotonic time `now`."""
         self.worst_s = max(self.worst_s, lag_s)
+        if lag_s >= STALL_MIN_WALL_S:
+            self.stalled_s += lag_s
         if now - self.window_began >= 2 * LAG_WINDOW_S:  # (nothing observed for a whole window)
             self.window, self.window_began = (0.0, 0.0), now
         elif now - self.window_began >= LAG_WINDOW_S:

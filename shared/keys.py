@@ -112,6 +112,11 @@ class Keys:
         """String: worst event-loop lag (wall seconds) a service has seen."""
         return f"{self.prefix}lag:{service}"
 
+    def stalled(self, service: str) -> str:
+        """String: wall seconds a service's event loop has stalled since it started
+        (its lags of at least `STALL_MIN_WALL_S`, summed)."""
+        return f"{self.prefix}stalled:{service}"
+
     # -- the gateway's (services/gateway/prefix.py): any replica finds a session's prefix
     def gateway_chain(self, session_id: str) -> str:
         """String: the chained block hashes (8 bytes each) of what the session's engine

@@ -174,6 +174,9 @@ class Metrics:
                               "started (wall seconds).", registry=r)
         self.loop_lag_recent = Gauge("talaria_event_loop_lag_recent_seconds", "Worst event-loop lag of the last "
                                      "30-60 wall seconds (0 after a minute without one).", registry=r)
+        self.loop_stalled = Counter("talaria_event_loop_stalled_seconds", "Wall seconds the event loop was "
+                                    "stalled: its lags of 10 ms or more, summed (the rate is the share of time "
+                                    "stalled).", registry=r)
         self.dependency_up = Gauge("talaria_dependency_up", "1 while this process reaches the dependency (nats, "
                                    "redis) as its own use of it last found, 0 while it does not.", ["dependency"],
                                    registry=r)

@@ -251,7 +251,8 @@ def cmd_replay(a: argparse.Namespace) -> int:
     if a.plots:
         _write_plots(runs, {o.policy: o.records for o in outcomes}, a.plots)
     for r, out in zip(runs, outcomes):
-        print(f"  {r['policy']}: worst event-loop lag {r['worst_loop_lag_model_s']:.3f} model s ({r['worst_loop_lag_service']})")
+        print(f"  {r['policy']}: worst event-loop lag {r['worst_loop_lag_model_s']:.3f} model s ({r['worst_loop_lag_service']}); "
+              f"stalled {100 * r['loop_stalled_share']:.2f}% of the run, summed over processes")
         if not out.services_lag_read:  # a running deployment's lag and counters live in its Redis
             print(f"  {r['policy']}: the services' event-loop lag and scheduler counters not read (pass the deployment's --redis)")
         if out.log_dir:
@@ -278,7 +279,8 @@ def _replay_runs(a: argparse.Namespace, sessions: list[TraceSession], oracle: di
         run = summarize(out.policy, sessions, out.sct, out.records, oracle, extra={
             "wall_s": out.wall_s, "time_scale": out.time_scale or a.time_scale, "failures": out.failures,
             "calls_duplicated": out.duplicates, "worst_loop_lag_model_s": out.worst_lag_model_s,
-            "worst_loop_lag_service": out.worst_lag_service,
+            "worst_loop_lag_service": out.worst_lag_service, "loop_stalled_share": out.stalled_share,
+            "loop_stalled_wall_s": out.stalled_wall_s,
             **({"log_dir": out.log_dir} if out.log_dir else {}),
             **({"session_prefix": out.session_prefix} if out.session_prefix else {}),
             "switches": int(out.server_stats.get("switches", 0)), "sp_admits": int(out.server_stats.get("sp_admits", 0)),
@@ -290,9 +292,29 @@ def _replay_runs(a: argparse.Namespace, sessions: list[TraceSession], oracle: di
             run.update(calls_reprefilled=None, reprefill_tokens=None, round_waits=None, kv_tokens_restored=None,
                        time_breakdown_s=None, max_wait_s_by_model=None)
         runs.append(run)
-        if out.worst_lag_model_s > a.max_lag_s:
-            lag_bad.append(f"{out.policy}: {out.worst_lag_service} lagged {out.worst_lag_model_s:.2f} model s")
+        lag_bad += distorting_lag(out, run["sct_p50_s"], a.max_lag_s, a.max_stalled_share)
     return runs, lag_bad
+
+
+STALL_SHARE_OF_P50 = 0.01  # --max-lag-s's default: one stall of 1% of the median SCT (5 model s at least)
+MIN_MAX_LAG_MODEL_S = 5.0
+
+
+def distorting_lag(out: ReplayOutcome, sct_p50_s: float, max_lag_s: float | None, max_stalled_share: float) -> list[str]:
+    """Why a run's event-loop lag may have distorted its SCTs (none: it did not).
+    One stall delays a session by at most its own length, so one of under 1% of the
+    median SCT moves the median by under 1%; stalls that add up are judged by their
+    share of the run (`ReplayOutcome.stalled_share`)."""
+    limit = max_lag_s if max_lag_s is not None else max(MIN_MAX_LAG_MODEL_S, STALL_SHARE_OF_P50 * sct_p50_s)
+    bad = []
+    if out.worst_lag_model_s > limit:
+        bad.append(f"{out.policy}: {out.worst_lag_service} lagged {out.worst_lag_model_s:.2f} model s at once "
+                   f"(over {limit:.2f})")
+    if out.stalled_share > max_stalled_share:
+        most = max(out.stalled_wall_s.items(), key=lambda kv: kv[1])
+        bad.append(f"{out.policy}: the processes stalled {100 * out.stalled_share:.2f}% of the run "
+                   f"(over {100 * max_stalled_share:g}%; most: {most[0]}, {most[1]:.2f} wall s)")
+    return bad
 
 
 def _write_replay_json(a: argparse.Namespace, runs: list[dict], outcomes: list[ReplayOutcome], run_dir: Path | None,
@@ -459,7 +481,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--key-prefix", default=None, help="a running deployment's Redis key prefix (default talaria:)")
     r.add_argument("--log-dir", default=str(default_log_dir()),
                    help=f"where each run gets a folder of its own for the services' logs (default {default_log_dir()})")
-    r.add_argument("--max-lag-s", type=positive_float, default=5.0, help="exit 3 when a service's or this replay's own event-loop lag exceeds this many model seconds (lower --time-scale then)")
+    r.add_argument("--max-lag-s", type=positive_float, default=None, help="exit 3 when one event-loop lag of a service or of this replay exceeds this many model seconds (default: 1%% of the policy's p50 SCT, at least 5; lower --time-scale then)")
+    r.add_argument("--max-stalled-share", type=positive_float, default=0.01, help="exit 3 when the event loops' stalls (lags of 10 ms or more), summed over the processes, exceed this share of the run's wall time (default 0.01)")
     r.add_argument("--routers", type=positive_int, default=1, help="router replicas in the embedded stack (default 1)")
     r.add_argument("--via-gateway", action="store_true",
                    help="the agents call the embedded stack's HTTP gateway (OpenAI chat completions, a session "

@@ -56,6 +56,15 @@ class ReplayOutcome:
     servers: int = 0  # the servers it ran on (a deployment's own count; 0: not recorded)
     driver_lag_wall_s: float = 0.0  # the replay's own event loop: a late agent distorts SCT as a late service does
     services_lag_read: bool = False  # False: only the driver's lag is known (a deployment without its Redis)
+    # wall seconds each process's event loop stalled during the run (the driver's as "replay-driver")
+    stalled_wall_s: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def stalled_share(self) -> float:
+        """The processes' stalls during the run, summed, over the run's wall time: how
+        much later than its model time an event was handled, on average, along a
+        session's path through every process (an upper bound: no path meets them all)."""
+        return sum(self.stalled_wall_s.values()) / self.wall_s if self.wall_s > 0 else 0.0
 
 
 class Progress:
@@ -159,7 +168,8 @@ async def drive(
             failures.append(f"{s.session_id}: {type(r).__name__}: {r}")
     print(prog.line(clock.now() - t0), file=sys.stderr, flush=True)
     return ReplayOutcome(policy=policy_name, sct=sct, records=records, failures=failures,
-                         wall_s=time.perf_counter() - wall0, duplicates=dup, driver_lag_wall_s=lag.worst_s)
+                         wall_s=time.perf_counter() - wall0, duplicates=dup, driver_lag_wall_s=lag.worst_s,
+                         stalled_wall_s={DRIVER: lag.stalled_s})
 
 
 async def _retrying(retries: int, make: Callable[[], Awaitable[T]]) -> T:
@@ -173,15 +183,35 @@ async def _retrying(retries: int, make: Callable[[], Awaitable[T]]) -> T:
     raise AssertionError("unreachable")
 
 
-async def worst_lag(redis_url: str, key_prefix: str) -> tuple[str, float]:
+DRIVER = "replay-driver"  # the replay's own process, among the services in lag reports
+
+
+@dataclass
+class LagReport:
+    """Services' event-loop lag reports (wall seconds, each over its process's life)."""
+    worst: tuple[str, float]  # the worst single lag and whose
+    stalled_s: dict[str, float]  # each process's stalls, summed
+    missing: list[str] = field(default_factory=list)  # processes that did not report in time
+
+    def stalled_since(self, before: LagReport | None) -> dict[str, float]:
+        """Each process's stalls after `before` was read (all of them where it was not)."""
+        was = before.stalled_s if before is not None else {}
+        return {name: max(0.0, s - was.get(name, 0.0)) for name, s in self.stalled_s.items()}
+
+
+async def deployment_lag(redis_url: str, key_prefix: str) -> LagReport:
+    """Every lag report in a deployment's Redis (its processes' names from the keys)."""
+    keys = Keys(key_prefix)
     r = open_redis(redis_url)
     try:
-        worst = ("", 0.0)
-        async for key in r.scan_iter(match=Keys(key_prefix).lag("*")):
-            v = float(await r.get(key) or 0)
-            if v > worst[1]:
-                worst = (key.decode().rsplit(":", 1)[-1], v)
-        return worst
+        async def read(pattern: str) -> dict[str, float]:
+            found = [k async for k in r.scan_iter(match=pattern)]
+            values = await r.mget(found) if found else []
+            return {k.decode().rsplit(":", 1)[-1]: float(v) for k, v in zip(found, values) if v is not None}
+
+        worst = await read(keys.lag("*"))
+        return LagReport(worst=max(worst.items(), key=lambda kv: kv[1], default=("", 0.0)),
+                         stalled_s=await read(keys.stalled("*")))
     finally:
         await r.aclose()
 
@@ -192,11 +222,11 @@ LAG_REPORT_WAIT_S = 5.0
 
 
 async def reported_lag(redis_url: str, key_prefix: str, instances: list[str],
-                       wait_s: float = LAG_REPORT_WAIT_S) -> tuple[tuple[str, float], list[str]]:
-    """The worst lag (wall s) over `instances` from reports written after this call:
-    their keys are cleared first and each is waited for (the value is the worst over
-    the service's life, so clearing loses nothing). Returns the worst and the
-    instances that did not report within `wait_s`. For a stack this replay owns."""
+                       wait_s: float = LAG_REPORT_WAIT_S) -> LagReport:
+    """`instances`' lag from reports written after this call: their worst-lag keys
+    are cleared first and each is waited for (the values are over the service's
+    life, so clearing loses nothing; a report writes its stalls before its worst).
+    For a stack this replay owns."""
     keys = Keys(key_prefix)
     r = open_redis(redis_url)
     try:
@@ -212,18 +242,22 @@ async def reported_lag(redis_url: str, key_prefix: str, instances: list[str],
         for i, v in zip(instances, values):
             if v is not None and float(v) >= worst[1]:
                 worst = (i, float(v))
-        return worst, missing
+        stalled = await r.mget([keys.stalled(i) for i in instances])
+        return LagReport(worst=worst, stalled_s={i: float(v) for i, v in zip(instances, stalled) if v is not None},
+                         missing=missing)
     finally:
         await r.aclose()
 
 
-def _worst_lag_of(out: ReplayOutcome, services: tuple[str, float] | None, time_scale: float) -> None:
-    """Record the worst of the services' and the driver's lag, in model seconds."""
-    worst = ("replay-driver", out.driver_lag_wall_s)
+def _lag_of(out: ReplayOutcome, services: LagReport | None, before: LagReport | None, time_scale: float) -> None:
+    """Record the worst of the services' and the driver's lag, in model seconds, and
+    the services' stalls during the run (after `before`) beside the driver's."""
+    worst = (DRIVER, out.driver_lag_wall_s)
     if services is not None:
         out.services_lag_read = True
-        if services[0] and services[1] > worst[1]:
-            worst = services
+        if services.worst[0] and services.worst[1] > worst[1]:
+            worst = services.worst
+        out.stalled_wall_s.update(services.stalled_since(before))
     out.worst_lag_service, out.worst_lag_model_s = worst[0], worst[1] * time_scale
 
 
@@ -253,7 +287,10 @@ async def replay_embedded(sessions: list[TraceSession], policy: PolicyConfig, sp
     async with stack:
         print(f"[{policy.name}] stack up; logs in {stack.log_dir}; replaying at {spec.time_scale:g}x", file=sys.stderr, flush=True)
         client = await TalariaClient.from_deployment(stack.deployment())
+        services = [n for n, _, _ in stack.service_table()]
         try:
+            # the services' stalls so far (starting up): the run's are those after
+            before = await reported_lag(stack.redis_url, stack.key_prefix, services)
             clock = ScaledClock(spec.time_scale, stack.clock_epoch)
             if via_gateway:
                 assert stack.openai_base_url is not None
@@ -268,11 +305,11 @@ async def replay_embedded(sessions: list[TraceSession], policy: PolicyConfig, sp
             await client.close()
         await asyncio.sleep(0.3)  # let the last mirror land
         # every service's lag as of after the run, not whatever was reported before it ended
-        lag, silent = await reported_lag(stack.redis_url, stack.key_prefix, [n for n, _, _ in stack.service_table()])
-        if silent:
-            print(f"[{policy.name}] no event-loop lag report from {', '.join(silent)} within "
+        lag = await reported_lag(stack.redis_url, stack.key_prefix, services)
+        if lag.missing:
+            print(f"[{policy.name}] no event-loop lag report from {', '.join(lag.missing)} within "
                   f"{LAG_REPORT_WAIT_S:g} s; see their logs in {stack.log_dir}", file=sys.stderr, flush=True)
-        _worst_lag_of(out, lag, spec.time_scale)
+        _lag_of(out, lag, before, spec.time_scale)
         out.server_stats = await server_stats(stack.redis_url, stack.key_prefix, stack.server_ids)
         out.time_scale = spec.time_scale
         out.log_dir = str(stack.log_dir)
@@ -306,6 +343,8 @@ async def replay_external(sessions: list[TraceSession], target: Deployment,
               f"({len(info.servers)} server{'' if len(info.servers) == 1 else 's'})", file=sys.stderr, flush=True)
         # a running deployment's counters add up over its life: this replay's share is after - before
         before = await _deployment_stats(target, info.servers, info.policy)
+        lag_before = (await _from_deployment_redis(target, info.policy, deployment_lag(target.redis_url, target.key_prefix))
+                      if before is not None else None)
         clock = ScaledClock(info.time_scale, info.clock_epoch)
         # a deployment outlives replays: a per-run prefix keeps this run's sessions apart from earlier ones
         prefix = f"r{uuid.uuid4().hex[:6]}"
@@ -319,14 +358,15 @@ async def replay_external(sessions: list[TraceSession], target: Deployment,
     out.time_scale = info.time_scale
     out.servers = len(info.servers)
     after = await _deployment_stats(target, info.servers, info.policy) if before is not None else None
-    lag: tuple[str, float] | None = None
+    lag: LagReport | None = None
     if before is not None and after is not None:
         out.server_stats = {k: v - before.get(k, 0.0) for k, v in after.items()}
         # a deployment's lag keys are its own: not cleared, but read after one report
-        # interval so this run's lag is in (the worst over the deployment's life)
+        # interval so this run's lag is in (the worst over the deployment's life; the
+        # stalls since the read before the run)
         await asyncio.sleep(1.2)
-        lag = await _from_deployment_redis(target, info.policy, worst_lag(target.redis_url or "", target.key_prefix))
-    _worst_lag_of(out, lag, info.time_scale)
+        lag = await _from_deployment_redis(target, info.policy, deployment_lag(target.redis_url or "", target.key_prefix))
+    _lag_of(out, lag, lag_before, info.time_scale)
     return out
 
 

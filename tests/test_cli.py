@@ -630,6 +630,36 @@ def test_a_replay_against_a_deployment_counts_its_servers_not_the_flags_default(
     rec = CallRecord(call_id="s#0", session_id="s", model="glm-4.5-fp8", index=0, issued_at=0.0, finished_at=100.0)
     out = ReplayOutcome(policy="talaria", sct={"s": 100.0}, records=[rec], servers=2,
                         server_stats={"busy_s_glm-4.5-fp8": 120.0})
-    a = argparse.Namespace(servers=1, time_scale=50.0, via_gateway=False, max_lag_s=1e9)
+    a = argparse.Namespace(servers=1, time_scale=50.0, via_gateway=False, max_lag_s=1e9, max_stalled_share=1.0)
     runs, _ = _replay_runs(a, sessions, {"s": 50.0}, [out])
     assert runs[0]["utilisation"] == pytest.approx(0.6)
+
+
+def test_the_lag_guard_judges_one_stall_by_the_median_sct_and_stalls_that_add_up_by_their_share() -> None:
+    """A single 0.1-s stall at 50x (5.05 model s) failed `make demo` after a
+    3,900-s baseline median: one stall delays a session by at most its length, so
+    it is judged against 1% of the median (5 model s at least); stalls that add up
+    are judged by their share of the run, summed over the processes."""
+    from talaria.cli import distorting_lag
+    from talaria.replay import LagReport, ReplayOutcome
+
+    def outcome(worst_model_s: float, stalled: dict[str, float]) -> ReplayOutcome:
+        return ReplayOutcome(policy="baseline", sct={}, records=[], wall_s=100.0, worst_lag_model_s=worst_model_s,
+                             worst_lag_service="router-0", stalled_wall_s=stalled)
+
+    one_blip = outcome(5.05, {"router-0": 0.1})
+    assert distorting_lag(one_blip, 3900.0, None, 0.01) == []
+    assert "lagged 5.05 model s at once (over 5.00)" in distorting_lag(one_blip, 300.0, None, 0.01)[0]
+    assert distorting_lag(outcome(30.0, {}), 3900.0, None, 0.01) == []
+    assert distorting_lag(outcome(40.0, {}), 3900.0, None, 0.01) != []
+    assert distorting_lag(one_blip, 3900.0, 5.0, 0.01) != []  # told a limit: that one
+    # seven processes each stalled 0.2% of the run: 1.4% in all, each too little alone
+    many = outcome(1.0, {f"engine-{i}": 0.2 for i in range(6)} | {"admission-s0": 0.3})
+    (why,) = distorting_lag(many, 3900.0, None, 0.01)
+    assert "stalled 1.50% of the run" in why and "most: admission-s0, 0.30 wall s" in why
+    assert distorting_lag(many, 3900.0, None, 0.02) == []
+    # the stalls during a run are those after the read before it; a process new since then counts whole
+    before = LagReport(worst=("router-0", 0.05), stalled_s={"router-0": 0.4, "admission-s0": 0.1})
+    after = LagReport(worst=("router-0", 0.3), stalled_s={"router-0": 0.7, "admission-s0": 0.1, "engine-s0-m": 0.2})
+    assert after.stalled_since(before) == pytest.approx({"router-0": 0.3, "admission-s0": 0.0, "engine-s0-m": 0.2})
+    assert after.stalled_since(None) == after.stalled_s

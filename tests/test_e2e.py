@@ -258,6 +258,9 @@ def test_lag_guard_fires_for_the_embedded_stack_at_a_huge_time_scale(tmp_path: P
     assert "not read" not in p.stdout  # the replay started this stack: it reads the lag itself
     run = json.loads((tmp_path / "r.json").read_text())["runs"][0]
     assert run["worst_loop_lag_model_s"] > 5.0 and run["worst_loop_lag_service"]
+    # every process's stalls during the run were read (the services' through Redis), none negative
+    assert {"replay-driver", "router-0", "admission-s0", "substrate-s0"} <= set(run["loop_stalled_wall_s"])
+    assert min(run["loop_stalled_wall_s"].values()) >= 0.0
 
 
 def test_two_replays_into_one_log_folder_keep_their_logs_apart(tmp_path: Path) -> None:
@@ -266,7 +269,7 @@ def test_two_replays_into_one_log_folder_keep_their_logs_apart(tmp_path: Path) -
     dirs = []
     for i in range(2):
         argv = [sys.executable, "-m", "talaria.cli", "replay", str(SMOKE), "--policy", "talaria", "--time-scale", "200",
-                "--max-lag-s", "1000", "--out", str(tmp_path / f"r{i}.json"), "--log-dir", str(logs)]
+                "--max-lag-s", "1000", "--max-stalled-share", "1", "--out", str(tmp_path / f"r{i}.json"), "--log-dir", str(logs)]
         p = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=180)
         assert p.returncode == 0, p.stderr[-3000:]
         dirs.append(Path(json.loads((tmp_path / f"r{i}.json").read_text())["log_dir"]))

@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from shared.bus import LOOP_STALL_EXIT_CODE
 from shared.clock import LAG_WINDOW_S, LagMonitor
 
@@ -105,3 +107,15 @@ def test_an_idle_loop_wakes_its_monitor_seldom_a_busy_one_often_and_a_stall_is_m
         task.cancel()
 
     asyncio.run(main())
+
+
+def test_stalls_add_up_only_lags_long_enough_to_be_the_loop_held_up() -> None:
+    """What the replay's lag guard and `talaria_event_loop_stalled_seconds` add up: a
+    wake-up late by the timer's jitter is not a stall."""
+    lag = LagMonitor()
+    for late in (0.001, 0.004, 0.009):
+        lag.observe(late, 1.0)
+    assert lag.stalled_s == 0.0
+    lag.observe(0.01, 2.0)
+    lag.observe(0.25, 3.0)
+    assert lag.stalled_s == pytest.approx(0.26) and lag.worst_s == 0.25
