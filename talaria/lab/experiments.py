@@ -405,7 +405,7 @@ def cmd_fidelity(a: argparse.Namespace) -> int:
                 live_run = summarize(name, sessions, out.sct, out.records)
                 lives.append({**{k: live_run[k] for k in FIGURES}, "wall_s": out.wall_s,
                               "worst_loop_lag_model_s": out.worst_lag_model_s,
-                              "worst_loop_lag_service": out.worst_lag_service,
+                              "worst_loop_lag_service": out.worst_lag_service, "loop_stalled_share": out.stalled_share,
                               "return_delay_model_s": delay_summary(run_delays), "log_dir": out.log_dir})
             hops = delay_summary(delays)
             latency = hops["p50_s"] if a.call_latency == "measured" else float(a.call_latency)
