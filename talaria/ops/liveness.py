@@ -30,13 +30,20 @@ SERVICE_GRACE_S = 2.0       # ... for every other child (a sim service answers w
 SERVICE_STARTUP_S = 10.0    # ... and, if it has not answered since its start, this long (a loaded machine starts slowly)
 
 
+@dataclass(frozen=True)
+class Allowance:
+    """How long a child is left alone after a (re)start, and how many rounds it may miss."""
+    grace_s: float
+    startup_s: float  # a child that never answered is judged this long after its start
+    misses: int
+
+
 @dataclass
 class LivenessWatch:
     misses: int = LIVENESS_MISSES
     grace_s: float = STARTUP_GRACE_S
     startup_s: float = STARTUP_GRACE_S  # a child that never answered is judged this long after its start
-    allowances: dict[str, tuple[float, float]] = field(default_factory=dict)  # per child: (grace_s, startup_s)
-    own_misses: dict[str, int] = field(default_factory=dict)  # per child: rounds missed before a kill
+    allowances: dict[str, Allowance] = field(default_factory=dict)  # children of their own allowances
     started_at: dict[str, float] = field(default_factory=dict)
     answered: set[str] = field(default_factory=set)   # answered since its (re)start
     missed: dict[str, int] = field(default_factory=dict)
@@ -44,9 +51,7 @@ class LivenessWatch:
     def allow(self, name: str, grace_s: float, startup_s: float, misses: int | None = None) -> None:
         """A child of its own allowances (a real engine's weight load among quick services;
         the gateway's longer patience, its streams being agents' own)."""
-        self.allowances[name] = (grace_s, startup_s)
-        if misses is not None:
-            self.own_misses[name] = misses
+        self.allowances[name] = Allowance(grace_s, startup_s, self.misses if misses is None else misses)
 
     def started(self, name: str, at: float) -> None:
         """The child (re)started at wall time `at`: not judged until it answers and its grace is over."""
@@ -70,11 +75,11 @@ class LivenessWatch:
                 self.missed.pop(name, None)
                 continue
             age = now - self.started_at.get(name, now)
-            grace_s, startup_s = self.allowances.get(name, (self.grace_s, self.startup_s))
-            if age < (grace_s if name in self.answered else max(grace_s, startup_s)):
+            allowed = self.allowances.get(name) or Allowance(self.grace_s, self.startup_s, self.misses)
+            if age < (allowed.grace_s if name in self.answered else max(allowed.grace_s, allowed.startup_s)):
                 continue
             self.missed[name] = self.missed.get(name, 0) + 1
-            if self.missed[name] >= self.own_misses.get(name, self.misses):
+            if self.missed[name] >= allowed.misses:
                 kill.append(name)
                 self.started(name, now)  # judged again once the restarted one answers
         return kill
