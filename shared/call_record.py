@@ -140,6 +140,7 @@ class CallRecords:
     def __init__(self, kv: KeyValue, js: JetStreamContext, bucket: str, deadline_s: float = RETRY_DEADLINE_S) -> None:
         self.kv = kv
         self.js = js
+        self.bucket = bucket
         self.subject_prefix = f"$KV.{bucket}."  # (JetStream KV's subject for a key, and its stream)
         self.stream = f"KV_{bucket}"
         self.deadline_s = deadline_s

@@ -107,15 +107,18 @@ class Metrics:
         self.placements = Counter(
             "talaria_placements", "Placement decisions by the chosen server's residency for the call's model "
             "and where the session's KV was there.", ["server", "model", "residency", "kv"], registry=r)
-        # the call record bucket (the router reads its state): how full, and how far back retries are deduplicated
+        # the call record bucket (the router reads its state): how full, and how far back retries are
+        # deduplicated. Labelled by the bucket so that only a router exposes them: an unlabelled gauge is
+        # exposed as 0 by every other process, and an alert's min() over them read 0 for ever
         self.call_record_bytes = Gauge("talaria_call_record_bytes", "Bytes the call record bucket holds (on each "
-                                       "NATS node).", registry=r)
+                                       "NATS node).", ["bucket"], registry=r)
         self.call_record_max_bytes = Gauge("talaria_call_record_max_bytes", "The call record bucket's bound "
                                            "(TALARIA_CALL_RECORD_MAX_BYTES); past it the oldest records are dropped.",
-                                           registry=r)
+                                           ["bucket"], registry=r)
         self.call_record_oldest_age = Gauge("talaria_call_record_oldest_age_seconds", "Wall seconds since the oldest "
                                             "call record was written: how far back a retried call id is still "
-                                            "deduplicated (6 hours while the bucket is under its bound).", registry=r)
+                                            "deduplicated (6 hours while the bucket is under its bound).", ["bucket"],
+                                            registry=r)
         # -- admission ---------------------------------------------------------------------------
         self.queued = Gauge("talaria_queued_calls", "Calls waiting for admission.", ["server", "model"], registry=r)
         self.running = Gauge("talaria_running_calls", "Calls admitted and running.", ["server", "model"], registry=r)

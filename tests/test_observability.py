@@ -226,6 +226,12 @@ async def test_prometheus_totals_equal_the_clients_records_and_the_logs(tmp_path
             assert prom.value("max(last_over_time(talaria_call_record_max_bytes[1h]))") == 1024 ** 3
             held = prom.get("/api/v1/query", query="max(last_over_time(talaria_call_record_bytes[1h]))")
             assert held["data"]["result"] and float(held["data"]["result"][0]["value"][1]) < 1024 ** 3, held
+            # ... from the router alone: every other process exposed these gauges as 0, and the
+            # full-bucket alert's min() over the oldest age read 0 ("under an hour") for ever
+            for name in ("talaria_call_record_bytes", "talaria_call_record_max_bytes",
+                         "talaria_call_record_oldest_age_seconds"):
+                exposed = prom.get("/api/v1/series", **{"match[]": name})["data"]
+                assert exposed and {s["service"] for s in exposed} == {"router"}, (name, exposed)
             stored = prom.get("/api/v1/label/__name__/values")["data"]
             assert not [n for n in stored if n.startswith("vllm_")], stored
             # no session or call label anywhere, and no `instance` label of ours
@@ -244,6 +250,8 @@ async def test_prometheus_totals_equal_the_clients_records_and_the_logs(tmp_path
             assert all(r["health"] == "ok" and not r.get("lastError") for r in rules), rules
         finally:
             prom.stop()
+    # stopped, the stack has no targets: a Prometheus still scraping its old ports paged every process down
+    assert json.loads((config.parent / TARGETS_FILE).read_text()) == []
 
 
 def test_the_alerting_rules_are_valid_and_fire_as_their_unit_tests_say() -> None:

@@ -129,7 +129,7 @@ class Router(ServiceProcess):
         await PromptStore(self.nc, self.settings.subject_prefix).create(
             list(AGENT_FACING_NAMESPACES), replicas=self.settings.call_record_replicas, ttl_s=CALL_TTL_S,
             max_bytes=self.settings.prompt_store_max_bytes)
-        self.metrics.call_record_max_bytes.set(self.settings.call_record_max_bytes)
+        self.metrics.call_record_max_bytes.labels(self.call_records.bucket).set(self.settings.call_record_max_bytes)
         self.spawn(self.call_record_watch(), "call-record-watch")
         received = encode(CallReceived())
         for subject in self.subjects.api_requests:
@@ -144,9 +144,9 @@ class Router(ServiceProcess):
         while True:
             try:
                 size, oldest = await self.call_records.usage()
-                self.metrics.call_record_bytes.set(size)
+                self.metrics.call_record_bytes.labels(self.call_records.bucket).set(size)
                 if oldest is not None:  # (unread: the last reading stands, not a 0 that reads as dropping)
-                    self.metrics.call_record_oldest_age.set(oldest)
+                    self.metrics.call_record_oldest_age.labels(self.call_records.bucket).set(oldest)
             except Exception as exc:  # noqa: BLE001 - NATS away: the next look
                 self.log.debug("router.call_record_unread", error=type(exc).__name__)
             await asyncio.sleep(CALL_RECORD_WATCH_WALL_S)

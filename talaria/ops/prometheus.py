@@ -2,7 +2,7 @@
 
 `talaria up` (and every embedded stack) gives each service process a metrics
 port of its own, fresh at every (re)start, and keeps `<log dir>/prometheus-targets.json`
-(Prometheus's `file_sd` format) equal to what runs; `<log dir>/prometheus.yml`
+(Prometheus's `file_sd` format) equal to what runs (empty once it stops); `<log dir>/prometheus.yml`
 points at it, so `prometheus --config.file=<log dir>/prometheus.yml` scrapes the
 stack as it is and follows a restarted process to its new port (Prometheus
 re-reads the targets file on change). Pure rendering here; the stack writes.

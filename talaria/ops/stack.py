@@ -522,6 +522,10 @@ class EmbeddedStack:
         if waits:
             await asyncio.wait(waits, timeout=5)
         await self.group.astop_all(timeout=10)
+        targets = self.log_dir / prometheus.TARGETS_FILE
+        if targets.exists():  # nothing runs now: a Prometheus left scraping would page every process down
+            self.metrics_ports.clear()
+            write_atomically(targets, prometheus.render_targets({}))
         if self.redis is not None:
             await self.redis.astop()
         for node in self.nats_nodes:
