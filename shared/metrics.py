@@ -206,6 +206,9 @@ class Metrics:
         return bound
 
 
+METRICS_PATHS = frozenset({"/metrics", "/"})
+
+
 def _text_exposition(app: WSGIApp) -> WSGIApp:
     """Always Prometheus's text format (0.0.4), whatever the scraper asks for. Asked for
     OpenMetrics (every Prometheus 2.x scrape is), prometheus_client writes a name with a
@@ -214,6 +217,11 @@ def _text_exposition(app: WSGIApp) -> WSGIApp:
     (prometheus/client_python#1177); the text format keeps the names as they are."""
 
     def app_text(environ: dict[str, Any], start_response: Any) -> Iterable[bytes]:
+        if environ.get("PATH_INFO", "/") not in METRICS_PATHS:
+            # this thread answers while the service's event loop is stuck: a health check
+            # pointed here by mistake must fail, not report a hung service well
+            start_response("404 Not Found", [("Content-Type", "text/plain; charset=utf-8")])
+            return [b"not found: this port serves the metrics at /metrics; health is the service's own port\n"]
         environ["HTTP_ACCEPT"] = "text/plain; version=0.0.4"
         return app(environ, start_response)
 

@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import time
 import urllib.parse
+import urllib.error
 import urllib.request
 from datetime import datetime, timezone
 from pathlib import Path
@@ -301,3 +302,18 @@ async def test_a_clean_stop_is_not_logged_as_a_lost_connection(nats_server: Nats
         nc = await connect_nats([nats_server.url], "t", structlog.get_logger())
         await nc.close()
     assert [e["event"] for e in seen] == ["nats.closed"] and seen[0]["log_level"] == "info"
+
+
+def test_the_metrics_port_serves_the_metrics_and_nothing_else() -> None:
+    """Its thread answers while the service's event loop is stuck, so a health check
+    pointed at it by mistake (it answered every path with 200) would call a hung
+    service healthy."""
+    from shared.metrics import Metrics
+
+    port = Metrics().serve(free_port(), "127.0.0.1")
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        assert r.status == 200 and b"talaria_event_loop_lag_seconds" in r.read()
+    for path in ("/health", "/healthz", "/metrics/x"):
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5)
+        assert refused.value.code == 404 and b"/metrics" in refused.value.read()
