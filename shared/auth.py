@@ -73,7 +73,8 @@ def nats_permissions(prefix: str) -> dict[str, dict[str, list[str]]]:
                         *records_write, *prompts_create],
         },
         "admission": {
-            "subscribe": [f"{p}.admission.*.submit", f"{p}.events.>", health, *_SERVICE_SUB],
+            "subscribe": [f"{p}.admission.*.submit", f"{p}.events.>", Subjects(p).call_cancel_any, health,
+                          *_SERVICE_SUB],
             "publish": [f"{p}.engine.>", f"{p}.substrate.>", f"{p}.reply.>", Subjects(p).session_released, *service_pub,
                         # its epoch (shared/call_record.py) is the only record it writes
                         *records_read, f"$KV.{Subjects(p).call_record_bucket}.epoch.admission.>"],

@@ -236,6 +236,52 @@ async def test_bounded_queue_refuses_new_sessions_only(nats_server: NatsServer, 
         await svc.stop()
 
 
+async def test_a_call_whose_agent_gives_up_while_it_is_queued_is_dropped_not_run_later(
+        nats_server: NatsServer, redis_server: RedisServer, subject_prefix: str, key_prefix: str, tmp_path: Path) -> None:
+    """Only an engine heard an agent's cancel, and only of a call it held: one still in
+    admission's queue ran later for nobody, its model given a turn (a switch) for it
+    alone. Admission drops it; the session's next call is served as usual."""
+    svc = Services(nats_server.url, redis_server.url, subject_prefix, key_prefix, tmp_path / "logs",
+                   models=[MODEL_A, MODEL_B])
+    await svc.start()
+    try:
+        async with await TalariaClient.connect(nats_server.url, subject_prefix=subject_prefix,
+                                               silence_s=30.0, retries=0) as c:
+            x = await c.open_session(MODEL_B)
+            ev_x: list[Any] = []
+            tx = asyncio.ensure_future(x.call(prompt_tokens=3000, max_tokens=16384, sim_output_tokens=6000,
+                                              on_event=ev_x.append))
+            await until(lambda: _has(ev_x, CallRunning), 15, "X never ran")
+            y = await c.open_session(MODEL_A)
+            ev_y: list[Any] = []
+            gone = f"{y.session_id}-0"
+            ty = asyncio.ensure_future(y.call(prompt_tokens=1000, max_tokens=256, sim_output_tokens=10, call_id=gone,
+                                              on_event=ev_y.append))
+            await until(lambda: _has(ev_y, CallQueued), 10, "Y never queued")
+            ty.cancel()  # the agent gives up: its client sends CancelCall
+            with contextlib.suppress(asyncio.CancelledError):
+                await ty
+            admission_log = tmp_path / "logs" / f"{svc.admission}.log"
+            await until(lambda: "admission.cancelled_while_queued" in admission_log.read_text(), 10,
+                        "admission kept the abandoned call queued")
+
+            async def none_queued() -> bool:
+                return int((await svc_redis_hash(svc)).get(b"queued", b"1")) == 0
+            await until(none_queued, 10, "the abandoned call still counts as queued")
+            assert (await asyncio.wait_for(tx, 60)).output_tokens == 6000
+            await asyncio.sleep(1.0)
+            dispatched = [line for line in admission_log.read_text().splitlines()
+                          if "admission.dispatched" in line and gone in line]
+            assert not dispatched, dispatched
+            assert gone not in (tmp_path / "logs" / f"{svc.engine(MODEL_A)}.log").read_text()
+            # the session goes on: its next call (and the abandoned one asked again) are served
+            again = await asyncio.wait_for(y.call(prompt_tokens=1000, max_tokens=256, sim_output_tokens=7,
+                                                  call_id=gone), 30)
+            assert again.output_tokens == 7 and not again.duplicate
+    finally:
+        await svc.stop()
+
+
 async def test_idle_session_releases_reservation_and_kv(nats_server: NatsServer, redis_server: RedisServer,
                                                         subject_prefix: str, key_prefix: str, tmp_path: Path) -> None:
     svc = Services(nats_server.url, redis_server.url, subject_prefix, key_prefix, tmp_path / "logs",

@@ -313,6 +313,10 @@ class RoundScheduler:
         self._schedule(now, actions)
         return actions
 
+    def is_queued(self, call_id: str) -> bool:
+        """Waiting for admission here (not running, not unknown)."""
+        return any(item.call.call_id == call_id for q in self.queues.values() for item in q)
+
     def cancel_reservation(self, session_id: str) -> list[Action]:
         """Another server already holds this session's claim: drop ours."""
         res = self.reservations.pop(session_id, None)

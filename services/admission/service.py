@@ -31,7 +31,7 @@ from shared.net import no_responders
 from shared.state import CounterMirror, ServerLoad, add_counters, write_server_load
 from shared.schema import (
     Abort, AdmissionCall, ApiError, CallQueued, EngineState, CallRunning, ListCalls, ProtectKv, RunCall, SessionReleased,
-    StageRequest, Submitted, SubmitCall, SwitchRequest, admission_decoder, encode, engine_announce_decoder,
+    StageRequest, Submitted, SubmitCall, SwitchRequest, admission_decoder, cancel_decoder, encode, engine_announce_decoder,
     dispatch_ack_decoder, finished_decoder, reply_decoder, session_released_decoder,
     stored_submit_decoder, switch_accepted_decoder, switch_reply_decoder,
 )
@@ -103,6 +103,8 @@ class AdmissionService(ServiceProcess):
                                 cb=self.guarded_handler(self.on_finished, "finished"))
         await self.nc.subscribe(self.subjects.session_released,
                                 cb=self.guarded_handler(self.on_session_released, "session_released"))
+        # every admission hears every cancel (as every engine does): a call still queued here is dropped
+        await self.nc.subscribe(self.subjects.call_cancel_any, cb=self.guarded_handler(self.on_cancel, "cancel"))
         await self.nc.subscribe(self.subjects.engine_announce(sid), cb=self.guarded_handler(self.on_engine_announce, "engine_announce"))
         await self.nc.subscribe(self.subjects.substrate_announce(sid), cb=self.guarded_handler(self.on_substrate_announce, "substrate_announce"))
         await self.redis.sadd(self.keys.servers(), sid)
@@ -281,6 +283,27 @@ class AdmissionService(ServiceProcess):
             self.log.info("admission.queued", model=c.model, at=round(self.clock.now(), 3))
             self.newly_counted.add(c.call_id)
             await self.step(sch.Arrive(c), at=c.arrived_at)
+
+    async def on_cancel(self, msg: Msg) -> None:
+        """The agent gave up on a call (`CancelCall`). One still queued here is dropped:
+        it would run later for nobody, its model given turns (and switches) only for
+        it. One dispatched is its engine's to abort. Only its caller may cancel it:
+        the cancel's namespace must be its reply inbox's."""
+        call_id = cancel_decoder.decode(msg.data).call_id
+        sub = self.payloads.get(call_id)
+        if sub is None or call_id in self.dispatched or not self.scheduler.is_queued(call_id):
+            return
+        ns = self.subjects.api_namespace(msg.subject)
+        if ns is None or not self.subjects.is_reply_inbox(sub.reply_to, ns):
+            return
+        self.payloads.pop(call_id, None)
+        self.arrived_wall.pop(call_id, None)
+        self.spawn(self._unpersist(call_id), "unpersist")
+        self.log.info("admission.cancelled_while_queued", session_id=sub.call.session_id, call_id=call_id,
+                      model=sub.call.model, reason="agent gave up")
+        await self.apply(self.scheduler.forget(call_id, self.scheduler.last_step_at))
+        self.wakeup.set()
+        self.dirty.set()
 
     async def _redirect(self, call_id: str, held: SubmitCall, reply_to: str) -> None:
         """The agent asks for a call it holds from another inbox (its gateway or client was
