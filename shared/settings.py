@@ -148,6 +148,7 @@ class Settings:
     api_keys: str = ""              # the gateway's API keys, `tenant:key,...` (a bare key: its own tenant)
     gateway_keepalive_s: float = 10.0  # wall seconds between SSE keep-alive comments while a call waits
     gateway_retry_grace_s: float = 10.0  # wall seconds a whole call runs on after its retrying client left (0: cancel at once)
+    gateway_body_timeout_s: float = 60.0  # wall seconds a request's whole body may take to arrive (past it: 408)
     gateway_max_body: int = GATEWAY_MAX_BODY  # bytes of an HTTP request body (decoded) above which the gateway answers 413 (Anthropic: 32 MB)
     gateway_responses_ttl_s: int = GATEWAY_RESPONSES_TTL_S  # wall seconds a stored response is kept (0: none stored)
     gateway_tokenizers: str = ""    # `model=FOLDER,...` (`*` every model): chat template and tokenizer per model; else stand-in ids
@@ -242,6 +243,9 @@ class Settings:
                        default=_float(src, "TALARIA_GATEWAY_RETRY_GRACE_S", 10.0),
                        help="wall seconds a whole call keeps running after its client left, when that client "
                             "retries (an SDK, or an Idempotency-Key), for the retry to join it (0: cancel at once)")
+        p.add_argument("--gateway-body-timeout-s", type=float, default=_float(src, "TALARIA_GATEWAY_BODY_TIMEOUT_S", 60.0),
+                       help="wall seconds a request's whole body may take to arrive; past it the gateway answers 408 "
+                            "and closes the connection (a client trickling a body held its connection open for ever)")
         p.add_argument("--gateway-max-body", type=int, default=_int(src, "TALARIA_GATEWAY_MAX_BODY", GATEWAY_MAX_BODY),
                        help="largest HTTP request body in bytes (larger: 413)")
         p.add_argument("--gateway-responses-ttl-s", type=int,
@@ -328,6 +332,7 @@ class Settings:
             api_keys=src.get("TALARIA_API_KEYS", ""),
             gateway_keepalive_s=max(0.05, a.gateway_keepalive_s),
             gateway_retry_grace_s=max(0.0, a.gateway_retry_grace_s),
+            gateway_body_timeout_s=max(0.1, a.gateway_body_timeout_s),
             gateway_max_body=max(1024, a.gateway_max_body),
             gateway_responses_ttl_s=max(0, a.gateway_responses_ttl_s),
             gateway_tokenizers=a.gateway_tokenizers,

@@ -2532,3 +2532,48 @@ def test_a_reply_is_cut_off_where_its_engine_says_else_where_its_count_reaches_t
     assert tr.cut_off(Reply(output_tokens=200, finish_reason="length"), 200)
     assert tr.cut_off(Reply(output_tokens=200, finish_reason=None), 200)  # an engine that does not say
     assert not tr.cut_off(Reply(output_tokens=199, finish_reason=None), 200)
+
+
+@pytest.mark.timeout(60)
+async def test_a_body_that_does_not_arrive_in_time_is_a_408_and_its_connection_is_closed(
+        refusing_gateway: tuple[str, dict[str, Any]]) -> None:
+    """A body shorter than its Content-Length, or trickled a byte at a time, held its
+    connection (and a file descriptor) open for ever: a probe held 800 so."""
+    import dataclasses
+
+    url, ctl = refusing_gateway
+    gw = ctl["gateway"]
+    gw.settings = dataclasses.replace(gw.settings, gateway_body_timeout_s=0.5)
+    port = int(url.rsplit(":", 1)[1])
+    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer k\r\n"
+            f"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n").encode()
+    for trickle in (False, True):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(head + b'{"model": ')
+        await writer.drain()
+        t0 = time.monotonic()
+
+        async def feed() -> None:
+            while trickle:
+                await asyncio.sleep(0.1)
+                writer.write(b" ")
+                await writer.drain()
+
+        feeding = asyncio.ensure_future(feed())
+        try:
+            head_in = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+            length = int(re.search(rb"Content-Length: (\d+)", head_in).group(1))
+            answer = head_in + await asyncio.wait_for(reader.readexactly(length), 5)
+            assert time.monotonic() - t0 < 5
+            if not trickle:  # the connection is closed once aiohttp's lingering read (10 s) has passed
+                assert await asyncio.wait_for(reader.read(), 15) == b""
+        finally:
+            feeding.cancel()
+            writer.close()
+        assert answer.startswith(b"HTTP/1.1 408") and b"Connection: close" in answer, answer[:300]
+        assert b'"code":"request_timeout"' in answer.replace(b" ", b"") and b"TALARIA_GATEWAY_BODY_TIMEOUT_S" in answer
+    # a whole body in time is read as before
+    async with aiohttp.ClientSession() as http, http.post(
+            f"{url}/v1/chat/completions", headers={"Authorization": "Bearer k"},
+            json={"model": MODEL, "messages": [{"role": "user", "content": "x"}]}) as r:
+        assert r.status == 429

@@ -308,6 +308,8 @@ class Gateway:
         the request id its headers carry, so `talaria logs <request id>` says why; a
         call's own answer is its `gateway.call` line."""
         resp = error_response(shape, err)
+        if err.code == "body_timeout":
+            resp.force_close()  # (the connection holds the unread rest of a body)
         if request.get(REQUEST_ID_KEY) is None:
             rid = request[REQUEST_ID_KEY] = "req_" + uuid.uuid4().hex
             self.log.info("gateway.refused", request_id=rid, method=request.method, path=request.path,
@@ -350,9 +352,17 @@ class Gateway:
         return tenant
 
     async def _body(self, request: web.Request) -> tuple[bytes, dict[str, Any]]:
+        limit_s = self.settings.gateway_body_timeout_s
+        try:
+            async with asyncio.timeout(limit_s):
+                sent = await request.read()
+        except TimeoutError:
+            # a body trickled, or shorter than its Content-Length, held its connection (and a file
+            # descriptor) for ever: answered, and the connection closed (`_refused`; the rest is unread)
+            raise HttpError("body_timeout", f"the request body did not arrive within {limit_s:g} s "
+                                            "(TALARIA_GATEWAY_BODY_TIMEOUT_S)") from None
         try:  # (the gateway decodes a compressed body itself: aiohttp's answer to a corrupt one is a 500)
-            raw = tr.decode_body(await request.read(), request.headers.get("Content-Encoding"),
-                                 self.settings.gateway_max_body)
+            raw = tr.decode_body(sent, request.headers.get("Content-Encoding"), self.settings.gateway_max_body)
         except tr.BodyEncodingError as exc:
             raise HttpError(exc.code, str(exc)) from None
         try:

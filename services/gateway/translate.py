@@ -987,6 +987,7 @@ _ERROR_MAP: dict[str, tuple[int, str, str | None, str]] = {
     "previous_response_not_found": (400, "invalid_request_error", "previous_response_not_found",
                                     "invalid_request_error"),
     "too_large": (413, "invalid_request_error", "request_too_large", "request_too_large"),
+    "body_timeout": (408, "invalid_request_error", "request_timeout", "invalid_request_error"),
     "context_limit": (400, "invalid_request_error", "context_length_exceeded", "invalid_request_error"),
     "no_capacity": (429, "rate_limit_error", "no_capacity", "overloaded_error"),
     "timeout": (504, "timeout", "timeout", "timeout_error"),
