@@ -2545,8 +2545,8 @@ async def test_a_body_that_does_not_arrive_in_time_is_a_408_and_its_connection_i
     gw = ctl["gateway"]
     gw.settings = dataclasses.replace(gw.settings, gateway_body_timeout_s=0.5)
     port = int(url.rsplit(":", 1)[1])
-    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer k\r\n"
-            f"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n").encode()
+    head = ("POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer k\r\n"
+            "Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n").encode()
     for trickle in (False, True):
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(head + b'{"model": ')
