@@ -288,3 +288,32 @@ async def test_a_sleep_while_calls_run_is_refused_by_name_and_the_engine_runs_on
     assert isinstance(refused, ApiError) and refused.code == "unavailable" and refused.retry_after_s, refused
     await until(lambda: any(isinstance(call_event_decoder.decode(e), CallReply) for e in replies), 30, "no answer")
     assert not [d for d in svc.log_lines(svc.engine(MODEL_A)) if d.get("event") == "handler.failed"]
+
+
+async def test_a_cancel_that_crosses_its_run_on_the_bus_stops_the_run_and_not_a_later_ask(engine_only: Any) -> None:
+    """Admission dispatched the call just before its agent's cancel reached it; the cancel
+    reached this worker first (unknown here then). The run is dropped when it comes, and
+    admission told; the same call id dispatched after the cancel (the agent asked again) runs."""
+    svc, nc = engine_only
+    s = svc.subjects
+    inbox = s.reply_inbox(f"{AGENT_NAMESPACE}.t", "r9")
+    events, _ = await _collect(nc, inbox)
+    finishes, _ = await _collect(nc, s.call_finished(SERVER))
+    await nc.publish(s.call_cancel(), encode(CancelCall(call_id="c9")))
+    await nc.flush()
+    await asyncio.sleep(0.2)
+    sent_before = msgspec.structs.replace(_run("c9", "S9", inbox, out=50), dispatched_at=0.0)
+    await nc.publish(s.engine_run(SERVER, MODEL_A), encode(sent_before))
+    await until(lambda: any(finished_decoder.decode(f).call_id == "c9" for f in finishes), 10, "admission not told")
+    await asyncio.sleep(0.3)
+    assert not events, "a run its agent had given up was run"
+    lines = svc.log_lines(svc.engine(MODEL_A))
+    assert any(d.get("event") == "engine.cancelled_before_start" and d.get("call_id") == "c9" for d in lines)
+    assert not any(d.get("event") == "engine.started" and d.get("call_id") == "c9" for d in lines)
+    # a call whose run was dispatched after its cancel was heard (the agent asked again): run and answered
+    await nc.publish(s.call_cancel(), encode(CancelCall(call_id="c10")))
+    await nc.flush()
+    await asyncio.sleep(0.2)
+    asked_again = msgspec.structs.replace(_run("c10", "S10", inbox, out=50), dispatched_at=1e12)
+    await nc.publish(s.engine_run(SERVER, MODEL_A), encode(asked_again))
+    await until(lambda: any(isinstance(call_event_decoder.decode(e), CallReply) for e in events), 10, "not answered")

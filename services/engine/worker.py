@@ -14,7 +14,8 @@
   the session's finish, answers the agent and tells admission (`CallFinished`);
 - an agent's cancel (`CancelCall`) of a pending call drops it and tells
   admission; of a running call, the backend stops generating and the call ends
-  as aborted (no reply, a `CallFinished`);
+  as aborted (no reply, a `CallFinished`); of a call not here yet, it is
+  remembered, and a run dispatched before it is dropped when it comes;
 - streamed tokens go to the agent as `CallTokens` through `stream_tokens`.
 
 A backend (`EngineBackend`: `sim_backend.SimBackend`, `vllm_backend.VllmBackend`)
@@ -58,6 +59,7 @@ ENGINE_DRAIN_WALL_S = 45.0
 DRAIN_POLL_WALL_S = 0.05
 ENGINE_STATE_WRITE_WALL_S = 1.0  # how long a drain or a start waits to write the engine hash's state
 ANSWERED_KEPT = 4096  # call ids a worker remembers answering (a late resend's stale claim is checked again)
+EARLY_CANCELS_KEPT = 4096  # cancels heard before their run (every worker hears every cancel; few runs come)
 
 
 class EngineBackend(ABC):
@@ -163,6 +165,8 @@ class EngineWorker(ServiceProcess):
         # the sessions' finishes and the KV view, written in order and never waited on for long
         self.state_writes = OrderedWrites(lambda: self.redis, lambda: self.log, "engine")
         self.draining = False  # SIGTERM: no new run taken (drain)
+        # call id -> (namespace, model time) of a cancel heard before its run came
+        self.early_cancels: OrderedDict[str, tuple[str, float]] = OrderedDict()
 
     async def setup(self) -> None:
         s = self.settings
@@ -252,6 +256,13 @@ class EngineWorker(ServiceProcess):
         if msg.reply:  # admission sends a dispatch until it hears this
             await self.nc.publish(msg.reply, encode(RunAccepted(call_id=rc.call_id)))
 
+    def _cancelled_before(self, rc: RunCall) -> bool:
+        """Its agent's cancel was heard before this run came, and the run was dispatched
+        before that (a retry under the same id, dispatched after, is the agent's new ask)."""
+        early = self.early_cancels.pop(rc.call_id, None)
+        return (early is not None and rc.dispatched_at is not None and rc.dispatched_at <= early[1]
+                and self.subjects.is_reply_inbox(rc.reply_to, early[0]))
+
     def _taken(self, call_id: str) -> bool:
         """Whether a run of `call_id` is already this process's: waiting, running or finishing."""
         return call_id in self.pending or call_id in self.finishing or self.backend.holds(call_id)
@@ -259,6 +270,11 @@ class EngineWorker(ServiceProcess):
     async def _take_run(self, rc: RunCall) -> None:
         with structlog.contextvars.bound_contextvars(session_id=rc.session_id, call_id=rc.call_id):
             if self._taken(rc.call_id):
+                return
+            if self._cancelled_before(rc):
+                self.log.info("engine.cancelled_before_start", reason="the agent gave up before the run came")
+                await self._forget_prompt(rc)
+                await self._tell_admission(rc.call_id, rc.session_id, 0)
                 return
             # claimed in the durable record before anything is generated
             claim = await self.call_records.claim(rc.session_id, rc.call_id, server_id=self.settings.server_id,
@@ -442,9 +458,18 @@ class EngineWorker(ServiceProcess):
     async def on_cancel(self, msg: Msg) -> None:
         c = cancel_decoder.decode(msg.data)
         ns = self.subjects.api_namespace(msg.subject)
+        if ns is None:
+            return
         asked_by = self.asked_by.get(c.call_id)
-        if asked_by is None or ns is None or not self.subjects.is_reply_inbox(asked_by, ns):
-            return  # not running here, or another namespace's call: only its caller may cancel it
+        if asked_by is None:
+            # not here (yet): a run that admission sent before the cancel reached it may still
+            # come (the two cross on the bus; admission drops a call still queued): remembered
+            self.early_cancels[c.call_id] = (ns, self.clock.now())
+            while len(self.early_cancels) > EARLY_CANCELS_KEPT:
+                self.early_cancels.popitem(last=False)
+            return
+        if not self.subjects.is_reply_inbox(asked_by, ns):
+            return  # another namespace's call: only its caller may cancel it
         pending = self.pending.pop(c.call_id, None)
         if pending is not None:
             self.claims.pop(c.call_id, None)
