@@ -6,6 +6,7 @@ Every setting has one environment variable; `.env.example` lists them all.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import sys
@@ -27,6 +28,26 @@ GATEWAY_RESPONSES_TTL_S = 6 * 3600   # how long a stored Responses-API response 
 # the call record bucket's least bound: it must reach back past the longest call (a record dropped
 # while its call runs is answered again, but a retry of it meanwhile would run it a second time)
 CALL_RECORD_MIN_BYTES = 64 * 1024 * 1024
+
+
+def parse_api_keys(spec: str) -> dict[str, str]:
+    """`TALARIA_API_KEYS`: `tenant:key,tenant2:key2` (a bare `key` is its own tenant, named
+    by its hash) -> key -> tenant. ValueError for an empty entry, or a key given to two
+    tenants (one would have silently had the other's sessions and stored responses)."""
+    out: dict[str, str] = {}
+    for item in spec.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        tenant, sep, key = item.partition(":")
+        if not sep:
+            tenant, key = "k" + hashlib.sha256(item.encode()).hexdigest()[:12], item
+        if not key or not tenant:
+            raise ValueError("an entry is empty (format tenant:key,tenant2:key2)")
+        if out.get(key, tenant) != tenant:
+            raise ValueError(f"one key is given to two tenants, {out[key]} and {tenant}")
+        out[key] = tenant
+    return out
 
 
 class SettingsError(ValueError):
@@ -294,6 +315,10 @@ class Settings:
             parse_redis_url(a.redis)
         except RedisUrlError as exc:
             raise SettingsError(f"TALARIA_REDIS_URL (--redis): {exc}") from None
+        try:
+            parse_api_keys(src.get("TALARIA_API_KEYS", ""))
+        except ValueError as exc:
+            raise SettingsError(f"TALARIA_API_KEYS: {exc}") from None
         return cls(
             nats_urls=[u.strip() for u in a.nats.split(",") if u.strip()],
             redis_url=a.redis,

@@ -17,6 +17,7 @@ import msgspec
 from shared.auth import nats_password_from_env, role_password_var
 from shared.catalog import CatalogError, load_catalog
 from shared.policy import PRESETS, PolicyError, resolve_policy
+from shared.settings import parse_api_keys
 from talaria.workload.trace import TraceError, TraceSession, load_runnable_trace
 from talaria.workload import generate as gen
 from talaria.argtypes import (
@@ -35,6 +36,7 @@ REPLAY_TIME_SCALE = 50.0  # an embedded replay's default: model seconds per wall
 # `talaria up`'s front-door key where it is set (else a fresh one at every start): the variable
 # docs/front-door.md has Codex read its key from
 API_KEY_VAR = "TALARIA_API_KEY"
+API_KEYS_VAR = "TALARIA_API_KEYS"
 
 
 def _fail(msg: str, code: int = 2) -> int:
@@ -363,13 +365,19 @@ def cmd_up(a: argparse.Namespace) -> int:
     policy = resolve_policy(a.policy)
     if a.no_gateway and a.gateway_port:
         return _fail("--gateway-port names the port of the gateway that --no-gateway leaves out")
+    more_keys = os.environ.get(API_KEYS_VAR, "")  # further tenants, as compose's env file gives them
+    try:
+        tenants = set(parse_api_keys(more_keys).values())
+    except ValueError as exc:
+        return _fail(f"{API_KEYS_VAR}: {exc}")
 
     async def run() -> None:
         spec = StackSpec(policy=policy, models=models, servers=a.servers, liveness=True, supervise_stores=True,
                          routers=a.routers, server_profile=a.server_profile, time_scale=a.time_scale, log_dir=Path(a.log_dir),
                          nats_urls=a.nats.split(",") if a.nats else None, redis_url=a.redis,
                          subject_prefix=a.subject_prefix, key_prefix=a.key_prefix, gateway=not a.no_gateway,
-                         gateway_port=a.gateway_port or 0, api_key=os.environ.get(API_KEY_VAR) or None)
+                         gateway_port=a.gateway_port or 0, api_key=os.environ.get(API_KEY_VAR) or None,
+                         more_api_keys=more_keys)
         stack = EmbeddedStack(spec)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -403,7 +411,8 @@ def cmd_up(a: argparse.Namespace) -> int:
             if stack.openai_base_url:
                 # the key is in the credentials file (mode 600), not on the terminal
                 print(f"HTTP front door: OPENAI_BASE_URL={stack.openai_base_url}  ANTHROPIC_BASE_URL={stack.gateway_url}\n"
-                      f"  its API key is `api_key` in {cred_file} (docs/front-door.md)")
+                      f"  its API key is `api_key` in {cred_file} (docs/front-door.md)"
+                      + (f"; also the keys of {API_KEYS_VAR} ({', '.join(sorted(tenants))})" if tenants else ""))
             print(f"talaria is up: NATS {','.join(stack.nats_urls)}\n"
                   f"  subject prefix {stack.subject_prefix}  key prefix {stack.key_prefix}  policy {spec.policy.name}  "
                   f"time scale {spec.time_scale:g}x\n  logs in {stack.log_dir}; Ctrl-C stops everything", flush=True)

@@ -332,7 +332,7 @@ def test_up_keeps_the_front_doors_port_and_key_where_told(tmp_path: Path, capsys
     import urllib.request
 
     port, key = free_port(), "sk-talaria-fixed-for-this-test"
-    env = {**os.environ, "TALARIA_API_KEY": key}
+    env = {**os.environ, "TALARIA_API_KEY": key, "TALARIA_API_KEYS": "alice:ka-key,bob:kb-key"}
     up = subprocess.Popen([sys.executable, "-m", "talaria.cli", "up", "--gateway-port", str(port), "--models",
                            "glm-4.5-air-fp8", "--log-dir", str(tmp_path / "up")], cwd=ROOT, env=env,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -346,6 +346,15 @@ def test_up_keeps_the_front_doors_port_and_key_where_told(tmp_path: Path, capsys
         ask = urllib.request.Request(f"http://127.0.0.1:{port}/v1/models", headers={"Authorization": f"Bearer {key}"})
         with urllib.request.urlopen(ask, timeout=10) as r:
             assert [m["id"] for m in json.load(r)["data"]] == ["glm-4.5-air-fp8"]
+        # TALARIA_API_KEYS's tenants too, as compose's gateway takes them (`up` took only its own key)
+        ask = urllib.request.Request(f"http://127.0.0.1:{port}/v1/models", headers={"x-api-key": "kb-key"})
+        with urllib.request.urlopen(ask, timeout=10) as r:
+            assert r.status == 200
+        # keys the gateway would refuse stop `up` before anything starts, naming the variable
+        monkeypatch.setenv("TALARIA_API_KEYS", "alice:same,bob:same")
+        assert main(["up", "--log-dir", str(tmp_path / "bad-keys")]) == 2
+        assert "TALARIA_API_KEYS: one key is given to two tenants, alice and bob" in capsys.readouterr().err
+        monkeypatch.delenv("TALARIA_API_KEYS")
         # a second stack on the same port (another folder) stops at once, naming it
         monkeypatch.setenv("TALARIA_API_KEY", key)
         assert main(["up", "--gateway-port", str(port), "--log-dir", str(tmp_path / "other")]) == 2

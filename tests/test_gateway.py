@@ -35,7 +35,7 @@ from shared.costmodel import MEDIAN_OUTPUT_TOKENS
 from shared.schema import (
     ApiError, CallQueued, CallReply, CallRunning, CallTokens, Info, SessionOpened, api_request_decoder, CallRequest, InfoRequest, OpenSession, EndSession, Ok, Sampling, encode,
 )
-from shared.settings import GATEWAY_MAX_BODY, Settings
+from shared.settings import GATEWAY_MAX_BODY, Settings, SettingsError, parse_api_keys
 from shared.subjects import GATEWAY_NAMESPACE
 from talaria.ops.nats_server import NatsServer
 from talaria.ops.stack import EmbeddedStack, StackSpec
@@ -106,8 +106,14 @@ def test_a_compressed_body_is_decoded_bounded_and_a_bad_one_refused_by_name() ->
 
 
 def test_keys_and_token_estimate() -> None:
-    keys = tr.parse_keys("a:k1, b:k2,bare")
+    keys = parse_api_keys("a:k1, b:k2,bare")
     assert keys["k1"] == "a" and keys["k2"] == "b" and keys["bare"].startswith("k")
+    assert parse_api_keys("a:k1,a:k1") == {"k1": "a"}
+    for bad, says in (("a:k1,b:k1", "one key is given to two tenants, a and b"), ("a:", "empty"), (":k", "empty")):
+        with pytest.raises(ValueError, match=says):
+            parse_api_keys(bad)
+        with pytest.raises(SettingsError, match="TALARIA_API_KEYS: .*" + says):  # refused at start, in one line
+            Settings.from_env([], env={"TALARIA_API_KEYS": bad})
     assert tr.tenant_for({"authorization": "Bearer k2"}, keys) == "b"
     assert tr.tenant_for({"x-api-key": "k1"}, keys) == "a"
     assert tr.tenant_for({"authorization": "Bearer nope"}, keys) is None and tr.tenant_for({}, keys) is None

@@ -21,7 +21,7 @@ from services.router.service import ENGINE_STATES_TTL_WALL_S
 from shared.keys import Keys
 from shared.logs import LogEvery
 from shared.schema import CallAccepted, CallQueued, CallReply, CallRunning
-from talaria.client import NoCapacity, TalariaClient
+from talaria.client import NoCapacity, TalariaClient, TalariaError
 from talaria.ops.nats_server import NatsServer
 from talaria.ops.stack import EmbeddedStack, StackSpec
 from shared.policy import resolve_policy
@@ -278,6 +278,40 @@ async def test_a_call_whose_agent_gives_up_while_it_is_queued_is_dropped_not_run
             again = await asyncio.wait_for(y.call(prompt_tokens=1000, max_tokens=256, sim_output_tokens=7,
                                                   call_id=gone), 30)
             assert again.output_tokens == 7 and not again.duplicate
+    finally:
+        await svc.stop()
+
+
+async def test_a_call_id_in_flight_for_another_session_is_refused_as_malformed_not_no_capacity(
+        nats_server: NatsServer, redis_server: RedisServer, subject_prefix: str, key_prefix: str, tmp_path: Path) -> None:
+    """Admission refuses a call id already queued for another session; the router took that
+    for a full server and told the agent `no_capacity` with a retry-after, so it retried
+    in vain until the other call ended."""
+    svc = Services(nats_server.url, redis_server.url, subject_prefix, key_prefix, tmp_path / "logs",
+                   models=[MODEL_A, MODEL_B])
+    await svc.start()
+    try:
+        async with await TalariaClient.connect(nats_server.url, subject_prefix=subject_prefix,
+                                               silence_s=30.0, retries=0) as c:
+            x = await c.open_session(MODEL_B)
+            ev_x: list[Any] = []
+            tx = asyncio.ensure_future(x.call(prompt_tokens=3000, max_tokens=16384, sim_output_tokens=4000,
+                                              on_event=ev_x.append))
+            await until(lambda: _has(ev_x, CallRunning), 15, "X never ran")
+            y = await c.open_session(MODEL_A)
+            ev_y: list[Any] = []
+            ty = asyncio.ensure_future(y.call(prompt_tokens=1000, max_tokens=256, sim_output_tokens=10,
+                                              call_id="shared-id", on_event=ev_y.append))
+            await until(lambda: _has(ev_y, CallQueued), 10, "Y never queued")
+            with pytest.raises(TalariaError) as refused:  # (another agent: its own inbox)
+                async with await TalariaClient.connect(nats_server.url, subject_prefix=subject_prefix,
+                                                       silence_s=30.0, retries=0) as other:
+                    z = await other.open_session(MODEL_A)
+                    await z.call(prompt_tokens=1000, max_tokens=256, sim_output_tokens=10, call_id="shared-id")
+            assert refused.value.code == "malformed" and "another session" in refused.value.message
+            assert not isinstance(refused.value, NoCapacity)
+            assert (await asyncio.wait_for(ty, 60)).output_tokens == 10  # the first is served as usual
+            await asyncio.wait_for(tx, 60)
     finally:
         await svc.stop()
 

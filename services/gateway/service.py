@@ -64,7 +64,7 @@ from shared.schema import CallReply, CallRunning, CallTokens, Sampling, context_
 from shared import tracing
 from shared.metrics import Metrics
 from shared.redis_client import RedisUrlError, check_target, open_redis
-from shared.settings import Settings
+from shared.settings import Settings, parse_api_keys
 from shared.subjects import GATEWAY_NAMESPACE
 
 DEFAULT_MAX_TOKENS = 4096      # a request naming no bound gets this much, capped by the context left
@@ -201,7 +201,7 @@ class Gateway:
         self.rkeys = Keys(settings.key_prefix)
         self.chains = px.ChainCache()
         self.catalog = catalog or load_catalog(settings.catalog_path)
-        self.keys = tr.parse_keys(settings.api_keys)
+        self.keys = parse_api_keys(settings.api_keys)
         # each model's own chat template and tokenizer where the deployment names its folder
         # (loaded now, so a bad folder stops the gateway at start, not a call)
         self.tokenizers = tk.Tokenizers(settings.gateway_tokenizers)

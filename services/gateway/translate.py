@@ -1,7 +1,7 @@
 """The gateway's pure part: HTTP requests into Talaria calls and replies into
 each API's own shapes (no I/O; the service around it does the HTTP and NATS).
 
-- keys: `parse_keys` reads `TALARIA_API_KEYS`; `tenant_for` finds a request's tenant.
+- keys: `tenant_for` finds a request's tenant (the keys: `shared.settings.parse_api_keys`).
 - sessions: `session_name` takes the agent's own session header, in the
   documented order (`SESSION_HEADERS`); `talaria_session_id` namespaces it by
   tenant, agent id and model, so two tenants' `x-session-id: 1` never meet.
@@ -55,24 +55,7 @@ IDEMPOTENCY_HEADER = "idempotency-key"
 RETRY_COUNT_HEADER = "x-stainless-retry-count"  # the official SDKs' attempt number (0 = first)
 
 
-
 # -- keys and tenants ---------------------------------------------------------------------
-def parse_keys(spec: str) -> dict[str, str]:
-    """`tenant:key,tenant2:key2` (a bare `key` is its own tenant, named by its hash) -> key -> tenant."""
-    out: dict[str, str] = {}
-    for item in spec.split(","):
-        item = item.strip()
-        if not item:
-            continue
-        tenant, sep, key = item.partition(":")
-        if not sep:
-            tenant, key = "k" + hashlib.sha256(item.encode()).hexdigest()[:12], item
-        if not key or not tenant:
-            raise ValueError("TALARIA_API_KEYS: an entry is empty (format tenant:key,tenant2:key2)")
-        out[key] = tenant
-    return out
-
-
 def presented_keys(headers: Mapping[str, str]) -> list[str]:
     """The keys a request carries: `Authorization: Bearer K` (OpenAI) and `x-api-key: K`
     (Anthropic), in that order. Both count: Claude Code sends both where its user set both

@@ -473,7 +473,8 @@ class Router(ServiceProcess):
         # an admission that does not answer is restarting (its liveness watch replaces a dead one
         # within a couple of seconds): those servers are asked again for a while, so a call, a
         # continuation above all, is not refused as if every server were full
-        candidates, passes, refused = list(ranked), 0, False
+        candidates, passes = list(ranked), 0
+        refused: ApiError | None = None
         restart_deadline = time.monotonic() + ADMISSION_RESTART_WAIT_WALL_S
         # a continuation whose first choice holds its KV asks that server alone for a moment
         # before the others: a restarting admission is back within it (a chaos probe saw
@@ -489,7 +490,8 @@ class Router(ServiceProcess):
             if unreachable is None:
                 return  # taken (or answered as a retry)
             away, revision, recording, was_refused = unreachable
-            refused = refused or was_refused
+            if refused is None or (was_refused is not None and was_refused.code == "malformed"):
+                refused = was_refused
             if home_only:
                 if away and time.monotonic() < home_until:
                     candidates = away + candidates[1:]  # asked again after the pause below
@@ -503,7 +505,7 @@ class Router(ServiceProcess):
                 break
             passes += 1
             await asyncio.sleep(ADMISSION_RETRY_EVERY_WALL_S)
-        if candidates and not refused:
+        if candidates and refused is None:
             # every server that could take it is away, not full: the agent retries as for a store away
             down = ", ".join(c.server_id for c in candidates)
             if pinned is None:  # (a call a server holds stays pinned there)
@@ -516,6 +518,9 @@ class Router(ServiceProcess):
                                    req.call_id, retry_after_s=NO_CAPACITY_RETRY_AFTER_S)
             return
         await self._give_up(req, reply_to, revision, recording, new_session)
+        if refused is not None and refused.code == "malformed":  # the call itself (its id in flight for another
+            await self.reply_error(reply_to, refused.code, refused.message, req.call_id)  # session): no retry helps
+            return
         await self.reply_error(reply_to, "no_capacity", f"no server could take a {req.model} call now", req.call_id, retry_after_s=NO_CAPACITY_RETRY_AFTER_S)
 
     async def _give_up(self, req: CallRequest, reply_to: str, revision: int,
@@ -534,12 +539,13 @@ class Router(ServiceProcess):
     async def _submit_to(self, candidates: list[Any], passes: int, req: CallRequest, reply_to: str,
                          session: state.SessionRecord, ns: str, sub: SubmitCall, placement: InFlight, revision: int,
                          recording: tuple[str, asyncio.Task[int | None]] | None, retry: bool
-                         ) -> tuple[list[Any], int, tuple[str, asyncio.Task[int | None]] | None, bool] | None:
+                         ) -> tuple[list[Any], int, tuple[str, asyncio.Task[int | None]] | None, ApiError | None] | None:
         """Submit to each candidate in turn until one takes it (None: taken, or answered as a
         retry); else (the candidates whose admission did not answer, the record's revision,
-        its write still under way, whether any admission refused it)."""
+        its write still under way, an admission's refusal of it, the one of the call itself
+        first)."""
         unreachable: list[Any] = []
-        refused = False
+        refused: ApiError | None = None
         for i, cand in enumerate(candidates):
             if i > 0 or passes > 0:  # the first choice did not take it: the next one counts it now
                 await self.mark_in_flight(cand.server_id, placement)
@@ -572,7 +578,8 @@ class Router(ServiceProcess):
                 # e.g. no_capacity: that server's queue is at its bound (TALARIA_MAX_QUEUED) and this is a
                 # new session's first call; admission decides on its own exact count, not a mirrored one
                 self.log.warning("router.admission_refused", server_id=cand.server_id, reason=out.message, code=out.code)
-                refused = True
+                if refused is None or out.code == "malformed":
+                    refused = out
                 continue
             if not retry:  # first accepted: counted once, a retry of it is not a new call
                 self.metrics.calls_accepted.labels(model=req.model).inc()

@@ -121,6 +121,7 @@ class StackSpec:
     # restarts them itself on its own schedule (chaos) and for replays
     supervise_stores: bool = False
     api_keys: dict[str, str] = field(default_factory=dict)  # tenant -> key beside the generated `default` one
+    more_api_keys: str = ""  # further keys as TALARIA_API_KEYS writes them (`tenant:key,...`; `talaria up` passes it on)
     gateway_port: int = 0  # the gateway's loopback port (0: a free one at every start)
     api_key: str | None = None  # the `default` tenant's key (None: a fresh one at every start)
 
@@ -188,7 +189,9 @@ class EmbeddedStack:
         keys = {"default": self.api_key, **self.spec.api_keys}
         assert self.gateway_port is not None
         return {"TALARIA_GATEWAY_HOST": LOOPBACK, "TALARIA_GATEWAY_PORT": str(self.gateway_port),
-                "TALARIA_API_KEYS": ",".join(f"{t}:{k}" for t, k in keys.items()), **self._role("gateway")}
+                "TALARIA_API_KEYS": ",".join([f"{t}:{k}" for t, k in keys.items()]
+                                             + ([self.spec.more_api_keys] if self.spec.more_api_keys else [])),
+                **self._role("gateway")}
 
     @property
     def redis_url(self) -> str:
