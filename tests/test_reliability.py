@@ -236,6 +236,22 @@ async def test_bounded_queue_refuses_new_sessions_only(nats_server: NatsServer, 
         await svc.stop()
 
 
+async def _queued_behind_a_long_call(c: TalariaClient, call_id: str | None = None, out: int = 6000
+                                     ) -> tuple[asyncio.Future[CallReply], asyncio.Future[CallReply], Any]:
+    """A long call of MODEL_B running (its model's turn), and then a call of MODEL_A queued
+    behind it: (the long call, the queued call, the queued call's session)."""
+    x = await c.open_session(MODEL_B)
+    ev_x: list[Any] = []
+    tx = asyncio.ensure_future(x.call(prompt_tokens=3000, max_tokens=16384, sim_output_tokens=out, on_event=ev_x.append))
+    await until(lambda: _has(ev_x, CallRunning), 15, "X never ran")
+    y = await c.open_session(MODEL_A)
+    ev_y: list[Any] = []
+    ty = asyncio.ensure_future(y.call(prompt_tokens=1000, max_tokens=256, sim_output_tokens=10,
+                                      call_id=call_id or f"{y.session_id}-0", on_event=ev_y.append))
+    await until(lambda: _has(ev_y, CallQueued), 10, "Y never queued")
+    return tx, ty, y
+
+
 async def test_a_call_whose_agent_gives_up_while_it_is_queued_is_dropped_not_run_later(
         nats_server: NatsServer, redis_server: RedisServer, subject_prefix: str, key_prefix: str, tmp_path: Path) -> None:
     """Only an engine heard an agent's cancel, and only of a call it held: one still in
@@ -247,17 +263,8 @@ async def test_a_call_whose_agent_gives_up_while_it_is_queued_is_dropped_not_run
     try:
         async with await TalariaClient.connect(nats_server.url, subject_prefix=subject_prefix,
                                                silence_s=30.0, retries=0) as c:
-            x = await c.open_session(MODEL_B)
-            ev_x: list[Any] = []
-            tx = asyncio.ensure_future(x.call(prompt_tokens=3000, max_tokens=16384, sim_output_tokens=6000,
-                                              on_event=ev_x.append))
-            await until(lambda: _has(ev_x, CallRunning), 15, "X never ran")
-            y = await c.open_session(MODEL_A)
-            ev_y: list[Any] = []
+            tx, ty, y = await _queued_behind_a_long_call(c)
             gone = f"{y.session_id}-0"
-            ty = asyncio.ensure_future(y.call(prompt_tokens=1000, max_tokens=256, sim_output_tokens=10, call_id=gone,
-                                              on_event=ev_y.append))
-            await until(lambda: _has(ev_y, CallQueued), 10, "Y never queued")
             ty.cancel()  # the agent gives up: its client sends CancelCall
             with contextlib.suppress(asyncio.CancelledError):
                 await ty
@@ -293,16 +300,7 @@ async def test_a_call_id_in_flight_for_another_session_is_refused_as_malformed_n
     try:
         async with await TalariaClient.connect(nats_server.url, subject_prefix=subject_prefix,
                                                silence_s=30.0, retries=0) as c:
-            x = await c.open_session(MODEL_B)
-            ev_x: list[Any] = []
-            tx = asyncio.ensure_future(x.call(prompt_tokens=3000, max_tokens=16384, sim_output_tokens=4000,
-                                              on_event=ev_x.append))
-            await until(lambda: _has(ev_x, CallRunning), 15, "X never ran")
-            y = await c.open_session(MODEL_A)
-            ev_y: list[Any] = []
-            ty = asyncio.ensure_future(y.call(prompt_tokens=1000, max_tokens=256, sim_output_tokens=10,
-                                              call_id="shared-id", on_event=ev_y.append))
-            await until(lambda: _has(ev_y, CallQueued), 10, "Y never queued")
+            tx, ty, _ = await _queued_behind_a_long_call(c, call_id="shared-id", out=4000)
             with pytest.raises(TalariaError) as refused:  # (another agent: its own inbox)
                 async with await TalariaClient.connect(nats_server.url, subject_prefix=subject_prefix,
                                                        silence_s=30.0, retries=0) as other:
