@@ -249,9 +249,10 @@ def _anthropic_choice(choice: Any) -> str | None:
 
 def tools_text(tools: Sequence[Tool]) -> str:
     """The tools as JSON: what the prompt carries (a chat template puts them in its
-    system part) and the engine hint's `tools_json`."""
-    return json.dumps([{"name": t.name, "description": t.description, "parameters": t.parameters} for t in tools],
-                      sort_keys=True)
+    system part) and the engine hint's `tools_json`. Each schema keeps the order its
+    agent declared (a forced call's arguments are decoded in its properties' order, as
+    vLLM's server does; sorted, `read_file(path, line)` began with the optional line)."""
+    return json.dumps([{"description": t.description, "name": t.name, "parameters": t.parameters} for t in tools])
 
 
 def tools_from_json(text: str) -> list[Tool]:

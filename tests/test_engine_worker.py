@@ -317,3 +317,27 @@ async def test_a_cancel_that_crosses_its_run_on_the_bus_stops_the_run_and_not_a_
     asked_again = msgspec.structs.replace(_run("c10", "S10", inbox, out=50), dispatched_at=1e12)
     await nc.publish(s.engine_run(SERVER, MODEL_A), encode(asked_again))
     await until(lambda: any(isinstance(call_event_decoder.decode(e), CallReply) for e in events), 10, "not answered")
+
+
+async def test_a_vllm_worker_says_its_context_limit_as_it_starts(redis_server: RedisServer, key_prefix: str) -> None:
+    """While vLLM loaded (seconds on CPU, minutes on a GPU), routers and the gateway knew only
+    the catalog's limit (131,072 for an engine started at 2,048): a call sized to it waited
+    for the engine, then was refused, and the same call sent later was served."""
+    import types
+
+    from services.engine.vllm_backend import VllmBackend
+    from shared.settings import VllmSettings
+
+    r = aioredis.Redis.from_url(redis_server.url)
+    started: list[Any] = []
+    worker = types.SimpleNamespace(
+        settings=types.SimpleNamespace(vllm=VllmSettings(model_dir="unread", max_model_len=2048, sleep_level=0), server_id=SERVER,
+                                       model=MODEL_A),
+        log=None, redis=r, keys=Keys(key_prefix), spawn=lambda coro, name: started.append(coro.close()))
+    try:
+        await VllmBackend(worker).start()  # type: ignore[arg-type]
+        engine = await r.hgetall(Keys(key_prefix).engine(SERVER, MODEL_A))
+        assert engine[b"state"] == b"starting" and int(engine[b"context_limit"]) == 2048
+        assert started  # (the load itself, not run here)
+    finally:
+        await r.aclose()

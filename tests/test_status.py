@@ -146,3 +146,21 @@ async def test_the_agent_example_runs_against_a_stack(tmp_path: Path) -> None:
             assert [ln.split(":")[0] for ln in lines] == ["call 0", "call 1"], lines
             if not extra:
                 assert "text=None" in lines[0]  # the sim engine says how long, not what
+
+
+def test_status_says_a_stack_is_still_starting_until_it_writes_its_credentials(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`talaria up` writes its credentials once every service answers (a real engine: after
+    loading its weights); before, status said only that it could not read the file."""
+    from talaria.ops.stack import lock_log_dir
+
+    creds = tmp_path / "up" / "credentials.json"
+    assert main(["status", "--credentials", str(creds)]) == 2  # nothing runs there: a usage error
+    assert "cannot read the credentials file" in capsys.readouterr().err
+    fd = lock_log_dir(tmp_path / "up")  # (a stack starting from that folder holds it)
+    try:
+        assert main(["status", "--credentials", str(creds)]) == 1  # not ready yet: a script waits on it
+        assert f"talaria up (pid {os.getpid()}) is still starting: not ready" in capsys.readouterr().err
+    finally:
+        os.close(fd)
+    assert main(["status", "--credentials", str(creds)]) == 2

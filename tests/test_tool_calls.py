@@ -103,6 +103,28 @@ def test_requests_tools_in_each_apis_shape_and_refusals_by_name() -> None:
         tc.tools_from_json(json.dumps({"not": "a list"}))
 
 
+
+def test_a_forced_calls_arguments_come_in_the_order_its_schema_declares() -> None:
+    """The engine's tools kept each schema's properties sorted, so a forced call was decoded
+    in alphabetical order (`read_file(path, line)` began with the optional line, a real
+    model pushed off its habit); vLLM's own server keeps the declared order."""
+    import re
+
+    tools = [tc.Tool("read_file", "", {"type": "object", "properties": {"zeta": {"type": "boolean"},
+                                                                        "alpha": {"type": "boolean"}},
+                                       "required": ["zeta", "alpha"]})]
+    (back,) = tc.tools_from_json(tc.tools_text(tools))
+    assert list(back.parameters["properties"]) == ["zeta", "alpha"]
+    pytest.importorskip("outlines_core", reason="the regex is written by outlines-core, which vLLM brings")
+    from services.engine.vllm_backend import forced_tool_call
+    from shared.schema import EngineHint
+
+    so = forced_tool_call(EngineHint(tools_json=tc.tools_text(tools), tool_choice="read_file",
+                                     tool_call_format="hermes"), "glm45")
+    assert re.fullmatch(so.regex, tc.render([("read_file", {"zeta": True, "alpha": False})], "hermes"))
+    assert not re.fullmatch(so.regex, tc.render([("read_file", {"alpha": False, "zeta": True})], "hermes"))
+
+
 def test_a_named_tool_choice_forces_a_call_the_parser_reads() -> None:
     """What a real engine's structured output is held to when the request names the tool:
     every text the regex admits is a hermes call of that tool with arguments its schema allows."""

@@ -233,7 +233,10 @@ class VllmBackend(EngineBackend):
         self.log = w.log
         self.sleep_level = sleep_level_for_platform(self.cfg.sleep_level)
         self.kv_index = KvIndex(w.redis, w.keys, s.server_id, s.model)
-        await w.redis.hset(w.keys.engine(s.server_id, s.model), mapping={"backend": "vllm", "state": "starting"})
+        # the context limit it is configured for, from the start: while vLLM loaded, the catalog's
+        # (131,072 for a 2,048 engine) was every front door's, and a call sized to it waited, then was refused
+        await w.redis.hset(w.keys.engine(s.server_id, s.model),
+                           mapping={"backend": "vllm", "state": "starting", "context_limit": self.max_model_len})
         w.spawn(self._start_or_exit(), "vllm-start")
 
     async def _start_or_exit(self) -> None:

@@ -76,6 +76,21 @@ def lock_log_dir(log_dir: Path) -> int:
     return fd
 
 
+def log_dir_holder(log_dir: Path) -> str | None:
+    """The pid of the stack that runs from `log_dir` (holds its lock), or None: none does."""
+    try:
+        fd = os.open(log_dir / LOCK_FILE, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+    finally:
+        os.close(fd)  # (closing releases a lock taken here)
+    return None
+
+
 PREVIOUS_LOGS_DIR = "previous"  # where a log folder's last run's logs are kept when a new stack claims it
 
 

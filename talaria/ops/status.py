@@ -30,6 +30,7 @@ from shared.state import decode_server
 from talaria.argtypes import positive_float
 from talaria.client import Deployment, TalariaClient, TalariaError
 from talaria.ops.healthcheck import connect_once
+from talaria.ops.stack import log_dir_holder
 
 
 @dataclass
@@ -187,6 +188,11 @@ def cmd_status(a: argparse.Namespace) -> int:
     try:
         dep = Deployment.load(a.credentials)
     except ValueError as exc:
+        folder = Path(a.credentials).parent
+        holder = log_dir_holder(folder) if not Path(a.credentials).exists() else None
+        if holder is not None:  # (it writes the file once every service answers its health check)
+            print(f"talaria up (pid {holder}) is still starting: not ready; its logs are in {folder}", file=sys.stderr)
+            return 1
         print(f"talaria: error: {exc} (`talaria up` writes it; see --credentials)", file=sys.stderr)
         return 2
     st = asyncio.run(gather(dep, a.timeout))
