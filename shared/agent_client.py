@@ -273,11 +273,13 @@ class TalariaClient:
         assert isinstance(out, Info)
         return out
 
-    async def open_session(self, model: str, session_id: str | None = None) -> "Session":
+    async def open_session(self, model: str, session_id: str | None = None, tenant: str | None = None) -> "Session":
+        """`tenant`: whose session it is (heard from the gateway's namespace only)."""
         sid = session_id or f"sess-{uuid.uuid4().hex[:12]}"
-        out = await self._request(self.subjects.api_session_open(self.namespace), OpenSession(session_id=sid, model=model))
+        out = await self._request(self.subjects.api_session_open(self.namespace),
+                                  OpenSession(session_id=sid, model=model, tenant=tenant))
         assert isinstance(out, SessionOpened)
-        return Session(self, sid, model, out.context_limit, out.engine_context_limit)
+        return Session(self, sid, model, out.context_limit, out.engine_context_limit, tenant)
 
     async def end_session(self, session_id: str) -> None:
         await self._request(self.subjects.api_session_end(self.namespace), EndSession(session_id=session_id))
@@ -431,8 +433,9 @@ class TalariaClient:
 
 class Session:
     def __init__(self, client: TalariaClient, session_id: str, model: str, context_limit: int,
-                 engine_context_limit: int | None = None) -> None:
+                 engine_context_limit: int | None = None, tenant: str | None = None) -> None:
         self.client = client
+        self.tenant = tenant
         self.session_id = session_id
         self.model = model
         self.context_limit = context_limit  # the catalog's (a call of token counts only)
@@ -480,7 +483,7 @@ class Session:
         except UnknownSession:
             # the store lost its soft state (Redis restarted or flushed): the
             # session is ours, so open it again under its id and retry once
-            await self.client.open_session(self.model, session_id=self.session_id)
+            await self.client.open_session(self.model, session_id=self.session_id, tenant=self.tenant)
             return await self.client.call(self.session_id, self.model, **kw)  # type: ignore[arg-type]
 
     async def end(self) -> None:

@@ -374,10 +374,10 @@ class CallRecords:
                 return None
 
     # -- open sessions (the router's) ---------------------------------------------------
-    async def open_session(self, session_id: str, model: str, owner: str) -> None:
-        """A session is open for `model` (by `owner`) until it ends: kept here too, so a
-        Redis that restarts empty does not make an agent's open session unknown."""
-        key, value = session_key(session_id), encode(OpenSessionRecord(model=model, owner=owner))
+    async def open_session(self, session_id: str, model: str, owner: str, tenant: str | None = None) -> None:
+        """A session is open for `model` (by `owner`, for `tenant`) until it ends: kept here
+        too, so a Redis that restarts empty does not make an agent's open session unknown."""
+        key, value = session_key(session_id), encode(OpenSessionRecord(model=model, owner=owner, tenant=tenant))
 
         async def step() -> None:
             await self.kv.put(key, value)

@@ -69,6 +69,9 @@ class ApiError(Base, tag="error"):
 class OpenSession(Base, tag="open_session"):
     session_id: Id
     model: Id
+    # whose session it is, for admission's fair order between tenants: the gateway's tenant
+    # (read from the gateway's namespace only; any other agent's tenant is its namespace)
+    tenant: Annotated[str, Meta(max_length=256)] | None = None
 
 
 class EndSession(Base, tag="end_session"):
@@ -272,6 +275,7 @@ class AdmissionCall(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     gap_history: tuple[float, ...] = ()
     output_history: tuple[int, ...] = ()
     session_started_at: float | None = None  # the session's first call (program-level FCFS, docs/peers.md)
+    tenant: str = ""  # whose call (admission orders tenants fairly where not every queued call fits)
 
 
 class EnginePayload(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, forbid_unknown_fields=False):
@@ -370,6 +374,7 @@ class OpenSessionRecord(Base, tag="session_record"):
 
     model: str
     owner: str
+    tenant: str | None = None  # whose (the gateway's tenant; None: its owner namespace)
 
 
 class Sleep(Base, tag="sleep"):

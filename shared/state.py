@@ -172,6 +172,7 @@ class SessionRecord(msgspec.Struct, frozen=True, kw_only=True):
     last_finish: float | None = None
     last_server: str | None = None
     owner: str | None = None  # the namespace that opened it (a hash from before namespaces: anyone's)
+    tenant: str | None = None  # whose it is (the gateway's tenant; else its namespace)
 
 
 def decode_session(raw: Mapping[bytes, bytes] | Mapping[str, str]) -> SessionRecord:
@@ -183,12 +184,13 @@ def decode_session(raw: Mapping[bytes, bytes] | Mapping[str, str]) -> SessionRec
         last_finish=float(g["last_finish"]) if "last_finish" in g else None,
         last_server=g.get("last_server"),
         owner=g.get("owner"),
+        tenant=g.get("tenant"),
     )
 
 
-def open_session(pipe: Any, keys: Keys, session_id: str, model: str, owner: str) -> None:
-    """The router's group: the session's model and the namespace that opened it."""
-    pipe.hset(keys.session(session_id), mapping={"model": model, "owner": owner})
+def open_session(pipe: Any, keys: Keys, session_id: str, model: str, owner: str, tenant: str) -> None:
+    """The router's group: the session's model, the namespace that opened it and its tenant."""
+    pipe.hset(keys.session(session_id), mapping={"model": model, "owner": owner, "tenant": tenant})
     pipe.expire(keys.session(session_id), SESSION_TTL_S)
 
 

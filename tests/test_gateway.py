@@ -2583,3 +2583,20 @@ async def test_a_body_that_does_not_arrive_in_time_is_a_408_and_its_connection_i
             f"{url}/v1/chat/completions", headers={"Authorization": "Bearer k"},
             json={"model": MODEL, "messages": [{"role": "user", "content": "x"}]}) as r:
         assert r.status == 429
+
+
+@pytest.mark.timeout(120)
+async def test_each_calls_tenant_reaches_admission_and_an_agent_cannot_claim_one(stack: EmbeddedStack) -> None:
+    """Admission orders tenants fairly and bounds their share of its queue, so it must know
+    whose a call is: the gateway's tenant, heard from the gateway's namespace only."""
+    await oai(stack, OTHER_KEY).chat.completions.create(
+        model=MODEL, max_tokens=4, messages=[{"role": "user", "content": "whose call is this"}],
+        extra_headers={"x-session-id": "tenant-of-this-call"})
+    async with await TalariaClient.from_deployment(stack.deployment()) as agent:  # a NATS agent naming a tenant
+        s = await agent.open_session(MODEL, tenant="tenant-b")
+        await s.call(prompt_tokens=100, max_tokens=4, sim_output_tokens=2)
+    queued = events(stack, "admission-s0", "admission.queued")
+    assert {e["tenant"] for e in queued if e["session_id"] == s.session_id} == {"agent"}  # its namespace, not its claim
+    gateway_calls = [e for e in events(stack, "gateway", "gateway.call") if e.get("tenant") == "tenant-b"]
+    assert gateway_calls and {e["tenant"] for e in queued if e["session_id"] == gateway_calls[-1]["session_id"]} \
+        == {"tenant-b"}

@@ -257,6 +257,48 @@ def test_kv_budget_calls_that_do_not_fit_wait_fifo() -> None:
     assert s.reserved_kv_tokens() == 56_000
 
 
+def test_where_not_every_queued_call_fits_the_tenants_take_turns() -> None:
+    """One tenant's flood queued first held another tenant's call behind all of it (a
+    probe: 40 s at 20x behind 300 calls). Where the queue's demand exceeds the KV, each
+    tenant's n-th call comes before any tenant's (n+1)-th; with one tenant, FIFO as before."""
+    for name in ("baseline", "talaria"):
+        s = sched(policy(name))
+        flood = [msgspec.structs.replace(mk(B, 0.1 * i, prompt=20_000, max_tokens=1_000), tenant="bob")
+                 for i in range(6)]
+        hers = msgspec.structs.replace(mk(B, 1.0, prompt=20_000, max_tokens=1_000), tenant="alice")
+        acts = open_slot(s, B, 5.0, *flood, hers, cap=63_000)  # three fit at a time
+        assert dispatched(acts) == [flood[0].call_id, hers.call_id, flood[1].call_id], name
+        acts = s.step(Finished(flood[0].call_id, flood[0].session_id, 20_300), 30.0)
+        assert dispatched(acts) == [flood[2].call_id], name  # (then bob's, in his order)
+    # one tenant (every call's tenant the same): the order of before
+    s = sched()
+    alone = [msgspec.structs.replace(mk(B, 0.1 * i, prompt=20_000, max_tokens=1_000), tenant="bob") for i in range(4)]
+    assert dispatched(open_slot(s, B, 5.0, *alone, cap=63_000)) == [c.call_id for c in alone[:3]]
+
+
+def test_a_full_queue_refuses_new_sessions_of_the_tenants_holding_their_share_of_it() -> None:
+    s = sched()
+    for i in range(4):
+        s.step(Arrive(msgspec.structs.replace(mk(A, float(i)), tenant="bob")), float(i))
+    assert s.queued() == 4 and s.refuses_new_session("bob", 4)       # one tenant: the bound, as before
+    assert not s.refuses_new_session("bob", 5)
+    assert not s.refuses_new_session("alice", 4)   # holding nothing of it: in over the bound
+    s.step(Arrive(msgspec.structs.replace(mk(A, 9.0), tenant="alice")), 9.0)
+    s.step(Arrive(msgspec.structs.replace(mk(A, 9.5), tenant="alice")), 9.5)
+    assert s.refuses_new_session("alice", 4)       # her share of 4 between two tenants is 2
+    assert s.refuses_new_session("bob", 4) and not s.refuses_new_session("carol", 4)
+
+
+def test_tenants_take_turns_in_the_order_given() -> None:
+    from services.admission.scheduler import _Queued, _tenants_in_turn
+
+    calls = [msgspec.structs.replace(mk(A, float(i)), tenant=t) for i, t in enumerate("aaabbc")]
+    items = [_Queued(c, 0.0, None) for c in calls]
+    assert [i.call.tenant for i in _tenants_in_turn(items)] == list("abcaba")
+    assert [i.call.call_id for i in _tenants_in_turn(items)][:3] == [calls[0].call_id, calls[3].call_id,
+                                                                      calls[5].call_id]
+
+
 def test_kv_demand_is_capped_by_the_context_limit() -> None:
     s = sched()
     limit = CAT.model(B).context_limit

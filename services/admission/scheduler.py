@@ -322,6 +322,25 @@ class RoundScheduler:
         res = self.reservations.pop(session_id, None)
         return [Protect(session_id, res.model, on=False)] if res is not None else []
 
+    def refuses_new_session(self, tenant: str, bound: int) -> bool:
+        """Whether a new session's first call of `tenant` is refused (TALARIA_MAX_QUEUED =
+        `bound`). The bound holds for all tenants together, but a tenant holding less than
+        its share of it (the bound over the tenants with calls queued, itself counted) is let
+        in over it: one tenant's flood filling the queue does not shut the others out. With
+        one tenant: refused at the bound."""
+        if self.queued() < bound:
+            return False
+        by_tenant = self.queued_by_tenant()
+        return by_tenant.get(tenant, 0) >= bound / len(by_tenant.keys() | {tenant})
+
+    def queued_by_tenant(self) -> dict[str, int]:
+        """Calls waiting here, per tenant."""
+        out: dict[str, int] = {}
+        for q in self.queues.values():
+            for item in q:
+                out[item.call.tenant] = out.get(item.call.tenant, 0) + 1
+        return out
+
     def queued(self, model: str | None = None) -> int:
         if model is not None:
             return len(self.queues[model])
@@ -449,12 +468,14 @@ class RoundScheduler:
         m = self.active
         assert m is not None
         q = self.queues[m]
-        if self.policy.admission_order == "auto" and q and self._demand_exceeds_budget(q):
+        auto = self.policy.admission_order == "auto"
+        several_tenants = len({item.call.tenant for item in q}) > 1
+        if (auto or several_tenants) and q and self._demand_exceeds_budget(q):
             # KV-bound: not every queued call fits, so admit program-level FCFS
-            # (oldest session first) instead of call order
-            ordered = sorted(q, key=lambda item: _program_key(item.call))
+            # (oldest session first) instead of call order, and the tenants in turn
+            ordered = sorted(q, key=lambda item: _program_key(item.call)) if auto else list(q)
             q.clear()
-            q.extend(ordered)
+            q.extend(_tenants_in_turn(ordered) if several_tenants else ordered)
         alone = not self._others_waiting()
         kept: deque[_Queued] = deque()
         blocked = False
@@ -586,6 +607,19 @@ class RoundScheduler:
             if held and now < self.slot_deadline and now < idle_hold_until - 1e-9:
                 return
             self._close(now, actions, "drained" if now < self.slot_deadline else "quantum")
+
+
+def _tenants_in_turn(items: list[_Queued]) -> list[_Queued]:
+    """Every tenant's n-th call before any tenant's (n+1)-th, each tenant's in the order
+    given: one tenant's flood of calls does not hold another's behind it where not all
+    fit (with one tenant: the order given)."""
+    turn: dict[str, int] = {}
+    ranked = []
+    for position, item in enumerate(items):
+        n = turn.get(item.call.tenant, 0)
+        turn[item.call.tenant] = n + 1
+        ranked.append((n, position, item))
+    return [item for _, _, item in sorted(ranked, key=lambda r: (r[0], r[1]))]
 
 
 def _program_key(call: AdmissionCall) -> tuple[float, str, float]:

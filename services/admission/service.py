@@ -264,9 +264,10 @@ class AdmissionService(ServiceProcess):
                 return
             known = held is not None
             bound = self.settings.max_queued
-            if not known and not c.continuation and bound and self.scheduler.queued() >= bound:
-                await self.reply_error(msg.reply, "no_capacity",
-                                       f"{self.settings.server_id} has {self.scheduler.queued()} calls queued (bound {bound})",
+            if not known and not c.continuation and bound and self.scheduler.refuses_new_session(c.tenant, bound):
+                held_by = self.scheduler.queued_by_tenant().get(c.tenant, 0)
+                await self.reply_error(msg.reply, "no_capacity", f"{self.settings.server_id} has {self.scheduler.queued()} "
+                                       f"calls queued (bound {bound}; {held_by} of them this tenant's)",
                                        c.call_id, retry_after_s=1.0)
                 return
             if known and held is not None and sub.reply_to != held.reply_to:
@@ -280,7 +281,7 @@ class AdmissionService(ServiceProcess):
                 await self._persist_submit(c.call_id, sub)
             if msg.reply:
                 await self.nc.publish(msg.reply, encode(Submitted(call_id=c.call_id, server_id=self.settings.server_id)))
-            self.log.info("admission.queued", model=c.model, at=round(self.clock.now(), 3))
+            self.log.info("admission.queued", model=c.model, tenant=c.tenant, at=round(self.clock.now(), 3))
             self.newly_counted.add(c.call_id)
             await self.step(sch.Arrive(c), at=c.arrived_at)
 

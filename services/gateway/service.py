@@ -674,10 +674,10 @@ class Gateway:
         except BadRequest as exc:
             raise HttpError("malformed", str(exc), exc.param) from None
 
-    async def _session(self, sid: str, model: str) -> Session:
+    async def _session(self, sid: str, model: str, tenant: str) -> Session:
         s = self.sessions.get(sid)
         if s is None:
-            s = await self.client.open_session(model, session_id=sid)
+            s = await self.client.open_session(model, session_id=sid, tenant=tenant)
             self.sessions[sid] = s
             while len(self.sessions) > SESSIONS_KEPT:
                 self.sessions.popitem(last=False)
@@ -909,7 +909,7 @@ class Gateway:
                 attributes=tracing.call_attributes(model, sid, cid, **{"talaria.api": api, "http.route": request.path,
                                                                         "talaria.session_name": ids.session_name or None})):
             try:
-                session = await self._session(sid, model)
+                session = await self._session(sid, model, tenant)
                 events: asyncio.Queue[Any] = asyncio.Queue()
 
                 async def call_and_remember() -> CallReply:

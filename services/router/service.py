@@ -31,7 +31,7 @@ from shared.bus import AGENT_REQUEST_REDIS_WAIT_S, ServiceProcess, run_service, 
 from shared.keys import CALL_TTL_S, SESSION_TTL_S
 from shared.policy import DECISION_HISTORY
 from shared.prompt_store import PromptStore
-from shared.subjects import AGENT_FACING_NAMESPACES
+from shared.subjects import AGENT_FACING_NAMESPACES, GATEWAY_NAMESPACE
 from shared.schema import (
     MAX_MESSAGE_BYTES, AdmissionCall, ApiError, CallAccepted, CallReceived, CallRecord, CallRequest, EndSession, Info, InfoRequest, Ok,
     EnginePayload, OpenSession, PromptRef, SessionOpened, SessionReleased, SubmitCall, api_request_decoder, encode, reply_decoder,
@@ -171,7 +171,9 @@ class Router(ServiceProcess):
                                   attributes=tracing.call_attributes(req.model, req.session_id, req.call_id)):
                     await self.on_call(req, msg, ns)
             case OpenSession(session_id=sid, model=model):
-                await self.on_open(sid, model, msg.reply, ns)
+                # only the gateway speaks for tenants; any other agent's tenant is its namespace
+                await self.on_open(sid, model, msg.reply, ns,
+                                   tenant=req.tenant if ns == GATEWAY_NAMESPACE and req.tenant else ns)
             case EndSession(session_id=sid):
                 await self.on_end(sid, msg.reply, ns)
             case InfoRequest():
@@ -261,7 +263,7 @@ class Router(ServiceProcess):
         record = await self.call_records.open_session_record(sid)
         return (record.model, record.owner) if record is not None else (None, None)
 
-    async def on_open(self, sid: str, model: str, reply: str | None, ns: str) -> None:
+    async def on_open(self, sid: str, model: str, reply: str | None, ns: str, tenant: str) -> None:
         if (err := self._model_error(model)) is not None:
             await self.reply_error(reply, "unknown_model", err)
             return
@@ -275,9 +277,9 @@ class Router(ServiceProcess):
             await self.reply_error(reply, "malformed", f"session {sid} is open for {existing}, not {model}")
             return
         pipe = self.redis.pipeline(transaction=False)
-        state.open_session(pipe, self.keys, sid, model, ns)
+        state.open_session(pipe, self.keys, sid, model, ns, tenant)
         await pipe.execute()
-        await self.call_records.open_session(sid, model, ns)
+        await self.call_records.open_session(sid, model, ns, tenant)
         self.log.info("session.opened", session_id=sid, model=model, namespace=ns)
         if reply:
             await self.nc.publish(reply, encode(SessionOpened(
@@ -336,7 +338,8 @@ class Router(ServiceProcess):
             if session.model is None and (opened := await self.call_records.open_session_record(req.session_id)):
                 # open, but the store restarted empty: its hash again from the durable record
                 pipe = self.redis.pipeline(transaction=False)
-                state.open_session(pipe, self.keys, req.session_id, opened.model, opened.owner)
+                state.open_session(pipe, self.keys, req.session_id, opened.model, opened.owner,
+                                   opened.tenant or opened.owner)
                 pipe.hgetall(self.keys.session(req.session_id))
                 session = state.decode_session((await pipe.execute())[-1])
                 self.log.warning("session.restored", model=opened.model, source="call record")
@@ -464,6 +467,7 @@ class Router(ServiceProcess):
             continuation=calls_before > 0, gap_history=tuple(float(x) for x in gaps_raw),
             output_history=tuple(int(x) for x in outputs_raw),
             session_started_at=session.started_at if session.started_at is not None else now,
+            tenant=session.tenant or session.owner or "",
         )
         sub = SubmitCall(call=call, reply_to=reply_to, traceparent=tracing.current_traceparent(), engine=EnginePayload(
             prompt_text=req.prompt_text, prompt_token_ids=req.prompt_token_ids, hint=req.engine_hint, stream=req.stream,
