@@ -1,4 +1,4 @@
-"""The `talaria` command: sim, replay, up, status, study, fidelity, chaos, compare, paired, bound, bench-sim, bench-gateway, demo, bench-vllm, logs, generate."""
+"""The `talaria` command: sim, replay, up, status, study, fidelity, chaos, compare, paired, bound, bench-sim, bench-gateway, bench-tenants, demo, bench-vllm, logs, generate."""
 
 from __future__ import annotations
 
@@ -559,6 +559,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     bg = sub.add_parser("bench-gateway", help="the HTTP gateway's overhead over a direct NATS client (wall ms, p50/p99)")
     gateway_bench.configure_parser(bg, default_log_dir() / "bench-gateway")
+    from talaria.lab import tenant_bench
+
+    bt = sub.add_parser("bench-tenants", help="one tenant's call during another tenant's flood (wall s)")
+    tenant_bench.configure_parser(bt, default_log_dir() / "bench-tenants")
     from talaria.lab import observability_bench
 
     bo = sub.add_parser("bench-observability", help="what tracing adds per call at 200 calls/s (wall ms, p50/p99)")

@@ -275,6 +275,18 @@ def test_bench_control_plane_prints_a_row_per_rate_with_cpu_by_kind(tmp_path: Pa
     assert rows[0]["redis_by_command_per_call"].get("evalsha", 0) > 0  # (the placement's compare-and-set)
 
 
+def test_bench_tenants_prints_the_quiet_tenants_call_alone_and_during_the_flood(tmp_path: Path) -> None:
+    """A short run: every call answered, the three rows printed (the figures are the machine's)."""
+    import subprocess
+
+    p = subprocess.run([sys.executable, "-m", "talaria.cli", "bench-tenants", "--flood", "6", "--prompt-words", "2000",
+                        "--output-tokens", "100", "--time-scale", "200", "--after-s", "0.2",
+                        "--log-dir", str(tmp_path / "logs")], capture_output=True, text=True, timeout=180, cwd=ROOT)
+    assert p.returncode == 0, p.stderr[-2000:]
+    for row in ("call alone:", "call during the flood:", "the flood's calls, p50 / max:"):
+        assert row in p.stdout, p.stdout
+
+
 def test_the_transport_floor_passes_every_call_through_its_hops_in_every_layout() -> None:
     """The floor's bare processes carry each call end to end: no call lost, the messages a call
     costs fixed by the layout (three processes, two, one), the Redis commands the same."""
