@@ -21,6 +21,7 @@ from talaria.ops.liveness import LivenessWatch, PingRounds
 from talaria.ops.nats_server import NatsServer
 from talaria.ops.redis_server import RedisServer
 from talaria.ops.stack import EmbeddedStack, StackSpec
+from polling import until
 
 AIR = "glm-4.5-air-fp8"
 
@@ -127,11 +128,20 @@ async def test_a_stopped_nats_node_of_the_watch_itself_kills_no_service(tmp_path
 
         await asyncio.sleep(1.5)  # past the grace
         node = next(n for n in stack.nats_nodes if "talaria-liveness" in connections(n))
-        before = dict(stack.group.pids())
         # (a service on the stopped node is out of reach itself until it leaves it, as the watch
-        # does: it may be restarted; every other one answers throughout and must be left alone)
-        on_node = connections(node)
-        elsewhere = [name for name in before if name not in on_node]
+        # does: it may be restarted; every other one answers throughout and must be left alone).
+        # Each process connects to a node at random, so every service may be on the watch's (a CI
+        # run drew that): one of them is restarted, to draw again, until one is elsewhere
+        for _ in range(8):
+            before = dict(stack.group.pids())
+            on_node = connections(node)
+            elsewhere = [name for name in before if name not in on_node]
+            if elsewhere:
+                break
+            redraw = next(name for name in sorted(before) if name.startswith("engine-"))
+            os.kill(before[redraw], signal.SIGKILL)
+            await until(lambda: stack.group.pids().get(redraw) not in (None, before[redraw]), 30, "not restarted")
+            await asyncio.sleep(2.0)  # (connected, and past its grace)
         assert node.pid is not None and elsewhere, (on_node, before)
         os.kill(node.pid, signal.SIGSTOP)
         try:
