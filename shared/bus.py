@@ -451,9 +451,11 @@ class ServiceProcess:
             self.metrics.loop_stalled.inc(stalled_s - counted_stalls_s)
             counted_stalls_s = stalled_s
             with contextlib.suppress(Exception):
-                # the stalls first: a reader waits for the worst's report, then reads both
-                await self.redis.set(self.keys.stalled(self.instance), f"{stalled_s:.4f}", ex=3600)
-                await self.redis.set(self.keys.lag(self.instance), f"{self.lag.worst_s:.4f}", ex=3600)
+                # one round trip, the stalls first: a reader waits for the worst's report, then reads both
+                pipe = self.redis.pipeline(transaction=False)
+                pipe.set(self.keys.stalled(self.instance), f"{stalled_s:.4f}", ex=3600)
+                pipe.set(self.keys.lag(self.instance), f"{self.lag.worst_s:.4f}", ex=3600)
+                await pipe.execute()
                 self.redis_answered_at = time.monotonic()  # (the report is also this process's Redis probe)
 
     def _report_dependencies(self) -> None:
