@@ -135,15 +135,16 @@ class Metrics:
             "talaria_reserved_idle_model_seconds", "Model seconds a server sat idle holding its slot open for "
             "reservations (capacity held idle).", ["server"], registry=r)
         # the llm-d model-server contract, per (server, model), from the service that knows it: under
-        # round scheduling a model's waiting calls are in admission, not in its engine
+        # round scheduling a model's waiting calls are in admission, not in its engine; the model
+        # labelled `model_name`, as vLLM labels these and its other series (a vLLM dashboard's filter)
         self.contract_waiting = Gauge("vllm:num_requests_waiting", "Calls waiting for this model on this server "
-                                      "(llm-d's model-server contract; admission's queue).", ["server", "model"],
+                                      "(llm-d's model-server contract; admission's queue).", ["server", "model_name"],
                                       registry=r)
         self.contract_running = Gauge("vllm:num_requests_running", "Calls of this model running on this server "
-                                      "(llm-d's model-server contract).", ["server", "model"], registry=r)
+                                      "(llm-d's model-server contract).", ["server", "model_name"], registry=r)
         self.contract_kv_usage = Gauge("vllm:kv_cache_usage_perc", "Share of the active model's KV budget the "
                                        "running calls reserve, 0-1 (0 for a model not active; llm-d's contract).",
-                                       ["server", "model"], registry=r)
+                                       ["server", "model_name"], registry=r)
         self.reservations_held = Gauge("talaria_reservations_held", "Soft reservations held now.", ["server"],
                                        registry=r)
         # -- substrate ----------------------------------------------------------------------------

@@ -140,7 +140,8 @@ async def test_prometheus_totals_equal_the_clients_records_and_the_logs(tmp_path
             admission = next(n for n in stack.group.children if n.startswith("admission-"))
             async with aiohttp.ClientSession() as http, \
                     http.get(f"http://127.0.0.1:{stack.metrics_ports[admission]}/metrics") as m:
-                idle = {(f.name, sm.labels.get("model")): sm.value
+                # (llm-d's contract gauges name their model as vLLM does, `model_name`)
+                idle = {(f.name, sm.labels.get("model_name" if f.name.startswith("vllm:") else "model")): sm.value
                         for f in text_string_to_metric_families(await m.text()) for sm in f.samples}
             for name in ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc",
                          "talaria_queued_calls", "talaria_running_calls"):
@@ -219,9 +220,9 @@ async def test_prometheus_totals_equal_the_clients_records_and_the_logs(tmp_path
             assert prom.value(total("talaria_generation_tokens_total")) \
                 == sum(r.output_tokens for r in out.records) + http_tokens
             # llm-d's model-server contract is stored under its own names (with their colon), one
-            # series per (server, model), not as `vllm_*`
+            # series per (server, model), not as `vllm_*`, the model labelled `model_name` as vLLM labels it
             for name in ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc"):
-                assert prom.value(f"count(count by (server, model) (last_over_time({name}[1h])))") == len(models), name
+                assert prom.value(f"count(count by (server, model_name) (last_over_time({name}[1h])))") == len(models), name
             # the call record bucket, as the router reads it (at its start, then every 10 s): its bound,
             # and what it holds under it
             assert prom.value("max(last_over_time(talaria_call_record_max_bytes[1h]))") == 1024 ** 3

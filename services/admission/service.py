@@ -556,9 +556,9 @@ class AdmissionService(ServiceProcess):
             waiting = len(sch_.queues.get(m, ()))
             self.metrics.queued.labels(server=srv, model=m).set(waiting)
             self.metrics.running.labels(server=srv, model=m).set(running.get(m, 0))
-            self.metrics.contract_waiting.labels(server=srv, model=m).set(waiting)
-            self.metrics.contract_running.labels(server=srv, model=m).set(running.get(m, 0))
-            self.metrics.contract_kv_usage.labels(server=srv, model=m).set(
+            self.metrics.contract_waiting.labels(server=srv, model_name=m).set(waiting)
+            self.metrics.contract_running.labels(server=srv, model_name=m).set(running.get(m, 0))
+            self.metrics.contract_kv_usage.labels(server=srv, model_name=m).set(
                 min(1.0, kv_used) if m == sch_.active else 0.0)
         self.metrics.reservations_held.labels(server=srv).set(len(sch_.reservations))
         # reservation outcomes: events of this process's scheduler, as increments of its stats
