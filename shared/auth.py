@@ -68,14 +68,15 @@ def nats_permissions(prefix: str) -> dict[str, dict[str, list[str]]]:
     prompts_read += ["$JS.API.STREAM.NAMES", "$JS.FC.>"]  # (an ordered consumer finds its stream, answers flow control)
     return {
         "router": {
-            "subscribe": [f"{p}.api.>", health, *_SERVICE_SUB],
+            "subscribe": [f"{p}.api.>", Subjects(p).call_move, health, *_SERVICE_SUB],
             "publish": [f"{p}.admission.*.submit", f"{p}.reply.>", Subjects(p).session_released, *service_pub,
                         *records_write, *prompts_create],
         },
         "admission": {
             "subscribe": [f"{p}.admission.*.submit", f"{p}.events.>", Subjects(p).call_cancel_any, health,
                           *_SERVICE_SUB],
-            "publish": [f"{p}.engine.>", f"{p}.substrate.>", f"{p}.reply.>", Subjects(p).session_released, *service_pub,
+            "publish": [f"{p}.engine.>", f"{p}.substrate.>", f"{p}.reply.>", Subjects(p).session_released,
+                        Subjects(p).call_move, *service_pub,
                         # its epoch (shared/call_record.py) is the only record it writes
                         *records_read, f"$KV.{Subjects(p).call_record_bucket}.epoch.admission.>"],
         },

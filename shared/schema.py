@@ -311,6 +311,24 @@ class Submitted(Base, tag="submitted"):
 AdmissionRequest = SubmitCall
 
 
+class MoveCall(Base, tag="move"):
+    """Admission -> routers: a call this server holds but cannot run soon (its model's
+    engine-worker here drains for a restart), to be placed again on another server.
+    Answered `Submitted` (the server that took it) or an `ApiError` (no other server
+    could: it stays where it was)."""
+
+    submit: SubmitCall
+    from_server: str
+
+
+class EngineDraining(Base, tag="engine_draining"):
+    """An engine-worker stopping (SIGTERM): it takes no new run until its successor
+    announces itself (`EngineAnnounce`); admission moves the calls waiting for it."""
+
+    server_id: str
+    model: str
+
+
 # -- admission -> engine ---------------------------------------------------------------
 class RunCall(Base, tag="run"):
     """Admission's dispatch: the call, its engine payload and how admission admitted it."""
@@ -556,6 +574,8 @@ api_request_decoder = msgspec.json.Decoder(ApiRequest)
 call_event_decoder = msgspec.json.Decoder(CallEvent)
 admission_decoder = msgspec.json.Decoder(AdmissionRequest)
 submit_reply_decoder = msgspec.json.Decoder(Submitted | ApiError)
+move_decoder = msgspec.json.Decoder(MoveCall)
+engine_draining_decoder = msgspec.json.Decoder(EngineDraining)
 run_decoder = msgspec.json.Decoder(RunCall)
 dispatch_ack_decoder = msgspec.json.Decoder(RunAccepted | ApiError)
 control_decoder = msgspec.json.Decoder(EngineControl)

@@ -88,6 +88,11 @@ class Subjects:
     def admission_submit(self, server: str) -> str:
         return f"{self.prefix}.admission.{server}.submit"
 
+    @property
+    def call_move(self) -> str:
+        """MoveCall: an admission hands a call back to the routers to place elsewhere."""
+        return f"{self.prefix}.router.move"
+
     # substrate-manager, one per server
     def substrate_switch(self, server: str) -> str:
         return f"{self.prefix}.substrate.{server}.switch"
@@ -121,6 +126,10 @@ class Subjects:
 
     def engine_announce(self, server: str) -> str:
         return f"{self.prefix}.events.{server}.engine"
+
+    def engine_draining(self, server: str) -> str:
+        """EngineDraining: an engine-worker of the server stops taking runs."""
+        return f"{self.prefix}.events.{server}.engine_draining"
 
     def kv_events(self, server: str) -> str:
         """KV-cache events of the server's real engines (KvBlocksStored/Removed/AllCleared)."""

@@ -160,32 +160,71 @@ async def test_a_stopped_engine_worker_finishes_its_running_call_and_its_success
         await svc.stop()
 
 
+def _two_servers_of_one_model(tmp_path: Path) -> StackSpec:
+    return StackSpec(policy=resolve_policy("talaria"), models=[MODEL_A], servers=2, time_scale=20.0,
+                     log_dir=tmp_path / "logs")
+
+
+async def _long_call_then_its_engine_stopped(stack: EmbeddedStack, x: Any, home: str) -> asyncio.Future[CallReply]:
+    """Session `x`'s next call, a long one, running on `home`; then the engine-worker
+    running it is stopped (SIGTERM: a rolling restart), so it drains it."""
+    ev: list[Any] = []
+    long = asyncio.ensure_future(x.call(prompt_tokens=2100, prefix_tokens=2008, max_tokens=60000,
+                                        sim_output_tokens=20000, call_id=f"{x.session_id}-1", on_event=ev.append))
+    await until(lambda: _has(ev, CallRunning), 15, "the long call never ran")
+    pid = stack.group.pids()[f"engine-{home}-{MODEL_A}"]
+    assert pid is not None
+    os.kill(pid, signal.SIGTERM)
+    return long
+
+
 @pytest.mark.timeout(150)
 async def test_a_new_call_goes_to_another_server_while_its_engine_worker_drains(tmp_path: Path) -> None:
     """Two servers of one model; the engine-worker of the server where a session runs a long
     call is stopped (a rolling restart) and drains. A new session's call goes to the other
     server, though the draining one has the model active: it would wait there for the drain
     and the next worker (minutes under vLLM). The draining call finishes whole."""
-    spec = StackSpec(policy=resolve_policy("talaria"), models=[MODEL_A], servers=2, time_scale=20.0,
-                     log_dir=tmp_path / "logs")
-    async with EmbeddedStack(spec) as stack:
+    async with EmbeddedStack(_two_servers_of_one_model(tmp_path)) as stack:
         async with await TalariaClient.from_deployment(stack.deployment()) as c:
             x = await c.open_session(MODEL_A)
             first = await x.call(prompt_tokens=2000, max_tokens=64, sim_output_tokens=8, call_id=f"{x.session_id}-0")
             home = first.server_id
-            ev: list[Any] = []
-            long = asyncio.ensure_future(x.call(prompt_tokens=2100, prefix_tokens=2008, max_tokens=60000,
-                                                sim_output_tokens=20000, call_id=f"{x.session_id}-1",
-                                                on_event=ev.append))
-            await until(lambda: _has(ev, CallRunning), 15, "the long call never ran")
-            pid = stack.group.pids()[f"engine-{home}-{MODEL_A}"]
-            assert pid is not None
-            os.kill(pid, signal.SIGTERM)
+            long = await _long_call_then_its_engine_stopped(stack, x, home)
             await asyncio.sleep(ENGINE_STATES_TTL_WALL_S + 1.0)  # (routers read the engines' states this often)
             assert not long.done()  # still draining
             y = await c.open_session(MODEL_A)
             other = await asyncio.wait_for(y.call(prompt_tokens=1500, max_tokens=64, sim_output_tokens=8), 30)
             assert other.server_id != home and other.output_tokens == 8
+            assert (await asyncio.wait_for(long, 60)).output_tokens == 20000
+
+
+@pytest.mark.timeout(150)
+async def test_a_call_waiting_for_a_draining_engine_worker_moves_to_another_server(tmp_path: Path) -> None:
+    """Two servers of one model; a session runs a long call on its server, whose
+    engine-worker is then stopped (a rolling restart) and drains it. Another session's
+    next call, placed there (its KV is there, and the routers have not read the drain
+    yet), is handed back and placed on the other server, where it runs at once: it
+    waited for the drain and the next worker (minutes under vLLM)."""
+    async with EmbeddedStack(_two_servers_of_one_model(tmp_path)) as stack:
+        async with await TalariaClient.from_deployment(stack.deployment()) as c:
+            x = await c.open_session(MODEL_A)
+            home = (await x.call(prompt_tokens=2000, max_tokens=64, sim_output_tokens=8,
+                                 call_id=f"{x.session_id}-0")).server_id
+            for _ in range(8):  # a second session whose KV is on the same server
+                y = await c.open_session(MODEL_A)
+                if (await y.call(prompt_tokens=1500, max_tokens=64, sim_output_tokens=8,
+                                 call_id=f"{y.session_id}-0")).server_id == home:
+                    break
+            else:
+                pytest.skip("no second session was placed beside the first")
+            long = await _long_call_then_its_engine_stopped(stack, x, home)
+            await asyncio.sleep(0.3)  # (its drain announced; the routers read the engines' states every 2 s)
+            started = time.monotonic()
+            nxt = await asyncio.wait_for(y.call(prompt_tokens=1600, prefix_tokens=1508, max_tokens=64,
+                                                sim_output_tokens=8, call_id=f"{y.session_id}-1"), 30)
+            took = time.monotonic() - started
+            assert nxt.server_id != home and nxt.output_tokens == 8, nxt
+            assert not long.done(), f"the next call took {took:.1f} s: it waited for the drain"
             assert (await asyncio.wait_for(long, 60)).output_tokens == 20000
 
 

@@ -30,10 +30,10 @@ from shared.logs import LogEvery
 from shared.net import no_responders
 from shared.state import CounterMirror, ServerLoad, add_counters, write_server_load
 from shared.schema import (
-    Abort, AdmissionCall, ApiError, CallQueued, EngineState, CallRunning, ListCalls, ProtectKv, RunCall, SessionReleased,
-    StageRequest, Submitted, SubmitCall, SwitchRequest, admission_decoder, cancel_decoder, encode, engine_announce_decoder,
-    dispatch_ack_decoder, finished_decoder, reply_decoder, session_released_decoder,
-    stored_submit_decoder, switch_accepted_decoder, switch_reply_decoder,
+    Abort, AdmissionCall, ApiError, CallQueued, EngineState, CallRunning, ListCalls, MoveCall, ProtectKv, RunCall,
+    SessionReleased, StageRequest, Submitted, SubmitCall, SwitchRequest, admission_decoder, cancel_decoder, encode,
+    engine_announce_decoder, engine_draining_decoder, dispatch_ack_decoder, finished_decoder, reply_decoder,
+    session_released_decoder, stored_submit_decoder, submit_reply_decoder, switch_accepted_decoder, switch_reply_decoder,
 )
 
 RECONCILE_WALL_S = 3.0  # wall seconds a confirmed run may go without CallFinished before its record is read
@@ -49,6 +49,8 @@ UNHEARD_LOG_EVERY_WALL_S = 10.0  # dispatches no engine-worker heard (one restar
 MIRROR_COALESCE_S = 0.005  # wall seconds between two writes of the scheduler's mirror
 RESERVATION_MIRROR_WAIT_WALL_S = 1.0  # how long a scheduler step waits on a reservation's claim or release in Redis
 RESERVATION_MIRROR_PAUSE_WALL_S = 5.0  # ... and does without them after one failed (a stalled Redis answers nothing)
+# how long a router may take to place a handed-back call elsewhere (it tries each other server, 1.5 s each at most)
+MOVE_WAIT_WALL_S = 10.0
 
 
 class AdmissionService(ServiceProcess):
@@ -87,6 +89,10 @@ class AdmissionService(ServiceProcess):
         # each (an engine-worker's drain and restart, minutes under vLLM, had logged every call every second)
         self.resends: dict[str, int] = {}
         self.unheard_log = LogEvery(UNHEARD_LOG_EVERY_WALL_S)
+        # models whose engine-worker here drains (from its EngineDraining to its successor's announcement):
+        # their waiting calls are handed to the routers to place on another server (`_move`)
+        self.engines_draining: set[str] = set()
+        self.moving: set[str] = set()  # calls handed to the routers, out of the scheduler until answered
         self.ack_inbox = self.nc.new_inbox()
         await self.nc.subscribe(self.ack_inbox, cb=self.guarded_handler(self.on_dispatch_ack, "dispatch_ack"))
         # the newest admission of this server: engines refuse its predecessors' dispatches from
@@ -106,6 +112,8 @@ class AdmissionService(ServiceProcess):
         # every admission hears every cancel (as every engine does): a call still queued here is dropped
         await self.nc.subscribe(self.subjects.call_cancel_any, cb=self.guarded_handler(self.on_cancel, "cancel"))
         await self.nc.subscribe(self.subjects.engine_announce(sid), cb=self.guarded_handler(self.on_engine_announce, "engine_announce"))
+        await self.nc.subscribe(self.subjects.engine_draining(sid),
+                                cb=self.guarded_handler(self.on_engine_draining, "engine_draining"))
         await self.nc.subscribe(self.subjects.substrate_announce(sid), cb=self.guarded_handler(self.on_substrate_announce, "substrate_announce"))
         await self.redis.sadd(self.keys.servers(), sid)
         # compare-and-delete: release a reservation only if it is still ours
@@ -284,15 +292,18 @@ class AdmissionService(ServiceProcess):
             self.log.info("admission.queued", model=c.model, tenant=c.tenant, at=round(self.clock.now(), 3))
             self.newly_counted.add(c.call_id)
             await self.step(sch.Arrive(c), at=c.arrived_at)
+            if c.model in self.engines_draining:  # (placed here before the routers read the drain)
+                self.spawn(self._move(c.call_id), "move")
 
     async def on_cancel(self, msg: Msg) -> None:
         """The agent gave up on a call (`CancelCall`). One still queued here is dropped:
         it would run later for nobody, its model given turns (and switches) only for
-        it. One dispatched is its engine's to abort. Only its caller may cancel it:
+        it (one being handed to the routers too: not queued again if they decline it).
+        One dispatched is its engine's to abort. Only its caller may cancel it:
         the cancel's namespace must be its reply inbox's."""
         call_id = cancel_decoder.decode(msg.data).call_id
         sub = self.payloads.get(call_id)
-        if sub is None or call_id in self.dispatched or not self.scheduler.is_queued(call_id):
+        if sub is None or call_id in self.dispatched or not (self.scheduler.is_queued(call_id) or call_id in self.moving):
             return
         ns = self.subjects.api_namespace(msg.subject)
         if ns is None or not self.subjects.is_reply_inbox(sub.reply_to, ns):
@@ -397,10 +408,61 @@ class AdmissionService(ServiceProcess):
                 done = reply_decoder.decode(stored)
                 await self._finished(cid, run.session_id, done.prompt_tokens + done.output_tokens, done.finished_at)
 
+    async def on_engine_draining(self, msg: Msg) -> None:
+        """An engine-worker of this server stops (a rolling restart) and runs nothing new
+        until its successor announces itself: seconds here, minutes under vLLM, which
+        loads its weights first. The calls of its model waiting here (queued, or sent
+        to it and not acknowledged) go to the routers to be placed on another server
+        with its engine ready; before, they waited for the successor, whatever another
+        server could do."""
+        model = engine_draining_decoder.decode(msg.data).model
+        self.engines_draining.add(model)
+        waiting = [c.call_id for c in self.scheduler.pending_calls() if c.model == model] + [
+            cid for cid, run in self.dispatched.items() if run.model == model and cid not in self.confirmed]
+        self.log.info("admission.engine_draining", model=model, waiting=len(waiting))
+        for cid in waiting:
+            self.spawn(self._move(cid), "move")
+
+    async def _move(self, call_id: str) -> None:
+        """Hand a call waiting for a draining engine to the routers (`MoveCall`). It is out
+        of the scheduler meanwhile, so it is never dispatched here and elsewhere at once;
+        taken elsewhere, it is forgotten here; refused (no other server with its engine
+        ready could take it) or unanswered, it is queued here again. A copy left in two
+        places by a lost answer is still generated once: engines claim by compare-and-set."""
+        sub = self.payloads.get(call_id)
+        if len(self.settings.servers) < 2 or sub is None or call_id in self.moving:
+            return
+        if not (self.scheduler.is_queued(call_id) or (call_id in self.dispatched and call_id not in self.confirmed)):
+            return
+        self.moving.add(call_id)
+        self._forget_dispatch(call_id)
+        await self.apply(self.scheduler.forget(call_id, self.scheduler.last_step_at))
+        try:
+            resp = await self.nc.request(self.subjects.call_move,
+                                         encode(MoveCall(submit=sub, from_server=self.settings.server_id)),
+                                         timeout=MOVE_WAIT_WALL_S, headers=trace_headers(sub.call.session_id, call_id))
+            out: Submitted | ApiError = submit_reply_decoder.decode(resp.data)
+        except Exception as exc:  # noqa: BLE001 - no router answered: it stays here
+            out = ApiError(code="unavailable", message=type(exc).__name__)
+        finally:
+            self.moving.discard(call_id)
+        fields = {"session_id": sub.call.session_id, "call_id": call_id, "model": sub.call.model}
+        if isinstance(out, Submitted):
+            self.payloads.pop(call_id, None)
+            self.arrived_wall.pop(call_id, None)
+            self.spawn(self._unpersist(call_id), "unpersist")
+            self.log.info("admission.moved", to_server=out.server_id, reason="its engine-worker drains", **fields)
+            self.dirty.set()
+            return
+        self.log.info("admission.move_declined", reason=out.message, **fields)
+        if call_id in self.payloads:  # (not cancelled meanwhile)
+            await self.step(sch.Arrive(sub.call))
+
     async def on_engine_announce(self, msg: Msg) -> None:
         """An engine-worker restarted and lost what it ran: send those calls again
         (same ids; the engine holds them until it is awake)."""
         ann = engine_announce_decoder.decode(msg.data)
+        self.engines_draining.discard(ann.model)  # (its successor: runs are heard again)
         for cid, run in list(self.dispatched.items()):
             if run.model == ann.model and cid in self.scheduler.running:
                 self._count_resend(run, reason="engine restarted")

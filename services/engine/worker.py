@@ -43,9 +43,9 @@ from shared.call_record import Claim
 from shared.clock import done_within
 from shared.prompt_store import PromptStore
 from shared.schema import (
-    Abort, CallFinished, CallReply, CallTokens, ControlAccepted, ControlOk, EngineAnnounce, EngineState, ForgetHostKv, ListCalls,
-    ProtectKv, RunAccepted, RunCall, Sleep, Wake, cancel_decoder, control_decoder, encode, reply_decoder, run_decoder,
-    session_released_decoder,
+    Abort, CallFinished, CallReply, CallTokens, ControlAccepted, ControlOk, EngineAnnounce, EngineDraining, EngineState,
+    ForgetHostKv, ListCalls, ProtectKv, RunAccepted, RunCall, Sleep, Wake, cancel_decoder, control_decoder, encode,
+    reply_decoder, run_decoder, session_released_decoder,
 )
 from shared.settings import Settings
 
@@ -205,6 +205,11 @@ class EngineWorker(ServiceProcess):
         rolling restart, 2.4-3 s late; under vLLM the new worker loads its weights first)."""
         await self.runs_sub.unsubscribe()
         self.draining = True
+        # admission moves the calls waiting for this engine to another server's (a successor may
+        # take minutes: a vLLM engine loads its weights first); best effort, as the state below
+        with contextlib.suppress(Exception):
+            await self.nc.publish(self.subjects.engine_draining(self.settings.server_id),
+                                  encode(EngineDraining(server_id=self.settings.server_id, model=self.settings.model)))
         # routers rank this server last for the model meanwhile (and until the next worker is ready)
         await self.write_engine_state("draining")
         deadline = time.monotonic() + ENGINE_DRAIN_WALL_S

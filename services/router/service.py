@@ -34,8 +34,8 @@ from shared.prompt_store import PromptStore
 from shared.subjects import AGENT_FACING_NAMESPACES, GATEWAY_NAMESPACE
 from shared.schema import (
     MAX_MESSAGE_BYTES, AdmissionCall, ApiError, CallAccepted, CallReceived, CallRecord, CallRequest, EndSession, Info, InfoRequest, Ok,
-    EnginePayload, OpenSession, PromptRef, SessionOpened, SessionReleased, SubmitCall, api_request_decoder, encode, reply_decoder,
-    submit_reply_decoder,
+    EnginePayload, MoveCall, OpenSession, PromptRef, SessionOpened, SessionReleased, SubmitCall, Submitted, api_request_decoder,
+    encode, move_decoder, reply_decoder, submit_reply_decoder,
 )
 
 # wall seconds a submit may go unanswered: admission answers within its durable write's
@@ -137,6 +137,7 @@ class Router(ServiceProcess):
             # a call is acknowledged as it is taken (its agent sends it again when nothing comes)
             receipt = received if subject == self.subjects.api_call("*") else None
             await self.nc.subscribe(subject, queue="router", cb=self.concurrent_handler(self.on_api, "api", receipt=receipt))
+        await self.nc.subscribe(self.subjects.call_move, queue="router", cb=self.concurrent_handler(self.on_move, "move"))
 
     async def call_record_watch(self) -> None:
         """The call record bucket's bytes and its oldest record's age on the metrics, every
@@ -592,6 +593,68 @@ class Router(ServiceProcess):
             await self.nc.publish(reply_to, encode(CallAccepted(call_id=req.call_id, server_id=cand.server_id)))
             return None
         return unreachable, revision, recording, refused
+
+    async def on_move(self, msg: Msg) -> None:
+        """An admission hands back a call it holds but cannot run soon (`MoveCall`: its
+        model's engine-worker there drains, and its successor may take minutes): placed
+        again among the other servers whose engine for the model is ready, in placement's
+        order, the call record moved with it by compare-and-set (a retry, a claim or an
+        answer meanwhile wins, and the call stays). Answered `Submitted` with the server
+        that took it, or an error: nothing else could, it stays where it was."""
+        mv = move_decoder.decode(msg.data)
+        call = mv.submit.call
+        with structlog.contextvars.bound_contextvars(session_id=call.session_id, call_id=call.call_id):
+            out = await self._move(mv)
+            if isinstance(out, Submitted):
+                self.log.info("router.moved", model=call.model, from_server=mv.from_server, to_server=out.server_id,
+                              reason="its engine-worker drains")
+            else:
+                self.log.info("router.move_declined", model=call.model, from_server=mv.from_server, reason=out.message)
+            if msg.reply:
+                await self.nc.publish(msg.reply, encode(out))
+
+    async def _move(self, mv: MoveCall) -> Submitted | ApiError:
+        call = mv.submit.call
+        record, revision = await self.call_records.get(call.session_id, call.call_id)
+        if record is None or record.state != "placed" or record.server_id != mv.from_server:
+            return ApiError(code="no_capacity", message="its call record moved on (claimed, answered or placed again)")
+        away = await self.engines_away()
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hgetall(self.keys.kv_locality(call.session_id))
+        pipe.get(self.keys.reservation(call.session_id))
+        self._queue_server_reads(pipe)
+        read, results = await self._execute_read(pipe)
+        kv = {k.decode(): v.decode() for k, v in results[0].items()}
+        reserved_on = results[1].decode().split("|", 1)[0] if results[1] else None
+        _, views, _ = self._server_views(results[2:], read, kv, reserved_on, away)
+        ranked = [c for c in rank(call.model, views, self.settings.policy, session_id=call.session_id,
+                                  call_id=call.call_id, prompt_tokens=call.prompt_tokens, prefix_tokens=call.prefix_tokens)
+                  if c.server_id != mv.from_server and call.model not in away.get(c.server_id, frozenset())]
+        placement = InFlight(call.call_id, call.model, call.prompt_tokens, time.time())
+        for cand in ranked:
+            await self.mark_in_flight(cand.server_id, placement)
+            moved = await self.call_records.update(call.session_id, call.call_id,
+                                                   CallRecord(state="placed", server_id=cand.server_id), revision)
+            if moved is None:
+                await self.unmark_in_flight(cand.server_id, call.call_id)
+                return ApiError(code="no_capacity", message="its call record moved on (claimed, answered or placed again)")
+            try:
+                resp = await self.nc.request(self.subjects.admission_submit(cand.server_id),
+                                             encode(msgspec.structs.replace(mv.submit, record_revision=moved)),
+                                             timeout=SUBMIT_TIMEOUT_WALL_S, headers=trace_headers(call.session_id, call.call_id))
+                out: Submitted | ApiError = submit_reply_decoder.decode(resp.data)
+            except (NoRespondersError, NatsTimeout) as exc:
+                out = ApiError(code="unavailable", message=type(exc).__name__)
+            if isinstance(out, Submitted):
+                return out
+            await self.unmark_in_flight(cand.server_id, call.call_id)
+            # back where it was, so the next candidate (or its server again) claims on the record
+            back = await self.call_records.update(call.session_id, call.call_id,
+                                                  CallRecord(state="placed", server_id=mv.from_server), moved)
+            if back is None:  # (the candidate took it after all, and its engine claimed it)
+                return ApiError(code="no_capacity", message=f"{cand.server_id} did not answer in time")
+            revision = back
+        return ApiError(code="no_capacity", message=f"no other server with its engine ready could take a {call.model} call")
 
     async def _record_server(self, req: CallRequest, server_id: str, revision: int,
                              recording: tuple[str, asyncio.Task[int | None]] | None) -> int | None:
