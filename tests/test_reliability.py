@@ -8,6 +8,7 @@ import contextlib
 import os
 import signal
 import time
+import uuid
 from collections import Counter
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -17,6 +18,7 @@ import msgspec
 import pytest
 import redis.asyncio as aioredis
 
+from services.router.placement import affinity_server
 from services.router.service import ENGINE_STATES_TTL_WALL_S
 from shared.keys import Keys
 from shared.logs import LogEvery
@@ -225,6 +227,43 @@ async def test_a_call_waiting_for_a_draining_engine_worker_moves_to_another_serv
             took = time.monotonic() - started
             assert nxt.server_id != home and nxt.output_tokens == 8, nxt
             assert not long.done(), f"the next call took {took:.1f} s: it waited for the drain"
+            assert (await asyncio.wait_for(long, 60)).output_tokens == 20000
+
+
+@pytest.mark.timeout(150)
+async def test_calls_queued_for_an_engine_worker_that_starts_draining_move_to_another_server(tmp_path: Path) -> None:
+    """Two servers of two models, sessions pinned by pure session affinity: on one server a
+    long call of model B holds its turn and a call of model A is queued behind it. A's
+    engine-worker there is stopped (a rolling restart): the queued call is handed back and
+    runs on the other server, before the long call ends; before, it waited for B's turn
+    there and then for A's next worker."""
+    policy = resolve_policy("session-affinity", {"affinity_load_factor": 100.0})  # (never spilled by load)
+    spec = StackSpec(policy=policy, models=[MODEL_A, MODEL_B], servers=2, time_scale=20.0, log_dir=tmp_path / "logs")
+    home = "s0"
+    pinned_home = (sid for i in range(10_000)
+                   if affinity_server(sid := f"sess-pin-{uuid.uuid4().hex[:6]}-{i}", ("s0", "s1"),
+                                      policy.affinity_vnodes) == home)
+    async with EmbeddedStack(spec) as stack:
+        async with await TalariaClient.from_deployment(stack.deployment()) as c:
+            y_sid = next(pinned_home)
+            y = await c.open_session(MODEL_A, session_id=y_sid)
+            first = await y.call(prompt_tokens=1500, max_tokens=64, sim_output_tokens=8, call_id=f"{y_sid}-0")
+            assert first.server_id == home
+            x = await c.open_session(MODEL_B, session_id=next(pinned_home))
+            ev_x: list[Any] = []
+            long = asyncio.ensure_future(x.call(prompt_tokens=3000, max_tokens=60000, sim_output_tokens=20000,
+                                                on_event=ev_x.append))
+            await until(lambda: _has(ev_x, CallRunning), 15, "the long call never ran")
+            ev_y: list[Any] = []
+            nxt = asyncio.ensure_future(y.call(prompt_tokens=1600, prefix_tokens=1508, max_tokens=64,
+                                               sim_output_tokens=8, call_id=f"{y_sid}-1", on_event=ev_y.append))
+            await until(lambda: _has(ev_y, CallQueued), 10, "the next call never queued behind the long one")
+            pid = stack.group.pids()[f"engine-{home}-{MODEL_A}"]
+            assert pid is not None
+            os.kill(pid, signal.SIGTERM)
+            moved = await asyncio.wait_for(nxt, 30)
+            assert moved.server_id != home and moved.output_tokens == 8, moved
+            assert not long.done(), "the queued call waited for the long call's turn"
             assert (await asyncio.wait_for(long, 60)).output_tokens == 20000
 
 
