@@ -170,14 +170,26 @@ def _two_servers_of_one_model(tmp_path: Path) -> StackSpec:
 async def _long_call_then_its_engine_stopped(stack: EmbeddedStack, x: Any, home: str) -> asyncio.Future[CallReply]:
     """Session `x`'s next call, a long one, running on `home`; then the engine-worker
     running it is stopped (SIGTERM: a rolling restart), so it drains it."""
+    long = await _started(lambda on_event: x.call(prompt_tokens=2100, prefix_tokens=2008, max_tokens=60000,
+                                                  sim_output_tokens=20000, call_id=f"{x.session_id}-1",
+                                                  on_event=on_event), CallRunning, "the long call never ran")
+    _stop_engine(stack, home, MODEL_A)
+    return long
+
+
+async def _started(call: Any, news: type, never: str, within_s: float = 15.0) -> asyncio.Future[CallReply]:
+    """`call(on_event)` started, once its agent has heard `news` of it (CallQueued, CallRunning)."""
     ev: list[Any] = []
-    long = asyncio.ensure_future(x.call(prompt_tokens=2100, prefix_tokens=2008, max_tokens=60000,
-                                        sim_output_tokens=20000, call_id=f"{x.session_id}-1", on_event=ev.append))
-    await until(lambda: _has(ev, CallRunning), 15, "the long call never ran")
-    pid = stack.group.pids()[f"engine-{home}-{MODEL_A}"]
+    fut = asyncio.ensure_future(call(ev.append))
+    await until(lambda: _has(ev, news), within_s, never)
+    return fut
+
+
+def _stop_engine(stack: EmbeddedStack, server: str, model: str) -> None:
+    """SIGTERM to an engine-worker (a rolling restart): it drains."""
+    pid = stack.group.pids()[f"engine-{server}-{model}"]
     assert pid is not None
     os.kill(pid, signal.SIGTERM)
-    return long
 
 
 @pytest.mark.timeout(150)
@@ -250,17 +262,12 @@ async def test_calls_queued_for_an_engine_worker_that_starts_draining_move_to_an
             first = await y.call(prompt_tokens=1500, max_tokens=64, sim_output_tokens=8, call_id=f"{y_sid}-0")
             assert first.server_id == home
             x = await c.open_session(MODEL_B, session_id=next(pinned_home))
-            ev_x: list[Any] = []
-            long = asyncio.ensure_future(x.call(prompt_tokens=3000, max_tokens=60000, sim_output_tokens=20000,
-                                                on_event=ev_x.append))
-            await until(lambda: _has(ev_x, CallRunning), 15, "the long call never ran")
-            ev_y: list[Any] = []
-            nxt = asyncio.ensure_future(y.call(prompt_tokens=1600, prefix_tokens=1508, max_tokens=64,
-                                               sim_output_tokens=8, call_id=f"{y_sid}-1", on_event=ev_y.append))
-            await until(lambda: _has(ev_y, CallQueued), 10, "the next call never queued behind the long one")
-            pid = stack.group.pids()[f"engine-{home}-{MODEL_A}"]
-            assert pid is not None
-            os.kill(pid, signal.SIGTERM)
+            long = await _started(lambda on_event: x.call(prompt_tokens=3000, max_tokens=60000, sim_output_tokens=20000,
+                                                          on_event=on_event), CallRunning, "the long call never ran")
+            nxt = await _started(lambda on_event: y.call(prompt_tokens=1600, prefix_tokens=1508, max_tokens=64,
+                                                         sim_output_tokens=8, call_id=f"{y_sid}-1", on_event=on_event),
+                                 CallQueued, "the next call never queued behind the long one", within_s=10)
+            _stop_engine(stack, home, MODEL_A)
             moved = await asyncio.wait_for(nxt, 30)
             assert moved.server_id != home and moved.output_tokens == 8, moved
             assert not long.done(), "the queued call waited for the long call's turn"
