@@ -124,6 +124,10 @@ class Metrics:
         self.running = Gauge("talaria_running_calls", "Calls admitted and running.", ["server", "model"], registry=r)
         self.slots = Counter("talaria_slots", "Slots opened (`reason=opened`) and closed (by why).",
                              ["server", "model", "reason"], registry=r)
+        self.calls_moved = Counter(
+            "talaria_calls_moved", "Calls this server's admission handed back to the routers because its "
+            "engine-worker for their model drains (a rolling restart), by `outcome`: `moved` (another server "
+            "took it) or `stayed` (none could; queued here again).", ["server", "model", "outcome"], registry=r)
         self.sp_admissions = Counter(
             "talaria_sp_admissions", "Completed calls that session-prefill admitted into their model's open slot "
             "(counted at completion, once per call).", ["server", "model"], registry=r)

@@ -14,8 +14,10 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import msgspec
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 import redis.asyncio as aioredis
 
 from services.router.placement import affinity_server
@@ -124,14 +126,16 @@ async def test_a_stopped_engine_worker_finishes_its_running_call_and_its_success
         tmp_path: Path) -> None:
     """SIGTERM to an engine-worker (a rolling restart; compose gives it 60 s): it takes no
     new run and lets its running call finish, which is generated once. A call sent
-    meanwhile is heard by nobody and taken by the worker started after it. Before, the
-    stop cut the run, and the next worker generated it again from its first token."""
+    meanwhile is heard by nobody and taken by the worker started after it; its agent hears
+    it is queued all the while (silent, it was sent again every `silence_s` and timed out
+    after its tries: minutes under vLLM, whose next worker loads its weights first).
+    Before, the stop cut the run, and the next worker generated it again from its first token."""
     svc = Services(nats_server.url, redis_server.url, subject_prefix, key_prefix, tmp_path / "logs", models=[MODEL_A])
     await svc.start()
     engine = svc.engine(MODEL_A)
     try:
         async with await TalariaClient.connect(nats_server.url, subject_prefix=subject_prefix,
-                                               silence_s=600.0, retries=0) as c:
+                                               silence_s=3.0, retries=0) as c:
             a, b = await c.open_session(MODEL_A), await c.open_session(MODEL_A)
             ev_a: list[Any] = []
             ta = asyncio.ensure_future(a.call(prompt_tokens=3000, max_tokens=60000, sim_output_tokens=20000,
@@ -144,6 +148,8 @@ async def test_a_stopped_engine_worker_finishes_its_running_call_and_its_success
                                               call_id=f"{b.session_id}-0"))
             await until(lambda: not svc.group.running(engine), 60, "the stopped engine-worker never exited")
             assert ta.done() and not tb.done()  # A finished on it before it exited; B waited for the next
+            await asyncio.sleep(4.0)  # (no worker for longer than the agent's silence_s)
+            assert not tb.done(), tb
             svc.group.start(engine)
             ra, rb = await asyncio.wait_for(asyncio.gather(ta, tb), timeout=60)
             assert (ra.output_tokens, rb.output_tokens) == (20000, 30)
@@ -271,6 +277,11 @@ async def test_calls_queued_for_an_engine_worker_that_starts_draining_move_to_an
             moved = await asyncio.wait_for(nxt, 30)
             assert moved.server_id != home and moved.output_tokens == 8, moved
             assert not long.done(), "the queued call waited for the long call's turn"
+            async with aiohttp.ClientSession() as http, \
+                    http.get(f"http://127.0.0.1:{stack.metrics_ports[f'admission-{home}']}/metrics") as m:
+                counted = {tuple(sorted(sm.labels.items())): sm.value for f in text_string_to_metric_families(await m.text())
+                           for sm in f.samples if sm.name == "talaria_calls_moved_total"}
+            assert counted == {(("model", MODEL_A), ("outcome", "moved"), ("server", home)): 1.0}, counted
             assert (await asyncio.wait_for(long, 60)).output_tokens == 20000
 
 

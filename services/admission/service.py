@@ -447,6 +447,8 @@ class AdmissionService(ServiceProcess):
         finally:
             self.moving.discard(call_id)
         fields = {"session_id": sub.call.session_id, "call_id": call_id, "model": sub.call.model}
+        self.metrics.calls_moved.labels(server=self.settings.server_id, model=sub.call.model,
+                                        outcome="moved" if isinstance(out, Submitted) else "stayed").inc()
         if isinstance(out, Submitted):
             self.payloads.pop(call_id, None)
             self.arrived_wall.pop(call_id, None)
@@ -788,9 +790,17 @@ class AdmissionService(ServiceProcess):
                     await self.nc.publish(sub.reply_to, encode(CallQueued(call_id=call.call_id, server_id=sid, waited_s=now - call.arrived_at)))
             for cid in list(self.scheduler.running):
                 sub = self.payloads.get(cid)
-                # only a run its engine acknowledged: silence lets the agent notice a lost one
-                if sub and cid in self.confirmed:
+                if sub is None:
+                    continue
+                # running: only a run its engine acknowledged (silence lets the agent notice a lost one);
+                # queued: one sent while its engine-worker here drains and until the next one announces
+                # itself, sent again until it is taken (silent, its agent gave up after its tries, and
+                # a vLLM worker loads its weights for minutes first)
+                if cid in self.confirmed:
                     await self.nc.publish(sub.reply_to, encode(CallRunning(call_id=cid, server_id=sid)))
+                elif sub.call.model in self.engines_draining:
+                    await self.nc.publish(sub.reply_to, encode(CallQueued(call_id=cid, server_id=sid,
+                                                                          waited_s=now - sub.call.arrived_at)))
 
     async def mirror(self) -> None:
         """Mirror the scheduler's view into Redis for the router (coalesced): its
