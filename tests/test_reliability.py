@@ -168,6 +168,39 @@ async def test_a_stopped_engine_worker_finishes_its_running_call_and_its_success
         await svc.stop()
 
 
+async def test_a_model_whose_engine_worker_drains_gets_no_turn_and_holds_up_no_other(
+        nats_server: NatsServer, redis_server: RedisServer, subject_prefix: str, key_prefix: str,
+        tmp_path: Path) -> None:
+    """One server of two models; model B's engine-worker is stopped (a rolling restart) and
+    its successor is slow to come (under vLLM it loads its weights first). A call of B waits
+    for it, but a call of A, sent after it, runs at once: before, admission switched to B
+    for the call that came first and asked again and again while the switch found no
+    worker, every other model's call waiting behind it. Once B's next worker is up, B's
+    call runs."""
+    svc = Services(nats_server.url, redis_server.url, subject_prefix, key_prefix, tmp_path / "logs",
+                   models=[MODEL_A, MODEL_B])
+    await svc.start()
+    engine_b = svc.engine(MODEL_B)
+    try:
+        async with await TalariaClient.connect(nats_server.url, subject_prefix=subject_prefix,
+                                               silence_s=600.0, retries=0) as c:
+            pid = svc.group.pids()[engine_b]
+            assert pid is not None
+            os.kill(pid, signal.SIGTERM)
+            await until(lambda: not svc.group.running(engine_b), 30, "the stopped engine-worker never exited")
+            b, a = await c.open_session(MODEL_B), await c.open_session(MODEL_A)
+            tb = await _started(lambda on_event: b.call(prompt_tokens=1000, max_tokens=256, sim_output_tokens=10,
+                                                        on_event=on_event), CallQueued, "B's call never queued")
+            ra = await asyncio.wait_for(a.call(prompt_tokens=1000, max_tokens=256, sim_output_tokens=10), 15)
+            assert ra.output_tokens == 10 and not tb.done()
+            svc.group.start(engine_b)
+            assert (await asyncio.wait_for(tb, 30)).output_tokens == 10
+        retries = [d for d in svc.log_lines(svc.admission) if d.get("event") == "admission.switch_retry"]
+        assert not retries, retries[:3]
+    finally:
+        await svc.stop()
+
+
 def _two_servers_of_one_model(tmp_path: Path) -> StackSpec:
     return StackSpec(policy=resolve_policy("talaria"), models=[MODEL_A], servers=2, time_scale=20.0,
                      log_dir=tmp_path / "logs")

@@ -12,6 +12,7 @@ from services.admission.scheduler import (
     AdmissionCall,
     Arrive,
     Dispatch,
+    EngineAway,
     Finished,
     Preempt,
     Protect,
@@ -223,6 +224,29 @@ def test_model_without_queued_calls_gets_no_slot() -> None:
     open_slot(s2, A, 5.0, only)
     acts = s2.step(Finished(only.call_id, only.session_id, 10_200), 10.0)
     assert of(acts, StartSwitch) == [] and of(acts, SlotClosed) == []
+
+
+def test_a_model_whose_engine_worker_is_away_gets_no_turn_until_it_is_back() -> None:
+    """Its engine-worker drains for a restart (minutes under vLLM): a switch to it would be
+    retried until the next worker is up, the other models' calls waiting behind it."""
+    s = sched()
+    busy = mk(A, 0.0)
+    open_slot(s, A, 5.0, busy)
+    waiting_b = mk(B, 6.0)
+    s.step(Arrive(waiting_b), 6.0)
+    assert s.step(EngineAway(B, away=True), 7.0) == []
+    acts = s.step(Finished(busy.call_id, busy.session_id, 10_200), 10.0)
+    assert of(acts, StartSwitch) == [] and of(acts, SlotClosed) == []  # A's slot stays: nobody else can run
+    nxt = mk(A, 11.0, sid=busy.session_id, cont=True)
+    assert dispatched(s.step(Arrive(nxt), 11.0)) == [nxt.call_id]  # admitted at once, as with no other demand
+    s.step(Arrive(waiting_c := mk(C, 12.0)), 12.0)
+    acts = s.step(Finished(nxt.call_id, nxt.session_id, 10_400), 15.0)
+    assert of(acts, StartSwitch) == [StartSwitch(A, C)]  # C's turn, not B's, though B waited longest
+    dispatched(s.step(SwitchDone(C, CAP), 16.0))
+    acts = s.step(EngineAway(B, away=False), 20.0)  # B's next worker is up: its turn after C's drains
+    acts += s.step(Finished(waiting_c.call_id, waiting_c.session_id, 10_100), 21.0)
+    assert of(acts, StartSwitch) == [StartSwitch(C, B)]
+    assert dispatched(s.step(SwitchDone(B, CAP), 22.0)) == [waiting_b.call_id]
 
 
 def test_single_model_demand_never_switches() -> None:

@@ -24,7 +24,9 @@ Rules (docs/scheduler.md states them for users; keep the two in step):
 4. The next slot goes to the next model with demand in round-robin order, or,
    with `oldest-first`, to the model whose oldest queued call waited longest,
    or, with `most-waiting` (Talaria's tuned rule), to the model whose queue
-   holds the most waiting time in all. A model with no queued calls gets no slot.
+   holds the most waiting time in all. A model with no queued calls gets no slot,
+   nor one whose engine-worker is away (draining for a restart, until the next
+   one is up): its calls wait without keeping the others from their turns.
 5. Soft reservations (when on): when a call finishes, its session's KV is
    protected and a claim is held for `hold = clamp(quantile(gaps) * factor)`
    model seconds, from the session's observed tool gaps only. It yields: it
@@ -78,7 +80,15 @@ class SessionEnded:
     session_id: str
 
 
-Event = Arrive | Finished | SwitchDone | Tick | SessionEnded
+@dataclass(frozen=True, slots=True)
+class EngineAway:
+    """The model's engine-worker drains for a restart (`away`), or its successor is up."""
+
+    model: str
+    away: bool
+
+
+Event = Arrive | Finished | SwitchDone | Tick | SessionEnded | EngineAway
 
 
 # -- outputs -------------------------------------------------------------------
@@ -196,6 +206,7 @@ class RoundScheduler:
     idle_hold_since: float | None = None
     last_step_at: float = 0.0
     prefill_horizon: float = 0.0
+    away: set[str] = field(default_factory=set)  # models whose engine-worker is away (rule 4)
     stats: SchedulerStats = field(default_factory=SchedulerStats)
     _reserved_total: int = 0  # sum of running calls' reserved KV, kept in step with `running` (speed)
 
@@ -244,6 +255,8 @@ class RoundScheduler:
                 res = self.reservations.pop(sid, None)
                 if res is not None:
                     actions.append(Protect(sid, res.model, on=False))
+            case EngineAway(model=model, away=away):
+                (self.away.add if away else self.away.discard)(model)
             case Tick():
                 pass
         self._expire_reservations(now, actions)
@@ -401,7 +414,7 @@ class RoundScheduler:
         return min(limit, call.prompt_tokens + call.max_tokens)
 
     def _others_waiting(self) -> bool:
-        return any(q for m, q in self.queues.items() if m != self.active)
+        return any(q for m, q in self.queues.items() if m != self.active and m not in self.away)
 
     def _expire_reservations(self, now: float, actions: list[Action]) -> None:
         for sid, r in list(self.reservations.items()):
@@ -412,7 +425,7 @@ class RoundScheduler:
 
     def _pick_next(self, exclude: str | None = None) -> str | None:
         names = list(self.models)
-        candidates = [m for m in names if self.queues[m] and m != exclude]
+        candidates = [m for m in names if self.queues[m] and m != exclude and m not in self.away]
         if not candidates:
             return None
         if self.policy.next_model == "oldest-first":

@@ -411,12 +411,14 @@ class AdmissionService(ServiceProcess):
     async def on_engine_draining(self, msg: Msg) -> None:
         """An engine-worker of this server stops (a rolling restart) and runs nothing new
         until its successor announces itself: seconds here, minutes under vLLM, which
-        loads its weights first. The calls of its model waiting here (queued, or sent
-        to it and not acknowledged) go to the routers to be placed on another server
-        with its engine ready; before, they waited for the successor, whatever another
-        server could do."""
+        loads its weights first. Its model gets no turn meanwhile (the scheduler's rule
+        4: the other models' calls do not wait on a switch to it), and the calls of
+        its model waiting here (queued, or sent to it and not acknowledged) go to the
+        routers to be placed on another server with its engine ready; before, they
+        waited for the successor, whatever another server could do."""
         model = engine_draining_decoder.decode(msg.data).model
         self.engines_draining.add(model)
+        await self.step(sch.EngineAway(model, away=True))  # (no turn, no switch to it meanwhile)
         waiting = [c.call_id for c in self.scheduler.pending_calls() if c.model == model] + [
             cid for cid, run in self.dispatched.items() if run.model == model and cid not in self.confirmed]
         self.log.info("admission.engine_draining", model=model, waiting=len(waiting))
@@ -464,7 +466,9 @@ class AdmissionService(ServiceProcess):
         """An engine-worker restarted and lost what it ran: send those calls again
         (same ids; the engine holds them until it is awake)."""
         ann = engine_announce_decoder.decode(msg.data)
-        self.engines_draining.discard(ann.model)  # (its successor: runs are heard again)
+        if ann.model in self.engines_draining:  # its successor: runs are heard again, turns given
+            self.engines_draining.discard(ann.model)
+            await self.step(sch.EngineAway(ann.model, away=False))
         for cid, run in list(self.dispatched.items()):
             if run.model == ann.model and cid in self.scheduler.running:
                 self._count_resend(run, reason="engine restarted")
