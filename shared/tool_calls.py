@@ -11,6 +11,10 @@ call in its own format, and a per-model parser finds it (as vLLM's
   pair, `<tool_call>read_file\\n<arg_key>path</arg_key>\\n<arg_value>a.py</arg_value>\\n</tool_call>`;
   a value is the string itself, or JSON where the tool's schema says the
   parameter is not a string;
+- `pythonic` (Llama 4, as vLLM's `llama4_pythonic` parser reads it): the whole reply
+  is a Python list of calls with keyword arguments of literal values,
+  `[read_file(path="a.py", limit=40), run_tests()]`, optionally between
+  `<|python_start|>` and `<|python_end|>`; a reply with anything else in it is text;
 - `none`: no parser yet; a request with tools is refused by name (400).
 
 `render` writes calls in a format (what a model would have written): the sim
@@ -22,9 +26,11 @@ well-formed calls on the sim engine (docs/front-door.md).
 
 from __future__ import annotations
 
+import ast
 import functools
 import hashlib
 import json
+import keyword
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -32,7 +38,7 @@ from typing import Any
 
 from shared import synthetic_json
 
-FORMATS = ("hermes", "glm45", "none")
+FORMATS = ("hermes", "glm45", "pythonic", "none")
 
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 _GLM_CALL = re.compile(r"<tool_call>\s*([^\n<]*?)\s*(?:\n|(?=<arg_key>)|(?=</tool_call>))(.*?)</tool_call>", re.DOTALL)
@@ -271,6 +277,8 @@ def parse(text: str, fmt: str, tools: Sequence[Tool], call_key: str) -> tuple[st
         return _parse_hermes(text, tools, call_key)
     if fmt == "glm45":
         return _parse_glm45(text, tools, call_key)
+    if fmt == "pythonic":
+        return _parse_pythonic(text, tools, call_key)
     return text, []
 
 
@@ -332,6 +340,84 @@ def _parse_glm45(text: str, tools: Sequence[Tool], call_key: str) -> tuple[str, 
     return "".join(kept).strip(), calls
 
 
+_PY_START, _PY_END = "<|python_start|>", "<|python_end|>"
+_PY_NAMES = {"True": True, "False": False, "None": None, "true": True, "false": False, "null": None}
+
+
+def _parse_pythonic(text: str, tools: Sequence[Tool], call_key: str) -> tuple[str, list[ToolCall]]:
+    """The whole reply as a list of calls of known tools, each with keyword arguments only
+    (a key that is no Python name as `**{"key": value}`, as `render` writes it), their
+    values literals (JSON's spellings of true, false and null taken too); else all text."""
+    body = text.strip()
+    if body.startswith(_PY_START):
+        body = body[len(_PY_START):].replace(_PY_END, "").strip()
+    known = {t.name for t in tools}
+    if not (body.startswith("[") and body.endswith("]")):
+        return text.strip(), []
+    try:
+        tree = ast.parse(body, mode="eval").body
+        if not isinstance(tree, ast.List) or not tree.elts:
+            return text.strip(), []
+        calls: list[ToolCall] = []
+        for node in tree.elts:
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in known
+                    and not node.args):
+                return text.strip(), []
+            args: dict[str, Any] = {}
+            for kw in node.keywords:
+                value = _py_value(kw.value)
+                if kw.arg is not None:
+                    args[kw.arg] = value
+                elif isinstance(value, dict):
+                    args.update(value)
+                else:
+                    return text.strip(), []
+            calls.append(ToolCall(_call_id(call_key, len(calls)), node.func.id, args))
+    except (SyntaxError, ValueError, RecursionError, MemoryError):  # (a model's text: anything may come)
+        return text.strip(), []
+    return "", calls
+
+
+def _py_value(node: ast.expr) -> Any:
+    """A literal's JSON value (ValueError for anything else: a name, a call, an operator)."""
+    if isinstance(node, ast.Constant) and (node.value is None or isinstance(node.value, (str, int, float, bool))):
+        return node.value
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub) and isinstance(node.operand, ast.Constant) \
+            and isinstance(node.operand.value, (int, float)) and not isinstance(node.operand.value, bool):
+        return -node.operand.value
+    if isinstance(node, ast.Name) and node.id in _PY_NAMES:
+        return _PY_NAMES[node.id]
+    if isinstance(node, (ast.List, ast.Tuple)):
+        return [_py_value(e) for e in node.elts]
+    if isinstance(node, ast.Dict):
+        out = {}
+        for k, v in zip(node.keys, node.values):
+            if not (isinstance(k, ast.Constant) and isinstance(k.value, str)):
+                raise ValueError("a dict key that is not a string")
+            out[k.value] = _py_value(v)
+        return out
+    raise ValueError(f"not a literal: {type(node).__name__}")
+
+
+def _py_literal(v: Any) -> str:
+    """A JSON value as a Python literal (`_py_value`'s inverse)."""
+    if isinstance(v, bool) or v is None:
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v, ensure_ascii=False)  # (a JSON string literal is a Python one)
+    if isinstance(v, (int, float)):
+        return json.dumps(v)
+    if isinstance(v, Mapping):
+        return "{" + ", ".join(f"{json.dumps(str(k), ensure_ascii=False)}: {_py_literal(x)}" for k, x in v.items()) + "}"
+    return "[" + ", ".join(_py_literal(x) for x in v) + "]"
+
+
+def _py_call(name: str, args: Mapping[str, Any]) -> str:
+    named = [f"{k}={_py_literal(v)}" for k, v in args.items() if k.isidentifier() and not keyword.iskeyword(k)]
+    other = {k: v for k, v in args.items() if not (k.isidentifier() and not keyword.iskeyword(k))}
+    return f"{name}({', '.join(named + ([f'**{_py_literal(other)}'] if other else []))})"
+
+
 def _looks_json(v: str) -> bool:
     v = v.strip()
     return v[:1] in ("{", "[") or v in ("true", "false", "null") or bool(re.fullmatch(r"-?\d+(\.\d+)?([eE][-+]?\d+)?", v))
@@ -341,19 +427,21 @@ def _looks_json(v: str) -> bool:
 def render(calls: Sequence[tuple[str, Mapping[str, Any]]], fmt: str) -> str:
     out = []
     for name, args in calls:
-        if fmt == "glm45":
+        if fmt == "pythonic":
+            out.append(_py_call(name, args))
+        elif fmt == "glm45":
             pairs = "".join(f"<arg_key>{k}</arg_key>\n<arg_value>{v if isinstance(v, str) else json.dumps(v)}</arg_value>\n"
                             for k, v in args.items())
             out.append(f"<tool_call>{name}\n{pairs}</tool_call>")
         else:
             out.append(f"<tool_call>\n{json.dumps({'name': name, 'arguments': dict(args)})}\n</tool_call>")
-    return "\n".join(out)
+    return "[" + ", ".join(out) + "]" if fmt == "pythonic" else "\n".join(out)
 
 
 # A call forced by `tool_choice` naming a tool: its text before and after the JSON object
 # {"name": ..., "arguments": ...} (formats whose calls are one JSON object only)
 _JSON_CALL_TAGS = {"hermes": ("<tool_call>\n", "\n</tool_call>")}
-CALL_OPEN = "<tool_call>"  # how every format here opens a call
+CALL_OPENS = {"hermes": "<tool_call>", "glm45": "<tool_call>", "pythonic": "["}  # how each format opens a call
 
 
 def forced_call(tools: Sequence[Tool], choice: str | None, fmt: str) -> tuple[str, dict[str, Any], str] | None:

@@ -1926,6 +1926,30 @@ READ_FILE = {"name": "read_file", "description": "read a file of the repository"
 
 
 @pytest.mark.timeout(120)
+async def test_llama4s_python_calls_are_tool_calls_in_both_apis(tmp_path: Path) -> None:
+    """Llama 4 writes its calls as a Python list (vLLM's llama4_pythonic parser); a request
+    with tools for it was refused (no parser). Whole and streamed, OpenAI and Anthropic."""
+    llama = "llama-4-scout-fp8"
+    spec = StackSpec(policy=resolve_policy("talaria"), models=[llama], time_scale=100.0, log_dir=tmp_path / "logs",
+                     gateway=True)
+    async with EmbeddedStack(spec) as s:
+        tools = [{"type": "function", "function": READ_FILE}]
+        msgs = [{"role": "user", "content": "find the bug in the parser"}]
+        r = await oai(s).chat.completions.create(model=llama, max_tokens=300, messages=msgs, tools=tools)
+        call = r.choices[0].message.tool_calls[0]
+        assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.content is None
+        assert call.function.name == "read_file" and set(json.loads(call.function.arguments)) == {"path", "limit"}
+        chunks = [c async for c in await oai(s).chat.completions.create(model=llama, max_tokens=300, messages=msgs,
+                                                                          tools=tools, stream=True)]
+        deltas = [d for c in chunks if c.choices for d in (c.choices[0].delta.tool_calls or [])]
+        assert [d.function.name for d in deltas] == ["read_file"]
+        m = await ant(s).messages.create(model=llama, max_tokens=300, messages=msgs,
+                                         tools=[{"name": READ_FILE["name"], "description": READ_FILE["description"],
+                                                 "input_schema": READ_FILE["parameters"]}])
+        assert m.stop_reason == "tool_use" and [b.name for b in m.content if b.type == "tool_use"] == ["read_file"]
+
+
+@pytest.mark.timeout(120)
 async def test_tool_calls_round_trip_through_the_openai_sdk_keeping_the_prefix(stack: EmbeddedStack) -> None:
     client, hdr = oai(stack), {"x-session-id": "tools-openai-1"}
     tools = [{"type": "function", "function": READ_FILE}]

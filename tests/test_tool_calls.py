@@ -46,7 +46,37 @@ def test_glm45_as_glm_writes_it() -> None:
     assert [(c.name, c.arguments) for c in calls] == [("run_tests", {})]
 
 
-@pytest.mark.parametrize("fmt", ["hermes", "glm45"])
+def test_pythonic_as_llama4_writes_it() -> None:
+    # Llama 4 (vLLM's llama4_pythonic parser): the whole reply a list of calls, keyword
+    # arguments of literal values, sometimes between its python tags
+    text = "[read_file(path='src/a.py', limit=40), run_tests(verbose=True, only=['test_a', \"test_b\"])]"
+    content, calls = tc.parse(text, "pythonic", TOOLS, "c5")
+    assert content == ""
+    assert [(c.name, c.arguments) for c in calls] == [("read_file", {"path": "src/a.py", "limit": 40}),
+                                                     ("run_tests", {"verbose": True, "only": ["test_a", "test_b"]})]
+    assert tc.parse(f"<|python_start|>{text}<|python_end|>", "pythonic", TOOLS, "c5")[1] == calls
+    # JSON's spellings, negative numbers, nested values, no arguments
+    _, calls = tc.parse('[run_tests(verbose=true, only=null), read_file(path="x", limit=-3), run_tests()]',
+                        "pythonic", TOOLS, "c6")
+    assert [c.arguments for c in calls] == [{"verbose": True, "only": None}, {"path": "x", "limit": -3}, {}]
+    for text in ["I will read it: [read_file(path='a.py')]",      # text beside the calls: all text, as vLLM
+                 "[read_file('a.py')]",                            # a positional argument
+                 "[read_file(path=open('a.py'))]",                 # not a literal
+                 "[os.remove(path='a.py')]",                       # not a tool's name
+                 "[read_file(path='a.py'), 3]", "[]", "[" * 5000]:  # not calls; deeply nested
+        content, calls = tc.parse(text, "pythonic", TOOLS, "x")
+        assert calls == [] and content == text.strip(), text[:40]
+
+
+def test_a_pythonic_call_whose_argument_names_are_not_python_names_still_round_trips() -> None:
+    tools = [tc.Tool("fetch", "", {"type": "object", "properties": {"file-path": {"type": "string"},
+                                                                    "from": {"type": "string"}}})]
+    calls = [("fetch", {"file-path": "é \n\"q\" \\ 😀", "from": "x"})]
+    text = tc.render(calls, "pythonic")
+    assert [(c.name, c.arguments) for c in tc.parse(text, "pythonic", tools, "r")[1]] == calls, text
+
+
+@pytest.mark.parametrize("fmt", ["hermes", "glm45", "pythonic"])
 def test_what_does_not_parse_stays_text(fmt: str) -> None:
     for text in ["no call at all", "<tool_call>\n{not json}\n</tool_call>", "<tool_call>\n{\"name\": \"rm_rf\"}\n</tool_call>",
                  "<tool_call>unknown_tool\n<arg_key>a</arg_key>\n<arg_value>b</arg_value>\n</tool_call>",
@@ -55,7 +85,7 @@ def test_what_does_not_parse_stays_text(fmt: str) -> None:
         assert calls == [] and content == text.strip()
 
 
-@pytest.mark.parametrize("fmt", ["hermes", "glm45"])
+@pytest.mark.parametrize("fmt", ["hermes", "glm45", "pythonic"])
 def test_render_is_what_parse_reads(fmt: str) -> None:
     calls = [("read_file", {"path": "a b/c.py", "limit": 7}), ("run_tests", {"verbose": False, "only": ["x", "y"]})]
     content, parsed = tc.parse(tc.render(calls, fmt), fmt, TOOLS, "r")

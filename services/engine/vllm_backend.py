@@ -177,15 +177,15 @@ def structured_output(hint: EngineHint | None, sampling: Sampling | None, fmt: s
 def _any_call_regex(hint: EngineHint | None, fmt: str) -> str | None:
     """A tool call the model may write instead of the structured answer, where the request
     offers tools and leaves the choice on: a well-formed call of any of them where the format
-    writes a call as one JSON object, else (GLM's key/value pairs) anything after the
-    format's opening tag, as vLLM leaves an `auto` call unconstrained. None: no tools."""
+    writes a call as one JSON object, else (GLM's key/value pairs, Llama 4's Python calls)
+    anything after the format's opening tag, as vLLM leaves an `auto` call unconstrained. None: no tools."""
     if hint is None or not hint.tools_json or hint.tool_choice == "none":
         return None
     fmt = hint.tool_call_format or fmt
     if fmt not in tool_calls.FORMATS or fmt == "none":
         return None
     any_call = tool_calls.forced_call(tool_calls.tools_from_json(hint.tools_json), tool_calls.ANY_TOOL, fmt)
-    return _literal(tool_calls.CALL_OPEN) + r"[\s\S]*" if any_call is None else _call_regex(any_call)
+    return _literal(tool_calls.CALL_OPENS[fmt]) + r"[\s\S]*" if any_call is None else _call_regex(any_call)
 
 
 def _call_regex(call: tuple[str, dict[str, Any], str]) -> str:
