@@ -150,9 +150,15 @@ class Keys:
         return f"{self.prefix}gw:item:{item_digest}"
 
     def gateway_response(self, response_digest: str) -> str:
-        """String: a stored Responses-API response (per tenant): the conversation it ends and
-        the response object, compressed (`translate.stored_response`)."""
+        """String: a stored Responses-API response (per tenant): the response object and where
+        the conversation it ends is (a thread and its length), compressed (`translate.stored_response`)."""
         return f"{self.prefix}gw:resp:{response_digest}"
+
+    def gateway_thread(self, thread_id: str) -> str:
+        """List: the items of stored Responses-API conversations, oldest first, each compressed
+        (`translate.thread_item`): a response continuing the thread's last one appends its own,
+        so a conversation is stored once, not once per response along it."""
+        return f"{self.prefix}gw:thread:{thread_id}"
 
 
 Durability = Literal["soft", "must-survive"]
@@ -180,6 +186,7 @@ DURABILITY: dict[str, Durability] = {
     "gateway_request": "soft",         # (lost: an SDK retry becomes a call of its own)
     "gateway_idempotency": "soft",     # (lost: a key reused with another request is its own call, never refused)
     "gateway_call": "soft",            # (a retry after its loss is answered by the call record if its session matches again)
+    "gateway_thread": "soft",          # (lost: its responses are previous_response_not_found, as expired ones)
     "gateway_response": "soft",        # (lost: a continuation of it is previous_response_not_found, as an expired one)
     "gateway_item": "soft",            # (lost: a reference to the item is not found, as an expired one's)
 }

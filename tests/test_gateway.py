@@ -9,6 +9,7 @@ import json
 import re
 import sys
 import time
+import zlib
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -441,7 +442,11 @@ def test_a_responses_request_continues_the_stored_conversation_it_names() -> Non
     assert e.value.param == "input[0]"
     assert tr.responses_input_items({"input": "hi"}) == [{"type": "message", "role": "user", "content": "hi"}]
     response = {"id": "resp_1", "object": "response", "output": previous[1:]}
-    assert tr.read_stored_response(tr.stored_response(previous, response)) == (previous, response)
+    assert tr.read_stored_response(tr.stored_response("t1", 3, response)) == tr.StoredResponse(response, "t1", 3)
+    # as a gateway before threads stored it (a rolling upgrade reads it still)
+    whole = zlib.compress(msgspec.json.encode({"conversation": previous, "response": response}), 3)
+    assert tr.read_stored_response(whole) == tr.StoredResponse(response, None, len(previous), previous)
+    assert [tr.read_thread_item(tr.thread_item(it)) for it in previous] == previous
     assert tr.responses_store_asked({}) and tr.responses_store_asked({"store": None})
     assert not tr.responses_store_asked({"store": False})
     for bad, param in (({"store": "yes"}, "store"), ({"previous_response_id": 5}, "previous_response_id"),
@@ -2036,6 +2041,48 @@ async def test_responses_api_as_codex_calls_it_round_trips_tool_calls_keeping_th
         text = await m.text()
     assert 'talaria_http_requests_total{api="responses",status="200"}' in text
     assert 'talaria_http_requests_total{api="responses",status="400"}' in text
+
+
+@pytest.mark.timeout(120)
+async def test_a_stored_conversation_is_kept_once_along_its_responses_and_a_branch_keeps_its_own(
+        stack: EmbeddedStack) -> None:
+    """Each stored response kept its whole conversation, so a conversation of T turns was
+    stored T^2 / 2 turns' worth (a soak probe: a 30-turn thread 16-18 times its last
+    response). Responses continuing the last one of a thread now append to it; one
+    continuing an earlier response (a branch) takes a thread of its own, and neither
+    changes what the other was generated from."""
+    client = oai(stack)
+    r = aioredis.Redis.from_url(stack.redis_url)
+    keys = Keys(stack.key_prefix)
+
+    async def stored(rid: str) -> tr.StoredResponse:
+        blob = await r.get(keys.gateway_response(tr.response_digest("default", rid)))
+        assert blob is not None
+        return tr.read_stored_response(blob)
+
+    try:
+        chain = [await client.responses.create(model=MODEL, input="turn 0 " * 50, max_output_tokens=8)]
+        for i in range(1, 8):
+            chain.append(await client.responses.create(model=MODEL, previous_response_id=chain[-1].id,
+                                                       input=f"turn {i} " * 50, max_output_tokens=8))
+        threads = {(await stored(x.id)).thread for x in chain}
+        assert len(threads) == 1, threads  # one thread, its items stored once
+        (thread,) = threads
+        assert await r.llen(keys.gateway_thread(thread or "")) == (await stored(chain[-1].id)).length == 16
+        # a branch from the third response: a thread of its own, and every conversation is as it was
+        branch = await client.responses.create(model=MODEL, previous_response_id=chain[2].id, input="another way",
+                                               max_output_tokens=8)
+        assert (await stored(branch.id)).thread != thread
+        inputs = [it async for it in client.responses.input_items.list(branch.id, order="asc")]
+        assert len(inputs) == 7 and inputs[-1].content[0].text == "another way"
+        assert inputs[4].content[0].text == "turn 2 " * 50
+        last = [it async for it in client.responses.input_items.list(chain[-1].id, order="asc", limit=100)]
+        assert len(last) == 15 and last[-1].content[0].text == "turn 7 " * 50
+        grown = await client.responses.create(model=MODEL, previous_response_id=chain[-1].id, input="turn 8",
+                                              max_output_tokens=8)
+        assert (await stored(grown.id)).thread == thread  # the branch did not take the thread's end
+    finally:
+        await r.aclose()
 
 
 @pytest.mark.timeout(120)

@@ -186,6 +186,12 @@ class SharedCall:
 
 # delete a header-less session's in-flight mark only if it is this call's
 _RELEASE = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
+# extend a stored conversation's thread only from its last item (ARGV[1]: the length the
+# continued response ends at; ARGV[2]: the TTL; then the items), else 0: another response
+# continued it first, and this one takes a thread of its own
+_APPEND = ("if redis.call('LLEN', KEYS[1]) ~= tonumber(ARGV[1]) then return 0 end "
+           "for i = 3, #ARGV do redis.call('RPUSH', KEYS[1], ARGV[i]) end "
+           "redis.call('EXPIRE', KEYS[1], ARGV[2]) return 1")
 
 
 class Gateway:
@@ -555,7 +561,7 @@ class Gateway:
                 lambda r: r.mget([self.rkeys.gateway_item(tr.item_digest(tenant, ref)) for ref in refs]))
             for rid in {o.decode() for o in owners if o is not None}:
                 stored = await self._read_response(tenant, rid)
-                for item in (stored[1].get("output") or ()) if stored is not None else ():
+                for item in (stored.response.get("output") or ()) if stored is not None else ():
                     if item.get("id") in refs:
                         found[item["id"]] = item
         elif refs:
@@ -566,13 +572,16 @@ class Gateway:
         except BadRequest as exc:
             raise HttpError("malformed", str(exc), exc.param) from None
 
-    async def _responses_as_chat(self, tenant: str, original: dict[str, Any]) -> tuple[dict[str, Any], list[Any]]:
+    async def _responses_as_chat(self, tenant: str, original: dict[str, Any]
+                                 ) -> tuple[dict[str, Any], list[Any], tr.StoredResponse | None]:
         """A Responses body as the chat request it asks for, after the stored conversation
-        it continues (`previous_response_id`); (that request, that conversation)."""
+        it continues (`previous_response_id`); (that request, that conversation, the stored
+        response it continues)."""
         try:
             prev = tr.previous_response_id(original)
-            previous = await self._stored_conversation(tenant, prev) if prev is not None else []
-            return tr.responses_request(original, previous), previous
+            continued = await self._stored_conversation(tenant, prev) if prev is not None else None
+            previous = continued[0] if continued is not None else []
+            return tr.responses_request(original, previous), previous, continued[1] if continued is not None else None
         except BadRequest as exc:
             raise HttpError("malformed", str(exc), exc.param) from None
 
@@ -590,32 +599,59 @@ class Gateway:
             raise HttpError("unavailable", "the response store (Redis) is not answering; retry",
                             retry_after_s=BUS_RETRY_AFTER_S) from None
 
-    async def _read_response(self, tenant: str, response_id: str) -> tuple[list[Any], dict[str, Any]] | None:
-        """A stored response of the tenant's: (its conversation, its response object), or None."""
+    async def _read_response(self, tenant: str, response_id: str) -> tr.StoredResponse | None:
+        """A stored response of the tenant's (its object; its conversation is `_conversation`'s), or None."""
         if self.redis is None:
             return None
         blob = await self._response_store(lambda r: r.get(self._response_key(tenant, response_id)))
         return tr.read_stored_response(blob) if blob is not None else None
 
-    async def _stored_conversation(self, tenant: str, response_id: str) -> list[Any]:
+    async def _read_conversation(self, tenant: str, response_id: str) -> tuple[list[Any], tr.StoredResponse] | None:
+        """A stored response of the tenant's with the conversation it ends, or None (unknown,
+        expired, or its thread lost with a Redis that restarted empty)."""
+        stored = await self._read_response(tenant, response_id)
+        if stored is None or stored.conversation is not None:
+            return (stored.conversation, stored) if stored is not None and stored.conversation is not None else None
+        thread = self.rkeys.gateway_thread(stored.thread or "")
+        raw = await self._response_store(lambda r: r.lrange(thread, 0, stored.length - 1))
+        if len(raw) < stored.length:
+            return None
+        return [tr.read_thread_item(b) for b in raw], stored
+
+    async def _stored_conversation(self, tenant: str, response_id: str) -> tuple[list[Any], tr.StoredResponse]:
         if self.redis is None:
             raise HttpError("malformed", "previous_response_id is not served: this gateway has no Redis to store "
                             "responses in; send the whole conversation in input", "previous_response_id")
-        stored = await self._read_response(tenant, response_id)
+        stored = await self._read_conversation(tenant, response_id)
         if stored is None:
             raise HttpError("previous_response_not_found", f"Previous response with id '{response_id[:256]}' not "
                             "found.", "previous_response_id")
-        return stored[0]
+        return stored
 
-    async def _keep_response(self, tenant: str, conversation: list[Any], response: dict[str, Any]) -> bool:
-        """Store a response to be read back and continued; False where the store is away
-        (the agent is answered all the same, its response saying `store: false`)."""
+    async def _keep_response(self, tenant: str, previous: list[Any], continued: tr.StoredResponse | None,
+                             new_items: list[Any], response: dict[str, Any]) -> bool:
+        """Store a response to be read back and continued: its conversation (`previous`, the
+        stored one it continues, then `new_items`) by appending the new items to the thread
+        of the response it continues where that one is the thread's last, else as a thread of
+        its own; False where the store is away (the agent is answered all the same, its
+        response saying `store: false`)."""
         assert self.redis is not None
         redis, ttl = self.redis, self.settings.gateway_responses_ttl_s
+        own = tr.response_digest(tenant, response["id"])  # (a thread of its own is named as it is)
+
+        async def append(thread: str, at: int, items: list[Any]) -> bool:
+            return bool(await redis.eval(_APPEND, 1, self.rkeys.gateway_thread(thread), at, ttl,
+                                         *(tr.thread_item(it) for it in items)))
 
         async def store() -> bool:
-            await redis.set(self._response_key(tenant, response["id"]), tr.stored_response(conversation, response),
-                            ex=ttl)
+            if continued is not None and continued.thread is not None \
+                    and await append(continued.thread, continued.length, new_items):
+                thread = continued.thread
+            else:  # a first response, one continuing a response others continued first, or one stored whole
+                thread = own
+                await append(thread, 0, previous + new_items)
+            await redis.set(self._response_key(tenant, response["id"]),
+                            tr.stored_response(thread, len(previous) + len(new_items), response), ex=ttl)
             items = [it["id"] for it in response.get("output") or () if isinstance(it.get("id"), str)]
             if items:  # (each output item found by its id, for an item_reference to it)
                 async with redis.pipeline(transaction=False) as p:
@@ -1174,7 +1210,7 @@ class Gateway:
         except BadRequest as exc:
             raise HttpError("malformed", str(exc), exc.param) from None
         original = await self._referenced_items(tenant, original)
-        body, previous = await self._responses_as_chat(tenant, original)
+        body, previous, continued = await self._responses_as_chat(tenant, original)
         try:
             p = await self._prepare_chat(request, tenant, raw, body, OPENAI, ("max_output_tokens",), original=original)
         except HttpError as err:
@@ -1200,7 +1236,7 @@ class Gateway:
             if kept[0]:
                 done = response(reply)
                 kept[0] = await self._keep_response(
-                    tenant, previous + tr.responses_input_items(original) + done["output"], done)
+                    tenant, previous, continued, tr.responses_input_items(original) + done["output"], done)
 
         async def streamer(req: web.Request, task: "asyncio.Task[CallReply]", events: "asyncio.Queue[Any]"
                            ) -> web.StreamResponse:
@@ -1240,18 +1276,18 @@ class Gateway:
         stored = await self._read_response(tenant, rid)
         if stored is None:
             raise HttpError("not_found", f"Response with id '{rid[:256]}' not found.")
-        return web.json_response(stored[1])
+        return web.json_response(stored.response)
 
     async def response_input_items(self, request: web.Request) -> web.Response:
         """The items a stored response was generated from (`GET /v1/responses/{id}/input_items`),
         a page at a time."""
         tenant = self._tenant(request)
         rid = request.match_info["response_id"]
-        stored = await self._read_response(tenant, rid)
+        stored = await self._read_conversation(tenant, rid)
         if stored is None:
             raise HttpError("not_found", f"Response with id '{rid[:256]}' not found.")
         try:
-            return web.json_response(tr.input_items_page(*stored, request.query))
+            return web.json_response(tr.input_items_page(stored[0], stored[1].response, request.query))
         except BadRequest as exc:
             raise HttpError("malformed", str(exc), exc.param) from None
 

@@ -1024,10 +1024,12 @@ def anthropic_context_words(message: str) -> str:
 
 
 # -- the Responses API (`POST /v1/responses`, as Codex sends it) -------------------------------------
-# A response is stored unless asked not to (`store: true` is OpenAI's default) as the whole
-# conversation it ends, so `previous_response_id` continues it with one read; Codex sends
-# `store: false` and its whole conversation in `input`. The Conversations API's
-# `conversation` is refused by name.
+# A response is stored unless asked not to (`store: true` is OpenAI's default): its object,
+# and the conversation it ends as the first items of a thread (a Redis list) that the
+# responses continuing it extend, so `previous_response_id` continues it with two reads and
+# a conversation of T turns is stored once (whole with each response, it was T^2 / 2 turns'
+# worth); Codex sends `store: false` and its whole conversation in `input`. The
+# Conversations API's `conversation` is refused by name.
 _RESPONSES_NOT_SERVED = ("conversation",)
 _RESPONSES_ROLES = ("user", "assistant", "system", "developer")
 _RESPONSES_TEXT_PARTS = ("input_text", "output_text", "text")
@@ -1099,17 +1101,38 @@ def with_items_resolved(body: Mapping[str, Any], found: Mapping[str, Any]) -> di
                               else it for it in body["input"]]}
 
 
-def stored_response(conversation: list[Any], response: Mapping[str, Any]) -> bytes:
-    """What is kept of a stored response: the conversation it ends (the items before it,
-    its input and its output, ready to continue) and the response object, compressed
-    (conversations are mostly text, and each stored response holds its whole conversation)."""
-    return zlib.compress(msgspec.json.encode({"conversation": conversation, "response": response}), 3)
+@dataclass(frozen=True)
+class StoredResponse:
+    """A stored response: its object, and the conversation it ends (the items before it, its
+    input and its output): the first `length` items of `thread`, or, as gateways before
+    threads stored it, whole in `conversation` (`thread` None)."""
+
+    response: dict[str, Any]
+    thread: str | None
+    length: int
+    conversation: list[Any] | None = None
 
 
-def read_stored_response(blob: bytes) -> tuple[list[Any], dict[str, Any]]:
-    """`stored_response`'s conversation and response object."""
+def stored_response(thread: str, length: int, response: Mapping[str, Any]) -> bytes:
+    """What is kept of a stored response: the response object and where its conversation is
+    (the first `length` items of `thread`), compressed."""
+    return zlib.compress(msgspec.json.encode({"thread": thread, "length": length, "response": response}), 3)
+
+
+def read_stored_response(blob: bytes) -> StoredResponse:
     doc = msgspec.json.decode(zlib.decompress(blob))
-    return doc["conversation"], doc["response"]
+    if "conversation" in doc:  # (stored whole, by a gateway before threads)
+        return StoredResponse(doc["response"], None, len(doc["conversation"]), doc["conversation"])
+    return StoredResponse(doc["response"], doc["thread"], doc["length"])
+
+
+def thread_item(item: Any) -> bytes:
+    """One conversation item as its thread keeps it: compressed (conversations are mostly text)."""
+    return zlib.compress(msgspec.json.encode(item), 3)
+
+
+def read_thread_item(blob: bytes) -> Any:
+    return msgspec.json.decode(zlib.decompress(blob))
 
 
 _INPUT_ITEM_ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs",
