@@ -168,6 +168,22 @@ async def test_a_stopped_engine_worker_finishes_its_running_call_and_its_success
         await svc.stop()
 
 
+@contextlib.asynccontextmanager
+async def _one_server_of(models: list[str], nats_server: NatsServer, redis_server: RedisServer, subject_prefix: str,
+                         key_prefix: str, tmp_path: Path, **env: str) -> AsyncIterator[tuple[Services, TalariaClient]]:
+    """The services of one server of `models` (`env`: their settings) and an agent that waits
+    as long as it takes (no silence retries): the test's timeouts decide."""
+    svc = Services(nats_server.url, redis_server.url, subject_prefix, key_prefix, tmp_path / "logs", models=models,
+                   extra_env=env or None)
+    await svc.start()
+    try:
+        async with await TalariaClient.connect(nats_server.url, subject_prefix=subject_prefix,
+                                               silence_s=600.0, retries=0) as c:
+            yield svc, c
+    finally:
+        await svc.stop()
+
+
 async def test_a_model_whose_engine_worker_drains_gets_no_turn_and_holds_up_no_other(
         nats_server: NatsServer, redis_server: RedisServer, subject_prefix: str, key_prefix: str,
         tmp_path: Path) -> None:
@@ -177,28 +193,55 @@ async def test_a_model_whose_engine_worker_drains_gets_no_turn_and_holds_up_no_o
     for the call that came first and asked again and again while the switch found no
     worker, every other model's call waiting behind it. Once B's next worker is up, B's
     call runs."""
-    svc = Services(nats_server.url, redis_server.url, subject_prefix, key_prefix, tmp_path / "logs",
-                   models=[MODEL_A, MODEL_B])
-    await svc.start()
-    engine_b = svc.engine(MODEL_B)
-    try:
-        async with await TalariaClient.connect(nats_server.url, subject_prefix=subject_prefix,
-                                               silence_s=600.0, retries=0) as c:
-            pid = svc.group.pids()[engine_b]
-            assert pid is not None
-            os.kill(pid, signal.SIGTERM)
-            await until(lambda: not svc.group.running(engine_b), 30, "the stopped engine-worker never exited")
-            b, a = await c.open_session(MODEL_B), await c.open_session(MODEL_A)
-            tb = await _started(lambda on_event: b.call(prompt_tokens=1000, max_tokens=256, sim_output_tokens=10,
-                                                        on_event=on_event), CallQueued, "B's call never queued")
-            ra = await asyncio.wait_for(a.call(prompt_tokens=1000, max_tokens=256, sim_output_tokens=10), 15)
-            assert ra.output_tokens == 10 and not tb.done()
-            svc.group.start(engine_b)
-            assert (await asyncio.wait_for(tb, 30)).output_tokens == 10
+    async with _one_server_of([MODEL_A, MODEL_B], nats_server, redis_server, subject_prefix, key_prefix,
+                              tmp_path) as (svc, c):
+        engine_b = svc.engine(MODEL_B)
+        pid = svc.group.pids()[engine_b]
+        assert pid is not None
+        os.kill(pid, signal.SIGTERM)
+        await until(lambda: not svc.group.running(engine_b), 30, "the stopped engine-worker never exited")
+        b, a = await c.open_session(MODEL_B), await c.open_session(MODEL_A)
+        tb = await _started(lambda on_event: b.call(prompt_tokens=1000, max_tokens=256, sim_output_tokens=10,
+                                                    on_event=on_event), CallQueued, "B's call never queued")
+        ra = await asyncio.wait_for(a.call(prompt_tokens=1000, max_tokens=256, sim_output_tokens=10), 15)
+        assert ra.output_tokens == 10 and not tb.done()
+        svc.group.start(engine_b)
+        assert (await asyncio.wait_for(tb, 30)).output_tokens == 10
         retries = [d for d in svc.log_lines(svc.admission) if d.get("event") == "admission.switch_retry"]
         assert not retries, retries[:3]
-    finally:
-        await svc.stop()
+
+
+async def test_a_switch_to_a_model_whose_engine_worker_stops_is_abandoned_for_the_waiting_model(
+        nats_server: NatsServer, redis_server: RedisServer, subject_prefix: str, key_prefix: str,
+        tmp_path: Path) -> None:
+    """One server of two models, switches made slow (seconds of wall time): model B's
+    engine-worker is stopped while the server switches to B. The switch is abandoned and
+    the server switches to A, whose call waits; before, the switch was asked again and
+    again until B's next worker came (minutes under vLLM), A's call waiting behind it."""
+    async with _one_server_of([MODEL_A, MODEL_B], nats_server, redis_server, subject_prefix, key_prefix, tmp_path,
+                              TALARIA_SWITCH_COST_SCALE="40") as (svc, c):
+        engine_b = svc.engine(MODEL_B)
+        a, b = await c.open_session(MODEL_A), await c.open_session(MODEL_B)
+        await asyncio.wait_for(a.call(prompt_tokens=1000, max_tokens=256, sim_output_tokens=10,
+                                      call_id=f"{a.session_id}-0"), 30)
+        tb = asyncio.ensure_future(b.call(prompt_tokens=1000, max_tokens=256, sim_output_tokens=10))
+
+        def switching_to_b() -> bool:
+            return any(d.get("event") == "admission.switch" and d.get("to_model") == MODEL_B
+                       for d in svc.log_lines(svc.admission))
+        await until(switching_to_b, 15, "the switch to B never began")
+        ta = await _started(lambda on_event: a.call(prompt_tokens=1400, prefix_tokens=1010, max_tokens=256,
+                                                    sim_output_tokens=10, call_id=f"{a.session_id}-1",
+                                                    on_event=on_event), CallQueued, "A's call never queued")
+        pid = svc.group.pids()[engine_b]
+        assert pid is not None
+        os.kill(pid, signal.SIGTERM)
+        assert (await asyncio.wait_for(ta, 20)).output_tokens == 10 and not tb.done()
+        svc.group.start(engine_b)
+        assert (await asyncio.wait_for(tb, 30)).output_tokens == 10
+        adm, sub = svc.log_lines(svc.admission), svc.log_lines(svc.substrate)
+        assert [d["to_model"] for d in adm if d.get("event") == "admission.switch_abandoned"] == [MODEL_B]
+        assert any(d.get("event") == "substrate.sleep_unanswered" and d.get("model") == MODEL_B for d in sub)
 
 
 def _two_servers_of_one_model(tmp_path: Path) -> StackSpec:

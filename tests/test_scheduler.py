@@ -8,6 +8,7 @@ import msgspec
 import pytest
 
 from services.admission.scheduler import (
+    AbandonSwitch,
     Action,
     AdmissionCall,
     Arrive,
@@ -247,6 +248,29 @@ def test_a_model_whose_engine_worker_is_away_gets_no_turn_until_it_is_back() -> 
     acts += s.step(Finished(waiting_c.call_id, waiting_c.session_id, 10_100), 21.0)
     assert of(acts, StartSwitch) == [StartSwitch(C, B)]
     assert dispatched(s.step(SwitchDone(B, CAP), 22.0)) == [waiting_b.call_id]
+
+
+def test_a_switch_to_a_model_whose_engine_worker_goes_away_is_abandoned_for_the_next() -> None:
+    """A switch under way to a model whose engine-worker then drains would wait for the next
+    worker, every model's calls behind it: it is abandoned, and the next model with demand
+    switched to, naming no model to leave (the substrate knows what is awake)."""
+    s = sched()
+    busy = mk(A, 0.0)
+    open_slot(s, A, 5.0, busy)
+    waiting_b = mk(B, 6.0)
+    s.step(Arrive(waiting_b), 6.0)
+    acts = s.step(Finished(busy.call_id, busy.session_id, 10_200), 10.0)
+    assert of(acts, StartSwitch) == [StartSwitch(A, B)] and s.phase == "switching"
+    nxt = mk(A, 11.0, sid=busy.session_id, cont=True)
+    s.step(Arrive(nxt), 11.0)
+    acts = s.step(EngineAway(B, away=True), 12.0)
+    assert of(acts, AbandonSwitch) == [AbandonSwitch(B)] and of(acts, StartSwitch) == [StartSwitch(None, A)]
+    assert s.step(SwitchDone(B, CAP), 13.0) == []  # (its result, if it still comes, is not taken)
+    assert dispatched(s.step(SwitchDone(A, CAP), 14.0)) == [nxt.call_id]
+    # with no other demand the server idles, and B's calls wait for its next worker
+    acts = s.step(Finished(nxt.call_id, nxt.session_id, 10_400), 20.0)
+    assert of(acts, StartSwitch) == [] and s.queued(B) == 1
+    assert of(s.step(EngineAway(B, away=False), 30.0), StartSwitch) == [StartSwitch(A, B)]
 
 
 def test_single_model_demand_never_switches() -> None:

@@ -26,7 +26,8 @@ Rules (docs/scheduler.md states them for users; keep the two in step):
    or, with `most-waiting` (Talaria's tuned rule), to the model whose queue
    holds the most waiting time in all. A model with no queued calls gets no slot,
    nor one whose engine-worker is away (draining for a restart, until the next
-   one is up): its calls wait without keeping the others from their turns.
+   one is up): its calls wait without keeping the others from their turns; a
+   switch under way to it is abandoned for the next model with demand.
 5. Soft reservations (when on): when a call finishes, its session's KV is
    protected and a claim is held for `hold = clamp(quantile(gaps) * factor)`
    model seconds, from the session's observed tool gaps only. It yields: it
@@ -110,6 +111,14 @@ class StartSwitch:
 
 
 @dataclass(frozen=True, slots=True)
+class AbandonSwitch:
+    """The switch under way goes to a model whose engine-worker went away: stop asking for
+    it (the next switch names no model to leave: what is awake is the substrate's to say)."""
+
+    to_model: str
+
+
+@dataclass(frozen=True, slots=True)
 class Stage:
     model: str
 
@@ -141,7 +150,7 @@ class SlotClosed:
     reason: str
 
 
-Action = Dispatch | StartSwitch | Stage | Preempt | Protect | SlotOpened | SlotClosed
+Action = Dispatch | StartSwitch | AbandonSwitch | Stage | Preempt | Protect | SlotOpened | SlotClosed
 
 
 @dataclass(slots=True)
@@ -257,6 +266,11 @@ class RoundScheduler:
                     actions.append(Protect(sid, res.model, on=False))
             case EngineAway(model=model, away=away):
                 (self.away.add if away else self.away.discard)(model)
+                if away and self.phase == "switching" and self.switch_to == model:
+                    # it would wait for the next worker (minutes under vLLM), every model's calls with it
+                    self.switch_clock += now - self.switch_started_at
+                    self.phase, self.switch_to, self.active = "idle", None, None
+                    actions.append(AbandonSwitch(model))
             case Tick():
                 pass
         self._expire_reservations(now, actions)

@@ -76,6 +76,7 @@ class AdmissionService(ServiceProcess):
         self._counted = CounterMirror()  # the scheduler's stats already counted in the metrics
         self.arrived_wall: dict[str, float] = {}  # call -> wall time it reached this process (its wait span)
         self.switch_attempt: dict[str, asyncio.Event] = {}  # pending switch -> "ask again" (substrate restarted)
+        self.switch_tasks: dict[str, asyncio.Task] = {}  # pending switch -> its task (cancelled if abandoned)
         self.reservation_mirror_away_until = 0.0  # (monotonic) a claim or release failed: none sent until then
         sid = s.server_id
         self.dispatched: dict[str, RunCall] = {}
@@ -669,7 +670,12 @@ class AdmissionService(ServiceProcess):
                     await self._send_run(run)
                 case sch.StartSwitch(from_model=old, to_model=new):
                     self.log.info("admission.switch", from_model=old, to_model=new)
-                    self.spawn(self._switch(old, new), "switch")
+                    self.switch_tasks[new] = self.spawn(self._switch(old, new), "switch")
+                case sch.AbandonSwitch(to_model=m):
+                    self.log.warning("admission.switch_abandoned", to_model=m, reason="its engine-worker drains")
+                    if (task := self.switch_tasks.pop(m, None)) is not None:
+                        task.cancel()
+                    self.switch_attempt.pop(m, None)
                 case sch.Stage(model=m):
                     await self.nc.publish(self.subjects.substrate_stage(s.server_id), encode(StageRequest(model=m, requested_at=self.scheduler.last_step_at)))
                 case sch.Preempt(call_id=cid):
@@ -756,6 +762,7 @@ class AdmissionService(ServiceProcess):
                 if isinstance(out, ApiError):
                     raise RuntimeError(out.message)
                 self.switch_attempt.pop(new, None)
+                self.switch_tasks.pop(new, None)
                 await self.step(sch.SwitchDone(out.to_model, out.kv_capacity_tokens), at=out.done_at)
                 return
             except RequestLost:  # (a lost message is asked for again at once)

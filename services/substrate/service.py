@@ -251,7 +251,13 @@ class SubstrateManager(ServiceProcess):
     async def _do_switch(self, req: SwitchRequest, reply: str | None, t0: float) -> None:
         kv_out: dict[str, int] = {}
         if req.from_model:
-            kv_out = (await self._control(req.from_model, Sleep())).kv_out
+            try:
+                kv_out = (await self._control(req.from_model, Sleep())).kv_out
+            except nats.errors.NoRespondersError:
+                # no worker of it listens (it stopped for a restart; its successor starts asleep and
+                # empty): nothing of it is awake to put to sleep, and waiting would hold every switch
+                self.log.warning("substrate.sleep_unanswered", model=req.from_model, reason="no engine-worker listens")
+                kv_out = {}
         plan = self.ledger.plan_switch(t0, req.to_model, kv_out)
         self.last_switch_end = t0 + plan.duration_s
         await self._accepted(req, done_at=t0 + plan.duration_s)  # when to expect the result
