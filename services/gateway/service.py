@@ -600,7 +600,7 @@ class Gateway:
                             retry_after_s=BUS_RETRY_AFTER_S) from None
 
     async def _read_response(self, tenant: str, response_id: str) -> tr.StoredResponse | None:
-        """A stored response of the tenant's (its object; its conversation is `_conversation`'s), or None."""
+        """A stored response of the tenant's (its object; `_read_conversation` reads its conversation too), or None."""
         if self.redis is None:
             return None
         blob = await self._response_store(lambda r: r.get(self._response_key(tenant, response_id)))
@@ -610,8 +610,10 @@ class Gateway:
         """A stored response of the tenant's with the conversation it ends, or None (unknown,
         expired, or its thread lost with a Redis that restarted empty)."""
         stored = await self._read_response(tenant, response_id)
-        if stored is None or stored.conversation is not None:
-            return (stored.conversation, stored) if stored is not None and stored.conversation is not None else None
+        if stored is None:
+            return None
+        if stored.conversation is not None:  # (stored whole)
+            return stored.conversation, stored
         thread = self.rkeys.gateway_thread(stored.thread or "")
         raw = await self._response_store(lambda r: r.lrange(thread, 0, stored.length - 1))
         if len(raw) < stored.length:
@@ -648,7 +650,7 @@ class Gateway:
                     and await append(continued.thread, continued.length, new_items):
                 thread = continued.thread
             else:  # a first response, one continuing a response others continued first, or one stored whole
-                thread = own
+                thread = own  # (refused only where a first store of this very response made it: the same items)
                 await append(thread, 0, previous + new_items)
             await redis.set(self._response_key(tenant, response["id"]),
                             tr.stored_response(thread, len(previous) + len(new_items), response), ex=ttl)
