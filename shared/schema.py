@@ -301,6 +301,7 @@ class SubmitCall(Base, tag="submit"):
     # the call record's revision that placed it on this server (0: unknown): the engine
     # claims on it without reading the record first (shared/call_record.py)
     record_revision: int = 0
+    moves: int = 0  # times an admission handed it back to the routers (its engine drained): once at most
 
 
 class Submitted(Base, tag="submitted"):

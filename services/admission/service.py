@@ -51,6 +51,7 @@ RESERVATION_MIRROR_WAIT_WALL_S = 1.0  # how long a scheduler step waits on a res
 RESERVATION_MIRROR_PAUSE_WALL_S = 5.0  # ... and does without them after one failed (a stalled Redis answers nothing)
 # how long a router may take to place a handed-back call elsewhere (it tries each other server, 1.5 s each at most)
 MOVE_WAIT_WALL_S = 10.0
+MOVES_MAX = 1  # a call moved once stays where it went (every server's engine draining: no bouncing between them)
 
 
 class AdmissionService(ServiceProcess):
@@ -430,10 +431,11 @@ class AdmissionService(ServiceProcess):
         """Hand a call waiting for a draining engine to the routers (`MoveCall`). It is out
         of the scheduler meanwhile, so it is never dispatched here and elsewhere at once;
         taken elsewhere, it is forgotten here; refused (no other server with its engine
-        ready could take it) or unanswered, it is queued here again. A copy left in two
-        places by a lost answer is still generated once: engines claim by compare-and-set."""
+        ready could take it) or unanswered, it is queued here again. Moved once at most
+        (`MOVES_MAX`). A copy left in two places by a lost answer, or by its agent asking
+        here again meanwhile, is still generated once: engines claim by compare-and-set."""
         sub = self.payloads.get(call_id)
-        if len(self.settings.servers) < 2 or sub is None or call_id in self.moving:
+        if len(self.settings.servers) < 2 or sub is None or call_id in self.moving or sub.moves >= MOVES_MAX:
             return
         if not (self.scheduler.is_queued(call_id) or (call_id in self.dispatched and call_id not in self.confirmed)):
             return
@@ -452,6 +454,11 @@ class AdmissionService(ServiceProcess):
         fields = {"session_id": sub.call.session_id, "call_id": call_id, "model": sub.call.model}
         self.metrics.calls_moved.labels(server=self.settings.server_id, model=sub.call.model,
                                         outcome="moved" if isinstance(out, Submitted) else "stayed").inc()
+        if isinstance(out, Submitted) and (self.scheduler.is_queued(call_id) or call_id in self.dispatched):
+            # asked here again meanwhile (its agent's retry): kept, as elsewhere; engines claim it once
+            self.log.info("admission.moved", to_server=out.server_id, reason="its engine-worker drains",
+                          kept_here="asked again meanwhile", **fields)
+            return
         if isinstance(out, Submitted):
             self.payloads.pop(call_id, None)
             self.arrived_wall.pop(call_id, None)

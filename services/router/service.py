@@ -209,16 +209,16 @@ class Router(ServiceProcess):
         engine-worker writes it; a model whose engines report none is absent)."""
         return (await self.engine_states())[0]
 
-    async def engines_away(self) -> dict[str, frozenset[str]]:
+    async def engines_away(self, fresh: bool = False) -> dict[str, frozenset[str]]:
         """Per server, the models whose engine-worker there says it is starting or draining
         (a rolling restart: under vLLM, minutes without an engine to run the call)."""
-        return (await self.engine_states())[1]
+        return (await self.engine_states(fresh))[1]
 
-    async def engine_states(self) -> tuple[dict[str, int], dict[str, frozenset[str]]]:
+    async def engine_states(self, fresh: bool = False) -> tuple[dict[str, int], dict[str, frozenset[str]]]:
         """What the engine-workers write in their hashes, read at most every
-        ENGINE_STATES_TTL_WALL_S: the context limits and the engines away."""
+        ENGINE_STATES_TTL_WALL_S (`fresh`: now): the context limits and the engines away."""
         at, limits, away = self._engine_states
-        if time.monotonic() - at < ENGINE_STATES_TTL_WALL_S:
+        if not fresh and time.monotonic() - at < ENGINE_STATES_TTL_WALL_S:
             return limits, away
         pairs = [(srv, m) for srv in self.settings.servers for m in sorted(self.served)]
         pipe = self.redis.pipeline(transaction=False)
@@ -618,7 +618,7 @@ class Router(ServiceProcess):
         record, revision = await self.call_records.get(call.session_id, call.call_id)
         if record is None or record.state != "placed" or record.server_id != mv.from_server:
             return ApiError(code="no_capacity", message="its call record moved on (claimed, answered or placed again)")
-        away = await self.engines_away()
+        away = await self.engines_away(fresh=True)  # (a move is rare, and every server's engine may be draining)
         pipe = self.redis.pipeline(transaction=False)
         pipe.hgetall(self.keys.kv_locality(call.session_id))
         pipe.get(self.keys.reservation(call.session_id))
@@ -640,7 +640,8 @@ class Router(ServiceProcess):
                 return ApiError(code="no_capacity", message="its call record moved on (claimed, answered or placed again)")
             try:
                 resp = await self.nc.request(self.subjects.admission_submit(cand.server_id),
-                                             encode(msgspec.structs.replace(mv.submit, record_revision=moved)),
+                                             encode(msgspec.structs.replace(mv.submit, record_revision=moved,
+                                                                            moves=mv.submit.moves + 1)),
                                              timeout=SUBMIT_TIMEOUT_WALL_S, headers=trace_headers(call.session_id, call.call_id))
                 out: Submitted | ApiError = submit_reply_decoder.decode(resp.data)
             except (NoRespondersError, NatsTimeout) as exc:
