@@ -16,6 +16,7 @@ from typing import Any
 
 import aiohttp
 import msgspec
+import nats
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 import redis.asyncio as aioredis
@@ -24,7 +25,7 @@ from services.router.placement import affinity_server
 from services.router.service import ENGINE_STATES_TTL_WALL_S
 from shared.keys import Keys
 from shared.logs import LogEvery, read_log_events
-from shared.schema import CallAccepted, CallQueued, CallReply, CallRunning
+from shared.schema import CallAccepted, CallQueued, CallReply, CallRunning, EngineDraining, encode
 from talaria.client import NoCapacity, TalariaClient, TalariaError
 from talaria.ops.nats_server import NatsServer
 from talaria.ops.stack import EmbeddedStack, StackSpec
@@ -242,6 +243,29 @@ async def test_a_switch_to_a_model_whose_engine_worker_stops_is_abandoned_for_th
         adm, sub = svc.log_lines(svc.admission), svc.log_lines(svc.substrate)
         assert [d["to_model"] for d in adm if d.get("event") == "admission.switch_abandoned"] == [MODEL_B]
         assert any(d.get("event") == "substrate.sleep_unanswered" and d.get("model") == MODEL_B for d in sub)
+
+
+async def test_a_drained_models_successor_lost_announcement_is_made_up_for_by_its_engine_hash(
+        nats_server: NatsServer, redis_server: RedisServer, subject_prefix: str, key_prefix: str,
+        tmp_path: Path) -> None:
+    """A model whose engine-worker drains gets no turn until its successor announces itself;
+    an announcement lost on the bus (a NATS node lost under it) would leave it without a
+    turn for good. Here the drain is announced and no successor announces anything (the
+    worker never stopped): admission finds the engine `ready` in its hash and gives the
+    model its turns again."""
+    async with _one_server_of([MODEL_A, MODEL_B], nats_server, redis_server, subject_prefix, key_prefix,
+                              tmp_path) as (svc, c):
+        nc = await nats.connect(nats_server.url)
+        try:
+            await nc.publish(svc.subjects.engine_draining(SERVER), encode(EngineDraining(server_id=SERVER, model=MODEL_B)))
+            await nc.flush()
+        finally:
+            await nc.close()
+        b = await c.open_session(MODEL_B)
+        assert (await asyncio.wait_for(b.call(prompt_tokens=1000, max_tokens=256, sim_output_tokens=10), 15)
+                ).output_tokens == 10
+        back = [d for d in svc.log_lines(svc.admission) if d.get("event") == "admission.engine_back"]
+        assert [(d["model"], d["source"]) for d in back] == [(MODEL_B, "its engine hash")], back
 
 
 def _two_servers_of_one_model(tmp_path: Path) -> StackSpec:

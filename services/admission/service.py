@@ -52,6 +52,7 @@ RESERVATION_MIRROR_PAUSE_WALL_S = 5.0  # ... and does without them after one fai
 # how long a router may take to place a handed-back call elsewhere (it tries each other server, 1.5 s each at most)
 MOVE_WAIT_WALL_S = 10.0
 MOVES_MAX = 1  # a call moved once stays where it went (every server's engine draining: no bouncing between them)
+ENGINE_BACK_CHECK_WALL_S = 2.0  # how often a drained model's engine hash is read for its successor's `ready`
 
 
 class AdmissionService(ServiceProcess):
@@ -136,6 +137,7 @@ class AdmissionService(ServiceProcess):
         self.spawn(self.redispatcher(), "redispatcher")
         self.spawn(self.reconciler(), "reconciler")
         self.spawn(self.epoch_guard(), "epoch-guard")
+        self.spawn(self.engines_back(), "engines-back")
         await self._settle_recovered()
 
     # -- recovery ----------------------------------------------------------------------
@@ -470,13 +472,33 @@ class AdmissionService(ServiceProcess):
         if call_id in self.payloads:  # (not cancelled meanwhile)
             await self.step(sch.Arrive(sub.call))
 
+    async def _engine_back(self, model: str, source: str) -> None:
+        """The drained model's successor is up: its runs are heard again, turns given."""
+        if model in self.engines_draining:
+            self.engines_draining.discard(model)
+            self.log.info("admission.engine_back", model=model, source=source)
+            await self.step(sch.EngineAway(model, away=False))
+
+    async def engines_back(self) -> None:
+        """A drained model whose successor says `ready` in its engine hash is back, should its
+        announcement have been lost on the bus (a NATS node lost under it): else the model
+        would get no turn here again. (The draining worker writes `draining` there first.)"""
+        sid = self.settings.server_id
+        while True:
+            await asyncio.sleep(ENGINE_BACK_CHECK_WALL_S)
+            for model in list(self.engines_draining):
+                try:
+                    state = await self.redis.hget(self.keys.engine(sid, model), "state")
+                except Exception:  # noqa: BLE001 - Redis away: its announcement, or the next look
+                    continue
+                if state is not None and state.decode() == "ready":
+                    await self._engine_back(model, "its engine hash")
+
     async def on_engine_announce(self, msg: Msg) -> None:
         """An engine-worker restarted and lost what it ran: send those calls again
         (same ids; the engine holds them until it is awake)."""
         ann = engine_announce_decoder.decode(msg.data)
-        if ann.model in self.engines_draining:  # its successor: runs are heard again, turns given
-            self.engines_draining.discard(ann.model)
-            await self.step(sch.EngineAway(ann.model, away=False))
+        await self._engine_back(ann.model, "announced")
         for cid, run in list(self.dispatched.items()):
             if run.model == ann.model and cid in self.scheduler.running:
                 self._count_resend(run, reason="engine restarted")

@@ -205,13 +205,15 @@ class EngineWorker(ServiceProcess):
         rolling restart, 2.4-3 s late; under vLLM the new worker loads its weights first)."""
         await self.runs_sub.unsubscribe()
         self.draining = True
+        # routers rank this server last for the model meanwhile (and until the next worker is ready)
+        await self.write_engine_state("draining")
         # admission moves the calls waiting for this engine to another server's (a successor may
-        # take minutes: a vLLM engine loads its weights first); best effort, as the state below
+        # take minutes: a vLLM engine loads its weights first), and gives the model no turn until
+        # its successor is ready; best effort, as the state above (written first: admission reads
+        # it to find the model back should the successor's announcement be lost)
         with contextlib.suppress(Exception):
             await self.nc.publish(self.subjects.engine_draining(self.settings.server_id),
                                   encode(EngineDraining(server_id=self.settings.server_id, model=self.settings.model)))
-        # routers rank this server last for the model meanwhile (and until the next worker is ready)
-        await self.write_engine_state("draining")
         deadline = time.monotonic() + ENGINE_DRAIN_WALL_S
 
         def running() -> int:  # (a run waiting for a wake is not running: it goes to the next worker)
