@@ -32,7 +32,7 @@ import hashlib
 import json
 import keyword
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -347,40 +347,57 @@ _PY_NAMES = {"True": True, "False": False, "None": None, "true": True, "false": 
 def _parse_pythonic(text: str, tools: Sequence[Tool], call_key: str) -> tuple[str, list[ToolCall]]:
     """The whole reply as a list of calls of known tools, each with keyword arguments only
     (a key that is no Python name as `**{"key": value}`, as `render` writes it), their
-    values literals (JSON's spellings of true, false and null taken too); else all text."""
+    values literals (JSON's spellings of true, false and null taken too); else all text.
+    A tool named as no Python name can be (`copy-file`: both APIs allow `-`) is read under
+    a stand-in name, put back in the call and in any string that held it."""
     body = text.strip()
     if body.startswith(_PY_START):
         body = body[len(_PY_START):].replace(_PY_END, "").strip()
-    known = {t.name for t in tools}
     if not (body.startswith("[") and body.endswith("]")):
         return text.strip(), []
+    stand_ins = {f"_tool{i}_{hashlib.sha256(t.name.encode()).hexdigest()[:8]}": t.name for i, t in enumerate(tools)
+                 if not t.name.isidentifier() or keyword.iskeyword(t.name)}
+    if any(alias in body for alias in stand_ins):
+        return text.strip(), []
+    for alias, name in sorted(stand_ins.items(), key=lambda kv: -len(kv[1])):  # (a name inside a longer one: after it)
+        body = re.sub(re.escape(name) + r"(?=\s*\()", alias, body)
+
+    def named(v: str) -> str:
+        for alias, name in stand_ins.items():
+            v = v.replace(alias, name)
+        return v
+
+    known = {t.name for t in tools}
     try:
         tree = ast.parse(body, mode="eval").body
         if not isinstance(tree, ast.List) or not tree.elts:
             return text.strip(), []
         calls: list[ToolCall] = []
         for node in tree.elts:
-            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in known
-                    and not node.args):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                    and (name := stand_ins.get(node.func.id, node.func.id)) in known and not node.args):
                 return text.strip(), []
             args: dict[str, Any] = {}
             for kw in node.keywords:
-                value = _py_value(kw.value)
+                value = _py_value(kw.value, named)
                 if kw.arg is not None:
                     args[kw.arg] = value
                 elif isinstance(value, dict):
                     args.update(value)
                 else:
                     return text.strip(), []
-            calls.append(ToolCall(_call_id(call_key, len(calls)), node.func.id, args))
+            calls.append(ToolCall(_call_id(call_key, len(calls)), name, args))
     except (SyntaxError, ValueError, RecursionError, MemoryError):  # (a model's text: anything may come)
         return text.strip(), []
     return "", calls
 
 
-def _py_value(node: ast.expr) -> Any:
-    """A literal's JSON value (ValueError for anything else: a name, a call, an operator)."""
-    if isinstance(node, ast.Constant) and (node.value is None or isinstance(node.value, (str, int, float, bool))):
+def _py_value(node: ast.expr, named: Callable[[str], str] = str) -> Any:
+    """A literal's JSON value (ValueError for anything else: a name, a call, an operator);
+    `named`: each string as it was before the parser's stand-in names."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return named(node.value)
+    if isinstance(node, ast.Constant) and (node.value is None or isinstance(node.value, (int, float, bool))):
         return node.value
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub) and isinstance(node.operand, ast.Constant) \
             and isinstance(node.operand.value, (int, float)) and not isinstance(node.operand.value, bool):
@@ -388,13 +405,13 @@ def _py_value(node: ast.expr) -> Any:
     if isinstance(node, ast.Name) and node.id in _PY_NAMES:
         return _PY_NAMES[node.id]
     if isinstance(node, (ast.List, ast.Tuple)):
-        return [_py_value(e) for e in node.elts]
+        return [_py_value(e, named) for e in node.elts]
     if isinstance(node, ast.Dict):
         out = {}
         for k, v in zip(node.keys, node.values):
             if not (isinstance(k, ast.Constant) and isinstance(k.value, str)):
                 raise ValueError("a dict key that is not a string")
-            out[k.value] = _py_value(v)
+            out[named(k.value)] = _py_value(v, named)
         return out
     raise ValueError(f"not a literal: {type(node).__name__}")
 

@@ -68,6 +68,20 @@ def test_pythonic_as_llama4_writes_it() -> None:
         assert calls == [] and content == text.strip(), text[:40]
 
 
+def test_a_pythonic_call_of_a_tool_named_as_no_python_name_is_a_call() -> None:
+    """Both APIs allow `-` in a tool's name (MCP tools often have one); Python reads
+    `copy-file(...)` as a subtraction. A string holding the name stays as it was."""
+    tools = [tc.Tool("copy-file", "", {"type": "object", "properties": {"src": {"type": "string"}}}),
+             tc.Tool("file", "", {"type": "object", "properties": {}}),
+             tc.Tool("import", "", {"type": "object", "properties": {}})]
+    calls = [("copy-file", {"src": "copy-file(a) and file( import("}), ("file", {}), ("import", {})]
+    text = tc.render(calls, "pythonic")
+    assert text.startswith("[copy-file(")
+    assert [(c.name, c.arguments) for c in tc.parse(text, "pythonic", tools, "r")[1]] == calls, text
+    assert [c.name for c in tc.parse("[copy-file (src='x')]", "pythonic", tools, "r")[1]] == ["copy-file"]
+    assert tc.parse("[copy-files(src='x')]", "pythonic", tools, "r")[1] == []  # (not a tool's name)
+
+
 def test_a_pythonic_call_whose_argument_names_are_not_python_names_still_round_trips() -> None:
     tools = [tc.Tool("fetch", "", {"type": "object", "properties": {"file-path": {"type": "string"},
                                                                     "from": {"type": "string"}}})]
