@@ -456,17 +456,16 @@ class AdmissionService(ServiceProcess):
         fields = {"session_id": sub.call.session_id, "call_id": call_id, "model": sub.call.model}
         self.metrics.calls_moved.labels(server=self.settings.server_id, model=sub.call.model,
                                         outcome="moved" if isinstance(out, Submitted) else "stayed").inc()
-        if isinstance(out, Submitted) and (self.scheduler.is_queued(call_id) or call_id in self.dispatched):
-            # asked here again meanwhile (its agent's retry): kept, as elsewhere; engines claim it once
-            self.log.info("admission.moved", to_server=out.server_id, reason="its engine-worker drains",
-                          kept_here="asked again meanwhile", **fields)
-            return
         if isinstance(out, Submitted):
-            self.payloads.pop(call_id, None)
-            self.arrived_wall.pop(call_id, None)
-            self.spawn(self._unpersist(call_id), "unpersist")
+            if self.scheduler.is_queued(call_id) or call_id in self.dispatched:
+                # asked here again meanwhile (its agent's retry): kept, as elsewhere; engines claim it once
+                fields["kept_here"] = "asked again meanwhile"
+            else:
+                self.payloads.pop(call_id, None)
+                self.arrived_wall.pop(call_id, None)
+                self.spawn(self._unpersist(call_id), "unpersist")
+                self.dirty.set()
             self.log.info("admission.moved", to_server=out.server_id, reason="its engine-worker drains", **fields)
-            self.dirty.set()
             return
         self.log.info("admission.move_declined", reason=out.message, **fields)
         if call_id in self.payloads:  # (not cancelled meanwhile)

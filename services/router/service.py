@@ -47,6 +47,8 @@ ADMISSION_RESTART_WAIT_WALL_S = 4.0  # how long servers whose admission does not
 ADMISSION_RETRY_EVERY_WALL_S = 0.25
 KV_HOME_WAIT_WALL_S = 1.0  # how long a continuation waits for the admission of the server holding its KV before moving
 NO_CAPACITY_RETRY_AFTER_S = 1.0  # wall seconds an agent should wait before asking again
+# a handed-back call whose record moved on meanwhile stays where it is (router.move's answer)
+_RECORD_MOVED_ON = ApiError(code="no_capacity", message="its call record moved on (claimed, answered or placed again)")
 PLACEMENT_ATTEMPTS = 4  # snapshots a placement may take when other replicas keep placing; the last one lands anyway
 # KEYS: the placement sequence, the chosen server's in-flight hash, the placement log;
 # ARGV: the sequence the ranking read ('' = unconditionally), call id, InFlight value,
@@ -617,7 +619,7 @@ class Router(ServiceProcess):
         call = mv.submit.call
         record, revision = await self.call_records.get(call.session_id, call.call_id)
         if record is None or record.state != "placed" or record.server_id != mv.from_server:
-            return ApiError(code="no_capacity", message="its call record moved on (claimed, answered or placed again)")
+            return _RECORD_MOVED_ON
         away = await self.engines_away(fresh=True)  # (a move is rare, and every server's engine may be draining)
         pipe = self.redis.pipeline(transaction=False)
         pipe.hgetall(self.keys.kv_locality(call.session_id))
@@ -637,7 +639,7 @@ class Router(ServiceProcess):
                                                    CallRecord(state="placed", server_id=cand.server_id), revision)
             if moved is None:
                 await self.unmark_in_flight(cand.server_id, call.call_id)
-                return ApiError(code="no_capacity", message="its call record moved on (claimed, answered or placed again)")
+                return _RECORD_MOVED_ON
             try:
                 resp = await self.nc.request(self.subjects.admission_submit(cand.server_id),
                                              encode(msgspec.structs.replace(mv.submit, record_revision=moved,
