@@ -185,6 +185,20 @@ async def _one_server_of(models: list[str], nats_server: NatsServer, redis_serve
         await svc.stop()
 
 
+async def _bs_engine_stopped_and_a_call_of_b_queued(svc: Services, c: TalariaClient) -> tuple[Any, asyncio.Future[CallReply]]:
+    """Model B's engine-worker stopped (SIGTERM, exited), a call of B queued for its successor;
+    returns a session of A and B's call."""
+    engine_b = svc.engine(MODEL_B)
+    pid = svc.group.pids()[engine_b]
+    assert pid is not None
+    os.kill(pid, signal.SIGTERM)
+    await until(lambda: not svc.group.running(engine_b), 30, "the stopped engine-worker never exited")
+    b, a = await c.open_session(MODEL_B), await c.open_session(MODEL_A)
+    tb = await _started(lambda on_event: b.call(prompt_tokens=1000, max_tokens=256, sim_output_tokens=10,
+                                                on_event=on_event), CallQueued, "B's call never queued")
+    return a, tb
+
+
 async def test_a_model_whose_engine_worker_drains_gets_no_turn_and_holds_up_no_other(
         nats_server: NatsServer, redis_server: RedisServer, subject_prefix: str, key_prefix: str,
         tmp_path: Path) -> None:
@@ -197,19 +211,37 @@ async def test_a_model_whose_engine_worker_drains_gets_no_turn_and_holds_up_no_o
     async with _one_server_of([MODEL_A, MODEL_B], nats_server, redis_server, subject_prefix, key_prefix,
                               tmp_path) as (svc, c):
         engine_b = svc.engine(MODEL_B)
-        pid = svc.group.pids()[engine_b]
-        assert pid is not None
-        os.kill(pid, signal.SIGTERM)
-        await until(lambda: not svc.group.running(engine_b), 30, "the stopped engine-worker never exited")
-        b, a = await c.open_session(MODEL_B), await c.open_session(MODEL_A)
-        tb = await _started(lambda on_event: b.call(prompt_tokens=1000, max_tokens=256, sim_output_tokens=10,
-                                                    on_event=on_event), CallQueued, "B's call never queued")
+        a, tb = await _bs_engine_stopped_and_a_call_of_b_queued(svc, c)
         ra = await asyncio.wait_for(a.call(prompt_tokens=1000, max_tokens=256, sim_output_tokens=10), 15)
         assert ra.output_tokens == 10 and not tb.done()
         svc.group.start(engine_b)
         assert (await asyncio.wait_for(tb, 30)).output_tokens == 10
         retries = [d for d in svc.log_lines(svc.admission) if d.get("event") == "admission.switch_retry"]
         assert not retries, retries[:3]
+
+
+async def test_an_admission_restarted_while_a_models_engine_worker_is_away_gives_that_model_no_turn(
+        nats_server: NatsServer, redis_server: RedisServer, subject_prefix: str, key_prefix: str,
+        tmp_path: Path) -> None:
+    """As above, but admission is restarted (SIGKILL) after model B's engine-worker stopped,
+    so it never heard the drain: it reads B's engine hash (`draining`) at start. A call of
+    A, sent after B's, runs at once; before, the restarted admission switched to B for the
+    call that came first, A's call waiting behind a switch no worker answered. B's call,
+    queued by the predecessor, runs once B's next worker is up."""
+    async with _one_server_of([MODEL_A, MODEL_B], nats_server, redis_server, subject_prefix, key_prefix,
+                              tmp_path) as (svc, c):
+        engine_b = svc.engine(MODEL_B)
+        a, tb = await _bs_engine_stopped_and_a_call_of_b_queued(svc, c)
+        svc.group.kill(svc.admission)
+        svc.group.start(svc.admission)
+        ra = await asyncio.wait_for(a.call(prompt_tokens=1000, max_tokens=256, sim_output_tokens=10), 15)
+        assert ra.output_tokens == 10 and not tb.done()
+        svc.group.start(engine_b)
+        assert (await asyncio.wait_for(tb, 30)).output_tokens == 10
+        adm = svc.log_lines(svc.admission)
+        away = [d for d in adm if d.get("event") == "admission.engine_away_at_start"]
+        assert [(d["model"], d["state"]) for d in away] == [(MODEL_B, "draining")], away
+        assert not [d for d in adm if d.get("event") == "admission.switch_retry"]
 
 
 async def test_a_switch_to_a_model_whose_engine_worker_stops_is_abandoned_for_the_waiting_model(

@@ -52,6 +52,8 @@ RESERVATION_MIRROR_PAUSE_WALL_S = 5.0  # ... and does without them after one fai
 # how long a router may take to place a handed-back call elsewhere (it tries each other server, 1.5 s each at most)
 MOVE_WAIT_WALL_S = 10.0
 MOVES_MAX = 1  # a call moved once stays where it went (every server's engine draining: no bouncing between them)
+# engine hash states of an engine-worker that runs nothing: stopped for a restart, or its successor loading
+ENGINE_AWAY_STATES = frozenset({"draining", "starting"})
 ENGINE_BACK_CHECK_WALL_S = 2.0  # how often a drained model's engine hash is read for its successor's `ready`
 
 
@@ -104,6 +106,7 @@ class AdmissionService(ServiceProcess):
         self.first_start = (await self.call_records.current_epoch("admission", sid))[0] == 0
         self.epoch, self.epoch_revision = await self.call_records.take_epoch("admission", sid)
         self.log.info("admission.epoch", epoch=self.epoch)
+        await self.engines_away_at_start()
         # rebuild queued and running calls a predecessor held (docs/reliability.md)
         await self.recover()
         await self.nc.subscribe(self.subjects.admission_submit(sid), queue="admission",
@@ -139,6 +142,8 @@ class AdmissionService(ServiceProcess):
         self.spawn(self.epoch_guard(), "epoch-guard")
         self.spawn(self.engines_back(), "engines-back")
         await self._settle_recovered()
+        for model in list(self.engines_draining):  # (away at start: its recovered calls go elsewhere)
+            self._move_waiting(model, "its engine hash")
 
     # -- recovery ----------------------------------------------------------------------
     async def recover(self) -> None:
@@ -421,13 +426,37 @@ class AdmissionService(ServiceProcess):
         routers to be placed on another server with its engine ready; before, they
         waited for the successor, whatever another server could do."""
         model = engine_draining_decoder.decode(msg.data).model
+        await self._engine_away(model)
+        self._move_waiting(model, "announced")
+
+    async def _engine_away(self, model: str) -> None:
         self.engines_draining.add(model)
         await self.step(sch.EngineAway(model, away=True))  # (no turn, no switch to it meanwhile)
+
+    def _move_waiting(self, model: str, source: str) -> None:
+        """Hand the calls of `model` waiting here (its engine-worker drains) to the routers."""
         waiting = [c.call_id for c in self.scheduler.pending_calls() if c.model == model] + [
             cid for cid, run in self.dispatched.items() if run.model == model and cid not in self.confirmed]
-        self.log.info("admission.engine_draining", model=model, waiting=len(waiting))
+        self.log.info("admission.engine_draining", model=model, waiting=len(waiting), source=source)
         for cid in waiting:
             self.spawn(self._move(cid), "move")
+
+    async def engines_away_at_start(self) -> None:
+        """A restarted admission learns which models' engine-workers are away from their
+        engine hashes (`draining`: stopped for a restart; `starting`: its successor still
+        loads), before it queues its predecessor's calls: it missed their announcements,
+        and would otherwise switch to such a model for a queued call, every other model's
+        calls waiting behind a switch no worker answers. Back as after an announcement
+        (its successor's, or `ready` in its hash, `engines_back`)."""
+        sid = self.settings.server_id
+        for model in self.scheduler.models:
+            try:
+                state = await self.redis.hget(self.keys.engine(sid, model), "state")
+            except Exception:  # noqa: BLE001 - Redis away: as before, turns for every model
+                continue
+            if state is not None and state.decode() in ENGINE_AWAY_STATES:
+                self.log.info("admission.engine_away_at_start", model=model, state=state.decode())
+                await self._engine_away(model)
 
     async def _move(self, call_id: str) -> None:
         """Hand a call waiting for a draining engine to the routers (`MoveCall`). It is out
