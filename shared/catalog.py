@@ -36,8 +36,8 @@ class ModelSpec:
     attn_flops_per_pair: float
     decode_itl_scale: float
     sources: str
-    tool_call_format: str = "none"  # how the model writes a tool call (shared/tool_calls.py: hermes, glm45, pythonic, none)
-    reasoning_format: str = "none"  # how it writes its reasoning (services/gateway/reasoning.py: think, none)
+    tool_call_format: str = "none"  # how the model writes a tool call (shared/tool_calls.py: hermes, glm45, pythonic, harmony, none)
+    reasoning_format: str = "none"  # how it writes its reasoning (services/gateway/reasoning.py: think, harmony, none)
 
     @property
     def weights_bytes(self) -> float:

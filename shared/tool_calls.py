@@ -15,6 +15,9 @@ call in its own format, and a per-model parser finds it (as vLLM's
   is a Python list of calls with keyword arguments of literal values,
   `[read_file(path="a.py", limit=40), run_tests()]`, optionally between
   `<|python_start|>` and `<|python_end|>`; a reply with anything else in it is text;
+- `harmony` (gpt-oss, `shared/harmony.py`): a call is a message on the `commentary`
+  channel addressed to the tool, its JSON arguments the message,
+  `<|start|>assistant<|channel|>commentary to=functions.read_file <|constrain|>json<|message|>{"path": "a.py"}<|call|>`;
 - `none`: no parser yet; a request with tools is refused by name (400).
 
 `render` writes calls in a format (what a model would have written): the sim
@@ -36,9 +39,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from shared import synthetic_json
+from shared import harmony, synthetic_json
 
-FORMATS = ("hermes", "glm45", "pythonic", "none")
+FORMATS = ("hermes", "glm45", "pythonic", "harmony", "none")
 
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 _GLM_CALL = re.compile(r"<tool_call>\s*([^\n<]*?)\s*(?:\n|(?=<arg_key>)|(?=</tool_call>))(.*?)</tool_call>", re.DOTALL)
@@ -279,6 +282,8 @@ def parse(text: str, fmt: str, tools: Sequence[Tool], call_key: str) -> tuple[st
         return _parse_glm45(text, tools, call_key)
     if fmt == "pythonic":
         return _parse_pythonic(text, tools, call_key)
+    if fmt == "harmony":
+        return _parse_harmony(text, tools, call_key)
     return text, []
 
 
@@ -338,6 +343,27 @@ def _parse_glm45(text: str, tools: Sequence[Tool], call_key: str) -> tuple[str, 
         calls.append(ToolCall(_call_id(call_key, len(calls)), name, args))
     kept.append(text[last:])
     return "".join(kept).strip(), calls
+
+
+def _parse_harmony(text: str, tools: Sequence[Tool], call_key: str) -> tuple[str, list[ToolCall]]:
+    """Each message addressed to a known tool (`functions.<name>`, or the bare name) whose
+    content is a JSON object is a call, ended or not (the engine's text leaves out the
+    `<|call|>` it stopped on; arguments cut off by the token bound are no JSON object);
+    the other messages' contents are the text, a message to anything else in its markup."""
+    known = {t.name for t in tools}
+    calls: list[ToolCall] = []
+    kept: list[str] = []
+    for m in harmony.messages(text):
+        if m.is_call and (name := harmony.tool_name(m.recipient)) in known:
+            try:
+                args = json.loads(m.content)
+            except ValueError:
+                args = None
+            if isinstance(args, dict):
+                calls.append(ToolCall(_call_id(call_key, len(calls)), name, args))
+                continue
+        kept.append(harmony.markup(m) if m.is_call else m.content)
+    return "\n\n".join(k.strip() for k in kept if k.strip()), calls
 
 
 _PY_START, _PY_END = "<|python_start|>", "<|python_end|>"
@@ -442,6 +468,8 @@ def _looks_json(v: str) -> bool:
 
 # -- calls -> a model's text (the inverse; the sim engine's synthetic mode) ------------------------------
 def render(calls: Sequence[tuple[str, Mapping[str, Any]]], fmt: str) -> str:
+    if fmt == "harmony":
+        return "".join(harmony.call_markup(name, json.dumps(args)) for name, args in calls)
     out = []
     for name, args in calls:
         if fmt == "pythonic":
@@ -458,7 +486,8 @@ def render(calls: Sequence[tuple[str, Mapping[str, Any]]], fmt: str) -> str:
 # A call forced by `tool_choice` naming a tool: its text before and after the JSON object
 # {"name": ..., "arguments": ...} (formats whose calls are one JSON object only)
 _JSON_CALL_TAGS = {"hermes": ("<tool_call>\n", "\n</tool_call>")}
-CALL_OPENS = {"hermes": "<tool_call>", "glm45": "<tool_call>", "pythonic": "["}  # how each format opens a call
+# how each format opens a call (harmony's calls are not constrained: its markup is special tokens)
+CALL_OPENS = {"hermes": "<tool_call>", "glm45": "<tool_call>", "pythonic": "["}
 
 
 def forced_call(tools: Sequence[Tool], choice: str | None, fmt: str) -> tuple[str, dict[str, Any], str] | None:

@@ -1126,6 +1126,15 @@ THOUGHT_REPLY = f"<think>\n{THOUGHT}\n</think>\n\nFixed it."
 THOUGHT_REPLY_TOOLS = (f"<think>{THOUGHT}</think>\nReading it.\n<tool_call>read_file\n<arg_key>path</arg_key>\n"
                        "<arg_value>a.py</arg_value>\n</tool_call>")
 
+# gpt-oss's harmony: the analysis channel is its thought; its text ends where the engine left out the
+# token it stopped on (`<|return|>`, `<|call|>`)
+HARMONY_MODEL = "gpt-oss-120b"
+HARMONY_REPLY = (f"<|channel|>analysis<|message|>{THOUGHT}<|end|><|start|>assistant<|channel|>final<|message|>"
+                 "Fixed it.")
+HARMONY_REPLY_TOOLS = (f"<|channel|>analysis<|message|>{THOUGHT}<|end|><|start|>assistant<|channel|>commentary"
+                       "<|message|>Reading it.<|end|><|start|>assistant<|channel|>commentary to=functions.read_file "
+                       '<|constrain|>json<|message|>{"path": "a.py"}')
+
 
 @pytest.fixture
 async def refusing_gateway(nats_server: NatsServer) -> AsyncIterator[tuple[str, dict[str, Any]]]:
@@ -1145,7 +1154,7 @@ async def refusing_gateway(nats_server: NatsServer) -> AsyncIterator[tuple[str, 
         match req:
             case InfoRequest():
                 await router.publish(msg.reply, encode(Info(time_scale=1, clock_epoch=0, policy="x", servers=["s0"],
-                                                            models=[MODEL])))
+                                                            models=[MODEL, HARMONY_MODEL])))
             case OpenSession():
                 await router.publish(msg.reply, encode(SessionOpened(session_id=req.session_id, model=req.model,
                                                                      context_limit=100_000)))
@@ -1153,7 +1162,9 @@ async def refusing_gateway(nats_server: NatsServer) -> AsyncIterator[tuple[str, 
                 await router.publish(msg.reply, encode(Ok()))
             case CallRequest() if THOUGHT_MARK in (req.prompt_text or ""):
                 ctl["calls"] += 1  # a thinking model's reply, streamed in pieces that cut its tags
-                text = THOUGHT_REPLY_TOOLS if req.engine_hint and req.engine_hint.tools_json else THOUGHT_REPLY
+                harmony = req.model == HARMONY_MODEL
+                text = ((HARMONY_REPLY_TOOLS if harmony else THOUGHT_REPLY_TOOLS)
+                        if req.engine_hint and req.engine_hint.tools_json else HARMONY_REPLY if harmony else THOUGHT_REPLY)
                 if req.stream:
                     await router.publish(req.reply_to, encode(CallRunning(call_id=req.call_id, server_id="s0")))
                     for i in range(0, len(text), 5):
@@ -1420,52 +1431,54 @@ async def test_a_failed_response_store_sets_the_soft_state_aside_as_a_failed_ste
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("model", [MODEL, HARMONY_MODEL])
 async def test_a_thinking_models_reasoning_comes_apart_from_its_answer_in_each_api(
-        refusing_gateway: tuple[str, dict[str, Any]]) -> None:
-    """GLM-4.5 writes its thinking in <think> tags before the answer: every API gives the
-    answer as the reply's content and the thought where that API carries reasoning, whole
-    and streamed (in pieces that cut the tags), and a call written while thinking is not
-    a call. (A stand-in router answers as such a model would.)"""
+        refusing_gateway: tuple[str, dict[str, Any]], model: str) -> None:
+    """GLM-4.5 writes its thinking in <think> tags before the answer, gpt-oss on harmony's
+    analysis channel: every API gives the answer as the reply's content and the thought
+    where that API carries reasoning, whole and streamed (in pieces that cut the tags),
+    and a call written while thinking is not a call. (A stand-in router answers as such
+    a model would.)"""
     url, _ = refusing_gateway
     msgs = [{"role": "user", "content": f"{THOUGHT_MARK}: why does the test fail?"}]
     client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="k", max_retries=0)
-    r = await client.chat.completions.create(model=MODEL, messages=msgs)
+    r = await client.chat.completions.create(model=model, messages=msgs)
     assert r.choices[0].message.content == "Fixed it." and r.choices[0].message.reasoning == THOUGHT  # type: ignore[attr-defined]
-    chunks = [c async for c in await client.chat.completions.create(model=MODEL, messages=msgs, stream=True)]
+    chunks = [c async for c in await client.chat.completions.create(model=model, messages=msgs, stream=True)]
     deltas = [c.choices[0].delta for c in chunks if c.choices]
     assert "".join(getattr(d, "reasoning", None) or "" for d in deltas) == THOUGHT
     assert "".join(d.content or "" for d in deltas) == "Fixed it."
     read_file = {"type": "function", "function": {"name": "read_file", "parameters": {
         "type": "object", "properties": {"path": {"type": "string"}}}}}
     rm_rf = {"type": "function", "function": {"name": "rm_rf", "parameters": {"type": "object"}}}
-    r = await client.chat.completions.create(model=MODEL, messages=msgs, tools=[read_file, rm_rf])
+    r = await client.chat.completions.create(model=model, messages=msgs, tools=[read_file, rm_rf])
     m = r.choices[0].message
     assert [(c.function.name, c.function.arguments) for c in m.tool_calls] == [("read_file", '{"path": "a.py"}')]
     assert m.content == "Reading it." and m.reasoning == THOUGHT  # type: ignore[attr-defined]
 
     ant = anthropic.AsyncAnthropic(base_url=url, api_key="k", max_retries=0)
-    plain = await ant.messages.create(model=MODEL, max_tokens=64, messages=msgs)
+    plain = await ant.messages.create(model=model, max_tokens=64, messages=msgs)
     assert [(b.type, b.text) for b in plain.content] == [("text", "Fixed it.")]  # thinking not asked for: not shown
     thinking = {"type": "enabled", "budget_tokens": 1024}
-    shown = await ant.messages.create(model=MODEL, max_tokens=2048, messages=msgs, thinking=thinking)
+    shown = await ant.messages.create(model=model, max_tokens=2048, messages=msgs, thinking=thinking)
     assert [b.type for b in shown.content] == ["thinking", "text"] and shown.content[0].thinking == THOUGHT
-    async with ant.messages.stream(model=MODEL, max_tokens=2048, messages=msgs, thinking=thinking) as st:
+    async with ant.messages.stream(model=model, max_tokens=2048, messages=msgs, thinking=thinking) as st:
         final = await st.get_final_message()
     assert [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None)) for b in final.content] == \
         [("thinking", THOUGHT), ("text", "Fixed it.")]
-    async with ant.messages.stream(model=MODEL, max_tokens=64, messages=msgs) as st:
+    async with ant.messages.stream(model=model, max_tokens=64, messages=msgs) as st:
         assert [b.type for b in (await st.get_final_message()).content] == ["text"]
     # a budget Anthropic's API refuses is refused here too, naming the field
     for bad, bound in (({"type": "enabled", "budget_tokens": 10}, 2048), ({"type": "enabled"}, 2048),
                        ({"type": "enabled", "budget_tokens": 4096}, 2048), ({"type": "on"}, 2048)):
         with pytest.raises(anthropic.BadRequestError) as e:
-            await ant.messages.create(model=MODEL, max_tokens=bound, messages=msgs, thinking=bad)  # type: ignore[arg-type]
+            await ant.messages.create(model=model, max_tokens=bound, messages=msgs, thinking=bad)  # type: ignore[arg-type]
         assert "thinking" in e.value.body["error"]["message"], e.value.body
 
-    out = await client.responses.create(model=MODEL, input=msgs[0]["content"])
+    out = await client.responses.create(model=model, input=msgs[0]["content"])
     assert [o.type for o in out.output] == ["reasoning", "message"] and out.output_text == "Fixed it."
     assert out.output[0].content[0].text == THOUGHT  # type: ignore[union-attr]
-    async with client.responses.stream(model=MODEL, input=msgs[0]["content"]) as rs_stream:
+    async with client.responses.stream(model=model, input=msgs[0]["content"]) as rs_stream:
         streamed = await rs_stream.get_final_response()
     assert [o.type for o in streamed.output] == ["reasoning", "message"] and streamed.output_text == "Fixed it."
     assert streamed.output[0].content[0].text == THOUGHT  # type: ignore[union-attr]
@@ -1931,10 +1944,11 @@ READ_FILE = {"name": "read_file", "description": "read a file of the repository"
 
 
 @pytest.mark.timeout(120)
-async def test_llama4s_python_calls_are_tool_calls_in_both_apis(tmp_path: Path) -> None:
-    """Llama 4 writes its calls as a Python list (vLLM's llama4_pythonic parser); a request
-    with tools for it was refused (no parser). Whole and streamed, OpenAI and Anthropic."""
-    llama = "llama-4-scout-fp8"
+@pytest.mark.parametrize("llama", ["llama-4-scout-fp8", "gpt-oss-120b"])
+async def test_llama4s_python_calls_are_tool_calls_in_both_apis(tmp_path: Path, llama: str) -> None:
+    """Llama 4 writes its calls as a Python list (vLLM's llama4_pythonic parser), gpt-oss as
+    a harmony message to the tool (vLLM's openai parser); a request with tools for either
+    was refused (no parser). Whole and streamed, OpenAI and Anthropic."""
     spec = StackSpec(policy=resolve_policy("talaria"), models=[llama], time_scale=100.0, log_dir=tmp_path / "logs",
                      gateway=True)
     async with EmbeddedStack(spec) as s:

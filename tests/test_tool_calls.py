@@ -90,7 +90,33 @@ def test_a_pythonic_call_whose_argument_names_are_not_python_names_still_round_t
     assert [(c.name, c.arguments) for c in tc.parse(text, "pythonic", tools, "r")[1]] == calls, text
 
 
-@pytest.mark.parametrize("fmt", ["hermes", "glm45", "pythonic"])
+def test_harmony_as_gpt_oss_writes_it() -> None:
+    # gpt-oss (vLLM's openai parser): a message on the commentary channel addressed to the tool,
+    # its arguments JSON; the recipient before the channel or after it; the engine's text ends
+    # without the <|call|> it stopped on
+    text = ('<|start|>assistant<|channel|>commentary<|message|>Reading it first.<|end|>'
+            '<|start|>assistant<|channel|>commentary to=functions.read_file <|constrain|>json<|message|>'
+            '{"path": "src/a.py", "limit": 40}')
+    content, calls = tc.parse(text, "harmony", TOOLS, "c7")
+    assert content == "Reading it first."
+    assert [(c.name, c.arguments) for c in calls] == [("read_file", {"path": "src/a.py", "limit": 40})]
+    text = '<|start|>assistant to=functions.run_tests<|channel|>commentary json<|message|>{"verbose": true}<|call|>'
+    assert [(c.name, c.arguments) for c in tc.parse(text, "harmony", TOOLS, "c8")[1]] == [("run_tests", {"verbose": True})]
+    # a bare tool name as recipient is the tool too
+    text = '<|channel|>commentary to=run_tests <|constrain|>json<|message|>{}'
+    assert [c.name for c in tc.parse(text, "harmony", TOOLS, "c9")[1]] == ["run_tests"]
+    # stays text, in its markup: arguments cut off by max_tokens, a tool not offered (harmony's
+    # built-in browser), arguments that are no object
+    for text in ['<|channel|>commentary to=functions.read_file <|constrain|>json<|message|>{"path": "src/',
+                 '<|channel|>commentary to=browser.search <|constrain|>json<|message|>{"query": "x"}<|call|>',
+                 '<|channel|>commentary to=functions.read_file <|constrain|>json<|message|>["a.py"]']:
+        content, calls = tc.parse(text, "harmony", TOOLS, "x")
+        assert calls == [] and "to=" in content and content.endswith(text.split("<|message|>")[1]), text
+    # a final answer is text, without its markup
+    assert tc.parse("<|channel|>final<|message|>All tests pass.", "harmony", TOOLS, "x") == ("All tests pass.", [])
+
+
+@pytest.mark.parametrize("fmt", ["hermes", "glm45", "pythonic", "harmony"])
 def test_what_does_not_parse_stays_text(fmt: str) -> None:
     for text in ["no call at all", "<tool_call>\n{not json}\n</tool_call>", "<tool_call>\n{\"name\": \"rm_rf\"}\n</tool_call>",
                  "<tool_call>unknown_tool\n<arg_key>a</arg_key>\n<arg_value>b</arg_value>\n</tool_call>",
@@ -99,7 +125,7 @@ def test_what_does_not_parse_stays_text(fmt: str) -> None:
         assert calls == [] and content == text.strip()
 
 
-@pytest.mark.parametrize("fmt", ["hermes", "glm45", "pythonic"])
+@pytest.mark.parametrize("fmt", ["hermes", "glm45", "pythonic", "harmony"])
 def test_render_is_what_parse_reads(fmt: str) -> None:
     calls = [("read_file", {"path": "a b/c.py", "limit": 7}), ("run_tests", {"verbose": False, "only": ["x", "y"]})]
     content, parsed = tc.parse(tc.render(calls, fmt), fmt, TOOLS, "r")
@@ -216,6 +242,19 @@ def test_a_named_tool_choice_forces_a_call_the_parser_reads() -> None:
                             Sampling(json_schema=json.dumps(answer)), "glm45")
     glm_call = tc.render([("read_file", {"path": "a.py", "whole": True})], "glm45")
     assert re.fullmatch(glm.regex, glm_call) and not re.fullmatch(glm.regex, "plain text")
+    # harmony (gpt-oss): its calls and channels are special tokens, which the vLLM engine keeps in
+    # the streamed text; a typed answer is held to its schema where no tool is offered, and the
+    # choice between a call and the answer is left to the model where one is
+    from services.engine.vllm_backend import keeps_special_tokens
+
+    harmony = EngineHint(tools_json=tc.tools_text(tools), tool_call_format="harmony")
+    assert structured_output(harmony, Sampling(json_schema=json.dumps(answer)), "harmony") is None
+    assert forced_tool_call(EngineHint(tools_json=tc.tools_text(tools), tool_choice="read_file",
+                                       tool_call_format="harmony"), "harmony") is None
+    alone = structured_output(None, Sampling(json_schema=json.dumps(answer)), "harmony")
+    assert re.fullmatch(alone.regex, '{"verdict": "skip"}')
+    assert keeps_special_tokens(None, "harmony") and keeps_special_tokens(harmony, "hermes")
+    assert not keeps_special_tokens(None, "hermes") and not keeps_special_tokens(EngineHint(), "glm45")
 
 
 def test_tool_rounds_count_the_tool_results_since_the_user_last_spoke() -> None:

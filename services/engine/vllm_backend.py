@@ -140,6 +140,13 @@ def forced_tool_call(hint: EngineHint | None, fmt: str) -> Any:
     return StructuredOutputsParams(regex=_call_regex(forced))
 
 
+def keeps_special_tokens(hint: EngineHint | None, fmt: str) -> bool:
+    """Whether the streamed text keeps the special tokens: harmony (gpt-oss) writes its
+    channels and calls in them, so its reasoning, answer and calls are read apart only
+    with them (the whole reply's text keeps them for every model, `reply_text`)."""
+    return ((hint.tool_call_format if hint is not None else None) or fmt) == "harmony"
+
+
 def reply_text(tokenizer: Any, tokens: list[int], finish_reason: str | None, stop_reason: int | str | None) -> str:
     """The reply's whole text: its tokens decoded with special tokens kept (a tool-call format
     may be written in them), less what stopped it, as vLLM leaves it out of its own text: the
@@ -169,9 +176,16 @@ def structured_output(hint: EngineHint | None, sampling: Sampling | None, fmt: s
     try:
         answer = build_regex_from_schema(sampling.json_schema, whitespace_pattern=" ?")
         calls = _any_call_regex(hint, fmt)
+    except Unconstrained:
+        return None
     except Exception as exc:  # noqa: BLE001 - outlines-core's own error types; the agent hears why
         raise ValueError(f"structured output: the schema cannot be enforced: {exc}") from None
     return StructuredOutputsParams(regex=answer if calls is None else f"(?:{answer})|(?:{calls})")
+
+
+class Unconstrained(Exception):
+    """The model's choice between a tool call and the structured answer cannot be written
+    as one regex over its text: the output is left free, as for a GLM key/value call."""
 
 
 def _any_call_regex(hint: EngineHint | None, fmt: str) -> str | None:
@@ -184,6 +198,8 @@ def _any_call_regex(hint: EngineHint | None, fmt: str) -> str | None:
     fmt = hint.tool_call_format or fmt
     if fmt not in tool_calls.FORMATS or fmt == "none":
         return None
+    if fmt not in tool_calls.CALL_OPENS:  # harmony: a call, or the answer after the reasoning, in special tokens
+        raise Unconstrained
     any_call = tool_calls.forced_call(tool_calls.tools_from_json(hint.tools_json), tool_calls.ANY_TOOL, fmt)
     return _literal(tool_calls.CALL_OPENS[fmt]) + r"[\s\S]*" if any_call is None else _call_regex(any_call)
 
@@ -475,13 +491,15 @@ class VllmBackend(EngineBackend):
             # a named tool_choice, or a response_format, is enforced by structured output, as
             # vLLM's own server does
             try:
-                forced = structured_output(rc.engine.hint, rc.engine.sampling, w.catalog.model(s.model).tool_call_format)
+                fmt = w.catalog.model(s.model).tool_call_format
+                forced = structured_output(rc.engine.hint, rc.engine.sampling, fmt)
             except ValueError as exc:
                 self.live.pop(rc.call_id, None)
                 self.log.warning("engine.refused", reason="malformed", detail=str(exc))
                 await w.refuse(rc, "malformed", str(exc))
                 return
-            sp = SamplingParams(**sampling_kwargs(rc.engine.sampling, max_tokens), structured_outputs=forced)
+            sp = SamplingParams(**sampling_kwargs(rc.engine.sampling, max_tokens), structured_outputs=forced,
+                                skip_special_tokens=not keeps_special_tokens(rc.engine.hint, fmt))
             self.matcher.track(live.request_id, rc.session_id, ids)
             await w.nc.publish(rc.reply_to, encode(CallRunning(call_id=rc.call_id, server_id=s.server_id)))
             self.log.info("engine.started", prompt_tokens=len(ids), prompt_source=source, max_tokens=max_tokens)

@@ -14,12 +14,17 @@ open with `<think>` has no reasoning; one cut off before `</think>` is all reaso
 
 from __future__ import annotations
 
-FORMATS = ("think", "none")
+from shared import harmony
+
+FORMATS = ("think", "harmony", "none")
+_PART = "\n\n"  # between a harmony reply's messages of one kind
 OPEN, CLOSE = "<think>", "</think>"
 
 
 def split(text: str, fmt: str) -> tuple[str | None, str]:
     """(the reasoning, or None where the reply has none; the answer)."""
+    if fmt == "harmony":
+        return _harmony_split(text)
     if fmt != "think":
         return None, text
     lead = text.lstrip()
@@ -30,6 +35,14 @@ def split(text: str, fmt: str) -> tuple[str | None, str]:
     if end < 0:  # cut off while thinking
         return body.strip(), ""
     return body[:end].strip(), body[end + len(CLOSE):].lstrip()
+
+
+def _harmony_split(text: str) -> tuple[str | None, str]:
+    """Not stripped, so a stream's split is always a prefix of the whole's (`Splitter`)."""
+    msgs = harmony.messages(text)
+    thought = [m.content for m in msgs if m.channel == "analysis"]
+    answer = [harmony.markup(m) if m.is_call else m.content for m in msgs if m.channel != "analysis"]
+    return (_PART.join(thought) if thought else None), _PART.join(answer)
 
 
 def _partial_close(body: str) -> int:
@@ -64,6 +77,9 @@ class Splitter:
 
     def _safe(self) -> tuple[str, str]:
         """What of the text so far is surely reasoning and surely answer."""
+        if self.fmt == "harmony":
+            reasoning, answer = _harmony_split(harmony.safe_prefix(self.text))
+            return reasoning or "", answer
         if self.fmt != "think":
             return "", self.text
         lead = self.text.lstrip()
