@@ -9,12 +9,14 @@ carries them.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import json
 import logging
 import os
 import stat
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -48,17 +50,67 @@ def configure_logging(service: str, fmt: str = "json", level: str = "INFO") -> s
     # the libraries' own lines (nats-py, aiohttp, asyncio, the agent client's stdlib logger)
     # as JSON lines of the same log, not bare text that log readers skip
     handler = logging.StreamHandler(sys.stdout)
-    handler.setFormatter(structlog.stdlib.ProcessorFormatter(
-        foreign_pre_chain=[structlog.stdlib.add_logger_name, structlog.processors.add_log_level,
-                           structlog.processors.TimeStamper(fmt="iso", utc=True),
-                           lambda _, __, event: {**event, "service": service}],
-        processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta,
-                    structlog.processors.format_exc_info, renderer]))
+    handler.setFormatter(stdlib_formatter(service, renderer))
     handler.set_name(_STDLIB_HANDLER)
     root = logging.getLogger()
     root.handlers[:] = [h for h in root.handlers if h.get_name() != _STDLIB_HANDLER] + [handler]
     root.setLevel(lvl)
     return structlog.get_logger()  # (named by the first processor: every line carries `service`)
+
+
+def stdlib_formatter(service: str, renderer: structlog.types.Processor | None = None,
+                     extra: tuple[structlog.types.Processor, ...] = ()) -> logging.Formatter:
+    """A stdlib logging formatter writing a record as one of the service's JSON lines
+    (`event`, `level`, `logger`, `timestamp`, `service`, and what `extra` adds)."""
+    return structlog.stdlib.ProcessorFormatter(
+        foreign_pre_chain=[structlog.stdlib.add_logger_name, structlog.processors.add_log_level,
+                           structlog.processors.TimeStamper(fmt="iso", utc=True),
+                           lambda _, __, event: {**event, "service": service}, *extra],
+        processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+                    structlog.processors.format_exc_info, renderer or structlog.processors.JSONRenderer()])
+
+
+def _vllm_process(_: Any, __: str, event: structlog.types.EventDict) -> structlog.types.EventDict:
+    record = event.get("_record")
+    if record is not None:  # (vLLM names its processes on its records: EngineCore, Worker, ...)
+        event["vllm_process"] = getattr(record, "vllm_process_name", None) or record.processName
+        event["pid"] = record.process
+    return event
+
+
+def vllm_formatter(service: str) -> logging.Formatter:
+    """vLLM's lines as the engine-worker's JSON lines, each naming its vLLM process and pid."""
+    return stdlib_formatter(service, extra=(_vllm_process,))
+
+
+VLLM_LOGGING_CONFIG = "VLLM_LOGGING_CONFIG_PATH"
+
+
+def vllm_logging_config(service: str, level: str) -> dict[str, Any]:
+    """vLLM's logging configuration (a `logging.config.dictConfig`): its `vllm` logger's lines
+    through `vllm_formatter` to stdout, at `level`."""
+    return {"version": 1, "disable_existing_loggers": False,
+            "formatters": {"talaria": {"()": f"{__name__}.vllm_formatter", "service": service}},
+            "handlers": {"talaria": {"class": "logging.StreamHandler", "formatter": "talaria",
+                                     "stream": "ext://sys.stdout", "level": level.upper()}},
+            "loggers": {"vllm": {"handlers": ["talaria"], "level": level.upper(), "propagate": False}}}
+
+
+def route_vllm_logs(service: str, log_format: str) -> Path | None:
+    """Before vLLM is first imported: its lines become JSON lines of this service's log, in
+    this process and in those vLLM starts (its engine core and workers configure their
+    logging from `VLLM_LOGGING_CONFIG_PATH` as they import it); they were vLLM's own text
+    among the JSON lines, which log readers skip or choke on. Left alone where an operator
+    configured vLLM's logging (`VLLM_LOGGING_CONFIG_PATH`, `VLLM_CONFIGURE_LOGGING=0`) or
+    asked for console lines. Returns the file written (removed when this process exits)."""
+    if log_format != "json" or os.environ.get(VLLM_LOGGING_CONFIG) or os.environ.get("VLLM_CONFIGURE_LOGGING") == "0":
+        return None
+    fd, name = tempfile.mkstemp(prefix="talaria-vllm-logging-", suffix=".json")
+    with os.fdopen(fd, "w") as f:
+        json.dump(vllm_logging_config(service, os.environ.get("VLLM_LOGGING_LEVEL", "INFO")), f)
+    atexit.register(lambda: Path(name).unlink(missing_ok=True))
+    os.environ[VLLM_LOGGING_CONFIG] = name
+    return Path(name)
 
 
 class LogEvery:

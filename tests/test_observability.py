@@ -291,6 +291,40 @@ def test_the_libraries_own_log_lines_are_json_lines_of_the_service(capsys: pytes
     assert line["event"] == "metrics.listening" and line["service"] == "gateway"
 
 
+def test_vllms_logging_is_routed_into_the_engine_log_unless_an_operator_configured_it(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """The configuration handed to vLLM (as its processes read it from `VLLM_LOGGING_CONFIG_PATH`)
+    writes its records as the engine's JSON lines, naming the process; an operator's own
+    configuration, vLLM's logging turned off, or console lines are left alone."""
+    import json
+    import logging.config
+
+    from shared import logs
+
+    for env, fmt in (({"VLLM_LOGGING_CONFIG_PATH": "/etc/mine.json"}, "json"), ({"VLLM_CONFIGURE_LOGGING": "0"}, "json"),
+                     ({}, "console")):
+        monkeypatch.delenv("VLLM_LOGGING_CONFIG_PATH", raising=False)
+        monkeypatch.delenv("VLLM_CONFIGURE_LOGGING", raising=False)
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        assert logs.route_vllm_logs("engine", fmt) is None
+        assert os.environ.get("VLLM_LOGGING_CONFIG_PATH") == env.get("VLLM_LOGGING_CONFIG_PATH")
+    monkeypatch.delenv("VLLM_LOGGING_CONFIG_PATH", raising=False)
+    monkeypatch.delenv("VLLM_CONFIGURE_LOGGING", raising=False)
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "WARNING")
+    path = logs.route_vllm_logs("engine", "json")
+    assert path is not None and os.environ["VLLM_LOGGING_CONFIG_PATH"] == str(path)
+    logging.config.dictConfig(json.loads(path.read_text()))
+    log = logging.getLogger("vllm.v1.engine.core")
+    log.info("not at WARNING")
+    log.warning("KV cache %s", "full")
+    lines = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
+    assert [(d["event"], d["service"], d["level"], d["logger"], d["vllm_process"]) for d in lines] == [
+        ("KV cache full", "engine", "warning", "vllm.v1.engine.core", "MainProcess")]
+    logging.getLogger("vllm").handlers.clear()  # (the next tests' logging as it was)
+    path.unlink()
+
+
 async def test_a_clean_stop_is_not_logged_as_a_lost_connection(nats_server: NatsServer) -> None:
     """Every clean stop logged `nats.disconnected` at warning (nats-py calls the
     disconnect callback on close too), so a fault-free run could not be told by its

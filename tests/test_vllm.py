@@ -157,6 +157,7 @@ async def test_two_vllm_cpu_engine_workers_prefix_hits_and_kv_events(tmp_path: P
                 await r.aclose()
         finally:
             await stack.stop()
+        _vllms_lines_are_json_lines_of_the_engine_log(tmp_path / policy)
     assert figures["talaria"] >= 0.9, figures
     # least-loaded ignores where a session's prefix lives: each call it sends to a server the session
     # has not used loses the reusable prefix. How many calls it moves depends on the machine's timing
@@ -170,6 +171,26 @@ async def test_two_vllm_cpu_engine_workers_prefix_hits_and_kv_events(tmp_path: P
             if c.reusable_tokens and fresh:
                 assert c.cached_tokens < c.reusable_tokens, (policy, c)  # a server that never saw the session
             seen[c.session].add(c.server)
+
+
+def _vllms_lines_are_json_lines_of_the_engine_log(log_dir: Path) -> None:
+    """vLLM's own log lines, from the engine-worker and from the processes vLLM starts (its
+    engine core, its workers), are JSON lines of the engine's log naming their process;
+    they were vLLM's plain text (`(EngineCore pid=9157) INFO 12-06 ... [core.py:133] ...`)."""
+    import json
+    import re
+
+    plain = re.compile(r"^\([\w-]+ pid=\d+\) (DEBUG|INFO|WARNING|ERROR|CRITICAL) ")
+    logs = sorted(log_dir.glob("engine-*.log"))
+    assert logs, sorted(p.name for p in log_dir.iterdir())
+    processes: set[str] = set()
+    for path in logs:
+        lines = path.read_text(errors="replace").splitlines()
+        assert not [ln for ln in lines if plain.match(ln)], [ln for ln in lines if plain.match(ln)][:3]
+        for ln in lines:
+            if ln.startswith("{"):
+                processes.add(json.loads(ln).get("vllm_process") or "")
+    assert {"MainProcess", "EngineCore"} <= processes, processes
 
 
 async def _the_sdk_agent_reuses_its_prefix(stack, transcript: Path) -> None:  # type: ignore[no-untyped-def]

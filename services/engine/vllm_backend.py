@@ -53,6 +53,7 @@ import structlog
 from services.engine.kv_index import BlockMatcher, KvIndex, hash_str
 from services.engine.worker import EngineBackend, EngineWorker
 from shared.clock import done_within
+from shared.logs import route_vllm_logs
 from shared.net import free_port
 from shared.schema import (
     CallReply, CallRunning, EngineHint, KvAllCleared, KvBlocksRemoved, KvBlocksStored, KvEvent, RunCall, Sampling, Wake,
@@ -247,6 +248,7 @@ class VllmBackend(EngineBackend):
         w = self.worker
         s = w.settings
         self.log = w.log
+        route_vllm_logs(w.name, s.log_format)  # (before vLLM is first imported)
         self.sleep_level = sleep_level_for_platform(self.cfg.sleep_level)
         self.kv_index = KvIndex(w.redis, w.keys, s.server_id, s.model)
         # the context limit it is configured for, from the start: while vLLM loaded, the catalog's
