@@ -1966,6 +1966,8 @@ async def test_llama4s_python_calls_are_tool_calls_in_both_apis(tmp_path: Path, 
                                          tools=[{"name": READ_FILE["name"], "description": READ_FILE["description"],
                                                  "input_schema": READ_FILE["parameters"]}])
         assert m.stop_reason == "tool_use" and [b.name for b in m.content if b.type == "tool_use"] == ["read_file"]
+        resp = await oai(s).responses.create(model=llama, input=msgs[0]["content"], tools=[{"type": "function", **READ_FILE}])
+        assert [(o.type, getattr(o, "name", None)) for o in resp.output] == [("function_call", "read_file")]
 
 
 @pytest.mark.timeout(120)
