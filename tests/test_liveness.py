@@ -103,13 +103,61 @@ async def test_a_round_whose_probe_of_the_watchers_own_path_failed_judges_nobody
     async def probe(ok: bool) -> bool:
         return ok
 
-    rounds = PingRounds()
+    rounds = PingRounds(settle_s=0.2)
     rounds.begin(["up", "down"], ping, lambda: probe(False))
+    await asyncio.sleep(0.01)
+    assert rounds.finished() == [] and rounds.dropped == 1
+    await asyncio.sleep(0.25)  # (the bus back and settled)
     rounds.begin(["up", "down"], ping, lambda: probe(True))
     rounds.begin(["up", "down"], ping)
     await asyncio.sleep(0.01)
     assert rounds.finished() == [{"up": True, "down": False}] * 2
     assert rounds.dropped == 1
+
+
+async def test_rounds_just_after_the_bus_was_away_or_with_every_child_silent_judge_nobody() -> None:
+    """A NATS node stopped for seconds and back: the watcher's probe is answered at once,
+    while every service is still reconnecting or working off what queued, so its pings
+    time out; those rounds had every service killed at once (a 6-s stop of `talaria up`'s
+    NATS: all 15). A round in which every one of two or more children missed is the
+    bus's, and the rounds begun in the settling time after the bus was away are dropped;
+    a lone silent child among answering ones is still judged."""
+    answering: set[str] = set()
+
+    async def ping(name: str) -> bool | None:
+        return name in answering if name != "gone" else None
+
+    async def probe(ok: bool) -> bool:
+        return ok
+
+    rounds = PingRounds(settle_s=0.2)
+    rounds.begin(["a", "b", "gone"], ping, lambda: probe(True))  # every child silent at once: the bus's
+    await asyncio.sleep(0.01)
+    answering.add("a")
+    rounds.begin(["a", "b"], ping, lambda: probe(True))  # one silent, yet within the settling time
+    await asyncio.sleep(0.01)
+    assert rounds.finished() == [] and rounds.dropped == 2
+    await asyncio.sleep(0.25)
+    rounds.begin(["a", "b"], ping, lambda: probe(True))
+    await asyncio.sleep(0.01)
+    assert rounds.finished() == [{"a": True, "b": False}]
+    rounds.begin(["b"], ping, lambda: probe(True))  # a lone child (a container's watchdog) is judged
+    await asyncio.sleep(0.01)
+    assert rounds.finished() == [{"b": False}]
+    rounds.bus_away()  # the watcher's own client reconnecting
+    rounds.begin(["a", "b"], ping, lambda: probe(True))
+    await asyncio.sleep(0.01)
+    assert rounds.finished() == [] and rounds.dropped == 3
+
+
+async def _a_call_is_served(stack: EmbeddedStack) -> None:
+    client = await TalariaClient.from_deployment(stack.deployment())
+    try:
+        sess = await client.open_session(AIR)
+        assert (await asyncio.wait_for(sess.call(prompt_tokens=800, max_tokens=16, sim_output_tokens=4),
+                                       30)).output_tokens == 4
+    finally:
+        await client.close()
 
 
 @pytest.mark.e2e
@@ -151,13 +199,32 @@ async def test_a_stopped_nats_node_of_the_watch_itself_kills_no_service(tmp_path
         await asyncio.sleep(2.0)
         replaced = sorted(name for name in elsewhere if stack.group.pids().get(name) != before[name])
         assert replaced == [], f"killed for the watch's NATS node's stop: {replaced} (on the node: {sorted(on_node)})"
-        client = await TalariaClient.from_deployment(stack.deployment())
+        await _a_call_is_served(stack)
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(150)
+async def test_a_nats_stopped_for_seconds_kills_no_service_as_it_comes_back(tmp_path: Path) -> None:
+    """`talaria up`'s one NATS node stopped for 6 s (SIGSTOP) and resumed: every service
+    was killed as hung at once as it came back (the watch's probe answered, while their
+    pings, sent through the backlog, timed out), and under vLLM each engine would have
+    loaded its weights again. None is now, and a call is served after."""
+    spec = StackSpec(policy=resolve_policy("talaria"), models=[AIR], time_scale=20.0, log_dir=tmp_path / "logs",
+                     liveness=True, liveness_grace_s=1.0)
+    async with EmbeddedStack(spec) as stack:
+        await asyncio.sleep(1.5)  # past the grace
+        before = dict(stack.group.pids())
+        node = stack.nats_nodes[0]
+        assert node.pid is not None
+        os.kill(node.pid, signal.SIGSTOP)
         try:
-            sess = await client.open_session(AIR)
-            assert (await asyncio.wait_for(sess.call(prompt_tokens=800, max_tokens=16, sim_output_tokens=4),
-                                           30)).output_tokens == 4
+            await asyncio.sleep(6.0)
         finally:
-            await client.close()
+            os.kill(node.pid, signal.SIGCONT)
+        await asyncio.sleep(4.0)
+        replaced = sorted(name for name in before if stack.group.pids().get(name) != before[name])
+        assert replaced == [], f"killed as the stopped NATS came back: {replaced}"
+        await _a_call_is_served(stack)
 
 
 @pytest.mark.e2e

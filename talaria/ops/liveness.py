@@ -14,6 +14,7 @@ container watchdog drive it (`talaria/ops/stack.py`, `talaria/ops/watchdog.py`).
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -28,6 +29,8 @@ LIVENESS_TICK_S = 0.05      # wall seconds between two looks at the rounds out (
 STARTUP_GRACE_S = 300.0     # wall seconds after a (re)start in which a child is never judged (a real engine loads its weights)
 SERVICE_GRACE_S = 2.0       # ... for every other child (a sim service answers within a second of its start)
 SERVICE_STARTUP_S = 10.0    # ... and, if it has not answered since its start, this long (a loaded machine starts slowly)
+BUS_SETTLE_S = 5.0          # wall seconds after the bus was away in which no round is judged: the services reconnect
+                            # (a client whose keep-alive gave up on the node) and work off what queued meanwhile
 
 
 @dataclass(frozen=True)
@@ -94,27 +97,46 @@ class PingRounds:
     A round may carry a probe of the watcher's own path (its NATS node answers a PING):
     a round whose probe failed says nothing of the children, since their pings went
     through a path that was away (a stopped NATS node keeps its connections open, so
-    the client still looks connected), and it is dropped instead of judged."""
+    the client still looks connected), and it is dropped instead of judged. So is a
+    round in which every one of two or more children missed at once: a bus stalled for
+    all of them (a node stopped for a few seconds, whose PING the probe caught as it
+    came back), or a machine too loaded to answer in time, not each one hung; a
+    restart would not help either. And the bus having been away, the rounds begun in
+    the next `settle_s` are dropped too: each service's client reconnects, and works off
+    what queued meanwhile, before its pings are answered in time again (a 6-s stop of
+    `talaria up`'s NATS had every service killed as it came back)."""
 
-    def __init__(self) -> None:
-        self._rounds: deque[tuple[asyncio.Future, list[str], bool]] = deque()
-        self.dropped = 0  # rounds dropped by a failed probe of the watcher's own path
+    def __init__(self, settle_s: float = BUS_SETTLE_S) -> None:
+        self._rounds: deque[tuple[asyncio.Future, list[str], bool, float]] = deque()
+        self.dropped = 0  # rounds dropped: the watcher's own path away, or every child silent at once
+        self.settle_s = settle_s
+        self.away_until = float("-inf")  # (monotonic) rounds begun before this are not judged
 
     def begin(self, names: list[str], ping: Callable[[str], Awaitable[bool | None]],
               probe: Callable[[], Awaitable[bool]] | None = None) -> None:
         pings = asyncio.gather(*(ping(n) for n in names), *([probe()] if probe is not None else []))
         # a round cut short at shutdown (its pings cancelled) is nobody's error to log
         pings.add_done_callback(lambda f: f.cancelled() or f.exception())
-        self._rounds.append((pings, names, probe is not None))
+        self._rounds.append((pings, names, probe is not None, time.monotonic()))
+
+    def bus_away(self) -> None:
+        """The bus is away now (the watcher's own client reconnecting): nothing out or begun
+        within `settle_s` of now is judged."""
+        self.away_until = time.monotonic() + self.settle_s
 
     def finished(self) -> list[dict[str, bool | None]]:
         """The answers (name -> answered) of every round done, oldest first, until one is
-        not; a round whose probe failed is left out."""
+        not; a round of the bus's fault (above) is left out."""
         out = []
         while self._rounds and self._rounds[0][0].done():
-            done, names, probed = self._rounds.popleft()
+            done, names, probed, began = self._rounds.popleft()
             answers = done.result()
-            if probed and not answers[-1]:
+            judged = [ok for ok in answers[:len(names)] if ok is not None]
+            if (probed and not answers[-1]) or (len(judged) >= 2 and not any(judged)):
+                self.bus_away()
+                self.dropped += 1
+                continue
+            if began < self.away_until:
                 self.dropped += 1
                 continue
             out.append(dict(zip(names, answers)))
@@ -122,7 +144,7 @@ class PingRounds:
 
     def drop(self) -> None:
         """Forget the rounds still out (their misses are our own disconnection's)."""
-        for pending, _, _ in self._rounds:
+        for pending, _, _, _ in self._rounds:
             pending.cancel()
         self._rounds.clear()
 

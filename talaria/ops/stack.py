@@ -478,6 +478,7 @@ class EmbeddedStack:
                 await done_within(self._stop_supervising.wait(), LIVENESS_TICK_S)
                 if nc.is_reconnecting or not nc.is_connected:
                     rounds.drop()
+                    rounds.bus_away()
                     continue  # the bus is away, not the services: judge nobody
                 for answers in rounds.finished():
                     for name, ok in answers.items():

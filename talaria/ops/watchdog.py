@@ -135,6 +135,7 @@ class Watchdog:
                         nc = await connect()
                     if nc is None or not nc.is_connected:  # type: ignore[attr-defined]
                         rounds.drop()
+                        rounds.bus_away()
                         continue  # the bus is away, not the service: judge nobody
                 for answers in rounds.finished():
                     if child.poll() is None and watch.round(answers, time.monotonic()):
