@@ -112,7 +112,7 @@ def _call_id(call_key: str, i: int) -> str:
 def openai_tools(body: Mapping[str, Any]) -> tuple[list[Tool], str | None]:
     """The request's tools and its tool choice (None: the model decides; `none`; or a tool's name)."""
     return _tools(body.get("tools"), "tools", lambda t: (t.get("function") if t.get("type") == "function" else None),
-                  "parameters"), _openai_choice(body.get("tool_choice"))
+                  "parameters", "function.parameters"), _openai_choice(body.get("tool_choice"))
 
 
 def anthropic_tools(body: Mapping[str, Any]) -> tuple[list[Tool], str | None]:
@@ -195,7 +195,10 @@ def anthropic_client_tool(tool: Any) -> dict[str, Any] | None:
     return {"name": tool["name"], "description": desc, "input_schema": schema}
 
 
-def _tools(raw: Any, param: str, inner: Any, schema_field: str) -> list[Tool]:
+def _tools(raw: Any, param: str, inner: Any, schema_field: str, schema_path: str | None = None) -> list[Tool]:
+    """`schema_path`: where the schema is within a tool, as the request writes it (chat's
+    `function.parameters`), for the field a refusal names."""
+    where = schema_path or schema_field
     if raw is None:
         return []
     if not isinstance(raw, list):
@@ -211,9 +214,9 @@ def _tools(raw: Any, param: str, inner: Any, schema_field: str) -> list[Tool]:
             raise ToolsError(f"{param}[{i}].name: two tools are named {f['name']!r}", f"{param}[{i}].name")
         schema = f.get(schema_field) or {"type": "object", "properties": {}}
         if not isinstance(schema, Mapping):
-            raise ToolsError(f"{param}[{i}].{schema_field} must be a JSON schema object", f"{param}[{i}]")
+            raise ToolsError(f"{param}[{i}].{where} must be a JSON schema object", f"{param}[{i}].{where}")
         if (why := schema_error(schema)) is not None:
-            raise ToolsError(f"{param}[{i}].{schema_field} is not a valid JSON Schema: {why}", f"{param}[{i}]")
+            raise ToolsError(f"{param}[{i}].{where} is not a valid JSON Schema: {why}", f"{param}[{i}].{where}")
         desc = f.get("description") or ""
         out.append(Tool(f["name"], desc if isinstance(desc, str) else "", dict(schema)))
     return out

@@ -506,7 +506,9 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--policy", default="talaria",  # what it serves with, as compose's defaults do
                    help=f"the policy every service runs (default talaria; one of {', '.join(PRESETS)})")
     u.add_argument("--models", default=",".join(DEFAULT_MODELS),
-                   help="comma-separated catalog models to serve, one engine-worker each per server")
+                   help="comma-separated catalog models to serve, one engine-worker each per server "
+                        f"(default {','.join(DEFAULT_MODELS)}; the catalog, shared/data/catalog.toml, has gpt-oss-120b and "
+                        "llama-4-scout-fp8 too)")
     u.add_argument("--time-scale", type=positive_float, default=1.0,
                    help="model seconds per wall second (default 1: agents at the HTTP front door live in wall time)")
     u.add_argument("--no-gateway", action="store_true", help="do not start the HTTP gateway (the front door)")

@@ -624,6 +624,10 @@ async def test_deployment_names_the_front_door(stack: EmbeddedStack) -> None:
         assert r.status == 200 and (await r.json())["status"] == "ok"
     async with aiohttp.ClientSession() as http, http.head(f"{stack.gateway_url}/") as r:
         assert r.status == 200  # (Claude Code's check of its base URL before a run)
+    # a base URL without /v1 (a common slip) is told where the API is
+    async with aiohttp.ClientSession() as http, http.post(f"{stack.gateway_url}/chat/completions", json={},
+                                                          headers={"Authorization": f"Bearer {stack.api_key}"}) as r:
+        assert r.status == 404 and "/v1/chat/completions" in (await r.json())["error"]["message"]
 
 
 @pytest.mark.timeout(120)
@@ -856,6 +860,7 @@ async def test_401_and_404_in_each_apis_shape(stack: EmbeddedStack) -> None:
     with pytest.raises(openai.NotFoundError) as en:
         await oai(stack).chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "x"}])
     assert en.value.body["code"] == "model_not_found" and en.value.body["param"] == "model"
+    assert f"served: {MODEL}" in en.value.message  # (a newcomer's model not served by default: which are)
     with pytest.raises(openai.BadRequestError) as eb:
         await oai(stack).chat.completions.create(model=MODEL, max_tokens=10_000_000,
                                                  messages=[{"role": "user", "content": "x"}])
@@ -2442,6 +2447,11 @@ async def test_tools_a_model_has_no_parser_for_or_that_are_malformed_are_400_by_
         await client.chat.completions.create(model=MODEL, max_tokens=5, messages=[{"role": "user", "content": "x"}],
                                              tools=[{"type": "function", "function": {"description": "no name"}}])
     assert e.value.body["param"] == "tools[0]"
+    with pytest.raises(openai.BadRequestError) as e:  # a schema that is none: the field named, where it is
+        await client.chat.completions.create(model=MODEL, max_tokens=5, messages=[{"role": "user", "content": "x"}],
+                                             tools=[{"type": "function", "function": {**READ_FILE,
+                                                                                      "parameters": {"type": "objekt"}}}])
+    assert e.value.body["param"] == "tools[0].function.parameters" and "not a valid JSON Schema" in e.value.message
     with pytest.raises(openai.BadRequestError) as e:
         await client.chat.completions.create(model=MODEL, max_tokens=5, messages=[{"role": "user", "content": "x"}],
                                              tools=[{"type": "function", "function": READ_FILE}],

@@ -40,7 +40,8 @@ def logs(tmp_path: Path) -> Path:
     _write(run / "engine-s1-m.log",
            _line("38.350000", "engine.kv_spilled", level="warning"),
            _line("38.500000", "engine.started", at=64.0),
-           _line("38.900000", "engine.finished", at=70.0, output_tokens=40, cached_tokens=900, prefill_s=0.1, decode_s=5.9),
+           _line("38.900000", "engine.finished", at=70.0, output_tokens=40, cached_tokens=900, restored_tokens=300,
+                 prefill_s=0.1, decode_s=5.9),
            _line("39.000000", "engine.finished", call="swe-007#001", at=80.0, output_tokens=7))
     _write(tmp_path / "baseline" / "router-0.log", _line("10.000000", "router.placed"))
     return tmp_path
@@ -69,6 +70,7 @@ def test_call_summaries(logs: Path) -> None:
     assert (first.call_id, first.placed_on, first.waited_s, first.round_wait, first.switch_wait_s) == (
         "swe-007#000", "s1", 12.5, True, 2.0)
     assert (first.output_tokens, first.cached_tokens, first.prefill_s, first.decode_s) == (40, 900, 0.1, 5.9)
+    assert (first.restored_tokens, second.restored_tokens) == (300, None)  # (restored from host memory: not cached)
     assert first.problems == ["engine.kv_spilled"]
     assert (second.call_id, second.output_tokens, second.placed_on, second.waited_s) == ("swe-007#001", 7, "", None)
 

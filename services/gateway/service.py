@@ -302,7 +302,8 @@ class Gateway:
             return self._refused(request, shape, HttpError(
                 "too_large", f"request body over {self.settings.gateway_max_body} bytes"))
         except web.HTTPNotFound:
-            return self._refused(request, shape, HttpError("not_found", f"no such endpoint: {request.method} {request.path}"))
+            hint = f" (the API is under /v1: {request.method} /v1{request.path})" if not request.path.startswith("/v1/") else ""
+            return self._refused(request, shape, HttpError("not_found", f"no such endpoint: {request.method} {request.path}{hint}"))
         except web.HTTPMethodNotAllowed as exc:
             resp = self._refused(request, shape, HttpError(
                 "method_not_allowed", f"{request.method} is not allowed on {request.path}"))
@@ -419,8 +420,11 @@ class Gateway:
         model = body.get("model")
         if not isinstance(model, str) or not model:
             raise HttpError("malformed", "model must be a non-empty string", "model")
-        if model not in await self.served_models() or model not in self.catalog.models:
-            raise HttpError("unknown_model", f"The model `{model[:200]}` does not exist or is not served here", "model")
+        served = await self.served_models()
+        if model not in served or model not in self.catalog.models:
+            known = ", ".join(sorted(m for m in served if m in self.catalog.models))
+            raise HttpError("unknown_model", f"The model `{model[:200]}` does not exist or is not served here "
+                                             f"(served: {known or 'none yet'}; GET /v1/models lists them)", "model")
         return model
 
     def _max_tokens(self, body: dict[str, Any], names: tuple[str, ...], prompt: Prompt, model: str,

@@ -44,6 +44,7 @@ class CallSummary:
     switch_wait_s: float | None = None
     output_tokens: int | None = None
     cached_tokens: int | None = None
+    restored_tokens: int | None = None  # its prefix's KV restored from host memory (the sim engine says)
     prefill_s: float | None = None
     decode_s: float | None = None
     problems: list[str] = field(default_factory=list)
@@ -105,6 +106,7 @@ def summarize_calls(lines: list[LogLine]) -> list[CallSummary]:
         elif ev == "engine.finished":
             s.output_tokens = r.get("output_tokens")
             s.cached_tokens = r.get("cached_tokens")
+            s.restored_tokens = r.get("restored_tokens")
             s.prefill_s = r.get("prefill_s")
             s.decode_s = r.get("decode_s")
         if r.get("level") in ("warning", "error"):
@@ -132,11 +134,12 @@ def render(runs: dict[Path, list[LogLine]]) -> str:
         if calls:
             out.append("")
             out.append(f"{'call':<16} {'server':<7} {'waited s':>9} {'round wait':>10} {'output':>7} "
-                       f"{'cached':>8} {'prefill s':>10} {'decode s':>9}  problems")
+                       f"{'cached':>8} {'restored':>8} {'prefill s':>10} {'decode s':>9}  problems")
             for c in calls:
                 out.append(f"{c.call_id:<16} {c.placed_on or '-':<7} {_fmt(c.waited_s):>9} "
                            f"{'yes' if c.round_wait else 'no':>10} {_fmt(c.output_tokens, 'd'):>7} "
-                           f"{_fmt(c.cached_tokens, 'd'):>8} {_fmt(c.prefill_s, '.2f'):>10} {_fmt(c.decode_s, '.2f'):>9}  "
+                           f"{_fmt(c.cached_tokens, 'd'):>8} {_fmt(c.restored_tokens, 'd'):>8} "
+                           f"{_fmt(c.prefill_s, '.2f'):>10} {_fmt(c.decode_s, '.2f'):>9}  "
                            f"{', '.join(c.problems) or '-'}")
         out.append("")
     return "\n".join(out)
