@@ -17,7 +17,10 @@ for `silence_s` (wall seconds). Then it retries the same call id (served at
 most once) up to `retries` times before raising `CallTimeout`. A call that has
 had no answer at all is sent again sooner, after a wait that follows the
 latency of this client's first answers (`shared/accept_timer.py`): a router
-that took it and then hung or died answers nothing.
+that took it and then hung or died answers nothing. A client whose connection
+came back (a NATS node restarted, or left for another) asks each of its open
+calls again at once: what was published to it while it was away, the reply
+among it, is lost, and would otherwise be asked for only after the silence.
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ from shared.prompt_store import PromptStore, PromptStoreUnavailable, encode_payl
 from shared.subjects import AGENT_NAMESPACE, HEADER_RECEIPT, Subjects, inbox_prefix, is_namespace
 
 NO_ROUTER_RETRY_S = 0.2       # wall seconds between two sends of a call while no router is subscribed
+RECONNECTED = object()        # put in each open call's inbox queue when the connection came back
 
 log = logging.getLogger("talaria.client")
 
@@ -157,6 +161,12 @@ class TalariaClient:
         self._background: set[asyncio.Task[None]] = set()  # best-effort steps after a call (held from the GC)
         # a call nobody answers at all (taken by a router that hung or died) is sent again after this
         self.accept_timer = AcceptTimer(ceiling_s=silence_s)
+        self._open_calls: set[asyncio.Queue[Any]] = set()  # each open call's inbox queue
+
+    def reconnected(self) -> None:
+        """The connection came back: every open call asks again (what came meanwhile is lost)."""
+        for inbox in self._open_calls:
+            inbox.put_nowait(RECONNECTED)
 
     @classmethod
     async def connect(cls, urls: list[str] | str, *, user: str | None = None, password: str | None = None,
@@ -181,10 +191,16 @@ class TalariaClient:
             if connected and (len(errors) < 2 or str(errors[-2]) != str(e)):
                 log.warning("NATS error: %s", e)
 
+        made: list[TalariaClient] = []
+
+        async def on_reconnected() -> None:  # (nats-py has subscribed our inboxes again by now)
+            for client in made:
+                client.reconnected()
+
         nc = nats.NATS()
         connecting = asyncio.ensure_future(nc.connect(
             servers=urls, max_reconnect_attempts=-1, reconnect_time_wait=0.5, name="talaria-agent",
-            **NATS_KEEPALIVE,
+            **NATS_KEEPALIVE, reconnected_cb=on_reconnected,
             user=user, password=password, error_cb=on_error, inbox_prefix=inbox_prefix(namespace)))
         refusal = asyncio.ensure_future(refused.wait())
         done, _ = await asyncio.wait({connecting, refusal}, timeout=connect_timeout_s,
@@ -203,7 +219,8 @@ class TalariaClient:
             raise ConnectionError(f"cannot connect to NATS at {where}: {why}")
         connecting.result()  # a connect that failed outright raises here
         connected = True
-        return cls(nc, namespace=namespace, **kw)  # type: ignore[arg-type]
+        made.append(cls(nc, namespace=namespace, **kw))  # type: ignore[arg-type]
+        return made[0]
 
     @classmethod
     async def from_deployment(cls, deployment: Deployment, **kw: object) -> Self:
@@ -332,12 +349,13 @@ class TalariaClient:
         # Our own queue read under `asyncio.timeout`, not `sub.next_msg`: nats-py's next_msg wraps
         # `asyncio.wait_for`, which on Python 3.11 can swallow a cancellation that races a message,
         # so an agent giving up on a streaming call would silently keep waiting for the reply.
-        inbox_msgs: asyncio.Queue[Msg] = asyncio.Queue()
+        inbox_msgs: asyncio.Queue[Any] = asyncio.Queue()  # (a Msg, or RECONNECTED)
 
         async def deliver(msg: Msg) -> None:
             inbox_msgs.put_nowait(msg)
 
         sub = await self.nc.subscribe(inbox, cb=deliver)
+        self._open_calls.add(inbox_msgs)
         streamed: list[int] = []
         done = False
         # the call's span (a root for an agent on NATS; under the gateway's request span there)
@@ -377,6 +395,15 @@ class TalariaClient:
                         # no answer at all yet: the router that took it may have hung or died
                         resends += 1
                         await send()
+                        resend_at = time.monotonic() + self.accept_timer.wait_s(resends)
+                        continue
+                    if msg is RECONNECTED:
+                        # asked again under its id (served once): a reply published while we were
+                        # away is served again from the call record, a running call heard of again
+                        resends += 1
+                        await send()
+                        answered = False
+                        silent_until = time.monotonic() + self.silence_s
                         resend_at = time.monotonic() + self.accept_timer.wait_s(resends)
                         continue
                     if no_responders(msg):
@@ -427,6 +454,7 @@ class TalariaClient:
                     pass
                 if prompt_ref is not None:  # no engine answers it now to delete it: not kept for the store's age
                     self._spawn_quietly(self._forget_prompt(prompt_ref))
+            self._open_calls.discard(inbox_msgs)
             await sub.unsubscribe()
             call_span.__exit__(None, None, None)
 

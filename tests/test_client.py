@@ -18,7 +18,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from shared.schema import CallReply, CallRequest, CallTokens, CancelCall, encode
+from shared.schema import CallReply, CallRequest, CallRunning, CallTokens, CancelCall, encode
 from shared.subjects import Subjects
 from talaria.client import AgentLogin, Deployment, TalariaClient
 from talaria.ops.nats_server import NatsServer
@@ -81,6 +81,44 @@ async def test_cancel_during_a_token_burst_raises_and_tells_the_engine(nats_serv
         await nc.flush()
         await asyncio.sleep(0.1)
     assert sorted(cancels) == sorted(f"c{n}" for n in range(30)), "every call given up on is cancelled at the engine"
+
+
+async def test_an_open_call_is_asked_again_as_soon_as_the_connection_is_back(tmp_path: Path) -> None:
+    """What is published to an agent while its connection is away (a NATS restart) is
+    lost to it, its call's reply among it (a probe: a reply sent just after a NATS
+    restart, before the agent's client was back, was asked for again only after its
+    15-s silence). Here the router stand-in answers a call's first ask with `running`
+    only and its next ask with the reply: the client asks again as soon as it is back,
+    not after its silence (30 s here)."""
+    import nats as nats_mod
+
+    server = NatsServer(log_file=tmp_path / "nats.log")
+    server.start(timeout=30)
+    try:
+        prefix = f"t{uuid.uuid4().hex[:8]}"
+        request_decoder = msgspec.json.Decoder(CallRequest)
+        asked: list[str] = []
+        router = await nats_mod.connect(server.url, max_reconnect_attempts=-1, reconnect_time_wait=0.2)
+
+        async def on_call(msg) -> None:  # type: ignore[no-untyped-def]
+            req = request_decoder.decode(msg.data)
+            asked.append(req.call_id)
+            await router.publish(req.reply_to, encode(
+                CallRunning(call_id=req.call_id, server_id="s0") if len(asked) == 1 else _reply(req)))
+
+        await router.subscribe(Subjects(prefix).api_call(), cb=on_call)
+        await router.flush()
+        async with await TalariaClient.connect(server.url, subject_prefix=prefix, silence_s=30.0) as client:
+            running = asyncio.Event()
+            call = asyncio.create_task(client.call("sess", "m", prompt_tokens=10, max_tokens=8, call_id="c1",
+                                                   on_event=lambda ev: isinstance(ev, CallRunning) and running.set()))
+            await asyncio.wait_for(running.wait(), 10)
+            await asyncio.to_thread(server.restart, 30)
+            reply = await asyncio.wait_for(call, 10)
+            assert reply.call_id == "c1" and asked == ["c1", "c1"]
+        await router.close()
+    finally:
+        server.stop()
 
 
 async def test_connect_to_nothing_is_a_connection_error_after_the_timeout() -> None:
