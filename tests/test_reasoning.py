@@ -54,5 +54,6 @@ def test_a_stream_hands_out_the_whole_replys_split_whatever_its_batches(
         reasoning, answer = reasoning + r, answer + t
     whole_r, whole_a = rs.split(text, fmt)
     assert whole_a.startswith(answer)  # what was sent stands: the rest completes it
+    assert (s.reasoning_sent, s.answer_sent) == (reasoning, answer)
     reasoning += s.reasoning_rest(whole_r)
     assert reasoning == (whole_r or "")
