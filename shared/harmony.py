@@ -13,8 +13,9 @@ commentary json<|message|>`). A message ends at `<|end|>`, `<|return|>` (the rep
 the same from token ids (openai-harmony: `--reasoning-parser openai_gptoss`,
 `--tool-call-parser openai`); here the engine's text keeps the special tokens (the vLLM
 engine asks for them for this format). A reply's last message may lack its end marker
-where the engine leaves out the token it stopped on (`<|call|>`, `<|return|>`). Text without harmony's markup is one message on no
-channel: the sim engine's filler, or a server that stripped the markup.
+where the engine leaves out the token it stopped on (`<|call|>`, `<|return|>`). Text
+without harmony's markup is one message on no channel: the sim engine's filler, or a
+server that stripped the markup.
 
 - `messages`: a text's messages, the last one possibly unfinished.
 - `safe_prefix`: a streamed text less a marker it may end halfway through.

@@ -162,6 +162,11 @@ def reply_text(tokenizer: Any, tokens: list[int], finish_reason: str | None, sto
     return text
 
 
+class Unconstrained(Exception):
+    """The model's choice between a tool call and the structured answer cannot be written
+    as one regex over its text: the output is left free, as for a GLM key/value call."""
+
+
 def structured_output(hint: EngineHint | None, sampling: Sampling | None, fmt: str) -> Any:
     """The call's structured output: a named tool_choice's call (`forced_tool_call`), else the
     JSON Schema its output format asks for (`Sampling.json_schema`), as the same
@@ -182,11 +187,6 @@ def structured_output(hint: EngineHint | None, sampling: Sampling | None, fmt: s
     except Exception as exc:  # noqa: BLE001 - outlines-core's own error types; the agent hears why
         raise ValueError(f"structured output: the schema cannot be enforced: {exc}") from None
     return StructuredOutputsParams(regex=answer if calls is None else f"(?:{answer})|(?:{calls})")
-
-
-class Unconstrained(Exception):
-    """The model's choice between a tool call and the structured answer cannot be written
-    as one regex over its text: the output is left free, as for a GLM key/value call."""
 
 
 def _any_call_regex(hint: EngineHint | None, fmt: str) -> str | None:
