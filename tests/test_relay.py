@@ -61,3 +61,16 @@ def test_a_rerun_must_begin_at_the_first_token() -> None:
     s.accept(ev(0, 4))
     with pytest.raises(RerunDiverged):
         s.accept(ev(2, 2))
+
+
+def test_tokens_lost_on_the_way_stop_the_relay_and_a_rerun_mends_it() -> None:
+    """Tokens published while the gateway's connection was away never come: relaying what
+    came after them gave the agent a reply with those words missing (its text is no
+    longer a prefix of the reply's, so the reply's rest could not mend it). Nothing past
+    the hole is relayed; the reply's text brings the rest. A re-run from the first token
+    fills the hole and the relay goes on."""
+    assert relayed_text([ev(0, 2), ev(4, 2), ev(6, 2)]) == "one two "
+    s = StreamedTokens()
+    out = [s.accept(e) for e in (ev(0, 2), ev(4, 2), ev(0, 6), ev(6, 2))]
+    assert "".join(e.text or "" for e in out if e is not None) == "one two three four five six seven eight "
+    assert not s.gapped

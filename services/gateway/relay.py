@@ -8,7 +8,13 @@ probe: 18,376 characters where 16,000 were due). Here a re-run is checked agains
 was sent: while it repeats it (a deterministic engine, greedy decoding) nothing is
 relayed, and once it goes past it only the new part is, so the agent sees one reply.
 Where it differs (sampling) the stream cannot be made whole: RerunDiverged, and the
-agent is told so with an error it can retry on, never a spliced reply."""
+agent is told so with an error it can retry on, never a spliced reply.
+
+Tokens lost on the way (published while the gateway's NATS connection was away: its
+client asks for the call again once back, and the engine goes on from where it is)
+leave a hole the stream cannot fill as it goes: nothing more is relayed, and the
+reply's text brings the rest, as for a stream whose text was held. Relaying past the
+hole, as before, gave the agent a reply with the lost tokens' words missing."""
 
 from __future__ import annotations
 
@@ -26,13 +32,15 @@ class StreamedTokens:
         self.ids: list[int] = []
         self.text = ""
         self.rerun: tuple[list[int], str] | None = None
+        self.gapped = False  # tokens were lost on the way: nothing more relayed (a re-run from 0 mends it)
 
     def accept(self, ev: CallTokens) -> CallTokens | None:
-        """What of `ev` to relay: itself, nothing (a re-run repeating what was sent), or a
-        re-run's part past what was sent; RerunDiverged where a re-run differs."""
+        """What of `ev` to relay: itself, nothing (a re-run repeating what was sent, or past
+        a hole), or a re-run's part past what was sent; RerunDiverged where a re-run differs."""
         if self.rerun is None and ev.index >= len(self.ids):
-            if ev.index > len(self.ids):  # (tokens lost on the way: kept in place, never matched by a re-run)
-                self.ids.extend([-1] * (ev.index - len(self.ids)))
+            if ev.index > len(self.ids) or self.gapped:  # (tokens lost on the way: the reply brings the rest)
+                self.gapped = True
+                return None
             self.ids.extend(ev.token_ids)
             self.text += ev.text or ""
             return ev
@@ -50,5 +58,5 @@ class StreamedTokens:
             raise RerunDiverged(f"a re-run differs from the {len(self.ids)} tokens sent")
         past = CallTokens(call_id=ev.call_id, index=len(self.ids), token_ids=ids[len(self.ids):],
                           text=text[len(self.text):] if ev.text is not None else None)
-        self.ids, self.text, self.rerun = ids, text, None
+        self.ids, self.text, self.rerun, self.gapped = ids, text, None, False
         return past
