@@ -17,7 +17,7 @@ import pytest
 
 from shared.policy import resolve_policy
 from talaria.client import TalariaClient
-from talaria.ops.liveness import LivenessWatch, PingRounds
+from talaria.ops.liveness import BusProbe, LivenessWatch, PingRounds
 from talaria.ops.nats_server import NatsServer
 from talaria.ops.redis_server import RedisServer
 from talaria.ops.stack import EmbeddedStack, StackSpec
@@ -202,28 +202,70 @@ async def test_a_stopped_nats_node_of_the_watch_itself_kills_no_service(tmp_path
         await _a_call_is_served(stack)
 
 
+async def test_the_bus_probe_is_not_fooled_by_a_stall_that_kills_nats_pys_read_loop(tmp_path: Path) -> None:
+    """A NATS node stopped for 2 s: a probe by `flush(timeout)` left nats-py a cancelled
+    PONG future, whose late PONG killed the client's read loop while it still read as
+    connected, and the probe said the bus was back while nothing reached the client.
+    The probe is away while the node is stopped, back once it resumes, and the client
+    still hears (a request through the node is answered)."""
+    import nats as nats_mod
+
+    server = NatsServer(log_file=tmp_path / "nats.log")
+    server.start(timeout=30)
+    nc = other = None
+    try:
+        nc = await nats_mod.connect(server.url, ping_interval=3, max_outstanding_pings=3)
+        other = await nats_mod.connect(server.url)
+
+        async def echo(msg) -> None:  # type: ignore[no-untyped-def]
+            await other.publish(msg.reply, b"ok")
+
+        await other.subscribe("echo", cb=echo)
+        await other.flush()
+        probe = BusProbe(nc)
+        assert await probe.answers()
+        assert server.pid is not None
+        os.kill(server.pid, signal.SIGSTOP)
+        try:
+            assert [await probe.answers(0.3) for _ in range(6)] == [False] * 6
+        finally:
+            os.kill(server.pid, signal.SIGCONT)
+        deadline = time.monotonic() + 5
+        while not await probe.answers(0.3):
+            assert time.monotonic() < deadline, "the probe never saw the node back"
+        assert (await nc.request("echo", b"", timeout=2)).data == b"ok"
+        probe.close()
+    finally:
+        for c in (nc, other):
+            if c is not None:
+                await c.close()
+        server.stop()
+
+
 @pytest.mark.e2e
 @pytest.mark.timeout(150)
 async def test_a_nats_stopped_for_seconds_kills_no_service_as_it_comes_back(tmp_path: Path) -> None:
-    """`talaria up`'s one NATS node stopped for 6 s (SIGSTOP) and resumed: every service
-    was killed as hung at once as it came back (the watch's probe answered, while their
-    pings, sent through the backlog, timed out), and under vLLM each engine would have
+    """`talaria up`'s one NATS node stopped for 3 s, then for 6 s (SIGSTOP), and resumed:
+    every service was killed as hung at once as it came back (the watch's probe answered,
+    while their pings, sent through the backlog, timed out; after the shorter stop the
+    watch's own client could not hear at all), and under vLLM each engine would have
     loaded its weights again. None is now, and a call is served after."""
     spec = StackSpec(policy=resolve_policy("talaria"), models=[AIR], time_scale=20.0, log_dir=tmp_path / "logs",
-                     liveness=True, liveness_grace_s=1.0)
+                     liveness=True, liveness_grace_s=1.0, gateway=True)
     async with EmbeddedStack(spec) as stack:
         await asyncio.sleep(1.5)  # past the grace
         before = dict(stack.group.pids())
         node = stack.nats_nodes[0]
         assert node.pid is not None
-        os.kill(node.pid, signal.SIGSTOP)
-        try:
-            await asyncio.sleep(6.0)
-        finally:
-            os.kill(node.pid, signal.SIGCONT)
-        await asyncio.sleep(4.0)
-        replaced = sorted(name for name in before if stack.group.pids().get(name) != before[name])
-        assert replaced == [], f"killed as the stopped NATS came back: {replaced}"
+        for stop_s in (3.0, 6.0):
+            os.kill(node.pid, signal.SIGSTOP)
+            try:
+                await asyncio.sleep(stop_s)
+            finally:
+                os.kill(node.pid, signal.SIGCONT)
+            await asyncio.sleep(8.0)  # (the kills came about 6 s after the node resumed)
+            replaced = sorted(name for name in before if stack.group.pids().get(name) != before[name])
+            assert replaced == [], f"killed as the NATS stopped {stop_s:g} s came back: {replaced}"
         await _a_call_is_served(stack)
 
 

@@ -106,10 +106,11 @@ class PingRounds:
     what queued meanwhile, before its pings are answered in time again (a 6-s stop of
     `talaria up`'s NATS had every service killed as it came back)."""
 
-    def __init__(self, settle_s: float = BUS_SETTLE_S) -> None:
+    def __init__(self, settle_s: float = BUS_SETTLE_S, off_bus: frozenset[str] = frozenset()) -> None:
         self._rounds: deque[tuple[asyncio.Future, list[str], bool, float]] = deque()
         self.dropped = 0  # rounds dropped: the watcher's own path away, or every child silent at once
         self.settle_s = settle_s
+        self.off_bus = off_bus  # children pinged by another path (the gateway's HTTP): not in "every child silent"
         self.away_until = float("-inf")  # (monotonic) rounds begun before this are not judged
 
     def begin(self, names: list[str], ping: Callable[[str], Awaitable[bool | None]],
@@ -131,7 +132,7 @@ class PingRounds:
         while self._rounds and self._rounds[0][0].done():
             done, names, probed, began = self._rounds.popleft()
             answers = done.result()
-            judged = [ok for ok in answers[:len(names)] if ok is not None]
+            judged = [ok for name, ok in zip(names, answers) if ok is not None and name not in self.off_bus]
             if (probed and not answers[-1]) or (len(judged) >= 2 and not any(judged)):
                 self.bus_away()
                 self.dropped += 1
@@ -149,11 +150,50 @@ class PingRounds:
         self._rounds.clear()
 
 
-async def bus_answers(nc: Any, timeout_s: float = LIVENESS_TIMEOUT_S) -> bool:
+PROBE_FLUSH_S = 60.0  # how long one probe's PING may wait for its PONG inside nats-py (never cut short by us)
+
+
+class BusProbe:
     """The watcher's own NATS node answers a PING (`PingRounds`' probe): if not, its
-    health pings are unanswered for its own sake, not the children's."""
-    try:
-        await nc.flush(timeout=timeout_s)
-        return True
-    except Exception:  # noqa: BLE001 - stopped, partitioned, reconnecting: all "away"
-        return False
+    health pings are unanswered for its own sake, not the children's.
+
+    One PING at a time, and never cancelled while its PONG may still come: nats-py's
+    `flush(timeout)` cancels the PONG's future on a timeout but leaves it queued, and the
+    late PONG (a node resuming after a stop of a second or more) then kills the client's
+    read loop (`InvalidStateError`) while it still reads as connected; its `flush` then
+    returns at once, so the probe said the bus was fine while every health ping timed
+    out, and a 1-4 s stop of `talaria up`'s NATS had every service killed. A round's probe
+    waits at most `timeout_s` on the PING in flight; a dead read loop is "away" too, until
+    the client's keep-alive reconnects it."""
+
+    def __init__(self, nc: Any) -> None:
+        self.nc = nc
+        self._flight: asyncio.Future[bool] | None = None
+        self._flight_reconnects = -1
+
+    async def answers(self, timeout_s: float = LIVENESS_TIMEOUT_S) -> bool:
+        nc = self.nc
+        if nc.is_closed or not nc.is_connected:
+            return False
+        reading = getattr(nc, "_reading_task", None)  # (nats-py's; a client whose read loop died hears nothing)
+        if reading is None or reading.done():
+            return False
+        reconnects = nc.stats.get("reconnects", 0)
+        if self._flight is None or self._flight.done() or reconnects != self._flight_reconnects:
+            # (a PING of a connection since replaced is left to run out: its PONG will not come)
+            self._flight, self._flight_reconnects = asyncio.ensure_future(self._ping()), reconnects
+        try:
+            return await asyncio.wait_for(asyncio.shield(self._flight), timeout_s)
+        except Exception:  # noqa: BLE001 - no PONG yet: away
+            return False
+
+    async def _ping(self) -> bool:
+        try:
+            await self.nc.flush(timeout=PROBE_FLUSH_S)
+            return True
+        except Exception:  # noqa: BLE001 - stopped, partitioned, reconnecting: all "away"
+            return False
+
+    def close(self) -> None:
+        if self._flight is not None:
+            self._flight.cancel()

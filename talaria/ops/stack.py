@@ -33,7 +33,7 @@ from talaria.client import AgentLogin, Deployment
 from talaria.ops.healthcheck import connect_once
 from talaria.ops.liveness import (GATEWAY_LIVENESS_MISSES, LIVENESS_INTERVAL_S, LIVENESS_TICK_S, LIVENESS_TIMEOUT_S,
                                   SERVICE_GRACE_S, SERVICE_STARTUP_S, STARTUP_GRACE_S, LivenessWatch, PingRounds,
-                                  bus_answers)
+                                  BusProbe)
 from talaria.ops.nats_server import NatsServer, start_cluster
 from talaria.ops import prometheus
 from talaria.ops.processes import Child, ProcessGroup, ServerBase
@@ -469,7 +469,8 @@ class EmbeddedStack:
             except Exception:
                 return False
 
-        rounds = PingRounds()
+        rounds = PingRounds(off_bus=frozenset({"gateway"}))
+        probe = BusProbe(nc)
         next_round = time.monotonic()
         try:
             while not self._stop_supervising.is_set():
@@ -497,9 +498,10 @@ class EmbeddedStack:
                     next_round = time.monotonic() + LIVENESS_INTERVAL_S
                     # (probed: while the watch's own NATS node is stopped, every ping goes unanswered
                     # and every service would be killed, again and again, for the node's fault)
-                    rounds.begin([n for n in names if now_pids.get(n) is not None], ping, lambda: bus_answers(nc))
+                    rounds.begin([n for n in names if now_pids.get(n) is not None], ping, probe.answers)
         finally:
             rounds.drop()
+            probe.close()
             await nc.close()
 
     async def wait_gateway(self, timeout_s: float) -> None:

@@ -42,7 +42,7 @@ from talaria.ops.healthcheck import SERVICES, http_check, instance_name, service
 from talaria.argtypes import positive_int
 from talaria.ops.processes import set_pdeathsig
 from talaria.ops.liveness import (LIVENESS_INTERVAL_S, LIVENESS_MISSES, LIVENESS_TIMEOUT_S, LivenessWatch, PingRounds,
-                                  bus_answers)
+                                  BusProbe)
 
 HUNG_EXIT_CODE = 75  # EX_TEMPFAIL: the watched service was hung and killed; restart the container
 DEFAULT_GRACE_S = 30.0  # wall seconds after the start before a hang is judged (engines: set more, weights load)
@@ -124,6 +124,7 @@ class Watchdog:
             return None
 
         rounds = PingRounds()  # (as in the stack's watch)
+        probe: BusProbe | None = None
         try:
             while child.poll() is None:
                 await asyncio.sleep(LIVENESS_INTERVAL_S)
@@ -145,11 +146,15 @@ class Watchdog:
                         return HUNG_EXIT_CODE
                 # (a NATS node that stops answering keeps the connection open: the probe tells
                 # the watchdog's own node away from its service, which it must not kill for that)
+                if probe is None and nc is not None:
+                    probe = BusProbe(nc)
                 rounds.begin([name], lambda _name: self.ping(nc),
-                             None if self.service == "gateway" else (lambda: bus_answers(nc)))
+                             None if self.service == "gateway" or probe is None else probe.answers)
             return child.returncode if child.returncode >= 0 else 128 - child.returncode
         finally:
             rounds.drop()
+            if probe is not None:
+                probe.close()
             if nc is not None:
                 with contextlib.suppress(Exception):
                     await nc.close()  # type: ignore[attr-defined]
