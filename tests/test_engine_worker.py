@@ -332,8 +332,8 @@ async def test_a_vllm_worker_says_its_context_limit_as_it_starts(redis_server: R
     started: list[Any] = []
     worker = types.SimpleNamespace(
         settings=types.SimpleNamespace(vllm=VllmSettings(model_dir="unread", max_model_len=2048, sleep_level=0), server_id=SERVER,
-                                       model=MODEL_A),
-        log=None, redis=r, keys=Keys(key_prefix), spawn=lambda coro, name: started.append(coro.close()))
+                                       model=MODEL_A, log_format="console"),  # (console: vLLM's logging left alone)
+        name="engine", log=None, redis=r, keys=Keys(key_prefix), spawn=lambda coro, name: started.append(coro.close()))
     try:
         await VllmBackend(worker).start()  # type: ignore[arg-type]
         engine = await r.hgetall(Keys(key_prefix).engine(SERVER, MODEL_A))
