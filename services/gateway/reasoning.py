@@ -37,9 +37,10 @@ def split(text: str, fmt: str) -> tuple[str | None, str]:
     return body[:end].strip(), body[end + len(CLOSE):].lstrip()
 
 
-def _harmony_split(text: str) -> tuple[str | None, str]:
-    """Not stripped, so a stream's split is always a prefix of the whole's (`Splitter`)."""
-    msgs = harmony.messages(text)
+def _harmony_split(text: str, msgs: list[harmony.Message] | None = None) -> tuple[str | None, str]:
+    """Not stripped, so a stream's split is always a prefix of the whole's (`Splitter`).
+    `msgs`: the text's messages, where the caller has read them already."""
+    msgs = harmony.messages(text) if msgs is None else msgs
     thought = [m.content for m in msgs if m.channel == "analysis"]
     answer = [harmony.markup(m) if m.is_call else m.content for m in msgs if m.channel != "analysis"]
     return (_PART.join(thought) if thought else None), _PART.join(answer)
@@ -145,17 +146,16 @@ class Splitter:
         whole = "".join(self._text)
         self._text = [whole]
         safe = harmony.safe_prefix(whole)
-        reasoning, answer = _harmony_split(safe)
+        msgs = harmony.messages(safe)
+        reasoning, answer = _harmony_split(safe, msgs)
         r.append((reasoning or "")[self._r_len:])
         a.append(answer[self._a_len:])
         self._side = None
         if safe == whole and whole:
             if not harmony.marked_up(whole):
                 self._side = "answer"
-            else:
-                msgs = harmony.messages(whole)
-                if msgs and not msgs[-1].ended and msgs[-1].channel:
-                    self._side = "reasoning" if msgs[-1].channel == "analysis" else "answer"
+            elif msgs and not msgs[-1].ended and msgs[-1].channel:
+                self._side = "reasoning" if msgs[-1].channel == "analysis" else "answer"
 
     def reasoning_rest(self, final: str | None) -> str:
         """What of the final reasoning was not sent yet."""
