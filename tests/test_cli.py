@@ -233,6 +233,15 @@ def _actions_without_help(parser: argparse.ArgumentParser, path: str) -> list[st
     return out
 
 
+def test_python_dash_m_talaria_is_the_talaria_command() -> None:
+    import subprocess
+    p = subprocess.run([sys.executable, "-m", "talaria", "--version"], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.startswith("talaria ")
+    p = subprocess.run([sys.executable, "-m", "talaria", "nonesuch"], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "usage: talaria" in p.stderr
+
+
 def test_every_flag_of_every_command_has_help_text() -> None:
     missing = _actions_without_help(build_parser(), "talaria")
     assert not missing, "no help text: " + ", ".join(missing)
