@@ -199,6 +199,7 @@ def _tools(raw: Any, param: str, inner: Any, schema_field: str, schema_path: str
     """`schema_path`: where the schema is within a tool, as the request writes it (chat's
     `function.parameters`), for the field a refusal names."""
     where = schema_path or schema_field
+    within = where.rpartition(".")[0] + "." if "." in where else ""  # chat's `function.`, for the name too
     if raw is None:
         return []
     if not isinstance(raw, list):
@@ -208,15 +209,21 @@ def _tools(raw: Any, param: str, inner: Any, schema_field: str, schema_path: str
         f = inner(t) if isinstance(t, Mapping) else None
         if not isinstance(f, Mapping) or not isinstance(f.get("name"), str) or not f["name"]:
             raise ToolsError(f"{param}[{i}] must be a function tool with a name", f"{param}[{i}]")
+        name_at = f"{param}[{i}].{within}name"
         if not TOOL_NAME.fullmatch(f["name"]):  # (both APIs' rule; a call names its tool in the model's text)
-            raise ToolsError(f"{param}[{i}].name must be 1-128 letters, digits, _ or -", f"{param}[{i}].name")
+            raise ToolsError(f"{name_at} must be 1-128 letters, digits, _ or -", name_at)
         if any(o.name == f["name"] for o in out):
-            raise ToolsError(f"{param}[{i}].name: two tools are named {f['name']!r}", f"{param}[{i}].name")
+            raise ToolsError(f"{name_at}: two tools are named {f['name']!r}", name_at)
         schema = f.get(schema_field) or {"type": "object", "properties": {}}
         if not isinstance(schema, Mapping):
             raise ToolsError(f"{param}[{i}].{where} must be a JSON schema object", f"{param}[{i}].{where}")
         if (why := schema_error(schema)) is not None:
             raise ToolsError(f"{param}[{i}].{where} is not a valid JSON Schema: {why}", f"{param}[{i}].{where}")
+        if schema.get("type", "object") != "object":
+            # (both APIs' rule: a call's arguments are named, so an object; an engine told
+            # otherwise would hand back arguments that break the schema it was given)
+            raise ToolsError(f"{param}[{i}].{where} must be a JSON Schema of type object, not "
+                             f"{str(schema['type'])[:100]!r}", f"{param}[{i}].{where}")
         desc = f.get("description") or ""
         out.append(Tool(f["name"], desc if isinstance(desc, str) else "", dict(schema)))
     return out

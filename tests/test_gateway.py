@@ -402,6 +402,8 @@ def test_a_responses_request_reads_as_the_chat_request_it_asks_for() -> None:
                        ({"input": [{"role": "user", "content": [{"type": "input_text"}]}]}, "input[0].content[0].text"),
                        ({"input": [{"type": "function_call", "name": "f"}]}, "input[0]"),
                        ({"input": "x", "conversation": "conv_1"}, "conversation"),
+                       # a stored prompt's instructions would be lost without a word
+                       ({"input": "x", "prompt": {"id": "pmpt_1", "variables": {"a": "b"}}}, "prompt"),
                        ({"input": "x", "background": True}, "background"),
                        ({"input": "x", "text": {"format": {"type": "json_schema"}}}, "text"),
                        ({"input": "x", "tools": [{"type": "local_shell"}]}, "tools[0]"),
@@ -2486,6 +2488,48 @@ async def test_tools_a_model_has_no_parser_for_or_that_are_malformed_are_400_by_
     r = await client.chat.completions.create(model=MODEL, max_tokens=300, messages=[{"role": "user", "content": "x"}],
                                              tools=[{"type": "function", "function": READ_FILE}], tool_choice="required")
     assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.tool_calls[0].function.name == "read_file"
+    # arguments that are no object: both APIs refuse them, and each names the field where its request has it
+    with pytest.raises(openai.BadRequestError) as e:
+        await client.chat.completions.create(model=MODEL, max_tokens=5, messages=[{"role": "user", "content": "x"}],
+                                             tools=[{"type": "function", "function": {
+                                                 "name": "x", "parameters": {"type": "array", "items": {}}}}])
+    assert e.value.body["param"] == "tools[0].function.parameters"
+    with pytest.raises(openai.BadRequestError) as e:
+        await client.responses.create(model=MODEL, max_output_tokens=5, input="x", tools=[{
+            "type": "function", "name": "has space", "parameters": {"type": "object"}, "strict": False}])
+    assert e.value.body["param"] == "tools[0].name" and "tools[0].name" in e.value.message
+    with pytest.raises(anthropic.BadRequestError) as ae:
+        await ant(stack).messages.create(model=MODEL, max_tokens=5, messages=[{"role": "user", "content": "x"}],
+                                         tools=[{"name": "x", "input_schema": {"type": "string"}}])  # type: ignore[list-item,typeddict-item]
+    assert "tools[0].input_schema" in ae.value.message
+
+
+@pytest.mark.timeout(60)
+async def test_a_past_tool_call_or_stream_options_chat_refuses_are_refused_on_the_sim_engine_too(
+        stack: EmbeddedStack) -> None:
+    """The real-token path could not render a past call without a function name; the sim
+    engine's prompt had written it in as JSON, so a client tried on it failed on vLLM."""
+    client = oai(stack)
+    user = {"role": "user", "content": "x"}
+    for call, param in (({"id": "c1", "type": "function"}, "messages[1].tool_calls[0].function"),
+                        ({"id": "c1", "type": "function", "function": {"name": 5, "arguments": "{}"}},
+                         "messages[1].tool_calls[0].function"),
+                        ({"id": "c1", "type": "function", "function": {"name": "f", "arguments": None}},
+                         "messages[1].tool_calls[0].function.arguments")):
+        with pytest.raises(openai.BadRequestError) as e:
+            await client.chat.completions.create(model=MODEL, max_tokens=5, messages=[  # type: ignore[list-item]
+                user, {"role": "assistant", "tool_calls": [call]}, {"role": "tool", "tool_call_id": "c1", "content": "ok"}])
+        assert e.value.body["param"] == param, call
+    # arguments as an object, as vLLM's templates take them: served
+    r = await client.chat.completions.create(model=MODEL, max_tokens=5, messages=[  # type: ignore[list-item]
+        user, {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function",
+                                                    "function": {"name": "f", "arguments": {"a": 1}}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "ok"}])
+    assert r.choices[0].message is not None
+    with pytest.raises(openai.BadRequestError) as e:  # the options of a stream not asked for
+        await client.chat.completions.create(model=MODEL, max_tokens=5, messages=[user],  # type: ignore[list-item]
+                                             stream_options={"include_usage": True})
+    assert e.value.body["param"] == "stream_options"
 
 
 @pytest.mark.timeout(60)

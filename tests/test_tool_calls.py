@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 
@@ -172,6 +173,29 @@ def test_requests_tools_in_each_apis_shape_and_refusals_by_name() -> None:
     with pytest.raises(ValueError):
         tc.tools_from_json(json.dumps({"not": "a list"}))
 
+
+
+@pytest.mark.parametrize("schema", [{"type": "array", "items": {"type": "string"}}, {"type": "string"}])
+def test_a_tool_whose_arguments_are_not_an_object_is_refused_naming_the_field(schema: dict[str, Any]) -> None:
+    # both APIs' rule: the sim engine had answered such a tool with `{}`, which breaks the schema given
+    with pytest.raises(tc.ToolsError) as e:
+        tc.openai_tools({"tools": [{"type": "function", "function": {"name": "x", "parameters": schema}}]})
+    assert e.value.param == "tools[0].function.parameters" and "type object" in str(e.value)
+    with pytest.raises(tc.ToolsError) as e:
+        tc.anthropic_tools({"tools": [{"name": "x", "input_schema": schema}]})
+    assert e.value.param == "tools[0].input_schema"
+    # a schema that leaves its type out describes an object's properties, as both take it
+    assert tc.openai_tools({"tools": [{"type": "function", "function": {"name": "x", "parameters": {
+        "properties": {"a": {"type": "string"}}}}}]})[0][0].name == "x"
+
+
+def test_a_refused_tool_name_is_named_where_each_api_writes_it() -> None:
+    with pytest.raises(tc.ToolsError) as e:
+        tc.openai_tools({"tools": [{"type": "function", "function": {"name": "has space"}}]})
+    assert e.value.param == "tools[0].function.name"
+    with pytest.raises(tc.ToolsError) as e:
+        tc.anthropic_tools({"tools": [{"name": "a", "input_schema": {}}, {"name": "a", "input_schema": {}}]})
+    assert e.value.param == "tools[1].name"
 
 
 def test_a_forced_calls_arguments_come_in_the_order_its_schema_declares() -> None:

@@ -461,6 +461,9 @@ class Gateway:
         stream = cls._stream(body)
         if body.get("n") not in (None, 1):
             raise HttpError("malformed", "only n=1 is served", "n")
+        if body.get("stream_options") is not None and not stream:
+            # (as OpenAI and vLLM: options of a stream not asked for are a mistake to say, not to drop)
+            raise HttpError("malformed", "stream_options is only allowed when stream is true", "stream_options")
         return stream
 
     def _tools(self, body: dict[str, Any], api: str, model: str) -> tuple[list[tc.Tool], str | None, str]:
@@ -1222,6 +1225,10 @@ class Gateway:
         except HttpError as err:
             if err.param is not None and err.param.startswith("messages"):
                 err.param = "input"  # (read as chat's messages; a Responses body's conversation is its input)
+            elif err.param is not None and err.param.startswith("tools[") and ".function." in err.param:
+                # (a Responses function tool is flat: its name and parameters beside its type)
+                err.param = err.param.replace(".function.", ".", 1)
+                err.message = err.message.replace(".function.", ".", 1)
             raise
         model, max_tokens, tools = p.model, p.max_tokens, list(p.tools)
         cid, created = p.ids.call_id, int(time.time())

@@ -413,7 +413,21 @@ def _checked(messages: Any, roles: tuple[str, ...]) -> Iterator[tuple[int, Mappi
             raise BadRequest(f"messages[{i}].content is required for the {role} role", f"messages[{i}].content")
         if m.get("tool_calls") is not None and not isinstance(m["tool_calls"], list):
             raise BadRequest(f"messages[{i}].tool_calls must be a list", f"messages[{i}].tool_calls")
+        for j, call in enumerate(m.get("tool_calls") or ()):
+            _check_past_call(call, f"messages[{i}].tool_calls[{j}]")
         yield i, m, role
+
+
+def _check_past_call(call: Any, where: str) -> None:
+    """A past tool call in an assistant message as chat's API takes it: a function with a
+    name, its arguments a string (an object is taken too, as vLLM's templates take it).
+    Checked here, before either engine's prompt is built, so a call the real-token path
+    could not render is refused on the sim engine as well, not written in as JSON."""
+    f = call.get("function") if isinstance(call, Mapping) else None
+    if not isinstance(f, Mapping) or not isinstance(f.get("name"), str) or not f["name"]:
+        raise BadRequest(f"{where} must be a function call with a name", f"{where}.function")
+    if not isinstance(f.get("arguments"), (str, Mapping)):
+        raise BadRequest(f"{where}.function.arguments must be a string of JSON", f"{where}.function.arguments")
 
 
 def template_messages(messages: Any, system: Any = None, *, api: str = "openai") -> list[dict[str, Any]]:
@@ -1029,8 +1043,14 @@ def anthropic_context_words(message: str) -> str:
 # responses continuing it extend, so `previous_response_id` continues it with two reads and
 # a conversation of T turns is stored once (whole with each response, it was T^2 / 2 turns'
 # worth); Codex sends `store: false` and its whole conversation in `input`. The
-# Conversations API's `conversation` is refused by name.
-_RESPONSES_NOT_SERVED = ("conversation",)
+# Conversations API's `conversation` is refused by name, and so is a stored prompt
+# (`prompt`: a dashboard's template and variables, kept on OpenAI's side), whose
+# instructions a request without them would silently lose.
+_RESPONSES_NOT_SERVED = {
+    "conversation": "the Conversations API is not served here; continue a stored response with "
+                    "previous_response_id, or send the whole conversation in input",
+    "prompt": "stored prompts are not served here; send the prompt's text as instructions and input",
+}
 _RESPONSES_ROLES = ("user", "assistant", "system", "developer")
 _RESPONSES_TEXT_PARTS = ("input_text", "output_text", "text")
 
@@ -1193,11 +1213,9 @@ def responses_request(body: Mapping[str, Any], previous: list[Any] | None = None
     it), its function tools in chat's shape. What the chat path reads keeps the Responses
     name (`max_output_tokens`), so a refusal names the field the agent sent. A BadRequest
     names what is malformed or not served."""
-    for name in _RESPONSES_NOT_SERVED:
+    for name, instead in _RESPONSES_NOT_SERVED.items():
         if body.get(name) is not None:
-            raise BadRequest(f"{name} is not served: the Conversations API is not served here; continue a "
-                             "stored response with previous_response_id, or send the whole conversation in input",
-                             name)
+            raise BadRequest(f"{name} is not served: {instead}", name)
     if body.get("background") not in (None, False):
         raise BadRequest("background responses are not served", "background")
     text = body.get("text")
