@@ -231,7 +231,7 @@ class CallReply(Base, tag="reply"):
     wall_decode_s: float | None = None
     wall_total_s: float | None = None
     aborted: bool = False
-    stop_sequence: str | None = None  # the stop string that ended the output (real engine; the sim engine samples none)
+    stop_sequence: str | None = None  # the stop string that ended the output (the sim engine: in its filler)
     # why the output ended, as the engine says: `stop` (its end, a stop string or token) or
     # `length` (max_tokens); None where not said (an aborted call, an older engine)
     finish_reason: Literal["stop", "length"] | None = None

@@ -2505,6 +2505,31 @@ async def test_tools_a_model_has_no_parser_for_or_that_are_malformed_are_400_by_
 
 
 @pytest.mark.timeout(60)
+async def test_the_sim_engine_stops_at_a_stop_string_as_a_real_engine_does(stack: EmbeddedStack) -> None:
+    """The sim engine had run past the agent's stop strings to its 200 tokens, saying it
+    stopped on its own: now it ends before the first one its filler holds, the string left
+    out and named (Messages' `stop_reason: stop_sequence`), whole and streamed alike."""
+    client = oai(stack)
+    msgs = [{"role": "user", "content": "write"}]
+    r = await client.chat.completions.create(model=MODEL, max_tokens=300, messages=msgs, stop=["dolor", "ipsum"])
+    text = r.choices[0].message.content
+    assert text is not None and "ipsum" not in text and text.endswith("lorem ")
+    assert r.choices[0].finish_reason == "stop" and 0 < r.usage.completion_tokens < 200
+    streamed = "".join([c.choices[0].delta.content or "" async for c in await client.chat.completions.create(
+        model=MODEL, max_tokens=300, messages=msgs, stop="ipsum", stream=True) if c.choices])
+    assert streamed == text
+    m = await ant(stack).messages.create(model=MODEL, max_tokens=300, messages=msgs,  # type: ignore[arg-type]
+                                         stop_sequences=["zzz", "ipsum"])
+    assert (m.stop_reason, m.stop_sequence) == ("stop_sequence", "ipsum")
+    assert m.content[0].type == "text" and m.content[0].text == text
+    # a stop string the reply never writes changes nothing; max_tokens before it still cuts
+    r = await client.chat.completions.create(model=MODEL, max_tokens=300, messages=msgs, stop=["zzz"])
+    assert r.usage.completion_tokens == 200 and r.choices[0].finish_reason == "stop"
+    r = await client.chat.completions.create(model=MODEL, max_tokens=5, messages=msgs, stop=["ipsum"])
+    assert r.usage.completion_tokens == 5 and r.choices[0].finish_reason == "length"
+
+
+@pytest.mark.timeout(60)
 async def test_a_past_tool_call_or_stream_options_chat_refuses_are_refused_on_the_sim_engine_too(
         stack: EmbeddedStack) -> None:
     """The real-token path could not render a past call without a function name; the sim

@@ -7,7 +7,7 @@ and cancel behave as on a real engine; the token ids are placeholders (the
 sim has no vocabulary). A replayed trace's call gets no text. A call from the
 front door (it carries sampling fields) gets labelled synthetic filler
 (`SYNTHETIC_LABEL`) of the published median output, 200 tokens, or less where
-`max_tokens` is less; with structured output, a made-up JSON value of the
+`max_tokens` is less, or where one of its stop strings ends it; with structured output, a made-up JSON value of the
 requested schema, as long as that value is. In the synthetic tool mode, a call
 whose hint carries tools (and a tool choice other than "none") answers one
 well-formed call of one of them, written in the model's own format
@@ -101,8 +101,8 @@ def synthetic_text(output_tokens: int) -> str:
 
 def reply_text(rc: RunCall, fmt: str, output_tokens: int) -> str | None:
     """The sim reply's text: its synthetic tool call or structured output, else labelled
-    filler for a call from the front door (it carries sampling fields), else none (a
-    replayed trace's call)."""
+    filler for a call from the front door (it carries sampling fields), ended before the
+    first of the request's stop strings it holds, else none (a replayed trace's call)."""
     shaped = shaped_text(rc, fmt)
     if shaped is not None:
         if output_tokens < _tokens_of(shaped):
@@ -110,7 +110,27 @@ def reply_text(rc: RunCall, fmt: str, output_tokens: int) -> str | None:
             # cut off stays text at the front door; a cut JSON value does not parse)
             return shaped.encode()[:4 * max(1, output_tokens)].decode(errors="ignore")
         return shaped
-    return synthetic_text(output_tokens) if rc.engine.sampling is not None else None
+    if rc.engine.sampling is None:
+        return None
+    text = synthetic_text(output_tokens)
+    hit = _first_stop(rc, text)
+    return text if hit is None else text[:hit[0]]
+
+
+def _first_stop(rc: RunCall, text: str) -> tuple[int, str] | None:
+    """Where the first of the call's stop strings begins in the filler, and which: a real
+    engine stops there and leaves the string out of its text, as vLLM does."""
+    stops = rc.engine.sampling.stop if rc.engine.sampling is not None else None
+    found = [(i, s) for s in stops or () if s and (i := text.find(s)) >= 0]
+    return min(found, key=lambda f: f[0] + len(f[1])) if found else None  # (the one completed first)
+
+
+def stop_sequence(rc: RunCall, fmt: str, output_tokens: int) -> str | None:
+    """The stop string that ended the sim reply (Messages' `stop_sequence`), if one did."""
+    if shaped_text(rc, fmt) is not None or rc.engine.sampling is None:
+        return None
+    hit = _first_stop(rc, synthetic_text(output_tokens))
+    return hit[1] if hit is not None else None
 
 
 def _tokens_of(text: str) -> int:
@@ -128,7 +148,11 @@ def stop_tokens(rc: RunCall, fmt: str = "none") -> int:
     text = shaped_text(rc, fmt)
     if text is not None:
         return _tokens_of(text)
-    return MEDIAN_OUTPUT_TOKENS if rc.engine.sampling is not None else rc.call.max_tokens
+    if rc.engine.sampling is None:
+        return rc.call.max_tokens
+    # a stop string in the filler it would write ends it there, its own tokens generated
+    hit = _first_stop(rc, synthetic_text(min(MEDIAN_OUTPUT_TOKENS, rc.call.max_tokens)))
+    return MEDIAN_OUTPUT_TOKENS if hit is None else max(1, -(-(hit[0] + len(hit[1])) // 4))
 
 
 def text_between(rc: RunCall, fmt: str, start: int, stop: int) -> str | None:
@@ -379,6 +403,7 @@ class SimBackend(EngineBackend):
             text=reply_text(rc, self.tool_format, r.output_tokens),
             # cut where its own end lies past the bound (a reply as long as max_tokens may end there)
             finish_reason="length" if stop_tokens(rc, self.tool_format) > c.max_tokens else "stop",
+            stop_sequence=stop_sequence(rc, self.tool_format, r.output_tokens),
         )
         busy = self.busy.pending({state.BUSY_PREFIX + s.model: round(self.engine.busy_s, 3)})
 
