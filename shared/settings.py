@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import os
 import sys
 from collections.abc import Callable, Mapping
@@ -25,6 +26,8 @@ from shared.redis_client import RedisUrlError, login, parse_redis_url
 ENGINE_BACKENDS = ("sim", "vllm")
 GATEWAY_MAX_BODY = 32 * 1024 * 1024  # the default request body limit: Anthropic's own 32 MB, for conversations carrying images
 GATEWAY_RESPONSES_TTL_S = 6 * 3600   # how long a stored Responses-API response can be continued (an agent session's span)
+GATEWAY_DRAIN_WALL_S = 25.0    # on SIGTERM: how long calls in flight may finish (under compose's 30-s stop grace)
+STREAMS_STOP_WALL_S = 2.0      # ... then how long streams still open have to write their error event
 # the call record bucket's least bound: it must reach back past the longest call (a record dropped
 # while its call runs is answered again, but a retry of it meanwhile would run it a second time)
 CALL_RECORD_MIN_BYTES = 64 * 1024 * 1024
@@ -71,6 +74,51 @@ def _number(env: Mapping[str, str], name: str, default: float, parse: Callable[[
         return parse(v)
     except ValueError:
         raise SettingsError(f"{name} must be {what}, not {v!r}") from None
+
+
+# Each numeric setting's range (the variable, its flag's field, the least value, whether that
+# value itself is refused, the most): a value outside it is a SettingsError, not clamped to
+# something else (a heartbeat of 0 busy-looped admission into a restart loop; a queue bound
+# of -1 read as no bound). NaN and infinities are refused alike.
+_RANGES: tuple[tuple[str, str, float, bool, float], ...] = (
+    ("TALARIA_TIME_SCALE", "time_scale", 0, True, math.inf),
+    ("TALARIA_HEARTBEAT_WALL_S", "heartbeat_wall_s", 0, True, math.inf),
+    ("TALARIA_SWITCH_COST_SCALE", "switch_cost_scale", 0, False, math.inf),
+    ("TALARIA_PREFILL_SPEED_SCALE", "prefill_speed_scale", 0, True, math.inf),
+    ("TALARIA_MAX_QUEUED", "max_queued", 0, False, math.inf),
+    ("TALARIA_SESSION_IDLE_S", "session_idle_s", 0, True, math.inf),
+    ("TALARIA_CONTROL_TIMEOUT_S", "control_timeout_s", 0, True, math.inf),
+    ("TALARIA_LOG_MAX_BYTES", "log_max_bytes", 0, False, math.inf),
+    ("TALARIA_LOG_KEEP", "log_keep", 1, False, math.inf),
+    ("TALARIA_GATEWAY_PORT", "gateway_port", 0, False, 65535),
+    ("TALARIA_GATEWAY_KEEPALIVE_S", "gateway_keepalive_s", 0, True, math.inf),
+    ("TALARIA_GATEWAY_RETRY_GRACE_S", "gateway_retry_grace_s", 0, False, math.inf),
+    ("TALARIA_GATEWAY_BODY_TIMEOUT_S", "gateway_body_timeout_s", 0, True, math.inf),
+    ("TALARIA_GATEWAY_MAX_BODY", "gateway_max_body", 0, True, math.inf),
+    ("TALARIA_GATEWAY_RESPONSES_TTL_S", "gateway_responses_ttl_s", 0, False, math.inf),
+    ("TALARIA_CALL_RECORD_REPLICAS", "call_record_replicas", 1, False, 5),
+    ("TALARIA_PROMPT_STORE_MAX_BYTES", "prompt_store_max_bytes", 0, True, math.inf),
+    ("TALARIA_CALL_RECORD_MAX_BYTES", "call_record_max_bytes", 0, True, math.inf),
+    ("TALARIA_METRICS_PORT", "metrics_port", 0, False, 65535),
+    ("TALARIA_LOOP_STALL_EXIT_S", "loop_stall_exit_s", 0, False, math.inf),
+)
+_CHOICES = (("TALARIA_LOG_FORMAT", "log_format", ("json", "console")),
+            ("TALARIA_LOG_LEVEL", "log_level", ("DEBUG", "INFO", "WARNING", "ERROR")))
+
+
+def _check_ranges(a: argparse.Namespace) -> None:
+    """A SettingsError naming the first setting outside its range (flags are checked the
+    same, as argparse checks no value its environment default gave)."""
+    for var, attr, least, strict, most in _RANGES:
+        v = getattr(a, attr)
+        if not math.isfinite(v) or v < least or (strict and v == least) or v > most:
+            bound = (f"above {least:g}" if strict else f"at least {least:g}") + \
+                (f" and at most {most:g}" if math.isfinite(most) else "")
+            raise SettingsError(f"{var} (--{attr.replace('_', '-')}) must be {bound}, not {v:g}")
+    for var, attr, allowed in _CHOICES:
+        if getattr(a, attr) not in allowed:
+            raise SettingsError(f"{var} (--{attr.replace('_', '-')}) must be one of {', '.join(allowed)}, "
+                                f"not {getattr(a, attr)!r}")
 
 
 def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
@@ -309,8 +357,7 @@ class Settings:
             policy = decode_policy(pol) if pol.startswith("{") else resolve_policy(pol)
         except (ValueError, msgspec.ValidationError, msgspec.DecodeError) as exc:  # (PolicyError is a ValueError)
             raise SettingsError(f"TALARIA_POLICY: {exc}") from None
-        if a.time_scale <= 0:
-            raise SettingsError(f"TALARIA_TIME_SCALE (--time-scale) must be above 0, not {a.time_scale:g}")
+        _check_ranges(a)
         try:
             parse_redis_url(a.redis)
         except RedisUrlError as exc:

@@ -17,7 +17,7 @@ import msgspec
 from shared.auth import nats_password_from_env, role_password_var
 from shared.catalog import CatalogError, load_catalog
 from shared.policy import PRESETS, PolicyError, resolve_policy
-from shared.settings import parse_api_keys
+from shared.settings import GATEWAY_DRAIN_WALL_S, parse_api_keys
 from talaria.workload.trace import TraceError, TraceSession, load_runnable_trace
 from talaria.workload import generate as gen
 from talaria.argtypes import (
@@ -422,9 +422,13 @@ def cmd_up(a: argparse.Namespace) -> int:
             await stop.wait()
         finally:
             if stack.holds_log_dir:  # (else another stack runs from it: its files are not this one's)
-                print("stopping ...", flush=True)
+                stack.mark_stopping()  # (`talaria status` says so, not "still starting")
+                print(f"stopping: calls in flight may finish (up to {GATEWAY_DRAIN_WALL_S:g} s; Ctrl-C again "
+                      "ends them now) ...", flush=True)
                 # its passwords die with the stack: a stale file would only mislead `replay --credentials`
                 cred_file.unlink(missing_ok=True)
+            for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+                loop.add_signal_handler(sig, stack.cut_drain)
             await stack.stop()
 
     asyncio.run(run())
@@ -521,7 +525,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "(docs/deploy.md)")
     u.add_argument("--subject-prefix", default=None, help="first token of every subject (default: a fresh one)")
     u.add_argument("--key-prefix", default=None, help="prefix of every Redis key (default: a fresh one)")
-    u.add_argument("--log-dir", default=str(default_log_dir() / "up"),
+    u.add_argument("--log-dir", type=output_folder, default=str(default_log_dir() / "up"),
                    help=f"the services' logs and credentials.json (default {default_log_dir() / 'up'}, "
                         "apart from the replays' run folders; one running stack per folder)")
     u.add_argument("--servers", type=positive_int, default=1, help="GPU servers to emulate (default 1)")

@@ -242,6 +242,20 @@ def test_python_dash_m_talaria_is_the_talaria_command() -> None:
     assert p.returncode == 2 and "usage: talaria" in p.stderr
 
 
+def test_a_log_folder_that_cannot_be_one_is_one_line_not_a_traceback(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from talaria.ops.stack import StackStartError, lock_log_dir
+
+    a_file = tmp_path / "a.jsonl"
+    a_file.write_text("")
+    with pytest.raises(SystemExit) as e:
+        main(["up", "--log-dir", str(a_file)])
+    assert e.value.code == 2 and "is a file, not a folder to write into" in capsys.readouterr().err
+    # what locks a run's folder says so too (it had raised FileExistsError through every command)
+    with pytest.raises(StackStartError, match="cannot use .* as the log folder"):
+        lock_log_dir(a_file)
+
+
 def test_every_flag_of_every_command_has_help_text() -> None:
     missing = _actions_without_help(build_parser(), "talaria")
     assert not missing, "no help text: " + ", ".join(missing)
@@ -481,6 +495,12 @@ def test_a_bad_setting_in_the_environment_stops_up_in_one_line(
     assert main(["up", "--log-dir", str(tmp_path / "up2")]) == 2
     err = capsys.readouterr().err
     assert "TALARIA_MAX_QUEUED must be a whole number, not 'many'" in err and "Traceback" not in err, err
+    # and one out of its range: a heartbeat of 0 had started, then busy-looped admission into restarts
+    monkeypatch.delenv("TALARIA_MAX_QUEUED")
+    monkeypatch.setenv("TALARIA_HEARTBEAT_WALL_S", "0")
+    assert main(["up", "--log-dir", str(tmp_path / "up3")]) == 2
+    err = capsys.readouterr().err
+    assert "TALARIA_HEARTBEAT_WALL_S (--heartbeat-wall-s) must be above 0, not 0" in err and "Traceback" not in err, err
 
 
 @pytest.mark.timeout(60)

@@ -39,6 +39,7 @@ jsonschema = pytest.importorskip("jsonschema")
 
 from talaria.ops import healthcheck  # noqa: E402
 from shared.net import free_port
+from shared.settings import Settings, SettingsError
 from talaria.ops.binaries import find_nats_server, find_redis_server
 from talaria.ops.nats_server import NatsServer
 from talaria.ops.processes import ProcessGroup
@@ -262,6 +263,29 @@ def test_a_bad_setting_stops_a_service_in_one_line_naming_it(module: str, env: d
     assert out.stderr.startswith("talaria: error: ") and name in out.stderr and "Traceback" not in out.stderr, out
 
 
+@pytest.mark.parametrize("name,value,said", [
+    ("TALARIA_HEARTBEAT_WALL_S", "0", "must be above 0, not 0"),  # admission busy-looped into restarts
+    ("TALARIA_HEARTBEAT_WALL_S", "-1", "must be above 0"),
+    ("TALARIA_MAX_QUEUED", "-1", "must be at least 0, not -1"),  # read as no bound at all
+    ("TALARIA_LOG_MAX_BYTES", "-5", "must be at least 0"),       # read as never rotate
+    ("TALARIA_SESSION_IDLE_S", "-1", "must be above 0"),
+    ("TALARIA_SWITCH_COST_SCALE", "-1", "must be at least 0"),
+    ("TALARIA_SESSION_IDLE_S", "nan", "not nan"),
+    ("TALARIA_METRICS_PORT", "70000", "at most 65535"),
+    ("TALARIA_CALL_RECORD_REPLICAS", "7", "at most 5"),
+    ("TALARIA_LOG_LEVEL", "LOUD", "must be one of DEBUG, INFO, WARNING, ERROR, not 'LOUD'"),  # quietly INFO
+    ("TALARIA_LOG_FORMAT", "xml", "must be one of json, console"),                             # quietly JSON
+])
+def test_a_setting_out_of_its_range_is_refused_naming_it_not_read_as_another(name: str, value: str, said: str) -> None:
+    with pytest.raises(SettingsError) as e:
+        Settings.from_env([], {name: value})
+    assert str(e.value).startswith(name) and said in str(e.value), e.value
+    # the ends of the ranges that mean something are taken
+    s = Settings.from_env([], {"TALARIA_MAX_QUEUED": "0", "TALARIA_LOG_MAX_BYTES": "0", "TALARIA_SWITCH_COST_SCALE": "0",
+                               "TALARIA_METRICS_PORT": "65535", "TALARIA_LOG_LEVEL": "debug"})
+    assert (s.max_queued, s.log_max_bytes, s.switch_cost_scale, s.metrics_port, s.log_level) == (0, 0, 0.0, 65535, "DEBUG")
+
+
 def test_vllm_settings_refuse_a_missing_or_unreadable_model_folder(tmp_path: Path) -> None:
     from shared.settings import SettingsError, VllmSettings
 
@@ -314,7 +338,18 @@ def test_health_checks_restarts_and_start_order() -> None:
         for infra in ("nats", "redis"):
             assert deps[infra]["condition"] == "service_healthy", f"{name} -> {infra}"
         for dep, spec in deps.items():
-            assert dep in svcs and spec["condition"] == "service_healthy", f"{name} -> {dep}"
+            # (the gateway's on the services behind it orders the stop, not the start)
+            started_only = name == "gateway" and dep not in ("nats", "redis", "router")
+            assert dep in svcs and spec["condition"] == ("service_started" if started_only else "service_healthy"), \
+                f"{name} -> {dep}"
+
+
+def test_the_gateway_stops_before_the_services_that_serve_its_calls() -> None:
+    """Compose stops a service before those it depends on: the gateway's drain lets its
+    calls in flight finish only while admission, the substrate and the engines still run."""
+    svcs = load_compose()["services"]
+    behind = {n for n in ours(load_compose()) if n != "gateway" and n != "router"}
+    assert behind and behind <= set(svcs["gateway"]["depends_on"]), behind - set(svcs["gateway"]["depends_on"])
 
 
 def test_dockerfiles_and_config_files_exist() -> None:

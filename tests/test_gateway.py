@@ -1589,11 +1589,14 @@ async def test_a_stopping_gateway_finishes_its_streams_and_sends_new_requests_el
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("ended_by", ["its bound", "a second signal"])
 async def test_a_stream_longer_than_the_gateways_drain_ends_in_its_apis_error_event(
-        refusing_gateway: tuple[str, dict[str, Any]]) -> None:
+        refusing_gateway: tuple[str, dict[str, Any]], ended_by: str) -> None:
     """Past its drain's bound the gateway ends each open stream with the API's error
     event (`unavailable`: send it again), and stops its run, instead of a bare close at
-    its exit (a probe: a 50-s stream cut after SIGTERM, logged as the client's 499)."""
+    its exit (a probe: a 50-s stream cut after SIGTERM, logged as the client's 499). An
+    operator who will not wait out the bound's 25 s asks again (a second Ctrl-C or
+    SIGTERM): the drain ends so at once."""
     url, ctl = refusing_gateway
     gw = ctl["gateway"]
     client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="k", max_retries=0)
@@ -1601,7 +1604,14 @@ async def test_a_stream_longer_than_the_gateways_drain_ends_in_its_apis_error_ev
     streaming = await _slow_stream_begun(client, got)
     t0 = time.monotonic()
     with structlog.testing.capture_logs() as logged:
-        await gw.drain(0.3)  # (the stand-in's stream lasts 1.5 s)
+        if ended_by == "its bound":
+            await gw.drain(0.3)  # (the stand-in's stream lasts 1.5 s)
+        else:
+            draining = asyncio.ensure_future(gw.drain(20.0))
+            await asyncio.sleep(0.2)
+            assert not draining.done()
+            gw.drain_cut_asked.set()
+            await asyncio.wait_for(draining, 5)
         with pytest.raises(openai.APIError, match="gateway is stopping"):
             await asyncio.wait_for(streaming, 5)
     assert time.monotonic() - t0 < 1.2, "the drain waited for the stream's end"
@@ -1609,6 +1619,50 @@ async def test_a_stream_longer_than_the_gateways_drain_ends_in_its_apis_error_ev
     assert any(e["event"] == "gateway.drain_cut" for e in logged)
     (line,) = [e for e in logged if e["event"] == "gateway.call"]
     assert (line["status"], line["error"]) == (200, "unavailable")
+
+
+@pytest.mark.timeout(120)
+async def test_a_stopping_stack_lets_a_stream_queued_for_its_models_turn_finish(tmp_path: Path) -> None:
+    """The whole stack stopping (`talaria up`'s Ctrl-C): the gateway drains first while
+    admission and the engines still serve. Stopped all at once, a stream still queued for
+    its model's turn was never served and was cut by a bare close 10 s later (a probe,
+    4 of 4 stops under load)."""
+    other = "glm-4.5-fp8"
+    spec = StackSpec(policy=resolve_policy("talaria"), models=[MODEL, other], time_scale=20.0,
+                     log_dir=tmp_path / "logs", gateway=True)
+    stack = EmbeddedStack(spec)
+    await stack.start()
+    stopped = False
+    try:
+        client = openai.AsyncOpenAI(base_url=stack.openai_base_url, api_key=stack.api_key, max_retries=0)
+        begun = asyncio.Event()
+
+        async def stream(model: str, tokens: int) -> tuple[str | None, str]:
+            text, finish = [], None
+            async for c in await client.chat.completions.create(
+                    model=model, max_tokens=tokens, stream=True, messages=[{"role": "user", "content": "go"}],
+                    extra_body={"talaria": {"sim_output_tokens": tokens}}):
+                begun.set()
+                if c.choices:
+                    text.append(c.choices[0].delta.content or "")
+                    finish = c.choices[0].finish_reason or finish
+            return finish, "".join(text)
+
+        running = asyncio.ensure_future(stream(MODEL, 1500))  # about 2 s of wall at 20x
+        await asyncio.wait_for(begun.wait(), 30)
+        queued = asyncio.ensure_future(stream(other, 40))  # waits for MODEL's turn to end, then a switch
+        await asyncio.sleep(0.3)
+        assert not queued.done()
+        t0 = time.monotonic()
+        await stack.stop()
+        stopped = True
+        took = time.monotonic() - t0
+        (finish_a, text_a), (finish_b, text_b) = await asyncio.wait_for(asyncio.gather(running, queued), 10)
+        assert finish_a == finish_b == "stop" and text_a and text_b
+        assert took < 15, took  # the calls' own time, not the drain's bound
+    finally:
+        if not stopped:
+            await stack.stop()
 
 
 @pytest.mark.timeout(60)

@@ -682,3 +682,28 @@ def test_a_redis_server_on_the_path_is_preferred_to_the_one_in_this_environments
     assert find_redis_server() == str(system / "bin" / "redis-server")
     monkeypatch.setenv("PATH", str(env / "bin"))  # none elsewhere
     assert find_redis_server() != str(system / "bin" / "redis-server")  # (the bundled one, else this one)
+
+
+def test_the_temp_folders_of_a_killed_stack_are_removed_by_the_next_one(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """`talaria up` killed with SIGKILL runs no exit hook: its NATS store's and Redis's
+    temporary folders stayed for good. The next stack's removes those of processes gone."""
+    import tempfile
+
+    from talaria.ops import processes
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    orphan = tmp_path / f"talaria-nats-{gone.pid}-abc"
+    live = tmp_path / f"talaria-nats-{os.getppid()}-def"  # (a running process's: kept)
+    other = tmp_path / f"talaria-redis-{gone.pid}-ghi"    # (another prefix: its own sweep's)
+    for d in (orphan, live, other):
+        d.mkdir()
+    mine = processes.own_tempdir("talaria-nats-")
+    try:
+        assert not orphan.exists() and live.exists() and other.exists()
+        assert mine.parent == tmp_path and mine.name.startswith(f"talaria-nats-{os.getpid()}-")
+        assert processes.sweep_orphaned_tempdirs("talaria-nats-") == []  # its own is kept
+    finally:
+        shutil.rmtree(mine, ignore_errors=True)

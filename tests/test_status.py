@@ -164,3 +164,27 @@ def test_status_says_a_stack_is_still_starting_until_it_writes_its_credentials(
     finally:
         os.close(fd)
     assert main(["status", "--credentials", str(creds)]) == 2
+
+
+def test_status_says_a_stack_is_stopping_and_that_a_killed_ones_credentials_are_stale(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """While `talaria up` stops, status said "still starting" (its credentials are gone
+    first); after a SIGKILL, its credentials stay behind and status tried to connect."""
+    from talaria.client import Deployment
+    from talaria.ops.stack import EmbeddedStack, StackSpec
+
+    folder = tmp_path / "up"
+    creds = folder / "credentials.json"
+    stack = EmbeddedStack(StackSpec(policy=resolve_policy("talaria"), log_dir=folder))
+    stack.claim_log_dir()
+    try:
+        stack.mark_stopping()
+        assert main(["status", "--credentials", str(creds)]) == 1
+        assert f"talaria up (pid {os.getpid()}) is stopping: not ready" in capsys.readouterr().err
+    finally:
+        os.close(stack._lock_fd)  # type: ignore[arg-type]
+    # a stack killed where it stood: its lock let go, its credentials file left
+    Deployment(nats_urls=[f"nats://{LOOPBACK}:{free_port()}"], subject_prefix="t", key_prefix="t").write(creds)
+    t0 = time.monotonic()
+    assert main(["status", "--credentials", str(creds)]) == 2
+    assert "no talaria up runs from" in capsys.readouterr().err and time.monotonic() - t0 < 1.0

@@ -64,7 +64,7 @@ from shared.schema import CallReply, CallRunning, CallTokens, Sampling, context_
 from shared import tracing
 from shared.metrics import Metrics
 from shared.redis_client import RedisUrlError, check_target, open_redis
-from shared.settings import Settings, parse_api_keys
+from shared.settings import GATEWAY_DRAIN_WALL_S, STREAMS_STOP_WALL_S, Settings, parse_api_keys
 from shared.subjects import GATEWAY_NAMESPACE
 
 DEFAULT_MAX_TOKENS = 4096      # a request naming no bound gets this much, capped by the context left
@@ -77,8 +77,6 @@ SOFT_STATE_PAUSE_S = 5.0       # how long the gateway does without its soft stat
 SOFT_STATE_WAIT_S = 1.0        # how long one soft step waits on Redis (a stalled one answers nothing at all)
 SOFT_STATE_PROBE_S = 0.5       # while it is set aside: a PING this often (and waited on this long) ends the pause
 RETRY_WINDOW_S = 3600          # how long a first attempt's call id waits for its SDK's retries (timeouts x retries: minutes)
-GATEWAY_DRAIN_WALL_S = 25.0    # on SIGTERM: how long calls in flight may finish (under compose's 30-s stop grace)
-STREAMS_STOP_WALL_S = 2.0      # ... then how long streams still open have to write their error event
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 REQUEST_ID_HEADER, ANTHROPIC_REQUEST_ID_HEADER = "x-request-id", "request-id"
 REQUEST_ID_KEY = web.RequestKey("talaria.call_id", str)  # a request's call id, for its answer's headers
@@ -225,6 +223,7 @@ class Gateway:
         self.draining = False  # SIGTERM: API requests in flight finish, new ones are sent elsewhere
         self.in_flight = 0     # API requests being answered (a stream until its end)
         self.streams_stop = asyncio.Event()  # the drain's time is up: streams end with the API's error event
+        self.drain_cut_asked = asyncio.Event()  # a second SIGTERM: the drain's time is up now
 
     # -- the app --------------------------------------------------------------------------
     def app(self) -> web.Application:
@@ -337,7 +336,7 @@ class Gateway:
         would tell nothing (the embedded stack's watch killed a gateway draining so)."""
         async def settled(within_s: float) -> bool:
             deadline = time.monotonic() + within_s
-            while self.in_flight and time.monotonic() < deadline:
+            while self.in_flight and time.monotonic() < deadline and not self.drain_cut_asked.is_set():
                 await asyncio.sleep(0.05)
             return not self.in_flight
 
@@ -346,8 +345,9 @@ class Gateway:
             self.log.info("gateway.draining", in_flight=self.in_flight, within_s=within_s)
         if not await settled(within_s):
             # streams say why they end (else cut by the exit, a bare close: a probe's 50-s one)
-            self.log.warning("gateway.drain_cut", in_flight=self.in_flight)
+            self.log.warning("gateway.drain_cut", in_flight=self.in_flight, asked=self.drain_cut_asked.is_set())
             self.streams_stop.set()
+            self.drain_cut_asked.clear()
             await settled(STREAMS_STOP_WALL_S)
 
     # -- shared steps ---------------------------------------------------------------------------
@@ -1501,7 +1501,10 @@ async def serve(settings: Settings) -> None:
     await stop.wait()
     log.info("gateway.stopping")
     rotating.cancel()
-    await runner.app[GATEWAY_KEY].drain(GATEWAY_DRAIN_WALL_S)
+    gw = runner.app[GATEWAY_KEY]
+    for sig in (signal.SIGTERM, signal.SIGINT):  # a second signal: stop waiting, streams end with their error event
+        loop.add_signal_handler(sig, gw.drain_cut_asked.set)
+    await gw.drain(GATEWAY_DRAIN_WALL_S)
     await runner.cleanup()  # stops taking requests (and cuts what the drain left)
     await client.close()
     await redis.aclose()

@@ -292,9 +292,36 @@ def wait_tcp(port: int, proc: subprocess.Popen[bytes], deadline: float, what: st
 
 
 def own_tempdir(prefix: str) -> Path:
-    d = tempfile.mkdtemp(prefix=prefix)
+    """A temporary folder removed at exit, named by this process's pid, so the next one
+    removes it if this process was killed before its exit hook ran (`talaria up` under
+    SIGKILL left its NATS store's and Redis's folders in the temp folder for good)."""
+    sweep_orphaned_tempdirs(prefix)
+    d = tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-")
     _owned_dirs.add(d)
     return Path(d)
+
+
+def sweep_orphaned_tempdirs(prefix: str) -> list[str]:
+    """Remove the temporary folders `own_tempdir(prefix)` made in processes that no longer run."""
+    root = tempfile.gettempdir()
+    removed = []
+    with contextlib.suppress(OSError):
+        for name in os.listdir(root):
+            pid = name[len(prefix):].split("-", 1)[0] if name.startswith(prefix) else ""
+            if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
+                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+                removed.append(name)
+    return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # (another user's: alive)
+        return True
+    return True
 
 
 BIND_ATTEMPTS = 3  # a free port can be taken between picking it and the server binding it

@@ -9,10 +9,12 @@ never written to unless its URL is passed explicitly.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fcntl
 import os
 import secrets
 import shutil
+import signal
 import sys
 import time
 import uuid
@@ -27,7 +29,7 @@ from shared.clock import done_within
 from shared.net import LOOPBACK, NATS_KEEPALIVE, free_port, port_free
 from shared.policy import PolicyConfig, encode_policy
 from shared.schema import HEALTH_OK
-from shared.settings import Settings, SettingsError
+from shared.settings import GATEWAY_DRAIN_WALL_S, STREAMS_STOP_WALL_S, Settings, SettingsError
 from shared.subjects import Subjects
 from talaria.client import AgentLogin, Deployment
 from talaria.ops.healthcheck import connect_once
@@ -43,10 +45,13 @@ from talaria.ops.redis_server import RedisServer
 DEFAULT_MODELS = ["glm-4.5-fp8", "qwen3-235b-a22b-fp8", "glm-4.5-air-fp8"]
 STORE_CHECK_S = 0.25        # wall seconds between looks at the embedded NATS and Redis processes
 STORE_RESTART_MIN_S, STORE_RESTART_MAX_S = 1.0, 30.0  # back-off between failed restarts of one
-LOCK_FILE = ".stack.lock"  # in the log folder: held while a stack runs from it
+LOCK_FILE = ".stack.lock"  # in the log folder: held while a stack runs from it, its pid in it
+STOPPING = "stopping"      # written after the pid once the stack is stopping
 
 
 EXTERNAL_STORE_TIMEOUT_S = 10.0  # wall seconds an external NATS or Redis has to answer at the start
+# how long a stop waits for the gateway: its drain, its streams' error events, its exit
+FRONT_DOOR_STOP_S = GATEWAY_DRAIN_WALL_S + STREAMS_STOP_WALL_S + 3.0
 
 
 class StackStartError(RuntimeError):
@@ -62,8 +67,11 @@ class LogDirInUse(RuntimeError):
 def lock_log_dir(log_dir: Path) -> int:
     """Hold `log_dir` for this stack (released when the process ends, however it ends);
     the lock file's descriptor. LogDirInUse if another process holds it."""
-    log_dir.mkdir(parents=True, exist_ok=True)
-    fd = os.open(log_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        log_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(log_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:  # (a file of that name, a folder it cannot write in)
+        raise StackStartError(f"cannot use {log_dir} as the log folder: {exc.strerror or exc}") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -260,6 +268,12 @@ class EmbeddedStack:
     def holds_log_dir(self) -> bool:
         """This stack has its log folder to itself (from a start until its stop)."""
         return self._lock_fd is not None
+
+    def mark_stopping(self) -> None:
+        """Say in the log folder's lock that this stack is stopping (`talaria status` reads it)."""
+        if self._lock_fd is not None:
+            os.ftruncate(self._lock_fd, 0)
+            os.pwrite(self._lock_fd, f"{os.getpid()} {STOPPING}".encode(), 0)
 
     def claim_log_dir(self) -> None:
         """Hold the log folder for this stack (LogDirInUse if another runs from it); start does.
@@ -542,6 +556,7 @@ class EmbeddedStack:
         waits = [t for t in (self._supervisor, self._liveness, self._stores) if t is not None]
         if waits:
             await asyncio.wait(waits, timeout=5)
+        await self._drain_front_door()
         await self.group.astop_all(timeout=10)
         targets = self.log_dir / prometheus.TARGETS_FILE
         if targets.exists():  # nothing runs now: a Prometheus left scraping would page every process down
@@ -554,6 +569,25 @@ class EmbeddedStack:
         if self._lock_fd is not None:
             os.close(self._lock_fd)  # (closing releases the lock)
             self._lock_fd = None
+
+    async def _drain_front_door(self) -> None:
+        """Stop the gateway first, the services behind it still serving: its calls in flight
+        (a stream still queued for its model's turn) finish within its drain, or at the
+        drain's bound end with their API's error event. Stopped all at once, admission and
+        the engines left at once and such a stream was cut by a bare close 10 s later."""
+        child = self.group.children.get("gateway")
+        if child is None or child.proc is None or child.proc.poll() is not None:
+            return
+        await asyncio.to_thread(self.group.stop, "gateway", FRONT_DOOR_STOP_S)
+
+    def cut_drain(self) -> None:
+        """A second request to stop: the gateway's drain ends now (a second SIGTERM), its
+        streams still open ending with their API's error event."""
+        child = self.group.children.get("gateway")
+        proc = child.proc if child is not None else None  # (read without the group's lock, which the stop holds)
+        if proc is not None and proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGTERM)
 
     async def __aenter__(self) -> "EmbeddedStack":
         try:

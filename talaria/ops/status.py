@@ -30,7 +30,7 @@ from shared.state import decode_server
 from talaria.argtypes import positive_float
 from talaria.client import Deployment, TalariaClient, TalariaError
 from talaria.ops.healthcheck import connect_once
-from talaria.ops.stack import log_dir_holder
+from talaria.ops.stack import LOCK_FILE, STOPPING, log_dir_holder
 
 
 @dataclass
@@ -185,15 +185,23 @@ def render(st: Status) -> str:
 
 
 def cmd_status(a: argparse.Namespace) -> int:
+    folder = Path(a.credentials).parent
+    holder = log_dir_holder(folder)  # the pid of the `talaria up` that runs from it, and whether it stops
+    if holder is not None and holder.endswith(STOPPING):
+        print(f"talaria up (pid {holder.split()[0]}) is stopping: not ready; its logs are in {folder}", file=sys.stderr)
+        return 1
     try:
         dep = Deployment.load(a.credentials)
     except ValueError as exc:
-        folder = Path(a.credentials).parent
-        holder = log_dir_holder(folder) if not Path(a.credentials).exists() else None
-        if holder is not None:  # (it writes the file once every service answers its health check)
+        if holder is not None and not Path(a.credentials).exists():  # (written once every service answers)
             print(f"talaria up (pid {holder}) is still starting: not ready; its logs are in {folder}", file=sys.stderr)
             return 1
         print(f"talaria: error: {exc} (`talaria up` writes it; see --credentials)", file=sys.stderr)
+        return 2
+    if holder is None and (folder / LOCK_FILE).exists():
+        # a `talaria up` wrote it and no longer runs: killed before it could remove it
+        print(f"talaria: error: no talaria up runs from {folder}: {a.credentials} was left by one that ended "
+              "without stopping (killed); start it again", file=sys.stderr)
         return 2
     st = asyncio.run(gather(dep, a.timeout))
     print(render(st))
