@@ -191,6 +191,49 @@ def test_parts_a_text_only_model_cannot_read_become_a_note_and_past_thinking_is_
     assert tr.chat_prompt(chat["messages"]).text.count("not shown") == 2 and tr.chat_prompt(chat["messages"]).tokens < 100
 
 
+def test_a_reasoning_effort_is_read_from_each_api_and_a_bad_one_named() -> None:
+    assert tr.reasoning_effort({"reasoning_effort": "low"}, "openai") == "low"
+    assert tr.reasoning_effort({}, "openai") is None
+    assert tr.responses_request({"model": MODEL, "input": "x", "reasoning": {"effort": "none"}})["reasoning_effort"] == "none"
+    assert tr.reasoning_effort({"output_config": {"effort": "high"}}, "anthropic") == "high"
+    # thinking turned off wins over an effort, as in vLLM
+    assert tr.reasoning_effort({"output_config": {"effort": "high"}, "thinking": {"type": "disabled"}},
+                               "anthropic") == tr.THINKING_DISABLED
+    assert tr.effort_template_kwargs("none", {}) == {"reasoning_effort": "none", "enable_thinking": False}
+    assert tr.effort_template_kwargs("low", {"enable_thinking": False}) == {"reasoning_effort": "low",
+                                                                            "enable_thinking": False}
+    assert tr.effort_template_kwargs(None, {"a": 1}) == {"a": 1}
+    for call, param in ((lambda: tr.reasoning_effort({"reasoning_effort": "turbo"}, "openai"), "reasoning_effort"),
+                        (lambda: tr.reasoning_effort({"output_config": {"effort": "none"}}, "anthropic"),
+                         "output_config.effort"),
+                        (lambda: tr.responses_request({"model": MODEL, "input": "x", "reasoning": "high"}), "reasoning"),
+                        (lambda: tr.responses_request({"model": MODEL, "input": "x", "reasoning": {"effort": 3}}),
+                         "reasoning")):
+        with pytest.raises(tr.BadRequest) as e:
+            call()
+        assert e.value.param == param
+
+
+@pytest.mark.parametrize("renders,effort", [
+    ({"none": "off", "low": "on"}, "none"),     # a template with thinking switched
+    ({"none": "same", "low": "same"}, "low"),   # one that reads an effort it does not know as its most
+    ({"low": "on"}, "low"),                     # one that refuses `none`
+])
+def test_messages_thinking_off_is_the_effort_the_template_turns_it_off_with(renders: dict[str, str], effort: str) -> None:
+    from services.gateway.tokens import ChatTokenizer
+
+    def render(messages: Any, tools: Any, continue_final: bool = False, template_kwargs: Any = None) -> str:
+        asked = template_kwargs["reasoning_effort"]
+        if asked not in renders and asked != "none":
+            return renders["low"]
+        return renders[asked]  # (KeyError: the template's refusal)
+
+    tok = object.__new__(ChatTokenizer)
+    tok._disabled_effort = None
+    tok.render = render  # type: ignore[method-assign]
+    assert tok.disabled_thinking_effort() == effort
+
+
 def test_chat_template_kwargs_are_template_variables_or_a_400() -> None:
     assert tr.chat_template_kwargs({}) == {}
     assert tr.chat_template_kwargs({"chat_template_kwargs": {"enable_thinking": False}}) == {"enable_thinking": False}

@@ -151,6 +151,40 @@ async def test_chat_template_kwargs_reach_the_template(stack: EmbeddedStack, tin
 
 
 @pytest.mark.timeout(180)
+async def test_a_reasoning_effort_reaches_the_template_as_vllm_renders_it(stack: EmbeddedStack, tiny_folder: Path) -> None:
+    """vLLM renders a request's reasoning effort into the model's template (chat's
+    `reasoning_effort`, the Responses API's `reasoning.effort`, Messages' thinking turned
+    off): `none` turns a switched template's thinking off (Qwen3's `enable_thinking`,
+    which the tiny model's template follows). The gateway had dropped them, so an agent
+    that asked for no thinking got a model that thought anyway."""
+    msgs: list[dict[str, Any]] = [{"role": "user", "content": "answer at once " * 20}]
+    off = own_count(tiny_folder, msgs, enable_thinking=False, reasoning_effort="none")
+    on = own_count(tiny_folder, msgs, enable_thinking=True, reasoning_effort="high")
+    assert len(off) > len(on)
+    client = oai(stack.openai_base_url, stack.api_key)
+    r = await client.chat.completions.create(model=MODEL, max_tokens=8, messages=msgs,  # type: ignore[arg-type]
+                                             reasoning_effort="none")
+    assert r.usage.prompt_tokens == len(off)
+    r = await client.chat.completions.create(model=MODEL, max_tokens=8, messages=msgs, reasoning_effort="high")
+    assert r.usage.prompt_tokens == len(on)
+    # the request's own template variable stands
+    r = await client.chat.completions.create(model=MODEL, max_tokens=8, messages=msgs, reasoning_effort="high",
+                                             extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert r.usage.prompt_tokens == len(off)
+    rr = await client.responses.create(model=MODEL, max_output_tokens=16, input=msgs[0]["content"],
+                                       reasoning={"effort": "none"})  # type: ignore[typeddict-item]
+    assert rr.usage is not None and rr.usage.input_tokens == len(off)
+    ant = anthropic.AsyncAnthropic(base_url=stack.gateway_url, api_key=stack.api_key)
+    m = await ant.messages.create(model=MODEL, max_tokens=8, messages=msgs,  # type: ignore[arg-type]
+                                  thinking={"type": "disabled"})
+    assert m.usage.input_tokens + (m.usage.cache_read_input_tokens or 0) == len(off)
+    for kw, param in (({"reasoning_effort": "turbo"}, "reasoning_effort"),):
+        with pytest.raises(openai.BadRequestError) as e:
+            await client.chat.completions.create(model=MODEL, max_tokens=8, messages=msgs, **kw)  # type: ignore[arg-type]
+        assert e.value.body["param"] == param
+
+
+@pytest.mark.timeout(180)
 async def test_tool_calls_round_trip_in_the_templates_format(stack: EmbeddedStack, tiny_folder: Path) -> None:
     client, hdr = oai(stack.openai_base_url, stack.api_key), {"x-session-id": "tok-tools"}
     tools = [{"type": "function", "function": READ_FILE}]

@@ -495,7 +495,10 @@ class Gateway:
         tok = self.tokenizers.get(model)
         try:
             continue_final = tr.continues_final_message(body, api)
-            template_kwargs = tr.chat_template_kwargs(body)
+            effort = tr.reasoning_effort(body, api)
+            if effort == tr.THINKING_DISABLED:
+                effort = tok.disabled_thinking_effort() if tok is not None else "none"
+            template_kwargs = tr.effort_template_kwargs(effort, tr.chat_template_kwargs(body))
             if tok is None:
                 roles = tr.ANTHROPIC_ROLES if api == ANTHROPIC else tr.CHAT_ROLES
                 prompt = tr.chat_prompt(body.get("messages"), system, roles=roles, tool_format=fmt, tools_json=tools_json)

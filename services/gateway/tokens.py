@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from services.gateway.prefix import equal_units
+from services.gateway.translate import ANTHROPIC_EFFORTS, effort_template_kwargs
 
 ENTRIES_PER_KEY = 4        # kept texts sharing one opening (sessions with one system prompt)
 KEY_CHARS = 256            # the opening a kept text is found by
@@ -181,6 +182,8 @@ class ChatTokenizer:
             return enc.ids, enc.offsets
 
         self.encoder = IncrementalEncoder(encode, added, max_chars)
+        self._disabled_effort: str | None = None
+        self._disabled_effort: str | None = None
 
     def render(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None,
                continue_final: bool = False, template_kwargs: Mapping[str, Any] | None = None) -> str:
@@ -190,6 +193,25 @@ class ChatTokenizer:
         return str(self.hf.apply_chat_template(list(messages), tools=list(tools) if tools else None, tokenize=False,
                                                add_generation_prompt=not continue_final,
                                                continue_final_message=continue_final, **(template_kwargs or {})))
+
+    def disabled_thinking_effort(self) -> str:
+        """The effort that turns thinking off for Messages' `thinking: disabled`, found as
+        vLLM's Anthropic front end finds it: `none`, unless the template refuses it or
+        renders it as it renders an effort (a template that reads an effort it does not
+        know as its most), then `low`."""
+        if self._disabled_effort is None:
+            probe = [{"role": "user", "content": "Hi"}]
+
+            def rendered(effort: str) -> str | None:
+                try:
+                    return self.render(probe, None, template_kwargs=effort_template_kwargs(effort, {}))
+                except Exception:  # noqa: BLE001 - the template's refusal of that effort
+                    return None
+
+            off = rendered("none")
+            self._disabled_effort = "low" if off is None or any(rendered(e) == off for e in ANTHROPIC_EFFORTS) \
+                else "none"
+        return self._disabled_effort
 
     def encode(self, scope: str, text: str) -> array:
         return self.encoder.encode(scope, text)

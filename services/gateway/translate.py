@@ -517,6 +517,46 @@ def chat_template_kwargs(body: Mapping[str, Any]) -> dict[str, Any]:
     return dict(kwargs)
 
 
+# The reasoning efforts vLLM takes (OpenAI's, and DeepSeek's `max`), and Messages' own. As
+# vLLM renders them: the effort is the template variable `reasoning_effort` (gpt-oss's
+# template writes it into its system message), and `none` switches thinking off in a
+# template that has it switched (`enable_thinking`: Qwen3's, GLM's), any other on, unless
+# the request's own `chat_template_kwargs` say.
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+ANTHROPIC_EFFORTS = ("low", "medium", "high", "xhigh", "max")
+THINKING_DISABLED = "thinking disabled"  # Messages' `thinking: {type: disabled}`: the model's own effort for it
+
+
+def reasoning_effort(body: Mapping[str, Any], api: str) -> str | None:
+    """The reasoning effort a request asks for: chat's `reasoning_effort` (the Responses
+    API's `reasoning.effort`, which `responses_request` carries there), Messages'
+    `output_config.effort`, or THINKING_DISABLED for Messages' thinking turned off (which
+    wins, as in vLLM); a BadRequest naming a value not among the API's."""
+    if api == "anthropic":
+        config = body.get("output_config")
+        effort = config.get("effort") if isinstance(config, Mapping) else None
+        if effort is not None and effort not in ANTHROPIC_EFFORTS:
+            raise BadRequest(f"output_config.effort must be one of {', '.join(ANTHROPIC_EFFORTS)}",
+                             "output_config.effort")
+        thinking = body.get("thinking")
+        return THINKING_DISABLED if isinstance(thinking, Mapping) and thinking.get("type") == "disabled" else effort
+    effort = body.get("reasoning_effort")
+    if effort is not None and effort not in REASONING_EFFORTS:
+        raise BadRequest(f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}", "reasoning_effort")
+    return effort
+
+
+def effort_template_kwargs(effort: str | None, asked: Mapping[str, Any]) -> dict[str, Any]:
+    """The template variables a reasoning effort sets, beside those the request asked for
+    (`chat_template_kwargs`, whose own `enable_thinking` stands)."""
+    if effort is None:
+        return dict(asked)
+    out = {**asked, "reasoning_effort": effort}
+    if "enable_thinking" not in asked:
+        out["enable_thinking"] = effort != "none"
+    return out
+
+
 def continues_final_message(body: Mapping[str, Any], api: str) -> bool:
     """Whether the model goes on with the last message instead of starting a turn: an
     Anthropic conversation that ends with the assistant's own words (a prefill, such as
@@ -1247,6 +1287,13 @@ def responses_request(body: Mapping[str, Any], previous: list[Any] | None = None
     for name in ("max_output_tokens", "temperature", "top_p", "top_logprobs", "parallel_tool_calls", EXTENSION_FIELD):
         if body.get(name) is not None:
             out[name] = body[name]
+    reasoning_asked = body.get("reasoning")
+    if reasoning_asked is not None and not isinstance(reasoning_asked, Mapping):
+        raise BadRequest("reasoning must be an object", "reasoning")
+    if isinstance(reasoning_asked, Mapping) and reasoning_asked.get("effort") is not None:
+        if reasoning_asked["effort"] not in REASONING_EFFORTS:
+            raise BadRequest(f"reasoning.effort must be one of {', '.join(REASONING_EFFORTS)}", "reasoning")
+        out["reasoning_effort"] = reasoning_asked["effort"]
     if structured is not None:  # the same structured output as chat's
         out["response_format"] = ({"type": "json_schema", "json_schema": {"name": fmt.get("name"), "schema": fmt["schema"]}}
                                   if fmt["type"] == "json_schema" else {"type": "json_object"})
