@@ -378,19 +378,6 @@ def test_response_format_is_the_schema_the_engine_enforces_or_a_400_by_name() ->
         assert e.value.param == field, (body, e.value)
 
 
-def test_the_reply_text_leaves_out_what_stopped_it() -> None:
-    from services.engine.vllm_backend import reply_text
-
-    class Letters:  # a tokenizer: id i is the i-th letter, 0 the end of sequence
-        def decode(self, ids: list[int]) -> str:
-            return "".join("</s>" if i == 0 else chr(96 + i) for i in ids)
-
-    assert reply_text(Letters(), [1, 2, 3, 0], "stop", None) == "abc"  # its end of sequence
-    assert reply_text(Letters(), [1, 2, 3, 0], "stop", 0) == "abc"  # a stop token
-    assert reply_text(Letters(), [1, 2, 3, 4], "stop", "cd") == "ab"  # a stop string
-    assert reply_text(Letters(), [1, 2, 3], "length", None) == "abc"  # cut at max_tokens: all of it
-
-
 def test_a_stop_sequence_is_named_as_the_reason_messages_stopped() -> None:
     reply = CallReply(call_id="c", session_id="s", server_id="s0", model=MODEL, prompt_tokens=9, cached_tokens=0,
                       restored_tokens=0, reprefill_tokens=0, output_tokens=3, arrived_at=0, finished_at=1, waited_s=0,
@@ -946,6 +933,22 @@ async def test_a_prompt_over_the_context_names_the_field_the_agent_sent(stack: E
                                          timeout=30)  # (else the SDK refuses a bound this large itself)
     assert re.fullmatch(r"input length and `max_tokens` exceed context limit: \d+ \+ 10000000 > \d+, decrease input "
                         r"length or `max_tokens` and try again", ea.value.body["error"]["message"])
+    # a prompt that fills the context exactly fits, and leaves no room for a reply: the refusal
+    # names the completion (it said "2048 tokens > 2048 maximum", which a client reads as 0 over)
+    limit = next(m.context_length for m in (await oai(stack).models.list()).data if m.id == MODEL)  # type: ignore[attr-defined]
+    size = 4 * limit
+    while tr.chat_prompt([{"role": "user", "content": "a" * size}]).tokens > limit:
+        size -= 1
+    exact = [{"role": "user", "content": "a" * size}]
+    assert tr.chat_prompt(exact).tokens == limit
+    with pytest.raises(anthropic.BadRequestError) as ea:
+        await ant(stack).messages.create(model=MODEL, max_tokens=1, messages=exact)  # type: ignore[arg-type]
+    assert ea.value.body["error"]["message"].startswith(
+        f"input length and `max_tokens` exceed context limit: {limit} + 1 > {limit}")
+    with pytest.raises(openai.BadRequestError) as e:
+        await oai(stack).chat.completions.create(model=MODEL, messages=exact)  # type: ignore[arg-type]
+    assert (e.value.body["code"], e.value.body["param"]) == ("context_length_exceeded", "messages")
+    assert f"you requested {limit + 1} tokens ({limit} in the messages, 1 in the completion)" in e.value.body["message"]
 
 
 @pytest.mark.timeout(120)

@@ -202,28 +202,24 @@ def test_a_forced_calls_arguments_come_in_the_order_its_schema_declares() -> Non
     """The engine's tools kept each schema's properties sorted, so a forced call was decoded
     in alphabetical order (`read_file(path, line)` began with the optional line, a real
     model pushed off its habit); vLLM's own server keeps the declared order."""
-    import re
-
     tools = [tc.Tool("read_file", "", {"type": "object", "properties": {"zeta": {"type": "boolean"},
                                                                         "alpha": {"type": "boolean"}},
                                        "required": ["zeta", "alpha"]})]
     (back,) = tc.tools_from_json(tc.tools_text(tools))
     assert list(back.parameters["properties"]) == ["zeta", "alpha"]
-    pytest.importorskip("outlines_core", reason="the regex is written by outlines-core, which vLLM brings")
+    pytest.importorskip("xgrammar", reason="the grammar is xgrammar's, which vLLM brings")
     from services.engine.vllm_backend import forced_tool_call
     from shared.schema import EngineHint
 
     so = forced_tool_call(EngineHint(tools_json=tc.tools_text(tools), tool_choice="read_file",
                                      tool_call_format="hermes"), "glm45")
-    assert re.fullmatch(so.regex, tc.render([("read_file", {"zeta": True, "alpha": False})], "hermes"))
-    assert not re.fullmatch(so.regex, tc.render([("read_file", {"alpha": False, "zeta": True})], "hermes"))
+    assert _accepts(so, tc.render([("read_file", {"zeta": True, "alpha": False})], "hermes"))
+    assert not _accepts(so, tc.render([("read_file", {"alpha": False, "zeta": True})], "hermes"))
 
 
 def test_a_named_tool_choice_forces_a_call_the_parser_reads() -> None:
     """What a real engine's structured output is held to when the request names the tool:
-    every text the regex admits is a hermes call of that tool with arguments its schema allows."""
-    import re
-
+    every text the grammar admits is a hermes call of that tool with arguments its schema allows."""
     tools = [tc.Tool("read_file", "", {"type": "object", "properties": {"path": {"enum": ["a.py", "b.py"]},
                                                                         "whole": {"type": "boolean"}},
                                        "required": ["path", "whole"]}), tc.Tool("ls", "", {})]
@@ -231,24 +227,23 @@ def test_a_named_tool_choice_forces_a_call_the_parser_reads() -> None:
     assert (begin, end) == ("<tool_call>\n", "\n</tool_call>") and schema["properties"]["name"] == {"const": "read_file"}
     assert tc.forced_call(tools, None, "hermes") is None and tc.forced_call(tools, "none", "hermes") is None
     assert tc.forced_call(tools, "read_file", "glm45") is None  # not one JSON object: the model decides
-    pytest.importorskip("outlines_core", reason="the regex is written by outlines-core, which vLLM brings")
+    pytest.importorskip("xgrammar", reason="the grammar is xgrammar's, which vLLM brings")
     from services.engine.vllm_backend import forced_tool_call
     from shared.schema import EngineHint
 
     so = forced_tool_call(EngineHint(tools_json=tc.tools_text(tools), tool_choice="read_file",
                                      tool_call_format="hermes"), "glm45")
     text = tc.render([("read_file", {"path": "b.py", "whole": False})], "hermes")
-    assert re.fullmatch(so.regex, text)
-    assert not re.fullmatch(so.regex, tc.render([("read_file", {"path": "c.py", "whole": False})], "hermes"))
-    assert not re.fullmatch(so.regex, tc.render([("ls", {})], "hermes"))
+    assert _accepts(so, text)
+    assert not _accepts(so, tc.render([("read_file", {"path": "c.py", "whole": False})], "hermes"))
+    assert not _accepts(so, tc.render([("ls", {})], "hermes"))
     _, calls = tc.parse(text, "hermes", tools, "k")
     assert [(c.name, c.arguments) for c in calls] == [("read_file", {"path": "b.py", "whole": False})]
     # tool_choice "required" (Anthropic's "any"): a call of any one of the tools, nothing else
     any_call = forced_tool_call(EngineHint(tools_json=tc.tools_text(tools), tool_choice=tc.ANY_TOOL,
                                            tool_call_format="hermes"), "glm45")
-    assert re.fullmatch(any_call.regex, text) and re.fullmatch(any_call.regex, tc.render([("ls", {})], "hermes"))
-    assert not re.fullmatch(any_call.regex, "plain text") and not re.fullmatch(
-        any_call.regex, tc.render([("rm", {})], "hermes"))
+    assert _accepts(any_call, text) and _accepts(any_call, tc.render([("ls", {})], "hermes"))
+    assert not _accepts(any_call, "plain text") and not _accepts(any_call, tc.render([("rm", {})], "hermes"))
     # a typed answer beside tools the model may call: the answer's JSON, or a call of any tool
     from services.engine.vllm_backend import structured_output
     from shared.schema import Sampling
@@ -256,16 +251,16 @@ def test_a_named_tool_choice_forces_a_call_the_parser_reads() -> None:
     answer = {"type": "object", "properties": {"verdict": {"enum": ["fix", "skip"]}}, "required": ["verdict"]}
     either = structured_output(EngineHint(tools_json=tc.tools_text(tools), tool_call_format="hermes"),
                                Sampling(json_schema=json.dumps(answer)), "hermes")
-    assert re.fullmatch(either.regex, '{"verdict": "fix"}') and re.fullmatch(either.regex, text)
-    assert not re.fullmatch(either.regex, "plain text") and not re.fullmatch(either.regex, '{"verdict": "maybe"}')
+    assert _accepts(either, '{"verdict": "fix"}') and _accepts(either, text)
+    assert not _accepts(either, "plain text") and not _accepts(either, '{"verdict": "maybe"}')
     # tools turned off: the answer alone; GLM's calls (not one JSON object): anything after the opening tag
     alone = structured_output(EngineHint(tools_json=tc.tools_text(tools), tool_choice="none", tool_call_format="hermes"),
                               Sampling(json_schema=json.dumps(answer)), "hermes")
-    assert not re.fullmatch(alone.regex, text) and re.fullmatch(alone.regex, '{"verdict": "skip"}')
+    assert not _accepts(alone, text) and _accepts(alone, '{"verdict": "skip"}')
     glm = structured_output(EngineHint(tools_json=tc.tools_text(tools), tool_call_format="glm45"),
                             Sampling(json_schema=json.dumps(answer)), "glm45")
     glm_call = tc.render([("read_file", {"path": "a.py", "whole": True})], "glm45")
-    assert re.fullmatch(glm.regex, glm_call) and not re.fullmatch(glm.regex, "plain text")
+    assert _accepts(glm, glm_call) and not _accepts(glm, "plain text")
     # harmony (gpt-oss): its calls and channels are special tokens, which the vLLM engine keeps in
     # the streamed text; a typed answer is held to its schema where no tool is offered, and the
     # choice between a call and the answer is left to the model where one is
@@ -276,9 +271,38 @@ def test_a_named_tool_choice_forces_a_call_the_parser_reads() -> None:
     assert forced_tool_call(EngineHint(tools_json=tc.tools_text(tools), tool_choice="read_file",
                                        tool_call_format="harmony"), "harmony") is None
     alone = structured_output(None, Sampling(json_schema=json.dumps(answer)), "harmony")
-    assert re.fullmatch(alone.regex, '{"verdict": "skip"}')
+    assert _accepts(alone, '{"verdict": "skip"}')
     assert keeps_special_tokens(None, "harmony") and keeps_special_tokens(harmony, "hermes")
     assert not keeps_special_tokens(None, "hermes") and not keeps_special_tokens(EngineHint(), "glm45")
+    # where tools are offered the parsers read the text with them (vLLM's hermes parser asks so)
+    assert keeps_special_tokens(EngineHint(tools_json=tc.tools_text(tools)), "hermes")
+    assert not keeps_special_tokens(EngineHint(tools_json=tc.tools_text(tools), tool_choice="none"), "hermes")
+
+
+def test_a_structured_outputs_number_bounds_are_held_and_a_keyword_no_grammar_holds_refused() -> None:
+    """A regex (outlines-core's, before) dropped numbers' bounds: a probe's integer of 0-9 came
+    back 70 digits long, `finish_reason: stop`. The grammar holds them."""
+    pytest.importorskip("xgrammar", reason="the grammar is xgrammar's, which vLLM brings")
+    from services.engine.vllm_backend import structured_output
+    from shared.schema import Sampling
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9},
+                                               "p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1}},
+              "required": ["n", "p"], "additionalProperties": False}
+    so = structured_output(None, Sampling(json_schema=json.dumps(schema)), "hermes")
+    assert _accepts(so, '{"n": 7, "p": 0.25}') and _accepts(so, '{"n": 0, "p": 1}')
+    for bad in ('{"n": 15, "p": 0.5}', '{"n": -1, "p": 0.5}', '{"n": 3, "p": 0}', '{"n": 3, "p": 1.5}',
+                '{"n": ' + "9" * 70 + ', "p": 0.5}', '{"n": 3,  "p": 0.5}'):  # (and no padding)
+        assert not _accepts(so, bad), bad
+    with pytest.raises(ValueError, match="cannot be enforced"):
+        structured_output(None, Sampling(json_schema=json.dumps({"type": "integer", "multipleOf": 5})), "hermes")
+
+
+def _accepts(so: Any, text: str) -> bool:
+    """Whether a structured output's grammar admits `text` whole, as vLLM's xgrammar holds it."""
+    from xgrammar.testing import _is_grammar_accept_string
+
+    return bool(_is_grammar_accept_string(so.grammar, text))
 
 
 def test_tool_rounds_count_the_tool_results_since_the_user_last_spoke() -> None:

@@ -151,6 +151,7 @@ async def test_two_vllm_cpu_engine_workers_prefix_hits_and_kv_events(tmp_path: P
                 await _the_sdk_agent_reuses_its_prefix(stack, tmp_path / "transcript.jsonl")
                 await _a_named_tool_choice_is_a_well_formed_call(stack)
                 await _a_response_format_gets_json_of_its_schema(stack)
+                await _whole_and_streamed_replies_are_one_text(stack)
                 await _a_responses_conversation_reuses_its_prefix(stack)
             finally:
                 await client.close()
@@ -291,6 +292,19 @@ async def _a_response_format_gets_json_of_its_schema(stack) -> None:  # type: ig
         response_format={"type": "json_schema", "json_schema": {"name": "judgement", "schema": schema}})
     answer = json.loads(r.choices[0].message.content)
     assert answer["verdict"] in ("fix", "skip") and isinstance(answer["done"], bool), answer
+    # numbers' bounds are held (a regex had dropped them: an integer of 0-9 came back 70 digits long)
+    bounded = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9},
+                                                "p": {"type": "number", "minimum": 0, "maximum": 1}},
+               "required": ["n", "p"], "additionalProperties": False}
+    for seed in range(3):
+        r = await client.chat.completions.create(
+            model=vb.MODEL, max_tokens=64, seed=seed, temperature=1.0, messages=[{"role": "user", "content": "count"}],
+            response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": bounded}})
+        if r.choices[0].finish_reason == "stop":
+            answer = json.loads(r.choices[0].message.content)
+            assert 0 <= answer["n"] <= 9 and 0 <= answer["p"] <= 1, answer
+        else:  # (a random model may spend its tokens on the fraction's digits: cut, never out of bounds)
+            assert r.choices[0].finish_reason == "length", r
     out = await client.responses.create(model=vb.MODEL, max_output_tokens=64, input="judge the patch",
                                         text={"format": {"type": "json_schema", "name": "judgement", "schema": schema}})
     answer = json.loads(out.output_text)
@@ -306,9 +320,9 @@ async def _a_response_format_gets_json_of_its_schema(stack) -> None:  # type: ig
     # beside tools the model may call, the grammar admits that answer or a well-formed call
     pick = {"type": "function", "function": {"name": "pick", "parameters": {
         "type": "object", "properties": {"side": {"enum": ["left", "right"]}}, "required": ["side"]}}}
-    for i in range(3):
+    for i in range(3):  # (room for a call whose JSON has its one space after each `:` and `,`)
         r = await client.chat.completions.create(
-            model=vb.MODEL, max_tokens=64, messages=[{"role": "user", "content": f"judge the patch {i}"}], tools=[pick],
+            model=vb.MODEL, max_tokens=128, messages=[{"role": "user", "content": f"judge the patch {i}"}], tools=[pick],
             response_format={"type": "json_schema", "json_schema": {"name": "judgement", "schema": schema}})
         c = r.choices[0]
         if c.message.tool_calls:
@@ -341,6 +355,22 @@ async def _a_response_format_gets_json_of_its_schema(stack) -> None:  # type: ig
         await client.chat.completions.create(
             model=vb.MODEL, max_tokens=8, messages=[{"role": "user", "content": "x"}],
             response_format={"type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": "no-such-type"}}})
+
+
+async def _whole_and_streamed_replies_are_one_text(stack) -> None:  # type: ignore[no-untyped-def]
+    """One generation (a seed) reads the same whole and streamed: the whole reply had kept
+    the special tokens (`<s>`, `<|im_start|>`) and a trailing U+FFFD the stream left out."""
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=stack.openai_base_url, api_key=stack.api_key, max_retries=0)
+    msgs = [{"role": "user", "content": "Write many words about the sea and ships and sailors and storms."}]
+    for seed in range(30, 36):
+        ask = {"model": vb.MODEL, "max_tokens": 30, "temperature": 1.0, "seed": seed, "messages": msgs}
+        whole = (await client.chat.completions.create(**ask)).choices[0].message.content  # type: ignore[call-overload]
+        streamed = "".join([c.choices[0].delta.content or "" async for c in
+                            await client.chat.completions.create(stream=True, **ask) if c.choices])  # type: ignore[call-overload]
+        assert whole == streamed, (seed, whole, streamed)
+        assert "\ufffd" not in whole[-1:] and "<s>" not in whole and "<|im_start|>" not in whole, (seed, whole)
 
 
 async def _a_responses_conversation_reuses_its_prefix(stack) -> None:  # type: ignore[no-untyped-def]

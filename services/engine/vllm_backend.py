@@ -41,7 +41,6 @@ import hashlib
 import json
 import logging
 import os
-import re
 import threading
 import time
 import uuid
@@ -126,40 +125,28 @@ def sampling_kwargs(sampling: Sampling | None, max_tokens: int) -> dict[str, Any
 
 
 def forced_tool_call(hint: EngineHint | None, fmt: str) -> Any:
-    """vLLM's structured output for a call whose `tool_choice` names a tool: a regex of the
-    model's call format around the JSON the tool's schema allows (outlines-core, which vLLM
-    brings, writes the JSON part; at most one space where JSON allows whitespace, which a
-    model could otherwise repeat to its bound). None: the model decides."""
+    """vLLM's structured output for a call whose `tool_choice` names a tool: a grammar of the
+    model's call format around the JSON the tool's schema allows (`_call_grammar`). None:
+    the model decides. A ValueError names a schema the grammar cannot hold."""
     if hint is None or not hint.tools_json:
         return None
     forced = tool_calls.forced_call(tool_calls.tools_from_json(hint.tools_json), hint.tool_choice,
                                     hint.tool_call_format or fmt)
     if forced is None:
         return None
-    from vllm.sampling_params import StructuredOutputsParams
-
-    return StructuredOutputsParams(regex=_call_regex(forced))
+    return _structured(_call_grammar(forced))
 
 
 def keeps_special_tokens(hint: EngineHint | None, fmt: str) -> bool:
-    """Whether the streamed text keeps the special tokens: harmony (gpt-oss) writes its
-    channels and calls in them, so its reasoning, answer and calls are read apart only
-    with them (the whole reply's text keeps them for every model, `reply_text`)."""
-    return ((hint.tool_call_format if hint is not None else None) or fmt) == "harmony"
-
-
-def reply_text(tokenizer: Any, tokens: list[int], finish_reason: str | None, stop_reason: int | str | None) -> str:
-    """The reply's whole text: its tokens decoded with special tokens kept (a tool-call format
-    may be written in them), less what stopped it, as vLLM leaves it out of its own text: the
-    end-of-sequence or stop token it ended on, or the stop string that matched."""
-    ids = list(tokens)
-    if finish_reason == "stop" and (stop_reason is None or isinstance(stop_reason, int)) and ids:
-        ids = ids[:-1]  # vLLM counts the token it stopped on among the output's
-    text = str(tokenizer.decode(ids))
-    if finish_reason == "stop" and isinstance(stop_reason, str) and stop_reason:
-        cut = text.find(stop_reason)
-        text = text[:cut] if cut >= 0 else text
-    return text
+    """Whether the reply's text keeps the special tokens, whole and streamed alike: harmony
+    (gpt-oss) writes its channels and calls in them, so its reasoning, answer and calls are
+    read apart only with them; and where tools are offered, as vLLM's tool parsers ask
+    (some models' call tags are special tokens). Elsewhere they are left out, as vLLM's
+    server leaves them. (The whole text had kept them for every model while the stream
+    did not: one generation read `... 902mo<s>` whole and `... 902mo` streamed.)"""
+    if ((hint.tool_call_format if hint is not None else None) or fmt) == "harmony":
+        return True
+    return hint is not None and bool(hint.tools_json) and hint.tool_choice != "none"
 
 
 class Unconstrained(Exception):
@@ -176,20 +163,54 @@ def structured_output(hint: EngineHint | None, sampling: Sampling | None, fmt: s
     forced = forced_tool_call(hint, fmt)
     if forced is not None or sampling is None or sampling.json_schema is None:
         return forced
-    from outlines_core.json_schema import build_regex_from_schema
-    from vllm.sampling_params import StructuredOutputsParams
+    import xgrammar as xgr
 
     try:
-        answer = build_regex_from_schema(sampling.json_schema, whitespace_pattern=" ?")
-        calls = _any_call_regex(hint, fmt)
+        calls = _any_call_grammar(hint, fmt)
     except Unconstrained:
         return None
-    except Exception as exc:  # noqa: BLE001 - outlines-core's own error types; the agent hears why
+    answer = _json_grammar(sampling.json_schema)
+    return _structured(answer if calls is None else xgr.Grammar.union(answer, calls))
+
+
+def _structured(grammar: Any) -> Any:
+    from vllm.sampling_params import StructuredOutputsParams
+
+    return StructuredOutputsParams(grammar=str(grammar))  # (EBNF, which vLLM hands xgrammar)
+
+
+def _json_grammar(schema_json: str) -> Any:
+    """The JSON a schema allows as an xgrammar grammar, one space after each `:` and `,`
+    and none elsewhere (a model could otherwise repeat whitespace to its bound), every
+    keyword held: numbers' bounds too, which a regex (outlines-core's, as before) dropped,
+    so a bounded integer came back as a 70-digit one. A ValueError names a schema with a
+    keyword xgrammar cannot hold (vLLM's own list: `multipleOf`, `uniqueItems`, ...), or one
+    it refuses."""
+    import xgrammar as xgr
+    from vllm.v1.structured_output.backend_xgrammar import has_xgrammar_unsupported_json_features
+
+    try:
+        if has_xgrammar_unsupported_json_features(json.loads(schema_json)):
+            raise ValueError("it uses a keyword the engine's grammar cannot hold (multipleOf, uniqueItems, "
+                             "contains, a string format it does not know, ...)")
+        return xgr.Grammar.from_json_schema(schema_json, any_whitespace=False)
+    except Exception as exc:  # noqa: BLE001 - xgrammar's own error types; the agent hears why
         raise ValueError(f"structured output: the schema cannot be enforced: {exc}") from None
-    return StructuredOutputsParams(regex=answer if calls is None else f"(?:{answer})|(?:{calls})")
 
 
-def _any_call_regex(hint: EngineHint | None, fmt: str) -> str | None:
+def _literal_grammar(text: str) -> Any:
+    """A grammar of `text` alone."""
+    import xgrammar as xgr
+
+    escaped = "".join(_EBNF_ESCAPES.get(ch) or (f"\\x{ord(ch):02x}" if ord(ch) < 0x20 or ord(ch) == 0x7F else ch)
+                      for ch in text)
+    return xgr.Grammar.from_ebnf(f'root ::= "{escaped}"')
+
+
+_EBNF_ESCAPES = {"\\": "\\\\", '"': '\\"', "\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def _any_call_grammar(hint: EngineHint | None, fmt: str) -> Any:
     """A tool call the model may write instead of the structured answer, where the request
     offers tools and leaves the choice on: a well-formed call of any of them where the format
     writes a call as one JSON object, else (GLM's key/value pairs, Llama 4's Python calls)
@@ -202,21 +223,20 @@ def _any_call_regex(hint: EngineHint | None, fmt: str) -> str | None:
     if fmt not in tool_calls.CALL_OPENS:  # harmony: a call, or the answer after the reasoning, in special tokens
         raise Unconstrained
     any_call = tool_calls.forced_call(tool_calls.tools_from_json(hint.tools_json), tool_calls.ANY_TOOL, fmt)
-    return _literal(tool_calls.CALL_OPENS[fmt]) + r"[\s\S]*" if any_call is None else _call_regex(any_call)
+    if any_call is None:
+        import xgrammar as xgr
+
+        return xgr.Grammar.concat(_literal_grammar(tool_calls.CALL_OPENS[fmt]), xgr.Grammar.from_regex(r"[\s\S]*"))
+    return _call_grammar(any_call)
 
 
-def _call_regex(call: tuple[str, dict[str, Any], str]) -> str:
-    """A call in the model's format as a regex: the text before it, the JSON its schema allows
-    (outlines-core; at most one space where JSON allows whitespace), the text after."""
-    from outlines_core.json_schema import build_regex_from_schema
+def _call_grammar(call: tuple[str, dict[str, Any], str]) -> Any:
+    """A call in the model's format as a grammar: the text before it, the JSON its schema
+    allows (`_json_grammar`), the text after."""
+    import xgrammar as xgr
 
     begin, schema, end = call
-    return _literal(begin) + build_regex_from_schema(json.dumps(schema), whitespace_pattern=" ?") + _literal(end)
-
-
-def _literal(text: str) -> str:
-    """`text` as a regex that matches it alone (a newline written as the escape \\n)."""
-    return re.escape(text).replace("\\\n", "\\n")
+    return xgr.Grammar.concat(_literal_grammar(begin), _json_grammar(json.dumps(schema)), _literal_grammar(end))
 
 
 class VllmBackend(EngineBackend):
@@ -542,10 +562,9 @@ class VllmBackend(EngineBackend):
                 finish, stop = getattr(o, "finish_reason", None), getattr(o, "stop_reason", None)
                 stop_sequence = stop if finish == "stop" and isinstance(stop, str) and stop else None
                 finish_reason = finish if finish in ("stop", "length") and not aborted else None
-                try:
-                    text = reply_text(self.tokenizer, live.tokens, finish, stop)
-                except Exception:
-                    text = None
+                # vLLM's own text, the stream's very text: what stopped it left out, a character
+                # still incomplete at the end held back (a decode of the ids ended in U+FFFD)
+                text = o.text if o is not None else None
             c = rc.call
             reply = CallReply(
                 call_id=c.call_id, session_id=c.session_id, server_id=s.server_id, model=c.model,

@@ -430,7 +430,7 @@ class Gateway:
     def _max_tokens(self, body: dict[str, Any], names: tuple[str, ...], prompt: Prompt, model: str,
                     required: bool = False, prompt_param: str = "messages") -> int:
         limit = self.context_limit(model)
-        if prompt.tokens + 1 > limit:
+        if prompt.tokens > limit:
             raise HttpError("context_limit", context_limit_message(limit, prompt.tokens), prompt_param)
         for name in names:
             v = tr.whole(body.get(name))
@@ -443,6 +443,8 @@ class Gateway:
             return v
         if required:
             raise HttpError("malformed", f"{names[0]} is required", names[0])
+        if prompt.tokens == limit:  # it fits, and leaves no room for the one token a reply needs
+            raise HttpError("context_limit", context_limit_message(limit, prompt.tokens, 1), prompt_param)
         return min(DEFAULT_MAX_TOKENS, limit - prompt.tokens)
 
     @staticmethod
