@@ -116,6 +116,11 @@ class Sampling(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, fo
     seed: Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)] | None = None  # (OpenAI's int64)
     presence_penalty: Annotated[float, Meta(ge=-2, le=2)] | None = None
     frequency_penalty: Annotated[float, Meta(ge=-2, le=2)] | None = None
+    # vLLM's own sampling fields beside OpenAI's, which agents written for vLLM send
+    repetition_penalty: Annotated[float, Meta(gt=0)] | None = None
+    min_p: Annotated[float, Meta(ge=0, le=1)] | None = None
+    min_tokens: Annotated[int, Meta(ge=0)] | None = None
+    ignore_eos: bool | None = None
     # the JSON Schema (as JSON text) the output must match: OpenAI's `response_format`
     # (json_object: any object); the vllm backend enforces it by structured output
     json_schema: Annotated[str, Meta(max_length=JSON_SCHEMA_MAX_BYTES)] | None = None

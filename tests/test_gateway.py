@@ -337,6 +337,35 @@ def test_vllm_sampling_params() -> None:
         "max_tokens": 9, "temperature": 0.5, "stop": ["x"], "seed": 3}
 
 
+def test_vllms_own_sampling_fields_reach_the_engine_or_are_refused_by_name() -> None:
+    """Agents written for vLLM send its own fields; `repetition_penalty`, `min_p`,
+    `min_tokens` and `ignore_eos` had been taken and dropped (a probe: the text at
+    `repetition_penalty: 2` was greedy's to the letter), and `guided_json` left the output
+    unconstrained."""
+    from services.engine.vllm_backend import sampling_kwargs
+
+    sp = tr.sampling_of({"repetition_penalty": 1.3, "min_p": 0.05, "min_tokens": 4, "ignore_eos": True}, "openai", 16)
+    assert sampling_kwargs(sp, 16) == {"max_tokens": 16, "repetition_penalty": 1.3, "min_p": 0.05, "min_tokens": 4,
+                                       "ignore_eos": True}
+    # the values that ask for nothing, as clients that write out every field send them
+    asks_nothing = {"stop_token_ids": [], "bad_words": [], "use_beam_search": False, "length_penalty": 1.0,
+                    "include_stop_str_in_output": False, "skip_special_tokens": True, "guided_json": None}
+    assert tr.sampling_of(asks_nothing, "openai") == tr.sampling_of({}, "openai")
+    for body, field in (({"repetition_penalty": 0}, "repetition_penalty"), ({"min_p": 2}, "min_p"),
+                        ({"min_tokens": -1}, "min_tokens"), ({"min_tokens": 17}, "min_tokens"),
+                        ({"guided_json": {"type": "object"}}, "guided_json"), ({"guided_choice": ["a"]}, "guided_choice"),
+                        ({"structured_outputs": {"regex": "a+"}}, "structured_outputs"),
+                        ({"stop_token_ids": [2]}, "stop_token_ids"), ({"use_beam_search": True}, "use_beam_search"),
+                        ({"skip_special_tokens": False}, "skip_special_tokens")):
+        with pytest.raises(tr.BadRequest) as e:
+            tr.sampling_of(body, "openai", 16)
+        assert e.value.param == field, (body, e.value)
+    with pytest.raises(tr.BadRequest, match="send response_format"):
+        tr.sampling_of({"guided_regex": "a+"}, "openai")
+    # Anthropic's API has none of them: its fields alone are read
+    assert tr.sampling_of({"min_p": 0.5}, "anthropic").min_p is None
+
+
 def test_response_format_is_the_schema_the_engine_enforces_or_a_400_by_name() -> None:
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}}
     asked = {"response_format": {"type": "json_schema", "json_schema": {"name": "r", "schema": schema}}}

@@ -371,6 +371,12 @@ async def _whole_and_streamed_replies_are_one_text(stack) -> None:  # type: igno
                             await client.chat.completions.create(stream=True, **ask) if c.choices])  # type: ignore[call-overload]
         assert whole == streamed, (seed, whole, streamed)
         assert "\ufffd" not in whole[-1:] and "<s>" not in whole and "<|im_start|>" not in whole, (seed, whole)
+    # vLLM's own sampling fields reach it (they had been dropped: the text was greedy's to the letter)
+    greedy = {"model": vb.MODEL, "max_tokens": 40, "temperature": 0.0, "messages": msgs}
+    base = (await client.chat.completions.create(**greedy)).choices[0].message.content  # type: ignore[call-overload]
+    penalised = (await client.chat.completions.create(
+        **greedy, extra_body={"repetition_penalty": 2.0})).choices[0].message.content  # type: ignore[call-overload]
+    assert penalised != base, base
 
 
 async def _a_responses_conversation_reuses_its_prefix(stack) -> None:  # type: ignore[no-untyped-def]

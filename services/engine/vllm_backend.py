@@ -115,7 +115,8 @@ def sampling_kwargs(sampling: Sampling | None, max_tokens: int) -> dict[str, Any
     if sampling is None:
         return {"max_tokens": max_tokens, "ignore_eos": True, "temperature": 0.0}
     out: dict[str, Any] = {"max_tokens": max_tokens}
-    for name in ("temperature", "top_p", "top_k", "seed", "presence_penalty", "frequency_penalty"):
+    for name in ("temperature", "top_p", "top_k", "seed", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty", "min_p", "min_tokens", "ignore_eos"):
         v = getattr(sampling, name)
         if v is not None:
             out[name] = v

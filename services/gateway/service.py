@@ -544,7 +544,7 @@ class Gateway:
             except BadRequest as exc:
                 raise HttpError("malformed", str(exc), exc.param) from None
         sim_output = self._sim_output(body, max_tokens)
-        sampling = self._sampling(body, dialect)
+        sampling = self._sampling(body, dialect, max_tokens)
         ids = await self._ids(request, tenant, raw, original if original is not None else body, model, prompt)
         return Prepared(tenant, model, stream, prompt, max_tokens, sampling, ids, sim_output, tuple(tools), choice, fmt,
                         tools_json, tc.tool_rounds(body.get("messages")) if tools else 0,
@@ -718,9 +718,9 @@ class Gateway:
             raise HttpError("malformed", str(exc), exc.param) from None
 
     @staticmethod
-    def _sampling(body: dict[str, Any], api: str) -> Sampling:
+    def _sampling(body: dict[str, Any], api: str, max_tokens: int) -> Sampling:
         try:
-            return tr.sampling_of(body, api)
+            return tr.sampling_of(body, api, max_tokens)
         except BadRequest as exc:
             raise HttpError("malformed", str(exc), exc.param) from None
 
@@ -1182,7 +1182,7 @@ class Gateway:
         max_tokens = self._max_tokens(body, ("max_tokens",), prompt, model, prompt_param="prompt")
         sim_output = self._sim_output(body, max_tokens)
         created = int(time.time())
-        sampling = self._sampling(body, OPENAI)
+        sampling = self._sampling(body, OPENAI, max_tokens)
         ids = await self._ids(request, tenant, raw, body, model, prompt)
         p = Prepared(tenant, model, stream, prompt, max_tokens, sampling, ids, sim_output)
         cid = ids.call_id

@@ -660,14 +660,27 @@ def whole(v: Any) -> Any:
 # -- sampling ----------------------------------------------------------------------------------
 # what the engine honours (shared/schema.py Sampling), by the API's own field names
 _OPENAI_SAMPLING = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "stop": "stop", "seed": "seed",
-                    "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty"}
+                    "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
+                    # vLLM's, as its server takes them in a chat or completions request
+                    "repetition_penalty": "repetition_penalty", "min_p": "min_p", "min_tokens": "min_tokens",
+                    "ignore_eos": "ignore_eos"}
 _ANTHROPIC_SAMPLING = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "stop_sequences": "stop"}
 # asked for and not served: refused with a 400 that names the field, never silently dropped
 _OPENAI_REFUSED = ("logprobs", "top_logprobs", "logit_bias", "audio")
 # ... and each with the values that ask for nothing, which are served: chat's legacy function
 # calling (`tools` serves it), the legacy completions' echo, suffix and several candidates
 _OPENAI_REFUSED_UNLESS = {"functions": (None, []), "function_call": (None, "auto"),
-                          "echo": (None, False), "suffix": (None, ""), "best_of": (None, 1)}
+                          "echo": (None, False), "suffix": (None, ""), "best_of": (None, 1),
+                          # vLLM's own fields whose effect the engines here do not give: refused by
+                          # name, not dropped (its older structured output above all: send
+                          # response_format, or tool_choice, instead)
+                          "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
+                          "guided_grammar": (None,), "structured_outputs": (None,),
+                          "stop_token_ids": (None, []), "bad_words": (None, []), "allowed_token_ids": (None,),
+                          "logits_processors": (None,), "prompt_logprobs": (None,), "use_beam_search": (None, False),
+                          "length_penalty": (None, 1.0, 1), "include_stop_str_in_output": (None, False),
+                          "skip_special_tokens": (None, True)}
+_STRUCTURED_HINT = " (send response_format, or tool_choice)"
 
 
 _OUTPUT_KINDS = ("text", "json_object", "json_schema")
@@ -728,8 +741,9 @@ def messages_output_schema(body: Mapping[str, Any]) -> str | None:
     return output_schema("json_schema", fmt.get("schema"), label, param)
 
 
-def sampling_of(body: Mapping[str, Any], api: str) -> Sampling:
-    """The request's sampling fields as the engine takes them; a BadRequest names a bad or unserved field."""
+def sampling_of(body: Mapping[str, Any], api: str, max_tokens: int | None = None) -> Sampling:
+    """The request's sampling fields as the engine takes them; a BadRequest names a bad or
+    unserved field (`min_tokens` past `max_tokens` too, as vLLM refuses it)."""
     names = _ANTHROPIC_SAMPLING if api == "anthropic" else _OPENAI_SAMPLING
     fields: dict[str, Any] = {}
     if api != "anthropic":
@@ -738,7 +752,8 @@ def sampling_of(body: Mapping[str, Any], api: str) -> Sampling:
                 raise BadRequest(f"{f} is not served", f)
         for f, fine in _OPENAI_REFUSED_UNLESS.items():
             if not any(body.get(f) == v and type(body.get(f)) is type(v) for v in fine):
-                hint = " (send `tools` and `tool_choice`)" if f.startswith("function") else ""
+                hint = (" (send `tools` and `tool_choice`)" if f.startswith("function") else
+                        _STRUCTURED_HINT if f.startswith("guided") or f == "structured_outputs" else "")
                 raise BadRequest(f"{f} is not served{hint}", f)
         modalities = body.get("modalities")
         if modalities is not None and (not isinstance(modalities, list) or set(modalities) - {"text"}):
@@ -755,6 +770,8 @@ def sampling_of(body: Mapping[str, Any], api: str) -> Sampling:
         fields[ours] = whole(v) if ours in ("top_k", "seed") else v
     if api == "anthropic" and isinstance(fields.get("temperature"), (int, float)) and fields["temperature"] > 1:
         raise BadRequest("temperature must be between 0 and 1", "temperature")
+    if max_tokens is not None and isinstance(fields.get("min_tokens"), int) and fields["min_tokens"] > max_tokens:
+        raise BadRequest(f"min_tokens ({fields['min_tokens']}) must be at most max_tokens ({max_tokens})", "min_tokens")
     try:
         return msgspec.convert(fields, Sampling)
     except msgspec.ValidationError as exc:
