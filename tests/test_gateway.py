@@ -337,6 +337,27 @@ def test_vllm_sampling_params() -> None:
         "max_tokens": 9, "temperature": 0.5, "stop": ["x"], "seed": 3}
 
 
+def test_every_field_of_the_official_apis_is_read_or_known_to_have_no_effect() -> None:
+    """The gateway logs a field it does not act on once (`gateway.field_ignored`): an
+    official SDK's every field is one it reads or one it knows changes nothing here, never
+    "not a field of this API" (the table follows the SDKs as they grow)."""
+    from anthropic.types import message_create_params
+    from openai.types import completion_create_params
+    from openai.types.chat import completion_create_params as chat_params
+    from openai.types.responses import response_create_params
+
+    official = {"chat": chat_params.CompletionCreateParamsBase, "completions": completion_create_params.CompletionCreateParamsBase,
+                "responses": response_create_params.ResponseCreateParamsBase,
+                "messages": message_create_params.MessageCreateParamsBase}
+    for api, params in official.items():
+        read, no_effect = tr.REQUEST_FIELDS[api]
+        assert not read & no_effect, (api, read & no_effect)
+        unknown = {f for f in params.__annotations__ if f not in read | no_effect}
+        assert not unknown, (api, unknown)
+    assert tr.ignored_fields({"model": MODEL, "messages": [], "user": "u", "tempreature": 1}, "chat") == {
+        "user": tr.NO_EFFECT, "tempreature": tr.NOT_A_FIELD}
+
+
 def test_vllms_own_sampling_fields_reach_the_engine_or_are_refused_by_name() -> None:
     """Agents written for vLLM send its own fields; `repetition_penalty`, `min_p`,
     `min_tokens` and `ignore_eos` had been taken and dropped (a probe: the text at
@@ -2631,6 +2652,19 @@ async def test_tools_a_model_has_no_parser_for_or_that_are_malformed_are_400_by_
         await ant(stack).messages.create(model=MODEL, max_tokens=5, messages=[{"role": "user", "content": "x"}],
                                          tools=[{"name": "x", "input_schema": {"type": "string"}}])  # type: ignore[list-item,typeddict-item]
     assert "tools[0].input_schema" in ae.value.message
+
+
+@pytest.mark.timeout(60)
+async def test_a_field_the_gateway_does_not_act_on_is_logged_once(stack: EmbeddedStack) -> None:
+    """Taken (clients send extensions freely) and said once, so an operator sees what an
+    agent asks for that changes nothing here: a typo, another vendor's field, a no-op."""
+    client = oai(stack)
+    for _ in range(2):
+        await client.chat.completions.create(model=MODEL, max_tokens=4, messages=[{"role": "user", "content": "x"}],
+                                             user="u-1", extra_body={"tempreature": 0.2})
+    said = [(e["api"], e["field"], e["why"]) for e in events(stack, "gateway", "gateway.field_ignored")
+            if e["field"] in ("tempreature", "user")]
+    assert sorted(said) == [("chat", "tempreature", tr.NOT_A_FIELD), ("chat", "user", tr.NO_EFFECT)], said
 
 
 @pytest.mark.timeout(60)

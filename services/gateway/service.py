@@ -76,6 +76,7 @@ BUS_RETRY_AFTER_S = 2.0        # what a request refused while NATS is away is to
 SOFT_STATE_PAUSE_S = 5.0       # how long the gateway does without its soft state after Redis failed to answer
 SOFT_STATE_WAIT_S = 1.0        # how long one soft step waits on Redis (a stalled one answers nothing at all)
 SOFT_STATE_PROBE_S = 0.5       # while it is set aside: a PING this often (and waited on this long) ends the pause
+IGNORED_FIELDS_LOGGED = 256   # (API, field) pairs a gateway logs as ignored, once each (a client could send any)
 RETRY_WINDOW_S = 3600          # how long a first attempt's call id waits for its SDK's retries (timeouts x retries: minutes)
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 REQUEST_ID_HEADER, ANTHROPIC_REQUEST_ID_HEADER = "x-request-id", "request-id"
@@ -224,6 +225,7 @@ class Gateway:
         self.in_flight = 0     # API requests being answered (a stream until its end)
         self.streams_stop = asyncio.Event()  # the drain's time is up: streams end with the API's error event
         self.drain_cut_asked = asyncio.Event()  # a second SIGTERM: the drain's time is up now
+        self._ignored_said: set[tuple[str, str]] = set()  # (API, field) this process has logged as ignored
 
     # -- the app --------------------------------------------------------------------------
     def app(self) -> web.Application:
@@ -351,6 +353,14 @@ class Gateway:
             await settled(STREAMS_STOP_WALL_S)
 
     # -- shared steps ---------------------------------------------------------------------------
+    def _note_ignored(self, api: str, body: dict[str, Any]) -> None:
+        """Log once per process each field of a request that the gateway does not act on:
+        an operator sees what the agents send that changes nothing here."""
+        for name, why in tr.ignored_fields(body, api).items():
+            if (api, name) not in self._ignored_said and len(self._ignored_said) < IGNORED_FIELDS_LOGGED:
+                self._ignored_said.add((api, name))
+                self.log.info("gateway.field_ignored", api=api, field=name[:100], why=why)
+
     def _tenant(self, request: web.Request) -> str:
         tenant = tr.tenant_for(request.headers, self.keys)
         if tenant is None:
@@ -1130,6 +1140,7 @@ class Gateway:
     async def chat(self, request: web.Request) -> web.StreamResponse:
         tenant = self._tenant(request)
         raw, body = await self._body(request)
+        self._note_ignored("chat", body)
         p = await self._prepare_chat(request, tenant, raw, body, OPENAI, ("max_completion_tokens", "max_tokens"))
         model, max_tokens, tools, cid = p.model, p.max_tokens, list(p.tools), p.ids.call_id
         include_usage = tr.include_usage(body)
@@ -1176,6 +1187,7 @@ class Gateway:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         tenant = self._tenant(request)
         raw, body = await self._body(request)
+        self._note_ignored("completions", body)
         model = await self._model(body)
         stream = self._check_common(body)
         prompt = await self._text_prompt(tenant, model, body)
@@ -1219,6 +1231,7 @@ class Gateway:
         `response` object or its stream of named events."""
         tenant = self._tenant(request)
         raw, original = await self._body(request)
+        self._note_ignored("responses", original)
         try:
             store = tr.responses_store_asked(original)
         except BadRequest as exc:
@@ -1337,6 +1350,7 @@ class Gateway:
     async def messages(self, request: web.Request) -> web.StreamResponse:
         tenant = self._tenant(request)
         raw, body = await self._body(request)
+        self._note_ignored("messages", body)
         if body.get("thread") is not None:
             # a server-held conversation (the threads beta) is not kept here: the SDK reads this refusal
             # and sends the whole conversation again, unthreaded (answering it would drop the history)

@@ -741,6 +741,45 @@ def messages_output_schema(body: Mapping[str, Any]) -> str | None:
     return output_schema("json_schema", fmt.get("schema"), label, param)
 
 
+# What each API's request may carry: the fields the gateway reads (acts on, or refuses where
+# set to something it does not serve), and the APIs' own fields it takes with no effect here
+# (an end user's id, a service tier, a provider's cache key, ...). A field in neither is no
+# field of that API here (a typo, another vendor's extension): taken, since clients send
+# them freely, and said once in the log (`ignored_fields`), as vLLM says what it ignores.
+_SAMPLING_READ = frozenset(_OPENAI_SAMPLING) | frozenset(_OPENAI_REFUSED) | frozenset(_OPENAI_REFUSED_UNLESS)
+_OPENAI_READ = _SAMPLING_READ | {"model", "stream", "stream_options", "n", "max_tokens", "metadata", "modalities",
+                                 EXTENSION_FIELD}
+REQUEST_FIELDS: dict[str, tuple[frozenset[str], frozenset[str]]] = {
+    "chat": (_OPENAI_READ | {"messages", "max_completion_tokens", "response_format", "tools", "tool_choice",
+                             "parallel_tool_calls", "chat_template_kwargs", "continue_final_message",
+                             "reasoning_effort"},
+             frozenset({"user", "store", "prediction", "service_tier", "verbosity", "web_search_options",
+                        "prompt_cache_key", "prompt_cache_retention", "prompt_cache_options", "safety_identifier",
+                        "moderation"})),
+    "completions": (_OPENAI_READ | {"prompt"}, frozenset({"user"})),
+    "responses": (frozenset({"model", "input", "instructions", "previous_response_id", "store", "tools", "tool_choice",
+                             "parallel_tool_calls", "text", "max_output_tokens", "temperature", "top_p", "top_logprobs",
+                             "conversation", "prompt", "background", "stream", "metadata", "reasoning",
+                             EXTENSION_FIELD}),
+                  frozenset({"user", "include", "truncation", "service_tier", "prompt_cache_key",
+                             "prompt_cache_retention", "prompt_cache_options", "safety_identifier", "max_tool_calls",
+                             "moderation", "context_management", "background_options", "access_programs", "image",
+                             "stream_options"})),
+    "messages": (frozenset({"model", "messages", "system", "max_tokens", "stream", "temperature", "top_p", "top_k",
+                            "stop_sequences", "tools", "tool_choice", "thinking", "output_config", "output_format",
+                            "metadata", "chat_template_kwargs", "thread", EXTENSION_FIELD}),
+                 frozenset({"service_tier", "container", "cache_control", "diagnostics", "inference_geo", "speed",
+                            "user_profile_id", "workspace_id", "mcp_servers", "context_management"})),
+}
+NO_EFFECT, NOT_A_FIELD = "taken, no effect here", "not a field of this API here"
+
+
+def ignored_fields(body: Mapping[str, Any], api: str) -> dict[str, str]:
+    """The request's fields the gateway does not act on, each with why (NO_EFFECT or NOT_A_FIELD)."""
+    read, no_effect = REQUEST_FIELDS[api]
+    return {k: NO_EFFECT if k in no_effect else NOT_A_FIELD for k in body if k not in read}
+
+
 def sampling_of(body: Mapping[str, Any], api: str, max_tokens: int | None = None) -> Sampling:
     """The request's sampling fields as the engine takes them; a BadRequest names a bad or
     unserved field (`min_tokens` past `max_tokens` too, as vLLM refuses it)."""
