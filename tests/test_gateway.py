@@ -1661,6 +1661,72 @@ async def _slow_stream_begun(client: openai.AsyncOpenAI, got: list[str]) -> "asy
     return streaming
 
 
+def test_a_request_aiohttp_cannot_parse_is_logged_at_info_in_one_line() -> None:
+    """A `Content-Length` beside chunked encoding (a probe) was aiohttp's `error` with a
+    traceback, the only error-level line of a whole run: a client's fault, said at info."""
+    import logging
+    import sys
+
+    from aiohttp.http_exceptions import BadHttpMessage
+
+    from services.gateway.service import MalformedHttpAsInfo
+
+    try:
+        raise BadHttpMessage("Transfer-Encoding can't be present with Content-Length")
+    except BadHttpMessage:
+        record = logging.LogRecord("aiohttp.server", logging.ERROR, __file__, 1, "Error handling request from %s",
+                                   ("127.0.0.1",), sys.exc_info())
+    assert MalformedHttpAsInfo().filter(record)
+    assert record.levelno == logging.INFO and record.exc_info is None
+    assert record.getMessage().startswith("malformed HTTP request from 127.0.0.1: 400, message:")
+    # any other error of the server stays an error, with its traceback
+    try:
+        raise RuntimeError("a bug")
+    except RuntimeError:
+        other = logging.LogRecord("aiohttp.server", logging.ERROR, __file__, 1, "Unhandled exception", (), sys.exc_info())
+    assert MalformedHttpAsInfo().filter(other) and other.levelno == logging.ERROR and other.exc_info is not None
+
+
+@pytest.mark.timeout(60)
+async def test_a_client_that_closes_as_its_stream_ends_cuts_neither_the_cleanup_nor_its_200(
+        refusing_gateway: tuple[str, dict[str, Any]]) -> None:
+    """A one-shot client (curl, a script that exits) closes the moment its stream's last
+    byte lands. The handler's cancellation had cut the session's cleanup after it (a probe:
+    29 of 30 final sessions' chains left in Redis for hours) and counted the whole answer a
+    499. The cleanup here is made slow, so the close always lands inside it."""
+    url, ctl = refusing_gateway
+    gw = ctl["gateway"]
+    finished: list[str] = []
+    original = gw._after_call
+
+    async def slow_cleanup(ids: Any, final: bool) -> None:
+        await asyncio.sleep(0.3)
+        await original(ids, final)
+        finished.append(ids.call_id)
+
+    gw._after_call = slow_cleanup
+    answered = gw.metrics.http_requests.labels(api="openai", status="200")
+    gone = gw.metrics.http_requests.labels(api="openai", status="499")
+    before = (answered._value.get(), gone._value.get())
+    body = json.dumps({"model": MODEL, "stream": True, "messages": [{"role": "user", "content": f"{THOUGHT_MARK} go"}]})
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write((f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer k\r\n"
+                  f"x-session-id: one-shot\r\nx-dynamo-session-final: 1\r\nContent-Type: application/json\r\n"
+                  f"Content-Length: {len(body)}\r\n\r\n{body}").encode())
+    await writer.drain()
+    got = b""
+    while not got.endswith(b"0\r\n\r\n"):  # (the chunked body's end: the stream is whole)
+        chunk = await asyncio.wait_for(reader.read(65536), 10)
+        assert chunk, got[-200:]
+        got += chunk
+    assert b"data: [DONE]" in got
+    writer.close()  # at once, as the cleanup runs
+    await until(lambda: bool(finished), 5)
+    await asyncio.sleep(0.1)
+    assert (answered._value.get() - before[0], gone._value.get() - before[1]) == (1, 0)
+
+
 @pytest.mark.timeout(60)
 async def test_a_stopping_gateway_finishes_its_streams_and_sends_new_requests_elsewhere(
         refusing_gateway: tuple[str, dict[str, Any]]) -> None:

@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import signal
 import sys
 import time
@@ -963,7 +964,7 @@ class Gateway:
         sid, cid = ids.session_id, ids.call_id
         request[REQUEST_ID_KEY] = cid
         final = tr.is_final(request.headers)
-        status, deferred, error = 200, False, None
+        status, deferred, error, streamed_whole = 200, False, None, False
         with structlog.contextvars.bound_contextvars(tenant=tenant, session_id=sid, call_id=cid), tracing.span(
                 f"chat {model}", tracing.traceparent_of(request.headers), kind=SpanKind.SERVER,
                 attributes=tracing.call_attributes(model, sid, cid, **{"talaria.api": api, "http.route": request.path,
@@ -990,7 +991,9 @@ class Gateway:
                 if stream:
                     task = asyncio.ensure_future(call_and_remember())
                     try:
-                        return await streamer(request, task, events)
+                        resp = await streamer(request, task, events)
+                        streamed_whole = task.done()
+                        return resp
                     finally:
                         if not task.done():
                             status = request[CLIENT_GONE_KEY] = 499  # (nginx's "client closed request")
@@ -1034,7 +1037,25 @@ class Gateway:
                     session_name=ids.session_name, retry=tr.retry_count(request.headers),
                     ms=round((time.monotonic() - t0) * 1000, 2))
                 if not deferred:
-                    await self._after_call(ids, final)
+                    await self._clean_up_after(request, ids, final, streamed_whole)
+
+    async def _clean_up_after(self, request: web.Request, ids: CallIds, final: bool, answered: bool) -> None:
+        """The session's release or end after a call, which the client's leaving does not cut
+        short: a one-shot client closes as soon as its stream's last byte lands, and the
+        handler's cancellation had cut the cleanup there (a named final session's chain left
+        in Redis for hours, a header-less one's busy mark at risk) and counted the whole
+        answer as a 499. The cleanup runs on; a stream whole when its client left is a 200."""
+        cleanup = asyncio.ensure_future(self._after_call(ids, final))
+        self._background.add(cleanup)
+        cleanup.add_done_callback(self._background.discard)
+        try:
+            await asyncio.shield(cleanup)
+        except asyncio.CancelledError:
+            if not answered:
+                raise
+            task = asyncio.current_task()
+            if task is not None:
+                task.uncancel()  # (the answer is whole: this request ends as it would have)
 
     async def _stream_events(self, request: web.Request, task: "asyncio.Task[CallReply]", events: "asyncio.Queue[Any]",
                              on_start: Callable[[], list[bytes]], on_tokens: Callable[[CallTokens], list[bytes]],
@@ -1486,8 +1507,27 @@ async def start_gateway(settings: Settings, client: TalariaClient, redis: aiored
     return runner, port
 
 
+class MalformedHttpAsInfo(logging.Filter):
+    """aiohttp logs a request it cannot parse (a `Content-Length` beside chunked encoding, a
+    header line too long) at `error` with its traceback: a client's fault, which anyone could
+    fill the error log with. It is said at `info`, in one line, as the gateway's own
+    refusals are."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from aiohttp.http_exceptions import HttpProcessingError
+
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, HttpProcessingError):
+            remote = record.args[0] if isinstance(record.args, tuple) and record.args else "?"
+            record.levelno, record.levelname = logging.INFO, "INFO"
+            record.msg, record.args = "malformed HTTP request from %s: %s", (remote, " ".join(str(exc).split())[:300])
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
 async def serve(settings: Settings) -> None:
     log = configure_logging("gateway", settings.log_format, settings.log_level)
+    logging.getLogger("aiohttp.server").addFilter(MalformedHttpAsInfo())
     tracing.configure("gateway", settings.otlp_endpoint)
     client = await TalariaClient.connect(settings.nats_urls, user=settings.nats_user, password=settings.nats_password,
                                          subject_prefix=settings.subject_prefix, connect_timeout_s=30.0,
