@@ -1755,6 +1755,29 @@ async def test_a_stopping_gateway_finishes_its_streams_and_sends_new_requests_el
     assert gw.in_flight == 0
 
 
+@pytest.mark.timeout(120)
+async def test_a_second_stop_request_ends_even_a_hung_gateways_drain_soon(tmp_path: Path) -> None:
+    """The stack waits up to the drain's 30 s for its gateway; an operator who asks again
+    (a second Ctrl-C) ends the drain, and a gateway that cannot end it (hung: here stopped
+    outright) is killed a few seconds later rather than waited for."""
+    import os
+    import signal as sig
+
+    stack = EmbeddedStack(StackSpec(policy=resolve_policy("talaria"), models=[MODEL], time_scale=20.0,
+                                    log_dir=tmp_path / "logs", gateway=True))
+    await stack.start()
+    gateway = stack.group.children["gateway"].proc
+    assert gateway is not None
+    os.kill(gateway.pid, sig.SIGSTOP)
+    t0 = time.monotonic()
+    stopping = asyncio.ensure_future(stack.stop())
+    await asyncio.sleep(1.0)
+    assert not stopping.done()  # (waiting for the gateway's drain)
+    stack.cut_drain()
+    await asyncio.wait_for(stopping, 30)
+    assert time.monotonic() - t0 < 12, time.monotonic() - t0
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("ended_by", ["its bound", "a second signal"])
 async def test_a_stream_longer_than_the_gateways_drain_ends_in_its_apis_error_event(

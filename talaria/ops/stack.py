@@ -582,12 +582,21 @@ class EmbeddedStack:
 
     def cut_drain(self) -> None:
         """A second request to stop: the gateway's drain ends now (a second SIGTERM), its
-        streams still open ending with their API's error event."""
+        streams still open ending with their API's error event; a gateway that does not
+        end within the time those take (hung, stopped) is killed."""
         child = self.group.children.get("gateway")
         proc = child.proc if child is not None else None  # (read without the group's lock, which the stop holds)
-        if proc is not None and proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                proc.send_signal(signal.SIGTERM)
+        if proc is None or proc.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGTERM)
+
+        def kill_if_alive() -> None:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+
+        asyncio.get_running_loop().call_later(STREAMS_STOP_WALL_S + 2.0, kill_if_alive)
 
     async def __aenter__(self) -> "EmbeddedStack":
         try:
