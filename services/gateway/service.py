@@ -1037,9 +1037,9 @@ class Gateway:
                     session_name=ids.session_name, retry=tr.retry_count(request.headers),
                     ms=round((time.monotonic() - t0) * 1000, 2))
                 if not deferred:
-                    await self._clean_up_after(request, ids, final, streamed_whole)
+                    await self._clean_up_after(ids, final, streamed_whole)
 
-    async def _clean_up_after(self, request: web.Request, ids: CallIds, final: bool, answered: bool) -> None:
+    async def _clean_up_after(self, ids: CallIds, final: bool, answered: bool) -> None:
         """The session's release or end after a call, which the client's leaving does not cut
         short: a one-shot client closes as soon as its stream's last byte lands, and the
         handler's cancellation had cut the cleanup there (a named final session's chain left
