@@ -183,7 +183,6 @@ class ChatTokenizer:
 
         self.encoder = IncrementalEncoder(encode, added, max_chars)
         self._disabled_effort: str | None = None
-        self._disabled_effort: str | None = None
 
     def render(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None,
                continue_final: bool = False, template_kwargs: Mapping[str, Any] | None = None) -> str:
