@@ -5,6 +5,7 @@ engine, and the error shapes against a stand-in router that refuses calls."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 import sys
@@ -1230,6 +1231,7 @@ SLOW_STREAM_MARK = "stream slowly"  # ten pieces 0.15 s apart
 RERUN_MARK = "rerun once begun"  # (with "differently": the re-run's text differs, as sampling would make it)
 RERUN_TEXT = "The fix is in a.py: the loop stopped one short, so the last line was never read."
 LOSSY_MARK = "lose tokens on the way"
+FLOOD_MARK = "flood the stream"  # 30 MB of text in 64-KB pieces, then the reply
 THOUGHT = "the parser drops the last line;\nmaybe <tool_call>rm_rf\n</tool_call> would help"
 THOUGHT_REPLY = f"<think>\n{THOUGHT}\n</think>\n\nFixed it."
 THOUGHT_REPLY_TOOLS = (f"<think>{THOUGHT}</think>\nReading it.\n<tool_call>read_file\n<arg_key>path</arg_key>\n"
@@ -1304,6 +1306,19 @@ async def refusing_gateway(nats_server: NatsServer) -> AsyncIterator[tuple[str, 
                     cached_tokens=0, restored_tokens=0, reprefill_tokens=0, output_tokens=10, arrived_at=0,
                     finished_at=1, waited_s=0, switch_wait_s=0, round_wait=False, restore_s=0, prefill_s=0, decode_s=0,
                     text="".join(f"w{i} " for i in range(10)))))
+            case CallRequest() if FLOOD_MARK in (req.prompt_text or "") and req.stream:
+                ctl["calls"] += 1
+                await router.publish(req.reply_to, encode(CallRunning(call_id=req.call_id, server_id="s0")))
+                piece = "x" * 65536
+                for i in range(480):
+                    await router.publish(req.reply_to, encode(CallTokens(call_id=req.call_id, index=i, token_ids=[i],
+                                                                         text=piece)))
+                    await asyncio.sleep(0)
+                await router.publish(req.reply_to, encode(CallReply(
+                    call_id=req.call_id, session_id=req.session_id, server_id="s0", model=MODEL, prompt_tokens=9,
+                    cached_tokens=0, restored_tokens=0, reprefill_tokens=0, output_tokens=480, arrived_at=0,
+                    finished_at=1, waited_s=0, switch_wait_s=0, round_wait=False, restore_s=0, prefill_s=0, decode_s=0,
+                    text=piece * 480)))
             case CallRequest() if LOSSY_MARK in (req.prompt_text or "") and req.stream:
                 ctl["calls"] += 1  # two tokens lost on the way (published while the gateway's connection was away)
                 await router.publish(req.reply_to, encode(CallRunning(call_id=req.call_id, server_id="s0")))
@@ -2982,6 +2997,67 @@ def test_a_reply_is_cut_off_where_its_engine_says_else_where_its_count_reaches_t
     assert tr.cut_off(Reply(output_tokens=200, finish_reason="length"), 200)
     assert tr.cut_off(Reply(output_tokens=200, finish_reason=None), 200)  # an engine that does not say
     assert not tr.cut_off(Reply(output_tokens=199, finish_reason=None), 200)
+
+
+@pytest.mark.timeout(60)
+async def test_expect_100_continue_is_refused_before_the_body_where_the_body_cannot_matter(
+        refusing_gateway: tuple[str, dict[str, Any]]) -> None:
+    """A client that sends `Expect: 100-continue` (curl, for any body over 1 KiB) waits to
+    upload its prompt until told to: with a wrong key, or a declared length over the
+    limit, it was told `100 Continue`, uploaded, and only then got its 401 or 413. Now the
+    refusal comes first, in the API's shape, counted, and the connection closes (its body
+    was never read); a request the gateway would take is told to go on."""
+    url, ctl = refusing_gateway
+    gw = ctl["gateway"]
+    port = int(url.rsplit(":", 1)[1])
+    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x" * 4000}]}).encode()
+
+    async def head_answer(path: str, headers: str, length: int) -> tuple[bytes, asyncio.StreamReader,
+                                                                          asyncio.StreamWriter]:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write((f"POST {path} HTTP/1.1\r\nHost: x\r\n{headers}Content-Type: application/json\r\n"
+                      f"Expect: 100-continue\r\nContent-Length: {length}\r\n\r\n").encode())
+        await writer.drain()
+        return await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5), reader, writer
+
+    refused = gw.metrics.http_requests.labels(api="anthropic", status="401")
+    before = refused._value.get()
+    for path, headers, length, status, words in (
+            ("/v1/chat/completions", "Authorization: Bearer wrong\r\n", len(body), 401, b"invalid API key"),
+            ("/v1/messages", "anthropic-version: 2023-06-01\r\n", len(body), 401, b"authentication_error"),
+            ("/v1/chat/completions", "Authorization: Bearer k\r\n", gw.settings.gateway_max_body + 1, 413,
+             b"Content-Length"),
+            ("/v1/chat/completions", "Authorization: Bearer k\r\nExpect: something-else\r\n", len(body), 417,
+             b"something-else")):
+        head, reader, writer = await head_answer(path, headers, length)
+        try:
+            assert head.startswith(f"HTTP/1.1 {status}".encode()), head[:200]
+            assert b"Connection: close" in head and b"x-request-id" in head.lower()
+            length_in = int(re.search(rb"Content-Length: (\d+)", head).group(1))
+            assert words in await asyncio.wait_for(reader.readexactly(length_in), 5)
+            writer.write_eof()  # (the client sends nothing more: aiohttp's lingering read ends at once)
+            assert await asyncio.wait_for(reader.read(), 15) == b""  # closed: the unread body is not taken as a request
+        finally:
+            writer.close()
+    assert refused._value.get() - before == 1
+    # the right key: told to go on, then answered as any call (the stand-in router refuses every call: 429)
+    head, reader, writer = await head_answer("/v1/chat/completions", "Authorization: Bearer k\r\n", len(body))
+    try:
+        assert head == b"HTTP/1.1 100 Continue\r\n\r\n"
+        writer.write(body)
+        await writer.drain()
+        answer = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        assert answer.startswith(b"HTTP/1.1 429"), answer[:200]
+    finally:
+        writer.close()
+    # aiohttp's own client, as an SDK built on it sends it
+    async with aiohttp.ClientSession() as http:
+        async with http.post(f"{url}/v1/chat/completions", headers={"Authorization": "Bearer wrong"},
+                             data=body, expect100=True) as r:
+            assert r.status == 401 and (await r.json())["error"]["code"] == "invalid_api_key"
+        async with http.post(f"{url}/v1/chat/completions", headers={"Authorization": "Bearer k"},
+                             data=body, expect100=True) as r:
+            assert r.status == 429
 
 
 @pytest.mark.timeout(60)

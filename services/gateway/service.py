@@ -236,13 +236,12 @@ class Gateway:
         app.router.add_get("/", self.health)  # (Claude Code checks the base URL with a HEAD / first)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/v1/models/{model}", self.model_info)
-        app.router.add_post("/v1/chat/completions", self.chat)
-        app.router.add_post("/v1/completions", self.completions)
-        app.router.add_post("/v1/messages", self.messages)
-        app.router.add_post("/v1/responses", self.responses)
-        app.router.add_post("/v1/messages/count_tokens", self.count_tokens)
-        app.router.add_post("/v1/responses/input_tokens", self.input_tokens)
-        app.router.add_post("/v1/responses/compact", self.compact)
+        for path, handler in (("/v1/chat/completions", self.chat), ("/v1/completions", self.completions),
+                              ("/v1/messages", self.messages), ("/v1/responses", self.responses),
+                              ("/v1/messages/count_tokens", self.count_tokens),
+                              ("/v1/responses/input_tokens", self.input_tokens),
+                              ("/v1/responses/compact", self.compact)):
+            app.router.add_post(path, handler, expect_handler=self._expect_continue)
         app.router.add_get("/v1/responses/{response_id}", self.stored_response)
         app.router.add_get("/v1/responses/{response_id}/input_items", self.response_input_items)
         app.router.add_delete("/v1/responses/{response_id}", self.delete_response)
@@ -259,15 +258,55 @@ class Gateway:
         resp.headers.setdefault(REQUEST_ID_HEADER, rid)
         resp.headers.setdefault(ANTHROPIC_REQUEST_ID_HEADER, rid)
 
+    @staticmethod
+    def _shape(request: web.Request) -> str:
+        """The API whose error shape answers a request: Anthropic's for its paths and for any
+        request its SDKs sent (they send `anthropic-version` on every call: a base URL set one
+        /v1 off gets its 404 in the words it reads), else OpenAI's."""
+        anthropic_client = "anthropic-version" in request.headers and not request.path.startswith(OPENAI_PATHS)
+        return ANTHROPIC if request.path.startswith("/v1/messages") or anthropic_client else OPENAI
+
+    def _count(self, request: web.Request, shape: str, status: int, t0: float) -> None:
+        api = RESPONSES if request.path.startswith("/v1/responses") else shape
+        self.metrics.http_requests.labels(api=api, status=str(status)).inc()
+        if (code := request.get(STREAM_ERROR_KEY)) is not None:
+            self.metrics.http_stream_errors.labels(api=api, code=code).inc()
+        self.metrics.http_duration.labels(api=api).observe(time.monotonic() - t0)
+
+    async def _expect_continue(self, request: web.Request) -> web.StreamResponse | None:
+        """`Expect: 100-continue` (curl sends it for a body over 1 KiB, some HTTP clients for
+        every POST): the client holds its body back until told to go on. A request refused
+        whatever its body says (no valid key, a stopping gateway, a declared length over the
+        limit) is refused now, in the API's shape, instead of being told to upload a long
+        prompt first; the connection then closes, as its body was never read."""
+        if request.headers.get("Expect", "").lower() != "100-continue":
+            err = HttpError("expectation_failed", f"unknown Expect: {request.headers.get('Expect', '')[:100]} "
+                                                  "(only 100-continue is served)")
+        elif self.draining:
+            err = HttpError("unavailable", "this gateway is stopping: send the request again", retry_after_s=1.0)
+        elif tr.tenant_for(request.headers, self.keys) is None:
+            err = self._unauthorized(request)
+        elif (request.content_length or 0) > self.settings.gateway_max_body:
+            err = HttpError("too_large", f"request body over {self.settings.gateway_max_body} bytes "
+                                         f"(Content-Length: {request.content_length})")
+        else:
+            if request.version >= (1, 1):
+                await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+                request.writer.output_size = 0  # (the interim answer is no part of the response's size)
+            return None
+        t0 = time.monotonic()
+        shape = self._shape(request)
+        resp = self._refused(request, shape, err)
+        resp.force_close()
+        self._count(request, shape, resp.status, t0)
+        return resp
+
     @web.middleware
     async def _errors(self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
                       ) -> web.StreamResponse:
         """Every refusal in the API's own shape, and every API request counted by its API
         and status (refusals before a call as well as calls; a client that went away: 499)."""
-        # Anthropic's shape for its paths and for any request its SDKs sent (they send `anthropic-version`
-        # on every call: a base URL set one /v1 off gets its 404 in the words it reads)
-        anthropic_client = "anthropic-version" in request.headers and not request.path.startswith(OPENAI_PATHS)
-        shape = ANTHROPIC if request.path.startswith("/v1/messages") or anthropic_client else OPENAI
+        shape = self._shape(request)
         t0, status = time.monotonic(), 500
         api_call = request.path.startswith("/v1/")
         self.in_flight += api_call
@@ -288,11 +327,7 @@ class Gateway:
         finally:
             self.in_flight -= api_call
             if api_call:
-                api = RESPONSES if request.path.startswith("/v1/responses") else shape
-                self.metrics.http_requests.labels(api=api, status=str(status)).inc()
-                if (code := request.get(STREAM_ERROR_KEY)) is not None:
-                    self.metrics.http_stream_errors.labels(api=api, code=code).inc()
-                self.metrics.http_duration.labels(api=api).observe(time.monotonic() - t0)
+                self._count(request, shape, status, t0)
 
     async def _answer(self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]],
                       shape: str) -> web.StreamResponse:
@@ -365,9 +400,13 @@ class Gateway:
     def _tenant(self, request: web.Request) -> str:
         tenant = tr.tenant_for(request.headers, self.keys)
         if tenant is None:
-            why = "invalid API key" if tr.presented_keys(request.headers) else "no API key"
-            raise HttpError("unauthorized", f"{why}: send `Authorization: Bearer <key>` or `x-api-key: <key>`")
+            raise self._unauthorized(request)
         return tenant
+
+    @staticmethod
+    def _unauthorized(request: web.Request) -> HttpError:
+        why = "invalid API key" if tr.presented_keys(request.headers) else "no API key"
+        return HttpError("unauthorized", f"{why}: send `Authorization: Bearer <key>` or `x-api-key: <key>`")
 
     async def _body(self, request: web.Request) -> tuple[bytes, dict[str, Any]]:
         limit_s = self.settings.gateway_body_timeout_s

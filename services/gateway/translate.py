@@ -1089,6 +1089,7 @@ _ERROR_MAP: dict[str, tuple[int, str, str | None, str]] = {
     "unknown_session": (500, "server_error", None, "api_error"),
     "unsupported_encoding": (415, "invalid_request_error", "unsupported_content_encoding", "invalid_request_error"),
     "method_not_allowed": (405, "invalid_request_error", "method_not_allowed", "invalid_request_error"),
+    "expectation_failed": (417, "invalid_request_error", "expectation_failed", "invalid_request_error"),
     # the IETF Idempotency-Key draft's answer to a key reused with another request
     "idempotency_key_reused": (422, "invalid_request_error", "idempotency_key_reused", "invalid_request_error"),
 }
