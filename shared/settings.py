@@ -94,6 +94,7 @@ _RANGES: tuple[tuple[str, str, float, bool, float], ...] = (
     ("TALARIA_GATEWAY_KEEPALIVE_S", "gateway_keepalive_s", 0, True, math.inf),
     ("TALARIA_GATEWAY_RETRY_GRACE_S", "gateway_retry_grace_s", 0, False, math.inf),
     ("TALARIA_GATEWAY_BODY_TIMEOUT_S", "gateway_body_timeout_s", 0, True, math.inf),
+    ("TALARIA_GATEWAY_SEND_TIMEOUT_S", "gateway_send_timeout_s", 0, True, math.inf),
     ("TALARIA_GATEWAY_MAX_BODY", "gateway_max_body", 0, True, math.inf),
     ("TALARIA_GATEWAY_RESPONSES_TTL_S", "gateway_responses_ttl_s", 0, False, math.inf),
     ("TALARIA_CALL_RECORD_REPLICAS", "call_record_replicas", 1, False, 5),
@@ -218,6 +219,7 @@ class Settings:
     gateway_keepalive_s: float = 10.0  # wall seconds between SSE keep-alive comments while a call waits
     gateway_retry_grace_s: float = 10.0  # wall seconds a whole call runs on after its retrying client left (0: cancel at once)
     gateway_body_timeout_s: float = 60.0  # wall seconds a request's whole body may take to arrive (past it: 408)
+    gateway_send_timeout_s: float = 60.0  # wall seconds a stream's client may take nothing of it (past it: closed)
     gateway_max_body: int = GATEWAY_MAX_BODY  # bytes of an HTTP request body (decoded) above which the gateway answers 413 (Anthropic: 32 MB)
     gateway_responses_ttl_s: int = GATEWAY_RESPONSES_TTL_S  # wall seconds a stored response is kept (0: none stored)
     gateway_tokenizers: str = ""    # `model=FOLDER,...` (`*` every model): chat template and tokenizer per model; else stand-in ids
@@ -315,6 +317,9 @@ class Settings:
         p.add_argument("--gateway-body-timeout-s", type=float, default=_float(src, "TALARIA_GATEWAY_BODY_TIMEOUT_S", 60.0),
                        help="wall seconds a request's whole body may take to arrive; past it the gateway answers 408 "
                             "and closes the connection (a client trickling a body held its connection open for ever)")
+        p.add_argument("--gateway-send-timeout-s", type=float, default=_float(src, "TALARIA_GATEWAY_SEND_TIMEOUT_S", 60.0),
+                       help="wall seconds a streamed answer may wait for its client to take what was sent; past it "
+                            "the connection is closed (a client that stopped reading held its call's output for ever)")
         p.add_argument("--gateway-max-body", type=int, default=_int(src, "TALARIA_GATEWAY_MAX_BODY", GATEWAY_MAX_BODY),
                        help="largest HTTP request body in bytes (larger: 413)")
         p.add_argument("--gateway-responses-ttl-s", type=int,
@@ -405,6 +410,7 @@ class Settings:
             gateway_keepalive_s=max(0.05, a.gateway_keepalive_s),
             gateway_retry_grace_s=a.gateway_retry_grace_s,
             gateway_body_timeout_s=max(0.1, a.gateway_body_timeout_s),
+            gateway_send_timeout_s=a.gateway_send_timeout_s,
             gateway_max_body=max(1024, a.gateway_max_body),
             gateway_responses_ttl_s=a.gateway_responses_ttl_s,
             gateway_tokenizers=a.gateway_tokenizers,

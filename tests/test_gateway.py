@@ -3000,6 +3000,39 @@ def test_a_reply_is_cut_off_where_its_engine_says_else_where_its_count_reaches_t
 
 
 @pytest.mark.timeout(60)
+async def test_a_stream_whose_client_stopped_reading_is_closed_after_the_send_timeout(
+        refusing_gateway: tuple[str, dict[str, Any]]) -> None:
+    """A client that stops reading a stream (hung, or a proxy's full buffer) held its
+    request in flight for ever, with the output the socket would not take: counted in
+    flight, it also held a stopping gateway for its whole drain. Now a write that waits
+    `TALARIA_GATEWAY_SEND_TIMEOUT_S` closes the connection, as a client that left (499)."""
+    import dataclasses
+
+    url, ctl = refusing_gateway
+    gw = ctl["gateway"]
+    gw.settings = dataclasses.replace(gw.settings, gateway_send_timeout_s=0.5)
+    gone = gw.metrics.http_requests.labels(api="openai", status="499")
+    before = gone._value.get()
+    body = json.dumps({"model": MODEL, "stream": True, "messages": [{"role": "user", "content": FLOOD_MARK}]})
+    reader, writer = await asyncio.open_connection("127.0.0.1", int(url.rsplit(":", 1)[1]))
+    try:
+        writer.write((f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer k\r\n"
+                      f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n{body}").encode())
+        await writer.drain()
+        await until(lambda: gw.in_flight == 1, 5)
+        await until(lambda: gw.in_flight == 0, 20)  # (reading nothing meanwhile)
+        assert gone._value.get() - before == 1
+        got = 0
+        with contextlib.suppress(ConnectionError):
+            while chunk := await asyncio.wait_for(reader.read(1 << 20), 5):
+                got += len(chunk)
+        assert 0 < got < 480 * 65536  # what the socket took before it filled, then the close
+    finally:
+        writer.close()
+        gw.settings = dataclasses.replace(gw.settings, gateway_send_timeout_s=60.0)
+
+
+@pytest.mark.timeout(60)
 async def test_expect_100_continue_is_refused_before_the_body_where_the_body_cannot_matter(
         refusing_gateway: tuple[str, dict[str, Any]]) -> None:
     """A client that sends `Expect: 100-continue` (curl, for any body over 1 KiB) waits to

@@ -1107,6 +1107,21 @@ class Gateway:
         started = False
         relayed = StreamedTokens()  # (an engine's re-run after a restart repeats what was sent: relay.py)
 
+        send_limit_s = self.settings.gateway_send_timeout_s
+
+        async def send(chunk: bytes) -> None:
+            """One write, given up once the client has taken nothing for `send_limit_s`
+            (a client that stopped reading: its connection is closed, as if it had left)."""
+            try:
+                async with asyncio.timeout(send_limit_s):
+                    await resp.write(chunk)
+            except TimeoutError:
+                if request.transport is not None:
+                    request.transport.abort()
+                self.log.info("gateway.client_stalled", request_id=request.get(REQUEST_ID_KEY),
+                              send_timeout_s=send_limit_s)
+                raise ConnectionResetError(f"the client took nothing for {send_limit_s:g} s") from None
+
         def relay(ev: CallTokens) -> list[bytes]:
             past = relayed.accept(ev)
             return on_tokens(past) if past is not None else []
@@ -1123,7 +1138,7 @@ class Gateway:
                 raise exc
             request[STREAM_ERROR_KEY] = exc.code
             for chunk in on_error(exc):
-                await resp.write(chunk)
+                await send(chunk)
             return resp
 
         async def start() -> None:
@@ -1132,7 +1147,7 @@ class Gateway:
                 started = True
                 await resp.prepare(request)
                 for chunk in on_start():
-                    await resp.write(chunk)
+                    await send(chunk)
 
         getter: asyncio.Future[Any] | None = None
         stopping = asyncio.ensure_future(self.streams_stop.wait())
@@ -1155,7 +1170,7 @@ class Gateway:
                         if not chunks and time.monotonic() - quiet_since >= self.settings.gateway_keepalive_s:
                             chunks = [SSE_KEEPALIVE]
                         for chunk in chunks:
-                            await resp.write(chunk)
+                            await send(chunk)
                         if chunks:
                             quiet_since = time.monotonic()
                     elif isinstance(ev, CallRunning):
@@ -1166,19 +1181,19 @@ class Gateway:
                         ev = events.get_nowait()
                         if isinstance(ev, CallTokens) and started:
                             for chunk in relay(ev):
-                                await resp.write(chunk)
+                                await send(chunk)
                     try:
                         reply = task.result()
                     except TalariaError as exc:
                         return await failed(exc)
                     await start()
                     for chunk in on_reply(reply):
-                        await resp.write(chunk)
+                        await send(chunk)
                     await resp.write_eof()
                     return resp
                 if not done:  # waiting for the model's round: keep the connection alive
                     await start()
-                    await resp.write(SSE_KEEPALIVE)
+                    await send(SSE_KEEPALIVE)
                     quiet_since = time.monotonic()
         except RerunDiverged as exc:  # (the 200 is sent: say so in the stream, and stop the run)
             await stop_run()
