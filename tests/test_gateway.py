@@ -809,6 +809,20 @@ async def test_structured_output_on_the_sim_engine_parses_as_its_schema(stack: E
     assert parsed.usage.completion_tokens < 200
     r = await client.responses.parse(model=MODEL, input="plan the fix", text_format=Plan, max_output_tokens=200)
     assert isinstance(r.output_parsed, Plan)
+    # the response echoes the format it was asked for, whole and streamed: LangChain's streamed
+    # structured output reads `text.format.type` to parse (it had always said plain text)
+    asked = {"format": {"type": "json_schema", "name": "Plan", "strict": True, "schema": Plan.model_json_schema()},
+             "verbosity": "low"}
+    assert r.text.format.type == "json_schema" and r.text.format.name == "Plan"
+    whole = await client.responses.create(model=MODEL, input="plan the fix", text=asked, max_output_tokens=200,
+                                          truncation="auto")
+    assert whole.text.model_dump(exclude_none=True, by_alias=True) == asked and whole.truncation == "auto"
+    async with client.responses.stream(model=MODEL, input="plan the fix", text=asked, max_output_tokens=200) as s:
+        done = await s.get_final_response()
+    assert done.text.model_dump(exclude_none=True, by_alias=True) == asked and done.truncation == "disabled"
+    assert Plan.model_validate_json(done.output_text)
+    plain = await client.responses.create(model=MODEL, input="hi", max_output_tokens=5)
+    assert plain.text.format.type == "text"
     # json_object: any object
     o = await client.chat.completions.create(model=MODEL, max_tokens=50, response_format={"type": "json_object"},
                                              messages=[{"role": "user", "content": "an object"}])

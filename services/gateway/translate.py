@@ -1612,6 +1612,14 @@ def response_status(reply: Any, max_tokens: int, answer: Answer) -> str:
     return "incomplete" if finish_reason(reply, max_tokens, answer) == "length" else "completed"
 
 
+def response_text_settings(request: Mapping[str, Any]) -> dict[str, Any]:
+    """The request's `text` settings as a response echoes them: its `format` (plain text
+    unless it asked for a schema or JSON) and whatever else it set (`verbosity`)."""
+    text = request.get("text")
+    text = text if isinstance(text, dict) else {}
+    return {**text, "format": text.get("format") or {"type": "text"}}
+
+
 def response_object(call_id: str, model: str, created: int, request: Mapping[str, Any], *, status: str,
                     output: list[dict[str, Any]], usage: dict[str, Any] | None = None,
                     error: dict[str, Any] | None = None, store: bool = False) -> dict[str, Any]:
@@ -1626,8 +1634,10 @@ def response_object(call_id: str, model: str, created: int, request: Mapping[str
         "tools": request.get("tools") or [], "tool_choice": request.get("tool_choice") or "auto",
         "parallel_tool_calls": request.get("parallel_tool_calls", True),
         "previous_response_id": request.get("previous_response_id"),
-        "metadata": request.get("metadata") or {}, "store": store, "truncation": "disabled",
-        "text": {"format": {"type": "text"}}, "reasoning": request.get("reasoning"), "user": request.get("user"),
+        "metadata": request.get("metadata") or {}, "store": store,
+        # (echoed as sent: a client reads the reply's `text.format` to parse it as the schema it asked for)
+        "truncation": request.get("truncation") or "disabled", "text": response_text_settings(request),
+        "reasoning": request.get("reasoning"), "user": request.get("user"),
         "prompt_cache_key": request.get("prompt_cache_key"),
     }
 
