@@ -25,6 +25,19 @@ from shared.schema import CallReply
 from talaria.client import TalariaError
 
 
+# an HTTP status the official SDKs send again, as the agent client's code for it
+RETRIED_STATUS = {408: "timeout", 429: "no_capacity", 500: "internal", 502: "unavailable", 503: "unavailable",
+                  504: "timeout", 529: "no_capacity"}
+
+
+def _seconds(header: str | None) -> float | None:
+    """A `Retry-After` in seconds (its date form, which the gateway never sends, as absent)."""
+    try:
+        return max(0.0, float(header)) if header is not None else None
+    except ValueError:
+        return None
+
+
 class GatewaySession:
     def __init__(self, http: aiohttp.ClientSession, base_url: str, api_key: str, model: str, session_id: str,
                  context_limit: int) -> None:
@@ -59,11 +72,16 @@ class GatewaySession:
         body: dict[str, Any] = {"model": self.model, "max_tokens": max_tokens, "messages": self.messages}
         if sim_output_tokens is not None:
             body[tr.EXTENSION_FIELD] = {"sim_output_tokens": min(sim_output_tokens, max_tokens)}
-        async with self.http.post(self.url, json=body, headers={**self.headers, "Idempotency-Key": call_id}) as r:
-            answer = await r.json(content_type=None)
+        try:
+            async with self.http.post(self.url, json=body, headers={**self.headers, "Idempotency-Key": call_id}) as r:
+                answer = await r.json(content_type=None)
+        except (aiohttp.ClientError, ValueError) as exc:  # the gateway went away mid-call, or sent no JSON
+            raise TalariaError("unavailable", f"the gateway did not answer: {exc!r}"[:300]) from None
         if r.status != 200:
             err = answer.get("error", {}) if isinstance(answer, dict) else {}
-            raise TalariaError(str(err.get("code") or err.get("type") or r.status), str(err.get("message") or answer))
+            # statuses an SDK retries read as the agent client's own codes (`drive`'s retries)
+            code = RETRIED_STATUS.get(r.status) or str(err.get("code") or err.get("type") or r.status)
+            raise TalariaError(code, str(err.get("message") or answer), retry_after_s=_seconds(r.headers.get("Retry-After")))
         text = answer["choices"][0]["message"].get("content") or ""
         self._append("assistant", text)
         usage = answer["usage"]

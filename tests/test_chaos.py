@@ -13,7 +13,7 @@ import pytest
 
 from shared.policy import resolve_policy
 from talaria.workload.trace import load_trace
-from talaria.lab.chaos import EXTRA_KINDS, FAULT_KINDS, run_chaos
+from talaria.lab.chaos import EXTRA_KINDS, FAULT_KINDS, GATEWAY_KINDS, run_chaos
 from talaria.ops.stack import EmbeddedStack, StackSpec
 
 from replaying import replay_with_a_fault
@@ -31,6 +31,7 @@ def _assert_clean(r: dict, sessions: list, kinds: tuple[str, ...]) -> None:
     assert r["calls_lost"] == 0, r
     assert r["calls_generated_twice"] == 0, r
     assert r["calls_delivered_twice"] == 0, r
+    assert r["replies_observed"] == r["calls_total"], r  # (so `delivered twice` heard the replies it judges)
     assert r["calls_completed"] == r["calls_total"]
     assert not r["session_failures"], r["session_failures"]
     assert all(f["recovered_s"] is not None and f["recovered_s"] < 60 for f in r["faults"]), r["faults"]
@@ -71,6 +72,20 @@ async def test_chaos_smoke_a_stopped_nats_node_loses_nothing(tmp_path: Path) -> 
     sessions = load_trace(SMOKE)
     r = await run_chaos(sessions, seed=3, time_scale=5.0, log_dir=tmp_path, kinds=EXTRA_KINDS)
     _assert_clean(r, sessions, EXTRA_KINDS)
+
+
+VIA_GATEWAY_FAULTS = GATEWAY_KINDS + ("router", "admission", "engine")
+
+
+@pytest.mark.timeout(300)
+async def test_chaos_smoke_agents_over_http_lose_nothing_when_the_gateway_or_a_service_dies(tmp_path: Path) -> None:
+    """The agents speak HTTP to the gateway (a chat completion per call, under its
+    `Idempotency-Key`, sent again as an SDK does), and the gateway itself is killed
+    mid-call besides the services behind it: every call answered once, none generated twice."""
+    sessions = load_trace(SMOKE)
+    r = await run_chaos(sessions, seed=1, time_scale=5.0, log_dir=tmp_path, kinds=VIA_GATEWAY_FAULTS,
+                        via_gateway=True)
+    _assert_clean(r, sessions, VIA_GATEWAY_FAULTS)
 
 
 @pytest.mark.timeout(180)

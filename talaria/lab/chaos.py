@@ -13,6 +13,10 @@ a NATS node (restarted by this command); Redis killed (restarted empty) or
 stalled (SIGSTOP); `nats-redis` (a NATS node killed while Redis is down).
 `EXTRA_KINDS`, only when named in `--kinds`: `nats-stall` (a NATS node stopped
 for `NATS_STALL_S`: its clients must leave it for another node).
+`--via-gateway`: the agents speak HTTP to the stack's gateway (each call a chat
+completion under its session header and an `Idempotency-Key`, sent again on a
+lost connection or a status the official SDKs retry), and `gateway` (its process
+SIGKILLed mid-call, restarted on its port by the stack) joins the kinds.
 Faults are spread over 10-70 % of the reference's wall duration, in a seeded
 order, each after the previous one recovered (healthy and a call completed
 since, waited for at most `RECOVERY_WAIT_S`; a service is healthy when it
@@ -60,16 +64,18 @@ from shared.schema import HEALTH_OK, CallReply, reply_decoder
 from shared.logs import read_log_events
 from shared.policy import resolve_policy
 from shared.catalog import load_catalog
-from shared.subjects import Subjects
+from shared.subjects import GATEWAY_NAMESPACE, Subjects
 from talaria.workload.trace import TraceSession, load_runnable_trace
 from talaria.argtypes import output_file, positive_float, positive_int, seed_list
 from talaria.client import TalariaClient
+from talaria.gateway_agent import GatewayAgents
 from talaria.replay import ReplayOutcome, drive, write_json
 from talaria.ops.stack import EmbeddedStack, StackSpec, default_log_dir
 
 FAULT_KINDS = ("router", "admission", "substrate", "engine", "nats", "redis", "hang", "redis-stall",
                "overlap", "switch", "nats-redis")
 EXTRA_KINDS = ("nats-stall",)  # named in --kinds only: the default schedule (and its recorded figures) stays
+GATEWAY_KINDS = ("gateway",)   # with --via-gateway only (and then in the default schedule)
 SERVICE_KINDS = ("router", "admission", "substrate", "engine")
 NATS_DOWN_S = 1.0    # wall seconds a killed NATS node stays down before it is started again
 REDIS_DOWN_S = 0.5
@@ -153,8 +159,10 @@ def _engine_generations(log_dir: Path) -> Counter[str]:
 
 
 class Injector:
-    def __init__(self, stack: EmbeddedStack, rng: random.Random, t0: float, flight: Flight) -> None:
+    def __init__(self, stack: EmbeddedStack, rng: random.Random, t0: float, flight: Flight,
+                 via_gateway: bool = False) -> None:
         self.stack = stack
+        self.via_gateway = via_gateway
         self.rng = rng
         self.t0 = t0
         self.flight = flight
@@ -169,6 +177,10 @@ class Injector:
 
     def now(self) -> float:
         return time.monotonic() - self.t0
+
+    @property
+    def reply_namespace(self) -> str:
+        return GATEWAY_NAMESPACE if self.via_gateway else AGENT_REPLY_NAMESPACE
 
     async def _service_healthy(self, name: str) -> None:
         """Back and serving: its health endpoint answers "ok" (a restarted admission
@@ -229,6 +241,12 @@ class Injector:
             fault = Fault(kind, target, at)
             await asyncio.sleep(0.05)
             await self._service_healthy(target)
+        elif kind == "gateway":
+            assert st.gateway_url is not None
+            st.group.kill("gateway")  # SIGKILL mid-call: the agents' connections drop, they send again
+            fault = Fault(kind, "gateway", at)
+            await asyncio.sleep(0.05)
+            await st.wait_gateway(60.0)
         elif kind == "overlap":
             # two kills within a second, no wait for health between them
             first, second = self.rng.sample(self._services(), 2)
@@ -377,8 +395,10 @@ class Injector:
                     error_cb=on_error, disconnected_cb=quiet, reconnected_cb=quiet)
         self.nc = await nats.connect(name="talaria-chaos", **opts, **self.stack.nats_auth("operator"))
         # what the agents hear, as an agent may: their reply subjects
-        self.observer = await nats.connect(name="talaria-chaos-observer", **opts, **self.stack.nats_auth("agent"))
-        await self.observer.subscribe(f"{self.stack.subject_prefix}.reply.{AGENT_REPLY_NAMESPACE}.>", cb=self._observe)
+        self.observer = await nats.connect(name="talaria-chaos-observer", **opts,
+                                           **self.stack.nats_auth("gateway" if self.via_gateway else "agent"))
+        # the replies the agents' client hears: the gateway's, where the agents speak HTTP to it
+        await self.observer.subscribe(f"{self.stack.subject_prefix}.reply.{self.reply_namespace}.>", cb=self._observe)
         # reads the call record's stream state as admission may (a NATS fault is healthy once it answers)
         self.store = await nats.connect(name="talaria-chaos-store", **opts, **self.stack.nats_auth("admission"))
         try:
@@ -430,15 +450,19 @@ async def _run_once(sessions: list[TraceSession], spec: StackSpec, *, plan: list
                     seed: int, silence_s: float, stall_s: float = STALL_S) -> RunResult:
     async with EmbeddedStack(spec) as stack:
         client = await TalariaClient.from_deployment(stack.deployment(), silence_s=silence_s, retries=50)
+        agents: TalariaClient | GatewayAgents = client
+        if spec.gateway:  # the agents speak HTTP to the gateway; the client above only asks the limits
+            assert stack.openai_base_url is not None
+            agents = GatewayAgents(stack.openai_base_url, stack.api_key, dict((await client.info()).context_limits))
         flight = Flight()
         t0 = time.monotonic()
         flight.last_progress = t0
-        inj = Injector(stack, random.Random(seed), t0, flight) if plan is not None else None
+        inj = Injector(stack, random.Random(seed), t0, flight, via_gateway=spec.gateway) if plan is not None else None
         out: ReplayOutcome | None = None
         stuck: list[str] | None = None
         try:
             clock = ScaledClock(spec.time_scale, stack.clock_epoch)
-            replay = asyncio.ensure_future(drive(client, clock, sessions, spec.policy.name, on_reply=flight.replied,
+            replay = asyncio.ensure_future(drive(agents, clock, sessions, spec.policy.name, on_reply=flight.replied,
                                                  on_issue=flight.issued, error_retries=30 if inj else 0,
                                                  progress_every_wall_s=10.0))
             watch = asyncio.ensure_future(_watchdog(flight, replay, stall_s))
@@ -449,6 +473,8 @@ async def _run_once(sessions: list[TraceSession], spec: StackSpec, *, plan: list
             if injector is not None:
                 await injector   # every scheduled fault is injected or counted as not injected
         finally:
+            if isinstance(agents, GatewayAgents):
+                await agents.close()
             await client.close()
         wall = time.monotonic() - t0
         if inj:
@@ -467,11 +493,11 @@ class Reference:
 
 
 def _stack_spec(sessions: list[TraceSession], base: Path, sub: str, *, policy: str, time_scale: float,
-                nats_cluster: int, servers: int) -> StackSpec:
+                nats_cluster: int, servers: int, via_gateway: bool = False) -> StackSpec:
     models = sorted({s.model for s in sessions})
     return StackSpec(policy=resolve_policy(policy), models=models, servers=servers, time_scale=time_scale,
                      log_dir=base / sub, nats_cluster=nats_cluster, liveness=True, liveness_grace_s=LIVENESS_GRACE_S,
-                     liveness_startup_s=LIVENESS_STARTUP_S)
+                     liveness_startup_s=LIVENESS_STARTUP_S, gateway=via_gateway)
 
 
 def _clear(base: Path) -> None:
@@ -483,12 +509,12 @@ def _clear(base: Path) -> None:
 
 async def reference_run(sessions: list[TraceSession], *, policy: str = "talaria", time_scale: float = 50.0,
                         log_dir: Path | None = None, nats_cluster: int = 3, silence_s: float = 5.0,
-                        servers: int = 1, name: str = "reference") -> Reference:
+                        servers: int = 1, name: str = "reference", via_gateway: bool = False) -> Reference:
     base = Path(log_dir or default_log_dir()) / f"chaos-{name}"
     _clear(base)
     print(f"[chaos] fault-free reference run ({len(sessions)} sessions) ...", file=sys.stderr, flush=True)
     spec = _stack_spec(sessions, base, "reference", policy=policy, time_scale=time_scale,
-                       nats_cluster=nats_cluster, servers=servers)
+                       nats_cluster=nats_cluster, servers=servers, via_gateway=via_gateway)
     ref = await _run_once(sessions, spec, plan=None, seed=0, silence_s=silence_s)
     assert ref.outcome is not None
     return Reference(sessions, ref.outcome.sct, ref.wall_s)
@@ -496,7 +522,8 @@ async def reference_run(sessions: list[TraceSession], *, policy: str = "talaria"
 
 async def chaos_run(ref: Reference, *, seed: int, policy: str = "talaria", time_scale: float = 50.0,
                     log_dir: Path | None = None, nats_cluster: int = 3, kinds: tuple[str, ...] = FAULT_KINDS,
-                    rounds: int = 1, silence_s: float = 5.0, servers: int = 1, stall_s: float = STALL_S) -> dict:
+                    rounds: int = 1, silence_s: float = 5.0, servers: int = 1, stall_s: float = STALL_S,
+                    via_gateway: bool = False) -> dict:
     sessions = ref.sessions
     base = Path(log_dir or default_log_dir()) / f"chaos-{seed}"
     _clear(base)
@@ -504,7 +531,7 @@ async def chaos_run(ref: Reference, *, seed: int, policy: str = "talaria", time_
     print(f"[chaos] seed {seed}: reference took {ref.wall_s:.1f} s wall; faults at "
           + ", ".join(f"{k}@{t:.1f}s" for t, k in plan), file=sys.stderr, flush=True)
     spec = _stack_spec(sessions, base, "chaos", policy=policy, time_scale=time_scale,
-                       nats_cluster=nats_cluster, servers=servers)
+                       nats_cluster=nats_cluster, servers=servers, via_gateway=via_gateway)
     res = await _run_once(sessions, spec, plan=plan, seed=seed, silence_s=silence_s, stall_s=stall_s)
     inj = res.injector
     assert inj is not None
@@ -524,6 +551,7 @@ async def chaos_run(ref: Reference, *, seed: int, policy: str = "talaria", time_
         "time_scale": time_scale,
         "nats_nodes": nats_cluster,
         "servers": servers,
+        "via_gateway": via_gateway,
         "calls_total": total,
         "calls_completed": completed,
         "calls_generated_twice": len(generated_twice),   # an engine generated it to the end more than once
@@ -531,6 +559,9 @@ async def chaos_run(ref: Reference, *, seed: int, policy: str = "talaria", time_
         "calls_lost": total - completed,
         # a retried call id answered with the stored reply (neither a second generation nor a second answer)
         "replies_from_cache": res.outcome.duplicates if res.outcome else 0,
+        # calls whose final reply the observer heard on the agents' client's reply subjects (what
+        # `delivered twice` is judged on: a check that heard nothing would pass by default)
+        "replies_observed": len(inj.finals),
         "generated_twice_ids": generated_twice,
         "delivered_twice_ids": inj.delivered_twice,
         "stalled": res.stuck is not None,
@@ -549,10 +580,11 @@ async def chaos_run(ref: Reference, *, seed: int, policy: str = "talaria", time_
 
 async def run_chaos(sessions: list[TraceSession], *, seed: int = 0, policy: str = "talaria", time_scale: float = 50.0,
                     log_dir: Path | None = None, nats_cluster: int = 3, kinds: tuple[str, ...] = FAULT_KINDS,
-                    rounds: int = 1, silence_s: float = 5.0, servers: int = 1, stall_s: float = STALL_S) -> dict:
+                    rounds: int = 1, silence_s: float = 5.0, servers: int = 1, stall_s: float = STALL_S,
+                    via_gateway: bool = False) -> dict:
     """One seed: a fault-free reference run, then the chaos run."""
     common = dict(policy=policy, time_scale=time_scale, log_dir=log_dir, nats_cluster=nats_cluster,
-                  silence_s=silence_s, servers=servers)
+                  silence_s=silence_s, servers=servers, via_gateway=via_gateway)
     ref = await reference_run(sessions, name=f"{seed}-reference", **common)  # type: ignore[arg-type]
     return await chaos_run(ref, seed=seed, kinds=kinds, rounds=rounds, stall_s=stall_s, **common)  # type: ignore[arg-type]
 
@@ -566,7 +598,8 @@ def clean(r: dict) -> bool:
 def format_report(r: dict) -> str:
     lines = [
         f"chaos: {r['trace_sessions']} sessions, seed {r['seed']}, policy {r['policy']}, "
-        f"{r.get('servers', 1)} server(s), {r['nats_nodes']} NATS node(s), time scale {r['time_scale']:g}",
+        f"{r.get('servers', 1)} server(s), {r['nats_nodes']} NATS node(s), time scale {r['time_scale']:g}"
+        + (", agents over HTTP through the gateway" if r.get("via_gateway") else ""),
         f"faults injected: {len(r['faults'])}"
         + (f" (not injected, the replay ended first: {', '.join(r['faults_not_injected'])})"
            if r["faults_not_injected"] else ""),
@@ -609,10 +642,10 @@ def format_table(results: list[dict]) -> str:
 
 def _kind_list(text: str) -> tuple[str, ...]:
     kinds = tuple(k.strip() for k in text.split(",") if k.strip())
-    bad = [k for k in kinds if k not in FAULT_KINDS + EXTRA_KINDS]
+    bad = [k for k in kinds if k not in FAULT_KINDS + EXTRA_KINDS + GATEWAY_KINDS]
     if bad or not kinds:
         raise argparse.ArgumentTypeError(f"unknown fault kind(s) {bad}; choose from "
-                                         f"{', '.join(FAULT_KINDS + EXTRA_KINDS)}")
+                                         f"{', '.join(FAULT_KINDS + EXTRA_KINDS + GATEWAY_KINDS)}")
     return kinds
 
 
@@ -622,9 +655,12 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     seeds.add_argument("--seed", type=int, default=0, help="seed of the fault schedule (what is killed when; default 0)")
     seeds.add_argument("--seeds", type=seed_list, default=None,
                        help="several distinct seeds, e.g. 0,1,2 or 0-4: one reference run, a chaos run per seed, a table")
-    p.add_argument("--kinds", type=_kind_list, default=FAULT_KINDS,
-                   help=f"fault kinds, comma-separated (default all: {','.join(FAULT_KINDS)}; also "
-                        f"{','.join(EXTRA_KINDS)})")
+    p.add_argument("--kinds", type=_kind_list, default=None,
+                   help=f"fault kinds, comma-separated (default all: {','.join(FAULT_KINDS)}, and gateway with "
+                        f"--via-gateway; also {','.join(EXTRA_KINDS)})")
+    p.add_argument("--via-gateway", action="store_true",
+                   help="the agents speak HTTP (OpenAI chat completions) to the stack's gateway, sending a call "
+                        "again under its Idempotency-Key as an SDK does; adds the gateway's own kill to the kinds")
     p.add_argument("--out", type=output_file, default=None, help="write the figures as JSON")
     p.add_argument("--policy", default="talaria", help="the policy the stack runs (default talaria)")
     p.add_argument("--time-scale", type=positive_float, default=50.0, help="model seconds per wall second (default 50)")
@@ -641,7 +677,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
 
 async def _run_seeds(sessions: list[TraceSession], a: argparse.Namespace) -> list[dict]:
     common = dict(policy=a.policy, time_scale=a.time_scale, log_dir=Path(a.log_dir), nats_cluster=a.nats_nodes,
-                  silence_s=a.silence_s, servers=a.servers)
+                  silence_s=a.silence_s, servers=a.servers, via_gateway=a.via_gateway)
     ref = await reference_run(sessions, **common)  # type: ignore[arg-type]
     out = []
     for seed in a.seeds:
@@ -654,6 +690,12 @@ async def _run_seeds(sessions: list[TraceSession], a: argparse.Namespace) -> lis
 def run(a: argparse.Namespace) -> int:
     """Exit 0 when every run lost nothing, generated and delivered nothing twice and never stalled; else 1."""
     resolve_policy(a.policy)  # an unknown policy is refused before any earlier run's logs are cleared
+    if a.kinds is None:
+        a.kinds = FAULT_KINDS + (GATEWAY_KINDS if a.via_gateway else ())
+    elif not a.via_gateway and set(a.kinds) & set(GATEWAY_KINDS):
+        print("talaria chaos: error: --kinds gateway kills the gateway the agents call: add --via-gateway",
+              file=sys.stderr)
+        return 2
     sessions = load_runnable_trace(a.trace, load_catalog())
     if a.seeds:
         results = asyncio.run(_run_seeds(sessions, a))
@@ -663,7 +705,7 @@ def run(a: argparse.Namespace) -> int:
         return 0 if all(clean(r) for r in results) else 1
     r = asyncio.run(run_chaos(sessions, seed=a.seed, policy=a.policy, time_scale=a.time_scale,
                               log_dir=Path(a.log_dir), nats_cluster=a.nats_nodes, kinds=a.kinds, rounds=a.rounds,
-                              silence_s=a.silence_s, stall_s=a.stall_s, servers=a.servers))
+                              silence_s=a.silence_s, stall_s=a.stall_s, servers=a.servers, via_gateway=a.via_gateway))
     print(format_report(r))
     if a.out:
         write_json(a.out, r)
