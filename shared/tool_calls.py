@@ -498,6 +498,7 @@ def render(calls: Sequence[tuple[str, Mapping[str, Any]]], fmt: str) -> str:
 _JSON_CALL_TAGS = {"hermes": ("<tool_call>\n", "\n</tool_call>")}
 # how each format opens a call (harmony's calls are not constrained: its markup is special tokens)
 CALL_OPENS = {"hermes": "<tool_call>", "glm45": "<tool_call>", "pythonic": "["}
+PYTHONIC_OPENS = ("[", _PY_START)  # a pythonic reply is calls only where it begins so (else it is text)
 
 
 def forced_call(tools: Sequence[Tool], choice: str | None, fmt: str) -> tuple[str, dict[str, Any], str] | None:

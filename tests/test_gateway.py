@@ -434,6 +434,34 @@ def test_response_format_is_the_schema_the_engine_enforces_or_a_400_by_name() ->
         assert e.value.param == field, (body, e.value)
 
 
+def test_a_streamed_replys_text_before_a_call_is_sent_and_what_may_be_a_call_held() -> None:
+    """What a stream sends of a reply to a request with tools, piece by piece: the text
+    before the format's call opening (less a piece that may begin it, and whitespace the
+    parsed content strips), everything from the call on only at the reply; so what was
+    sent is always where the parsed content begins."""
+    def run(stream: tr.TextStream, pieces: list[str]) -> list[str]:
+        return [stream.delta(p) for p in pieces]
+
+    hermes = tr.TextStream.for_tools(True, "hermes", None)
+    assert run(hermes, ["\n I'll", " read it", ".\n\n<tool", "_call>\n{", "}</tool_call> after"]) == \
+        ["I'll", " read it", ".", "", ""]
+    content, calls = tc.parse("\n I'll read it.\n\n<tool_call>\n{\"name\": \"r\", \"arguments\": {}}</tool_call> after",
+                              "hermes", [tc.Tool("r", "", {"type": "object"})], "k")
+    assert len(calls) == 1 and content.startswith(hermes.sent) and hermes.rest(content) == "\n\n after"
+    not_a_call = tr.TextStream.for_tools(True, "glm45", None)  # `<` that opens no call is text once it is clear
+    assert run(not_a_call, ["a <", "b", " c<tool_"]) == ["a", " <b", " c"]
+    pythonic = tr.TextStream.for_tools(True, "pythonic", None)
+    assert run(pythonic, [" ", "Hel", "lo ", "there"]) == ["", "Hel", "lo", " there"]
+    for opening in (["[re", "ad(path='a')]"], [" <|python", "_start|>[r()]"]):
+        call = tr.TextStream.for_tools(True, "pythonic", None)
+        assert run(call, opening) == ["", ""] and call.held
+    for held in (tr.TextStream.for_tools(True, "harmony", None), tr.TextStream.for_tools(True, "hermes", tc.ANY_TOOL),
+                 tr.TextStream.for_tools(True, "hermes", "read_file")):
+        assert run(held, ["Reading", " it."]) == ["", ""] and held.rest("Reading it.") == "Reading it."
+    plain = tr.TextStream.for_tools(False, "hermes", None)
+    assert run(plain, [" a ", "<tool_call>"]) == [" a ", "<tool_call>"]
+
+
 def test_a_stop_sequence_is_named_as_the_reason_messages_stopped() -> None:
     reply = CallReply(call_id="c", session_id="s", server_id="s0", model=MODEL, prompt_tokens=9, cached_tokens=0,
                       restored_tokens=0, reprefill_tokens=0, output_tokens=3, arrived_at=0, finished_at=1, waited_s=0,
@@ -1292,9 +1320,9 @@ async def refusing_gateway(nats_server: NatsServer) -> AsyncIterator[tuple[str, 
                         if req.engine_hint and req.engine_hint.tools_json else HARMONY_REPLY if harmony else THOUGHT_REPLY)
                 if req.stream:
                     await router.publish(req.reply_to, encode(CallRunning(call_id=req.call_id, server_id="s0")))
-                    for i in range(0, len(text), 5):
-                        await router.publish(req.reply_to, encode(CallTokens(call_id=req.call_id, index=i, token_ids=[0],
-                                                                             text=text[i:i + 5])))
+                    for i in range(0, len(text), 5):  # (one token a piece: `index` counts tokens)
+                        await router.publish(req.reply_to, encode(CallTokens(call_id=req.call_id, index=i // 5,
+                                                                             token_ids=[0], text=text[i:i + 5])))
                 await router.publish(req.reply_to, encode(CallReply(
                     call_id=req.call_id, session_id=req.session_id, server_id="s0", model=MODEL, prompt_tokens=9,
                     cached_tokens=0, restored_tokens=0, reprefill_tokens=0, output_tokens=30, arrived_at=0,
@@ -1633,6 +1661,53 @@ async def test_a_thinking_models_reasoning_comes_apart_from_its_answer_in_each_a
         streamed = await rs_stream.get_final_response()
     assert [o.type for o in streamed.output] == ["reasoning", "message"] and streamed.output_text == "Fixed it."
     assert streamed.output[0].content[0].text == THOUGHT  # type: ignore[union-attr]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("model", [MODEL, HARMONY_MODEL])
+async def test_the_text_before_a_tool_call_streams_as_it_comes(
+        refusing_gateway: tuple[str, dict[str, Any]], model: str) -> None:
+    """With tools offered, a reply's text before its first call is streamed as the engine
+    writes it, in every API (Claude Code and Codex always offer tools: their user saw
+    nothing until the whole reply was in); the call, and the text from it on, at the
+    reply, where the parser reads it. gpt-oss's calls are harmony channels: its text
+    still comes whole at the reply. (The stand-in streams GLM's reply in 5-character
+    pieces: "Reading it." is three of them.)"""
+    url, _ = refusing_gateway
+    ask = f"{THOUGHT_MARK}: read it"
+    read_file = {"type": "function", "function": {"name": "read_file", "parameters": {
+        "type": "object", "properties": {"path": {"type": "string"}}}}}
+    pieces_expected = 1 if model == HARMONY_MODEL else 3
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="k", max_retries=0)
+    chunks = [c async for c in await client.chat.completions.create(
+        model=model, stream=True, tools=[read_file], messages=[{"role": "user", "content": ask}])]
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    texts = [d.content for d in deltas if d.content]
+    calls = [tc for d in deltas for tc in d.tool_calls or []]
+    assert "".join(texts) == "Reading it." and len(texts) == pieces_expected, texts
+    assert [(c.function.name, c.function.arguments) for c in calls] == [("read_file", '{"path": "a.py"}')]
+    assert deltas.index(next(d for d in deltas if d.tool_calls)) > deltas.index(next(d for d in deltas if d.content))
+
+    ant = anthropic.AsyncAnthropic(base_url=url, api_key="k", max_retries=0)
+    tool = {"name": "read_file", "input_schema": {"type": "object", "properties": {"path": {"type": "string"}}}}
+    async with ant.messages.stream(model=model, max_tokens=64, tools=[tool],  # type: ignore[list-item]
+                                   messages=[{"role": "user", "content": ask}]) as st:
+        texts = [t async for t in st.text_stream]
+        final = await st.get_final_message()
+    assert "".join(texts) == "Reading it." and len(texts) == pieces_expected, texts
+    assert [(b.type, getattr(b, "text", None) or getattr(b, "input", None)) for b in final.content] == \
+        [("text", "Reading it."), ("tool_use", {"path": "a.py"})]
+
+    events = []
+    async with client.responses.stream(model=model, input=ask, tools=[{  # type: ignore[list-item]
+            "type": "function", "name": "read_file", "parameters": read_file["function"]["parameters"]}]) as rs_stream:
+        async for ev in rs_stream:
+            events.append(ev)
+        done = await rs_stream.get_final_response()
+    texts = [ev.delta for ev in events if ev.type == "response.output_text.delta"]
+    assert "".join(texts) == "Reading it." and len(texts) == pieces_expected, texts
+    assert [o.type for o in done.output] == ["reasoning", "message", "function_call"]
+    assert done.output_text == "Reading it." and done.output[2].arguments == '{"path": "a.py"}'  # type: ignore[union-attr]
 
 
 @pytest.mark.timeout(60)

@@ -1226,7 +1226,7 @@ class Gateway:
 
         async def streamer(req: web.Request, task: "asyncio.Task[CallReply]", events: "asyncio.Queue[Any]"
                            ) -> web.StreamResponse:
-            text, thought = tr.TextStream(held=bool(tools)), rs.Splitter(p.reasoning_format)
+            text, thought = tr.TextStream.for_tools(bool(tools), p.tool_format, p.tool_choice), rs.Splitter(p.reasoning_format)
 
             def chunk(delta: dict[str, Any], finish: str | None = None) -> bytes:
                 return sse(tr.chat_chunk(cid, model, created, delta, finish, None, include_usage))
@@ -1347,7 +1347,7 @@ class Gateway:
         async def streamer(req: web.Request, task: "asyncio.Task[CallReply]", events: "asyncio.Queue[Any]"
                            ) -> web.StreamResponse:
             out = tr.ResponseEvents(cid, model, created, original, held=bool(tools), reasoning_format=p.reasoning_format,
-                                    store=kept[0])
+                                    store=kept[0], text=tr.TextStream.for_tools(bool(tools), p.tool_format, p.tool_choice))
 
             def written(evs: list[tuple[str, dict[str, Any]]]) -> list[bytes]:
                 return [sse(data, kind) for kind, data in evs]
@@ -1447,7 +1447,7 @@ class Gateway:
                        "usage": {"input_tokens": prompt.tokens, "output_tokens": 0}}
                 return [sse({"type": "message_start", "message": msg}, "message_start"), sse({"type": "ping"}, "ping")]
 
-            text, thought = tr.TextStream(held=bool(tools)), rs.Splitter(p.reasoning_format)
+            text, thought = tr.TextStream.for_tools(bool(tools), p.tool_format, p.tool_choice), rs.Splitter(p.reasoning_format)
             # each block opens with its first piece, as the whole reply's blocks are: the
             # thinking (where asked for), the text, then each call
             index: dict[str, int] = {}  # block kind -> its index, once opened

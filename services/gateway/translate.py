@@ -845,23 +845,76 @@ def usage_of(reply: Any) -> Usage:
 
 class TextStream:
     """A streamed reply's text: each token batch's text as it comes, and at the reply what
-    of the final content was not sent yet. `held`: the request offered tools, so the text
-    may be a tool call the parser must see whole: nothing is sent before the reply."""
+    of the final content was not sent yet. `held`: the request offered tools in a form
+    whose calls can only be told from text once the reply is whole: nothing is sent before
+    the reply. `call_opens`: the text that opens a call in the model's tool-call format
+    (`<tool_call>`), where tools are offered and the model may answer in text or call: the
+    text before its first occurrence is sent as it comes (as vLLM's tool parsers stream
+    it), less what could be the start of it and trailing whitespace, since the answer's
+    content is the text outside its calls, stripped; from the call on, the rest waits for
+    the reply, where the parser reads it. `leading_call`: the format's calls are the whole
+    reply (pythonic: a list), so a reply whose first visible characters open one is held
+    whole, and any other is text, sent as it comes."""
 
-    def __init__(self, held: bool) -> None:
+    def __init__(self, held: bool, call_opens: str | None = None, leading_call: tuple[str, ...] = ()) -> None:
         self.held = held
+        self.call_opens = call_opens
+        self.leading_call = leading_call
+        self.parsed = call_opens is not None or bool(leading_call)  # a tool parser reads the reply at its end
         self.sent = ""
+        self.seen = ""  # the answer's text so far, where a parser reads it
+
+    @classmethod
+    def for_tools(cls, offered: bool, tool_format: str, tool_choice: str | None) -> "TextStream":
+        """The stream of a reply to a request that offered tools (or not) in `tool_format`."""
+        if not offered:
+            return cls(held=False)
+        if tool_choice is not None:  # a forced call (or none asked for, where the gateway reads none): whole
+            return cls(held=True)
+        if tool_format == "pythonic":
+            return cls(held=False, leading_call=tool_calls.PYTHONIC_OPENS)
+        opens = tool_calls.CALL_OPENS.get(tool_format)
+        return cls(held=opens is None, call_opens=opens)  # (harmony's calls are channels: held)
 
     def delta(self, text: str | None) -> str:
         if self.held or not text:
             return ""
-        self.sent += text
-        return text
+        if not self.parsed:
+            self.sent += text
+            return text
+        self.seen += text
+        shown = self.seen.lstrip()
+        if self.leading_call:
+            if any(shown.startswith(o) for o in self.leading_call):
+                self.held = True  # a call (or text the parser reads whole at the reply)
+                return ""
+            if any(o.startswith(shown) for o in self.leading_call):
+                return ""  # (not enough yet to tell)
+            self.leading_call = ()  # text: sent as it comes
+        cut = len(shown)
+        if self.call_opens is not None:
+            found = shown.find(self.call_opens)
+            if found >= 0:
+                self.held, cut = True, found
+            else:
+                cut -= _opening_of(shown, self.call_opens)
+        ready = shown[:cut].rstrip()
+        piece = ready[len(self.sent):]
+        self.sent += piece
+        return piece
 
     def rest(self, final: str) -> str:
         if final.startswith(self.sent):
             return final[len(self.sent):]
         return ""  # the engine's final detokenisation differs from its stream: what was sent stands
+
+
+def _opening_of(text: str, marker: str) -> int:
+    """The length of the longest end of `text` that begins `marker` (it may be cut there)."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0
 
 
 @dataclass(frozen=True)
@@ -1655,11 +1708,11 @@ class ResponseEvents:
     max_output_tokens, `response.failed` on an error)."""
 
     def __init__(self, call_id: str, model: str, created: int, request: Mapping[str, Any], held: bool,
-                 reasoning_format: str = "none", store: bool = False) -> None:
+                 reasoning_format: str = "none", store: bool = False, text: TextStream | None = None) -> None:
         self.call_id, self.model, self.created, self.request = call_id, model, created, request
         self.store = store  # (the response's `store`: cleared where keeping it failed before the end)
         self.offered = responses_offered(request.get("tools"))
-        self.text = TextStream(held)
+        self.text = text if text is not None else TextStream(held)  # (`text`: the request's tools say how)
         self.thought = reasoning.Splitter(reasoning_format)
         self.seq = 0
         self.reasoning_open = self.reasoning_done = False
@@ -1709,7 +1762,8 @@ class ResponseEvents:
     def start(self) -> list[tuple[str, dict[str, Any]]]:
         out = [self._ev("response.created", response=self._response("in_progress", [])),
                self._ev("response.in_progress", response=self._response("in_progress", []))]
-        return out + ([] if self.text.held or self.thought.fmt != "none" else self._open_message())
+        # (where tools are offered the reply may be calls alone: the message opens with its first text)
+        return out + ([] if self.text.held or self.text.parsed or self.thought.fmt != "none" else self._open_message())
 
     def tokens(self, text: str | None) -> list[tuple[str, dict[str, Any]]]:
         thought, answer = self.thought.feed(text)
