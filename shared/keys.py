@@ -99,6 +99,12 @@ class Keys:
         """List: the session's past output lengths."""
         return f"{self.prefix}session:{session_id}:outputs"
 
+    def admission_sessions(self, server_id: str) -> str:
+        """Hash: session id -> "<model time of its last arrival or finish here> <model>", every
+        session admission would release when idle; reloaded when admission restarts (a session
+        idle at the restart was otherwise never released: its KV and claim kept for hours)."""
+        return f"{self.prefix}adm:{server_id}:sessions"
+
     def admission_calls(self, server_id: str) -> str:
         """Hash: call id -> encoded SubmitCall, every call admission accepted and
         has not seen finish (queued or running); reloaded when admission restarts."""

@@ -77,6 +77,7 @@ class AdmissionService(ServiceProcess):
         self.persist_dirty = asyncio.Event()
         self.last_seen: dict[str, float] = {}   # session -> model time of its last arrival or finish here
         self.session_model: dict[str, str] = {}  # session -> its model, for the release event
+        self.seen_dirty: set[str] = set()  # sessions whose `last_seen` changed since the persister wrote it
         self._counted = CounterMirror()  # the scheduler's stats already counted in the metrics
         self.arrived_wall: dict[str, float] = {}  # call -> wall time it reached this process (its wait span)
         self.switch_attempt: dict[str, asyncio.Event] = {}  # pending switch -> "ask again" (substrate restarted)
@@ -161,6 +162,7 @@ class AdmissionService(ServiceProcess):
             self.log.warning("admission.recover_store_failed", error=str(exc))
             raw = {}
         recovered_at = time.time()
+        await self._load_sessions()
         for cid, data in raw.items():
             try:
                 stored[cid.decode()] = stored_submit_decoder.decode(data)
@@ -206,8 +208,7 @@ class AdmissionService(ServiceProcess):
                 continue
             self.payloads[cid] = sub
             self.arrived_wall.setdefault(cid, recovered_at)  # (its wait span restarts here)
-            self.last_seen[sub.call.session_id] = now
-            self.session_model[sub.call.session_id] = sub.call.model
+            self._saw(sub.call.session_id, sub.call.model)
             await self.step(sch.Arrive(sub.call))
             requeued += 1
         await self.step(sch.Tick())
@@ -242,6 +243,59 @@ class AdmissionService(ServiceProcess):
                     await self.redis.hdel(key, *extra)
             except Exception as exc:
                 self.log.warning("admission.persist_failed", error=str(exc))
+            await self._persist_sessions()
+
+    def _saw(self, session_id: str, model: str | None = None) -> None:
+        """A call of the session arrived or finished here now: its idle time starts again."""
+        self.last_seen[session_id] = self.clock.now()
+        if model is not None:
+            self.session_model[session_id] = model
+        self.seen_dirty.add(session_id)
+
+    def _seen_entry(self, session_id: str) -> str:
+        return f"{self.last_seen.get(session_id, self.clock.now()):.3f} {self.session_model.get(session_id, '')}"
+
+    async def _persist_sessions(self) -> None:
+        """Keep `adm:<server>:sessions` equal to `last_seen`: the sessions changed since the
+        last write, or all of them where the hash is gone (Redis restarted empty)."""
+        key = self.keys.admission_sessions(self.settings.server_id)
+        dirty, self.seen_dirty = self.seen_dirty, set()
+        try:
+            if self.last_seen and not await self.redis.exists(key):
+                dirty = set(self.last_seen) | dirty
+            if not dirty:
+                return
+            put = {sid: self._seen_entry(sid) for sid in dirty if sid in self.last_seen}
+            gone = [sid for sid in dirty if sid not in self.last_seen]
+            pipe = self.redis.pipeline(transaction=False)
+            if put:
+                pipe.hset(key, mapping=put)
+            if gone:
+                pipe.hdel(key, *gone)
+            await pipe.execute()
+        except Exception as exc:
+            self.seen_dirty |= dirty  # (written with the next change, or within the next second)
+            self.log.warning("admission.persist_failed", error=str(exc), what="sessions")
+
+    async def _load_sessions(self) -> None:
+        """The sessions a predecessor would have released when idle, with the time each was
+        last seen (model time is one clock across processes): released here in their turn."""
+        try:
+            raw = await self.redis.hgetall(self.keys.admission_sessions(self.settings.server_id))
+        except Exception as exc:
+            self.log.warning("admission.recover_store_failed", error=str(exc), what="sessions")
+            return
+        for sid, entry in raw.items():
+            seen, _, model = entry.decode(errors="replace").partition(" ")
+            try:
+                self.last_seen[sid.decode(errors="replace")] = float(seen)
+            except ValueError:
+                self.log.warning("admission.recover_bad_entry", session_id=sid.decode(errors="replace"))
+                continue
+            if model:
+                self.session_model[sid.decode(errors="replace")] = model
+        if raw:
+            self.log.info("admission.sessions_recovered", sessions=len(raw))
 
     async def idle_sessions(self) -> None:
         """A session with nothing queued or running here and no call for
@@ -258,6 +312,7 @@ class AdmissionService(ServiceProcess):
                 if sid in busy or now - seen < idle:
                     continue
                 del self.last_seen[sid]
+                self.seen_dirty.add(sid)
                 self.log.info("admission.session_idle_released", session_id=sid, idle_s=round(now - seen, 1))
                 # the same event as an agent's end, for this server: every service here applies it
                 await self.nc.publish(self.subjects.session_released, encode(
@@ -291,8 +346,7 @@ class AdmissionService(ServiceProcess):
                 await self._redirect(c.call_id, held, sub.reply_to)
             self.payloads.setdefault(c.call_id, sub)
             self.arrived_wall.setdefault(c.call_id, time.time())  # (the wait span's start)
-            self.last_seen[c.session_id] = self.clock.now()
-            self.session_model[c.session_id] = c.model
+            self._saw(c.session_id, c.model)
             if not known:
                 # durable before the ack: a restarted admission finds it (docs/reliability.md)
                 await self._persist_submit(c.call_id, sub)
@@ -348,8 +402,13 @@ class AdmissionService(ServiceProcess):
         Redis that is restarting (its client retries for up to 15 s) held up every
         submit behind it. A write that has not landed by then goes on in the
         background, and the persister writes it again once Redis is back."""
-        write = asyncio.ensure_future(self.redis.hset(self.keys.admission_calls(self.settings.server_id),
-                                                      call_id, encode(sub)))
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hset(self.keys.admission_calls(self.settings.server_id), call_id, encode(sub))
+        # (its session, in the same round trip: a session's first call is never lost to a restart
+        # within the persister's second; later changes are the persister's)
+        pipe.hset(self.keys.admission_sessions(self.settings.server_id), sub.call.session_id,
+                  self._seen_entry(sub.call.session_id))
+        write = asyncio.ensure_future(pipe.execute())
         done, _ = await asyncio.wait({write}, timeout=PERSIST_WAIT_WALL_S)
         if not done:
             write.add_done_callback(lambda t: t.cancelled() or t.exception())  # (its error retrieved, not lost)
@@ -378,7 +437,7 @@ class AdmissionService(ServiceProcess):
             # was one Redis round trip a call)
             self.spawn(self._unpersist(call_id), "unpersist")
         self._forget_dispatch(call_id)
-        self.last_seen[session_id] = self.clock.now()
+        self._saw(session_id)
         await self.step(sch.Finished(call_id, session_id, context_tokens), at=finished_at)
 
     async def _unpersist(self, call_id: str) -> None:
@@ -637,6 +696,7 @@ class AdmissionService(ServiceProcess):
             return
         self.last_seen.pop(ev.session_id, None)
         self.session_model.pop(ev.session_id, None)
+        self.seen_dirty.add(ev.session_id)
         await self.step(sch.SessionEnded(ev.session_id))
         with contextlib.suppress(Exception):  # soft state: nothing of the session is held here now
             await self.redis.hdel(self.keys.kv_locality(ev.session_id), self.settings.server_id)
