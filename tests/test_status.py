@@ -20,6 +20,8 @@ from talaria.client import AgentLogin, TalariaClient
 from talaria.ops import status
 from talaria.ops.stack import EmbeddedStack, StackSpec
 
+from polling import until
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -33,7 +35,8 @@ def test_version_comes_from_the_package_metadata(capsys: pytest.CaptureFixture[s
 
 @pytest.mark.e2e
 @pytest.mark.timeout(180)
-async def test_status_names_every_service_and_each_servers_active_model(tmp_path: Path) -> None:
+async def test_status_names_every_service_and_each_servers_active_model(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     models = ["glm-4.5-fp8", "glm-4.5-air-fp8"]
     # with the HTTP gateway, as `talaria up` starts it
     spec = StackSpec(policy=resolve_policy("talaria"), models=models, time_scale=50.0, log_dir=tmp_path / "logs",
@@ -114,6 +117,23 @@ async def test_status_names_every_service_and_each_servers_active_model(tmp_path
         assert {k for k, v in hung.health.items() if v == "ok"} == {
             "admission-s0", "substrate-s0", "gateway", "engine-s0-glm-4.5-fp8", "engine-s0-glm-4.5-air-fp8"}, \
             status.render(hung)
+
+        # a service killed and restarted by the stack's supervisor: the status from the stack's own
+        # folder (where `talaria up` writes its credentials) names it, how often and its exit code;
+        # it had said `ok` alone, and a crash loop between two looks went unseen
+        in_folder = stack.log_dir / "credentials.json"
+        dep.write(in_folder)
+        capsys.readouterr()
+        assert await _cli(["status", "--credentials", str(in_folder)]) == 0
+        assert "restarted" not in capsys.readouterr().out
+        admission = stack.group.pids()["admission-s0"]
+        assert admission is not None
+        os.kill(admission, signal.SIGKILL)
+        await until(lambda: stack.group.children["admission-s0"].restarts == 1, 10)
+        await stack.wait_healthy(30)
+        assert await _cli(["status", "--credentials", str(in_folder)]) == 0
+        out = capsys.readouterr().out
+        assert "admission-s0: 1 time(s), last exit code -9 at " in out, out
     # the stack is gone: the status is a clean failure, not a traceback
     down = await status.gather(dep, timeout_s=1.0)
     assert not down.healthy and down.problems

@@ -469,6 +469,7 @@ class Child:
     stopping: bool = False  # set while we stop it on purpose, so supervise leaves it alone
     next_start: float | None = None  # pending supervised restart time (monotonic)
     exit_codes: list[int] = field(default_factory=list)
+    last_exit_at: float | None = None  # wall time (epoch s) of its last unexpected exit
     on_launch: Callable[["Child"], None] | None = None  # called before every (re)start, e.g. to pick a port
     spare: subprocess.Popen[bytes] | None = None  # its warm spare, imports done, waiting on stdin (talaria/ops/spare.py)
     spare_due: float | None = None  # when to start the next spare (monotonic)
@@ -510,6 +511,8 @@ class ProcessGroup:
         # A child that ran this long before dying is considered healthy: reset its back-off.
         self.stable_after = stable_after
         self.poll_interval = poll_interval
+        # where every supervised restart is written down (`talaria status` shows them to an operator)
+        self.restarts_file: Path | None = None
         self._lock = threading.RLock()
 
     def add(
@@ -535,6 +538,20 @@ class ProcessGroup:
 
     def __getitem__(self, name: str) -> Child:
         return self.children[name]
+
+    def restart_counts(self) -> dict[str, dict[str, float | int | None]]:
+        """Each child restarted after an unexpected exit: how often, its last exit code and when."""
+        return {c.name: {"restarts": c.restarts, "last_exit_code": c.exit_codes[-1] if c.exit_codes else None,
+                         "last_exit_at": c.last_exit_at}
+                for c in self.children.values() if c.restarts}
+
+    def _write_restarts(self) -> None:
+        if self.restarts_file is None:
+            return
+        with contextlib.suppress(OSError):  # (a report: the supervision goes on without it)
+            tmp = self.restarts_file.with_suffix(".tmp")
+            tmp.write_text(json.dumps(self.restart_counts(), indent=1))
+            os.replace(tmp, self.restarts_file)
 
     def _note(self, child: Child, message: str) -> None:
         # Mirror lifecycle events into the child's own log, which is where people look.
@@ -699,6 +716,7 @@ class ProcessGroup:
                         child.failures = 0
                     child.failures += 1
                     child.exit_codes.append(code)
+                    child.last_exit_at = time.time()
                     delay = self._backoff(child)
                     child.next_start = now + delay
                     log.warning("infra: %s (pid %s) exited with code %s; restarting in %.1fs",
@@ -714,6 +732,7 @@ class ProcessGroup:
                     log.warning("infra: restarted %s (restart #%d, pid %s)",
                                 child.name, child.restarts, child.proc.pid)
                     self._note(child, f"restart #{child.restarts}, pid {child.proc.pid}")
+                    self._write_restarts()
             if self.spares:
                 self._start_spares(now)
 

@@ -47,6 +47,7 @@ STORE_CHECK_S = 0.25        # wall seconds between looks at the embedded NATS an
 STORE_RESTART_MIN_S, STORE_RESTART_MAX_S = 1.0, 30.0  # back-off between failed restarts of one
 LOCK_FILE = ".stack.lock"  # in the log folder: held while a stack runs from it, its pid in it
 STOPPING = "stopping"      # written after the pid once the stack is stopping
+RESTARTS_FILE = "restarts.json"  # in the log folder: the services restarted after an unexpected exit (`talaria status`)
 
 
 EXTERNAL_STORE_TIMEOUT_S = 10.0  # wall seconds an external NATS or Redis has to answer at the start
@@ -282,6 +283,8 @@ class EmbeddedStack:
         if self._lock_fd is None:
             self._lock_fd = lock_log_dir(self.log_dir)
             set_aside_logs(self.log_dir)
+            (self.log_dir / RESTARTS_FILE).unlink(missing_ok=True)  # (an earlier stack's)
+            self.group.restarts_file = self.log_dir / RESTARTS_FILE
 
     async def start(self, timeout_s: float = 90.0) -> None:
         self.claim_log_dir()

@@ -14,8 +14,10 @@ import argparse
 import asyncio
 import json
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import nats
@@ -30,7 +32,7 @@ from shared.state import decode_server
 from talaria.argtypes import positive_float
 from talaria.client import Deployment, TalariaClient, TalariaError
 from talaria.ops.healthcheck import connect_once
-from talaria.ops.stack import LOCK_FILE, STOPPING, log_dir_holder
+from talaria.ops.stack import LOCK_FILE, RESTARTS_FILE, STOPPING, log_dir_holder
 
 
 @dataclass
@@ -43,6 +45,7 @@ class Status:
     health: dict[str, str] = field(default_factory=dict)  # instance -> "ok" or what went wrong
     active: dict[str, str] = field(default_factory=dict)  # server -> its active model ("" = none yet)
     problems: list[str] = field(default_factory=list)
+    restarts: dict[str, dict[str, Any]] = field(default_factory=dict)  # process -> its restarts (`talaria up`'s)
 
     @property
     def healthy(self) -> bool:
@@ -179,6 +182,13 @@ def render(st: Status) -> str:
         out.append("")
         out.append("server  active model")
         out.extend(f"{sid:<6}  {m or '(none yet)'}" for sid, m in st.active.items())
+    if st.restarts:
+        out.append("")
+        out.append("restarted after an unexpected exit (this `talaria up`; its log says why):")
+        for name, r in sorted(st.restarts.items()):
+            at = r.get("last_exit_at")
+            when = time.strftime(" at %H:%M:%S", time.localtime(at)) if isinstance(at, (int, float)) else ""
+            out.append(f"  {name}: {r.get('restarts')} time(s), last exit code {r.get('last_exit_code')}{when}")
     for p in st.problems:
         out.append(f"  ! {p}")
     return "\n".join(out)
@@ -204,8 +214,19 @@ def cmd_status(a: argparse.Namespace) -> int:
               "without stopping (killed); start it again", file=sys.stderr)
         return 2
     st = asyncio.run(gather(dep, a.timeout))
+    if holder is not None:  # (a `talaria up` here: its supervisor writes down what it restarted)
+        st.restarts = read_restarts(folder / RESTARTS_FILE)
     print(render(st))
     return 0 if st.healthy else 1
+
+
+def read_restarts(path: Path) -> dict[str, dict[str, Any]]:
+    """The restarts a running `talaria up` wrote down (none where it restarted nothing)."""
+    try:
+        got = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return {k: v for k, v in got.items() if isinstance(v, dict)} if isinstance(got, dict) else {}
 
 
 def configure_parser(p: argparse.ArgumentParser, default_credentials: Path) -> None:
