@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import contextlib
 import os
 import shutil
@@ -440,6 +441,32 @@ async def test_supervisor_restarts_crashing_child(tmp_path: Path) -> None:
     # Stopped on purpose: nothing restarts it even if supervision ran again.
     group.check()
     assert not steady.running
+
+
+async def test_a_child_that_refuses_its_settings_says_why_where_its_restarts_are_told(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A service exits 78 when it refuses its settings: the supervisor's line on the
+    terminal carries the reason its log ends with (it said only "exited with code 78;
+    restarting", over and over); any other exit code is told as before."""
+    group = ProcessGroup(backoff_initial=0.1, backoff_max=0.5, poll_interval=0.05)
+    refusing = group.add("refusing", [sys.executable, "-c", "import sys; print('starting', flush=True); "
+                                      "print('TALARIA_GATEWAY_TOKENIZERS needs the transformers package', flush=True); "
+                                      "sys.exit(78)"], {}, tmp_path / "refusing.log")
+    crashy = group.add("crashy", [sys.executable, "-c", CRASHY], {}, tmp_path / "crashy.log")
+    group.start_all()
+    stop = asyncio.Event()
+    caplog.set_level(logging.WARNING)
+    task = asyncio.create_task(group.supervise(stop))
+    try:
+        await until(lambda: refusing.restarts >= 2 and crashy.restarts >= 1, DEADLINE_S)
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, timeout=5)
+        await group.astop_all(timeout=5)
+    told = [r.getMessage() for r in caplog.records if "exited with code" in r.getMessage()]
+    assert any(m.startswith("infra: refusing") and "exited with code 78 (its settings refused: "
+               "TALARIA_GATEWAY_TOKENIZERS needs the transformers package); restarting" in m for m in told), told
+    assert any(m.startswith("infra: crashy") and "exited with code 3; restarting" in m for m in told), told
 
 
 # A package whose __main__ reports the environment it runs with (a warm spare's child).

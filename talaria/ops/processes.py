@@ -490,6 +490,24 @@ def _spare_argv(argv: Sequence[str]) -> list[str] | None:
     return None
 
 
+CONFIG_EXIT_CODE = 78  # EX_CONFIG: a service refused its settings, or could not start with them
+
+
+def _config_reason(log_path: Path, code: int) -> str:
+    """For a child that exited refusing its settings, the reason its log ends with (else
+    it stays in the log while the terminal shows restart after restart)."""
+    if code != CONFIG_EXIT_CODE:
+        return ""
+    try:
+        with open(log_path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 4096))
+            lines = [ln.strip() for ln in f.read().decode(errors="replace").splitlines()]
+    except OSError:
+        return ""
+    said = [ln for ln in lines if ln and not ln.startswith("--- [infra")]
+    return f" (its settings refused: {said[-1][:300]})" if said else ""
+
+
 class ProcessGroup:
     """Starts, stops and supervises named child processes (one session/pgroup each)."""
 
@@ -719,8 +737,8 @@ class ProcessGroup:
                     child.last_exit_at = time.time()
                     delay = self._backoff(child)
                     child.next_start = now + delay
-                    log.warning("infra: %s (pid %s) exited with code %s; restarting in %.1fs",
-                                child.name, child.proc.pid, code, delay)
+                    log.warning("infra: %s (pid %s) exited with code %s%s; restarting in %.1fs",
+                                child.name, child.proc.pid, code, _config_reason(child.log_path, code), delay)
                     self._note(child, f"exited with code {code}; restart in {delay:.1f}s")
                 if now >= child.next_start:  # a restart due now is done in this step, not the next poll
                     # Leftover grandchildren of the dead leader must not linger.
