@@ -460,6 +460,8 @@ def test_a_streamed_replys_text_before_a_call_is_sent_and_what_may_be_a_call_hel
         assert run(held, ["Reading", " it."]) == ["", ""] and held.rest("Reading it.") == "Reading it."
     plain = tr.TextStream.for_tools(False, "hermes", None)
     assert run(plain, [" a ", "<tool_call>"]) == [" a ", "<tool_call>"]
+    none_asked = tr.TextStream.for_tools(True, "hermes", "none")  # no call is read: all of it is text
+    assert run(none_asked, [" a ", "<tool_call>"]) == [" a ", "<tool_call>"]
 
 
 def test_a_stop_sequence_is_named_as_the_reason_messages_stopped() -> None:
@@ -1687,6 +1689,15 @@ async def test_the_text_before_a_tool_call_streams_as_it_comes(
     assert "".join(texts) == "Reading it." and len(texts) == pieces_expected, texts
     assert [(c.function.name, c.function.arguments) for c in calls] == [("read_file", '{"path": "a.py"}')]
     assert deltas.index(next(d for d in deltas if d.tool_calls)) > deltas.index(next(d for d in deltas if d.content))
+    if model == MODEL:  # `tool_choice: none`: no call is read (as vLLM reads none), the whole text streams
+        chunks = [c async for c in await client.chat.completions.create(
+            model=model, stream=True, tools=[read_file], tool_choice="none",
+            messages=[{"role": "user", "content": ask}])]
+        deltas = [c.choices[0].delta for c in chunks if c.choices]
+        texts = [d.content for d in deltas if d.content]
+        assert len(texts) > 10 and "".join(texts).startswith("Reading it.\n<tool_call>read_file"), texts
+        assert not any(d.tool_calls for d in deltas)
+        assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["stop"]
 
     ant = anthropic.AsyncAnthropic(base_url=url, api_key="k", max_retries=0)
     tool = {"name": "read_file", "input_schema": {"type": "object", "properties": {"path": {"type": "string"}}}}
@@ -3124,7 +3135,7 @@ async def test_a_stream_whose_client_stopped_reading_is_closed_after_the_send_ti
 @pytest.mark.timeout(60)
 async def test_expect_100_continue_is_refused_before_the_body_where_the_body_cannot_matter(
         refusing_gateway: tuple[str, dict[str, Any]]) -> None:
-    """A client that sends `Expect: 100-continue` (curl, for any body over 1 KiB) waits to
+    """A client that sends `Expect: 100-continue` (curl, for a large upload) waits to
     upload its prompt until told to: with a wrong key, or a declared length over the
     limit, it was told `100 Continue`, uploaded, and only then got its 401 or 413. Now the
     refusal comes first, in the API's shape, counted, and the connection closes (its body

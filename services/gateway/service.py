@@ -159,8 +159,10 @@ class Prepared:
 
     def answer(self, reply: CallReply) -> tr.Answer:
         """The reply read as the model wrote it: its reasoning apart, and the tool calls
-        this request allows in what it answered."""
-        return tr.answer_of(reply, self.tool_format, list(self.tools), self.one_call, self.reasoning_format)
+        this request allows in what it answered (none under `tool_choice: none`, where
+        vLLM applies no tool parser either: the reply is text)."""
+        readable = [] if self.tool_choice == "none" else list(self.tools)
+        return tr.answer_of(reply, self.tool_format, readable, self.one_call, self.reasoning_format)
 
 
 def _cache_scope(tenant: str, model: str) -> str:
@@ -274,7 +276,7 @@ class Gateway:
         self.metrics.http_duration.labels(api=api).observe(time.monotonic() - t0)
 
     async def _expect_continue(self, request: web.Request) -> web.StreamResponse | None:
-        """`Expect: 100-continue` (curl sends it for a body over 1 KiB, some HTTP clients for
+        """`Expect: 100-continue` (curl sends it for a large upload, some HTTP clients for
         every POST): the client holds its body back until told to go on. A request refused
         whatever its body says (no valid key, a stopping gateway, a declared length over the
         limit) is refused now, in the API's shape, instead of being told to upload a long

@@ -867,9 +867,9 @@ class TextStream:
     @classmethod
     def for_tools(cls, offered: bool, tool_format: str, tool_choice: str | None) -> "TextStream":
         """The stream of a reply to a request that offered tools (or not) in `tool_format`."""
-        if not offered:
+        if not offered or tool_choice == "none":  # (no call is read from the reply: it is text)
             return cls(held=False)
-        if tool_choice is not None:  # a forced call (or none asked for, where the gateway reads none): whole
+        if tool_choice is not None:  # a forced call: whole
             return cls(held=True)
         if tool_format == "pythonic":
             return cls(held=False, leading_call=tool_calls.PYTHONIC_OPENS)
