@@ -50,4 +50,4 @@ test: setup prometheus
 	$(BIN)/python -m pytest -q
 
 clean:
-	rm -rf $(VENV) .talaria results.json sim.json
+	rm -rf $(VENV) .talaria results*.json sim*.json study*.json study*.md tune*.json r.json chaos*.json my.jsonl

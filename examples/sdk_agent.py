@@ -190,9 +190,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="`talaria up`'s credentials file (base URL and key), used when --base-url is not given")
     p.add_argument("--base-url", help="the OpenAI-style base URL, ending in /v1 (default: OPENAI_BASE_URL, else the credentials file)")
     p.add_argument("--api-key", help="the API key (default: OPENAI_API_KEY, else the credentials file)")
-    p.add_argument("--model", default="glm-4.5-air-fp8")
+    p.add_argument("--model", default="glm-4.5-air-fp8", help="the model to call (GET /v1/models lists them; "
+                                                               "default glm-4.5-air-fp8)")
     p.add_argument("--calls", type=int, default=20, help="calls the agent makes (default 20)")
-    p.add_argument("--max-tokens", type=int, default=512)
+    p.add_argument("--max-tokens", type=int, default=512, help="output tokens at most per call (default 512)")
     p.add_argument("--session", help="name the session (x-session-id); by default none is sent")
     p.add_argument("--transcript", help="append each call's messages, tools and usage to this file (JSON lines)")
     p.add_argument("--root", default=str(Path(__file__).resolve().parents[1]), help="the folder the tools work on")

@@ -134,7 +134,7 @@ def cmd_sim(a: argparse.Namespace) -> int:
         records[pol.name] = r.records
         print(f"[{pol.name}] simulated {run['calls_completed']}/{run['calls_total']} calls in {r.wall_s:.2f} s wall", file=sys.stderr)
     _print_results(runs)
-    print(f"wall_s {total_wall:.2f}")
+    print(f"({total_wall:.2f} s of wall time)")
     # the results before the figures: a figure that cannot be written must not lose them
     if a.out:
         write_json(a.out, {"trace": a.trace, "engine": "sim", "servers": a.servers, "server_profile": a.server_profile,
@@ -425,7 +425,8 @@ def cmd_up(a: argparse.Namespace) -> int:
                   f"time scale {spec.time_scale:g}x\n  logs in {stack.log_dir}; Ctrl-C stops everything", flush=True)
             await stop.wait()
         finally:
-            if stack.holds_log_dir:  # (else another stack runs from it: its files are not this one's)
+            ours = stack.holds_log_dir
+            if ours:  # (else another stack runs from it: its files are not this one's)
                 stack.mark_stopping()  # (`talaria status` says so, not "still starting")
                 print(f"stopping: calls in flight may finish (up to {GATEWAY_DRAIN_WALL_S:g} s; Ctrl-C again "
                       "ends them now) ...", flush=True)
@@ -434,6 +435,8 @@ def cmd_up(a: argparse.Namespace) -> int:
             for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
                 loop.add_signal_handler(sig, stack.cut_drain)
             await stack.stop()
+            if ours:
+                print("stopped: every process of the stack has ended", flush=True)
 
     asyncio.run(run())
     return 0

@@ -175,6 +175,12 @@ def test_merge_keeps_each_setting_with_its_own_seeds_and_policies() -> None:
         ("s", "kv-ttl", [1, 2]), ("s", "baseline", [1, 2]), ("b", "kv-ttl", [1])]
     assert not rows[2]["met"]  # talaria 1% behind there
     assert "| b | kv-ttl | 1 |" in markdown(m)
+    # an interval over so few seeds is said to say little (it printed as if it meant as much as 20 seeds')
+    assert "_A row over 1 seed(s): an interval over fewer than 5 says little" in markdown(m)
+    wide = {**small, "seeds": list(range(1, 6)),
+            "runs": {"s.toml": {str(k): {"talaria": fig(100), "kv-ttl": fig(101), "baseline": fig(500)}
+                                for k in range(1, 6)}}}
+    assert "says little" not in markdown(wide)
 
 
 def test_tuning_table_is_the_mean_over_seeds() -> None:

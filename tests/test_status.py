@@ -176,7 +176,7 @@ def test_status_says_a_stack_is_still_starting_until_it_writes_its_credentials(
 
     creds = tmp_path / "up" / "credentials.json"
     assert main(["status", "--credentials", str(creds)]) == 2  # nothing runs there: a usage error
-    assert "cannot read the credentials file" in capsys.readouterr().err
+    assert f"no `talaria up` runs from {creds.parent}" in capsys.readouterr().err  # (not "cannot read the file")
     fd = lock_log_dir(tmp_path / "up")  # (a stack starting from that folder holds it)
     try:
         assert main(["status", "--credentials", str(creds)]) == 1  # not ready yet: a script waits on it
@@ -184,6 +184,9 @@ def test_status_says_a_stack_is_still_starting_until_it_writes_its_credentials(
     finally:
         os.close(fd)
     assert main(["status", "--credentials", str(creds)]) == 2
+    creds.write_text("{not json")  # a file there that is no credentials file: named as such
+    assert main(["status", "--credentials", str(creds)]) == 2
+    assert "credentials" in capsys.readouterr().err
 
 
 def test_status_says_a_stack_is_stopping_and_that_a_killed_ones_credentials_are_stale(

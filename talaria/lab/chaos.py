@@ -334,7 +334,7 @@ class Injector:
         fault.healthy_s = self.now() - at
         self.faults.append(fault)
         verb = "stopped" if "(stopped)" in fault.target else "killed"
-        print(f"[chaos] t={at:6.1f} s  {verb:<7} {fault.target:<28} healthy after {fault.healthy_s:5.2f} s"
+        print(f"[chaos] wall t={at:6.1f} s  {verb:<7} {fault.target:<28} healthy after {fault.healthy_s:5.2f} s"
               f"  ({in_flight} in flight{'; ' + fault.note if fault.note else ''})", file=sys.stderr, flush=True)
         return fault
 
@@ -528,7 +528,8 @@ async def chaos_run(ref: Reference, *, seed: int, policy: str = "talaria", time_
     base = Path(log_dir or default_log_dir()) / f"chaos-{seed}"
     _clear(base)
     plan = schedule(seed, ref.wall_s, kinds, rounds)
-    print(f"[chaos] seed {seed}: reference took {ref.wall_s:.1f} s wall; faults at "
+    print(f"[chaos] seed {seed}: reference took {ref.wall_s:.1f} s wall; faults planned at (wall s; each also "
+          "waits for the one before to recover, and for calls in flight) "
           + ", ".join(f"{k}@{t:.1f}s" for t, k in plan), file=sys.stderr, flush=True)
     spec = _stack_spec(sessions, base, "chaos", policy=policy, time_scale=time_scale,
                        nats_cluster=nats_cluster, servers=servers, via_gateway=via_gateway)
@@ -600,7 +601,7 @@ def format_report(r: dict) -> str:
         f"chaos: {r['trace_sessions']} sessions, seed {r['seed']}, policy {r['policy']}, "
         f"{r.get('servers', 1)} server(s), {r['nats_nodes']} NATS node(s), time scale {r['time_scale']:g}"
         + (", agents over HTTP through the gateway" if r.get("via_gateway") else ""),
-        f"faults injected: {len(r['faults'])}"
+        f"faults injected: {len(r['faults'])} (at: wall seconds into the run; healthy, recovered: wall seconds after it)"
         + (f" (not injected, the replay ended first: {', '.join(r['faults_not_injected'])})"
            if r["faults_not_injected"] else ""),
     ]

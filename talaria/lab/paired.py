@@ -126,6 +126,9 @@ def paired_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
+FEW_SEEDS = 5  # below this many seeds a row's bootstrap interval is flagged as saying little
+
+
 def _pct(p: Paired) -> str:
     return f"{100 * p.median:+.1f}% [{100 * p.low:+.1f}, {100 * p.high:+.1f}]"
 
@@ -141,6 +144,10 @@ def markdown(result: dict[str, Any]) -> str:
                  f"per seed, [95% percentile-bootstrap interval over seeds]; negative: {result['reference']} faster. "
                  f"Target: median <= 0 and upper end <= +1%. Model seconds from the sim engine's cost model; "
                  f"{result['wall_s']:.0f} s of wall time._")
+    few = min((len(r["seeds"]) for r in paired_rows(result)), default=FEW_SEEDS)
+    if few < FEW_SEEDS:
+        lines.append(f"_A row over {few} seed(s): an interval over fewer than {FEW_SEEDS} says little "
+                     "(the tables in docs/results.md use 20 or more)._")
     return "\n".join(lines)
 
 

@@ -36,8 +36,11 @@ def fresh_passwords() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m talaria.ops.deploy_auth", description=__doc__.split("\n\n")[0])
-    p.add_argument("what", choices=["conf", "passwords"])
-    p.add_argument("--subject-prefix", default=DEFAULT_PREFIX)
+    p.add_argument("what", choices=["conf", "passwords"],
+                   help="conf: nats-server's users and permissions (passwords as $VARIABLES), for "
+                        "deploy/nats/auth.conf; passwords: fresh passwords for every role and Redis, for .env")
+    p.add_argument("--subject-prefix", default=DEFAULT_PREFIX,
+                   help=f"the deployment's NATS subject prefix (TALARIA_SUBJECT_PREFIX; default {DEFAULT_PREFIX})")
     a = p.parse_args(argv)
     sys.stdout.write(auth_conf(a.subject_prefix) if a.what == "conf" else fresh_passwords())
     return 0

@@ -206,6 +206,10 @@ def cmd_status(a: argparse.Namespace) -> int:
         if holder is not None and not Path(a.credentials).exists():  # (written once every service answers)
             print(f"talaria up (pid {holder}) is still starting: not ready; its logs are in {folder}", file=sys.stderr)
             return 1
+        if holder is None and not Path(a.credentials).exists():
+            print(f"talaria: error: no `talaria up` runs from {folder} ({Path(a.credentials).name} is written "
+                  "there while one runs; see --credentials for another)", file=sys.stderr)
+            return 2
         print(f"talaria: error: {exc} (`talaria up` writes it; see --credentials)", file=sys.stderr)
         return 2
     if holder is None and (folder / LOCK_FILE).exists():

@@ -136,7 +136,7 @@ def format_table(runs: list[dict]) -> str:
         )
     no_base = not any(r["policy"] == "baseline" for r in runs)
     lines.append("(model seconds from the sim engine's cost model. x p50, x p95: speedup over baseline"
-                 + (" (- : no baseline in this run; replay with --policy baseline,... on the embedded stack)"
+                 + (" (- : no baseline in this run; add baseline to --policy)"
                     if no_base else "") + ";\n"
                  " p50/oracle: p50 SCT over the oracle's (each session alone, its model active, its prefix cached); reprefill: calls\n"
                  " whose cached prefix had to be computed again; switches: model switches; round waits: calls that\n"
