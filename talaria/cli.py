@@ -260,8 +260,10 @@ def cmd_replay(a: argparse.Namespace) -> int:
         if out.log_dir:
             print(f"  {r['policy']}: logs in {out.log_dir} (talaria logs SESSION --log-dir {out.log_dir})")
         if out.session_prefix:
+            # (`talaria up` writes its credentials in its log folder)
+            folder = Path(a.credentials).parent if getattr(a, "credentials", None) else "<the deployment's log folder>"
             print(f"  {r['policy']}: session ids prefixed {out.session_prefix}- "
-                  f"(talaria logs SESSION --run {out.session_prefix} --log-dir <the deployment's log folder>)")
+                  f"(talaria logs SESSION --run {out.session_prefix} --log-dir {folder})")
     failed = [f for o in outcomes for f in o.failures]
     if failed:
         for f in failed[:10]:
@@ -341,9 +343,11 @@ def _interrupted(a: argparse.Namespace, sessions: list[TraceSession], oracle: di
     done = [o.policy for o in outcomes]
     msg = (f"talaria: replay interrupted: completed {', '.join(done) or 'no policy'}; "
            f"{progress.policy} had {progress.calls_done} of {progress.total_calls} calls answered")
-    if done and a.out:
+    if done:  # the completed policies' table, as a whole run prints it
         runs, _ = _replay_runs(a, sessions, oracle, outcomes)
         add_speedups(runs)
+        _print_results(runs)
+    if done and a.out:
         try:
             _write_replay_json(a, runs, outcomes, run_dir, partial={
                 "completed": done, "interrupted": progress.policy, "calls_answered": progress.calls_done})

@@ -652,9 +652,12 @@ def test_an_interrupted_replay_says_how_far_it_got_and_keeps_what_completed(
     else:  # SIGTERM: its exit code, after the same line
         with pytest.raises(SystemExit):
             main(argv)
-    err = capsys.readouterr().err.splitlines()
+    said = capsys.readouterr()
+    err = said.err.splitlines()
     assert err[-1] == (f"talaria: replay interrupted: completed baseline; talaria had 7 of 960 calls answered; "
                        f"the completed results written to {out} (marked partial)")
+    # the completed policy's table, as a whole run prints it (it printed none)
+    assert "baseline" in said.out and "p50 s" in said.out and "talaria " not in said.out, said.out
     result = json.loads(out.read_text())
     assert result["partial"] == {"completed": ["baseline"], "interrupted": "talaria", "calls_answered": 7}
     assert [r["policy"] for r in result["runs"]] == ["baseline"]
@@ -666,8 +669,9 @@ def test_an_interrupted_replay_says_how_far_it_got_and_keeps_what_completed(
     else:
         with pytest.raises(SystemExit):
             main(argv)
-    err = capsys.readouterr().err.splitlines()
-    assert err[-1].endswith(f"; nothing written to {out} (no policy completed)") and not out.exists()
+    said = capsys.readouterr()
+    assert said.err.splitlines()[-1].endswith(f"; nothing written to {out} (no policy completed)") and not out.exists()
+    assert "p50 s" not in said.out  # (no table of nothing)
 
 
 def test_table_columns_stay_apart_for_any_figure(capsys: pytest.CaptureFixture[str]) -> None:

@@ -143,6 +143,20 @@ def test_cli_bad_settings_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert err.startswith("talaria generate: error: ") and fragment in err and "Traceback" not in err
 
 
+def test_a_settings_file_and_a_scenario_given_for_each_other_are_named_as_what_they_are(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A trace's generator settings (traces/*.toml) given to `talaria sim`, or a scenario to
+    `talaria generate --settings`: each had said only "unknown field `seed`" (or `name`)."""
+    from talaria.cli import main
+
+    assert run(_args("--settings", str(ROOT / "scenarios" / "4x120x5.toml"))) == 2
+    assert "4x120x5.toml is a scenario (talaria sim, compare, paired" in capsys.readouterr().err
+    assert main(["sim", str(ROOT / "traces" / "smoke-4.toml")]) == 2
+    assert "smoke-4.toml is a trace generator's settings (talaria generate --settings), not a scenario file" \
+        in capsys.readouterr().err
+    assert main(["sim", str(ROOT / "scenarios" / "4x120x5.toml"), "--policy", "talaria"]) == 0  # (each as itself)
+
+
 def test_cli_missing_settings_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert run(_args("--settings", str(tmp_path / "nope.toml"))) == 2
     assert "cannot read settings" in capsys.readouterr().err

@@ -148,7 +148,11 @@ def check_settings(s: GeneratorSettings) -> GeneratorSettings:
 
 def load_settings(path: str | Path) -> GeneratorSettings:
     p = Path(path)
-    settings = load_toml_struct(p, GeneratorSettings, SettingsError, "settings")
+    from talaria.workload.scenarios import Scenario  # (it holds generator settings: imported here, not at the top)
+
+    settings = load_toml_struct(p, GeneratorSettings, SettingsError, "settings",
+                                other=(Scenario, "a scenario (talaria sim, compare, paired; its [trace] table "
+                                                 "holds generator settings)"))
     try:
         return check_settings(settings)
     except SettingsError as exc:

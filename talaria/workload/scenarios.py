@@ -87,7 +87,8 @@ def scenario_catalog(sc: Scenario) -> Catalog:
 
 def load_scenario(path: str | Path) -> Scenario:
     p = Path(path)
-    sc = load_toml_struct(p, Scenario, ScenarioError, "scenario")
+    sc = load_toml_struct(p, Scenario, ScenarioError, "scenario",
+                          other=(GeneratorSettings, "a trace generator's settings (talaria generate --settings)"))
     if sc.catalog:
         sc = msgspec.structs.replace(sc, catalog=_resolve_catalog(sc.catalog, p))
     problems: list[str] = []
