@@ -281,6 +281,15 @@ def test_bad_scenario_gives_a_clear_error(tmp_path: Path, text: str, match: str)
     assert str(f) in str(exc.value)
 
 
+def test_compare_runs_the_seeds_it_is_given_and_refuses_the_tuning_ones() -> None:
+    from talaria.workload.scenarios import compare
+
+    result = compare(ROOT / "scenarios" / "1x30x3.toml", seeds=[5, 6], progress=False)
+    assert result["scenario"]["seeds"] == [5, 6] and {r["seed"] for r in result["runs"]} == {5, 6}
+    with pytest.raises(ScenarioError, match="tune"):
+        compare(ROOT / "scenarios" / "1x30x3.toml", seeds=[5, 1002], progress=False)
+
+
 def test_missing_scenario_file(tmp_path: Path) -> None:
     with pytest.raises(ScenarioError, match="cannot read"):
         load_scenario(tmp_path / "none.toml")

@@ -34,7 +34,7 @@ from shared.policy import PolicyConfig, PolicyError, resolve_policy
 from talaria.workload.trace import TraceSession
 from talaria.workload.tomlfile import load_toml_struct
 from talaria.workload.agent import DEFAULT_MAX_TOKENS
-from talaria.argtypes import output_file, positive_float, positive_int, write_output
+from talaria.argtypes import output_file, positive_float, positive_int, seed_list, write_output
 from talaria.workload.generate import GeneratorSettings, SettingsError, check_settings, generate
 from talaria.results.report import oracle_sct, summarize
 
@@ -165,8 +165,15 @@ def _job(args: tuple[str, int, str, bool]) -> tuple[int, str, dict]:
     return seed, policy_name, run_policy(sc, trace_of(sc, seed), policy_name, check=check)
 
 
-def compare(path: str | Path, *, jobs: int = 1, check: bool = False, progress: bool = True) -> dict:
+def compare(path: str | Path, *, jobs: int = 1, check: bool = False, progress: bool = True,
+            seeds: list[int] | None = None) -> dict:
+    """`seeds`: run these instead of the scenario's own."""
     sc = load_scenario(path)
+    if seeds is not None:
+        tuned_on = sorted(set(seeds) & set(TUNE_SEEDS))
+        if tuned_on:  # (as a scenario's own seeds are refused)
+            raise ScenarioError(f"--seeds: {tuned_on} were used to tune the policies and cannot be scored")
+        sc = msgspec.structs.replace(sc, seeds=list(seeds))
     work = [(str(path), seed, name, check) for seed in sc.seeds for name in sc.policies]
     results: dict[tuple[int, str], dict] = {}
     t0 = time.perf_counter()
@@ -237,7 +244,7 @@ def markdown_table(result: dict) -> str:
 
 def cmd_compare(a: argparse.Namespace) -> int:
     try:
-        result = compare(a.scenario, jobs=a.jobs, check=a.check)
+        result = compare(a.scenario, jobs=a.jobs, check=a.check, seeds=a.seeds)
     except ScenarioError as exc:
         print(f"talaria compare: error: {exc}", file=sys.stderr)
         return 2
@@ -262,6 +269,8 @@ def configure_compare(p: argparse.ArgumentParser) -> None:
     p.add_argument("--markdown", type=output_file, help="write the table as markdown here")
     p.add_argument("--jobs", type=positive_int, default=1, help="simulations in parallel (processes; default 1)")
     p.add_argument("--check", action="store_true", help="check memory and KV bounds at every event")
+    p.add_argument("--seeds", type=seed_list, default=None,
+                   help="trace seeds to run instead of the scenario's own, e.g. 1,2,3 or 2001-2020")
     p.set_defaults(fn=cmd_compare)
 
 
