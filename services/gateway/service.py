@@ -1111,12 +1111,13 @@ class Gateway:
 
         send_limit_s = self.settings.gateway_send_timeout_s
 
-        async def send(chunk: bytes) -> None:
-            """One write, given up once the client has taken nothing for `send_limit_s`
-            (a client that stopped reading: its connection is closed, as if it had left)."""
+        async def send(chunk: bytes | None) -> None:
+            """One write (None: the stream's end), given up once the client has taken nothing
+            for `send_limit_s` (a client that stopped reading: its connection is closed, as if
+            it had left)."""
             try:
                 async with asyncio.timeout(send_limit_s):
-                    await resp.write(chunk)
+                    await (resp.write(chunk) if chunk is not None else resp.write_eof())
             except TimeoutError:
                 if request.transport is not None:
                     request.transport.abort()
@@ -1191,7 +1192,7 @@ class Gateway:
                     await start()
                     for chunk in on_reply(reply):
                         await send(chunk)
-                    await resp.write_eof()
+                    await send(None)
                     return resp
                 if not done:  # waiting for the model's round: keep the connection alive
                     await start()
