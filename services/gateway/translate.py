@@ -861,8 +861,13 @@ class TextStream:
         self.call_opens = call_opens
         self.leading_call = leading_call
         self.parsed = call_opens is not None or bool(leading_call)  # a tool parser reads the reply at its end
-        self.sent = ""
-        self.seen = ""  # the answer's text so far, where a parser reads it
+        self._sent: list[str] = []  # (pieces, joined when read: a long reply is not copied at every token)
+        self.pending = ""  # text seen and not sent yet: a possible call opening, trailing whitespace
+        self.begun = False  # the content's first visible character has come (its leading whitespace is not sent)
+
+    @property
+    def sent(self) -> str:
+        return "".join(self._sent)
 
     @classmethod
     def for_tools(cls, offered: bool, tool_format: str, tool_choice: str | None) -> "TextStream":
@@ -880,32 +885,37 @@ class TextStream:
         if self.held or not text:
             return ""
         if not self.parsed:
-            self.sent += text
+            self._sent.append(text)
             return text
-        self.seen += text
-        shown = self.seen.lstrip()
+        pending = self.pending + text  # (only what is unsent: short, whatever the reply's length)
+        if not self.begun:
+            pending = pending.lstrip()
+            self.begun = bool(pending)
         if self.leading_call:
-            if any(shown.startswith(o) for o in self.leading_call):
+            if any(pending.startswith(o) for o in self.leading_call):
                 self.held = True  # a call (or text the parser reads whole at the reply)
                 return ""
-            if any(o.startswith(shown) for o in self.leading_call):
+            if any(o.startswith(pending) for o in self.leading_call):
+                self.pending = pending
                 return ""  # (not enough yet to tell)
             self.leading_call = ()  # text: sent as it comes
-        cut = len(shown)
+        cut = len(pending)
         if self.call_opens is not None:
-            found = shown.find(self.call_opens)
+            found = pending.find(self.call_opens)
             if found >= 0:
                 self.held, cut = True, found
             else:
-                cut -= _opening_of(shown, self.call_opens)
-        ready = shown[:cut].rstrip()
-        piece = ready[len(self.sent):]
-        self.sent += piece
+                cut -= _opening_of(pending, self.call_opens)
+        piece = pending[:cut].rstrip()
+        self.pending = pending[len(piece):]
+        if piece:
+            self._sent.append(piece)
         return piece
 
     def rest(self, final: str) -> str:
-        if final.startswith(self.sent):
-            return final[len(self.sent):]
+        sent = self.sent
+        if final.startswith(sent):
+            return final[len(sent):]
         return ""  # the engine's final detokenisation differs from its stream: what was sent stands
 
 
