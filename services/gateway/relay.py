@@ -30,7 +30,7 @@ class StreamedTokens:
 
     def __init__(self) -> None:
         self.ids: list[int] = []
-        self.text = ""
+        self._text: list[str] = []  # (pieces, joined when a re-run is checked: not copied at every token)
         self.rerun: tuple[list[int], str] | None = None
         self.gapped = False  # tokens were lost on the way: nothing more relayed (a re-run from 0 mends it)
 
@@ -42,7 +42,7 @@ class StreamedTokens:
                 self.gapped = True
                 return None
             self.ids.extend(ev.token_ids)
-            self.text += ev.text or ""
+            self._text.append(ev.text or "")
             return ev
         if ev.index == 0:  # a re-run begins (again)
             self.rerun = ([], "")
@@ -60,3 +60,14 @@ class StreamedTokens:
                           text=text[len(self.text):] if ev.text is not None else None)
         self.ids, self.text, self.rerun, self.gapped = ids, text, None, False
         return past
+
+    @property
+    def text(self) -> str:
+        """The text sent so far."""
+        if len(self._text) != 1:
+            self._text = ["".join(self._text)]
+        return self._text[0]
+
+    @text.setter
+    def text(self, value: str) -> None:
+        self._text = [value]
