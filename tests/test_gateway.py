@@ -3100,6 +3100,27 @@ def test_a_reply_is_cut_off_where_its_engine_says_else_where_its_count_reaches_t
 
 
 @pytest.mark.timeout(60)
+async def test_a_path_off_by_one_v1_is_answered_with_the_path_meant(
+        refusing_gateway: tuple[str, dict[str, Any]]) -> None:
+    """A base URL set one /v1 off is the commonest setup mistake: the 404 says which path
+    was meant, each way (Claude Code with ANTHROPIC_BASE_URL ending in /v1 sends
+    /v1/v1/messages, and had got no hint; HEAD /v1 had been told to try /v1/v1)."""
+    url, _ = refusing_gateway
+    async with aiohttp.ClientSession() as http:
+        for method, path, hint in (
+                ("POST", "/chat/completions", "(the API is under /v1: POST /v1/chat/completions)"),
+                ("POST", "/v1/v1/messages", "(/v1 twice: POST /v1/messages; the base URL ends in /v1"),
+                ("HEAD", "/v1", None), ("GET", "/v1", None), ("POST", "/v1/nothing", None)):
+            headers = {"Authorization": "Bearer k", "anthropic-version": "2023-06-01"}
+            async with http.request(method, f"{url}{path}", headers=headers, json={}) as r:
+                assert r.status == 404, (method, path)
+                if method == "HEAD":
+                    continue
+                message = (await r.json())["error"]["message"]
+                assert (hint in message) if hint else "(" not in message, (path, message)
+
+
+@pytest.mark.timeout(60)
 async def test_a_stream_whose_client_stopped_reading_is_closed_after_the_send_timeout(
         refusing_gateway: tuple[str, dict[str, Any]]) -> None:
     """A client that stops reading a stream (hung, or a proxy's full buffer) held its

@@ -341,7 +341,11 @@ class Gateway:
             return self._refused(request, shape, HttpError(
                 "too_large", f"request body over {self.settings.gateway_max_body} bytes"))
         except web.HTTPNotFound:
-            hint = f" (the API is under /v1: {request.method} /v1{request.path})" if not request.path.startswith("/v1/") else ""
+            under_v1 = request.path == "/v1" or request.path.startswith("/v1/")
+            hint = "" if under_v1 else f" (the API is under /v1: {request.method} /v1{request.path})"
+            if request.path.startswith("/v1/v1/"):  # (a base URL ending in /v1 where the SDK adds its own)
+                hint = (f" (/v1 twice: {request.method} {request.path[3:]}; the base URL ends in /v1 where the "
+                        "client adds it itself: ANTHROPIC_BASE_URL is the gateway's URL without /v1)")
             return self._refused(request, shape, HttpError("not_found", f"no such endpoint: {request.method} {request.path}{hint}"))
         except web.HTTPMethodNotAllowed as exc:
             resp = self._refused(request, shape, HttpError(
