@@ -146,13 +146,18 @@ def check_settings(s: GeneratorSettings) -> GeneratorSettings:
     return s
 
 
+class _ScenarioFile(msgspec.Struct):
+    """Just enough of a scenario file (talaria/workload/scenarios.py, which imports this
+    module) to tell one given as generator settings."""
+
+    name: str
+
+
 def load_settings(path: str | Path) -> GeneratorSettings:
     p = Path(path)
-    from talaria.workload.scenarios import Scenario  # (it holds generator settings: imported here, not at the top)
-
     settings = load_toml_struct(p, GeneratorSettings, SettingsError, "settings",
-                                other=(Scenario, "a scenario (talaria sim, compare, paired; its [trace] table "
-                                                 "holds generator settings)"))
+                                other=(_ScenarioFile, "a scenario (talaria sim, compare, paired; its [trace] table "
+                                                      "holds generator settings)"))
     try:
         return check_settings(settings)
     except SettingsError as exc:
