@@ -764,7 +764,7 @@ REQUEST_FIELDS: dict[str, tuple[frozenset[str], frozenset[str]]] = {
                   frozenset({"user", "include", "truncation", "service_tier", "prompt_cache_key",
                              "prompt_cache_retention", "prompt_cache_options", "safety_identifier", "max_tool_calls",
                              "moderation", "context_management", "background_options", "access_programs", "image",
-                             "stream_options"})),
+                             "stream_options", "client_metadata"})),  # (Codex sends its own client_metadata)
     "messages": (frozenset({"model", "messages", "system", "max_tokens", "stream", "temperature", "top_p", "top_k",
                             "stop_sequences", "tools", "tool_choice", "thinking", "output_config", "output_format",
                             "metadata", "chat_template_kwargs", "thread", EXTENSION_FIELD}),
