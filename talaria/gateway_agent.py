@@ -16,13 +16,16 @@ compacted context (a prompt smaller than the conversation) starts a new conversa
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
 from services.gateway import translate as tr
 from shared.schema import CallReply
-from talaria.client import TalariaError
+from talaria.client import TalariaClient, TalariaError
+
+if TYPE_CHECKING:
+    from talaria.ops.stack import EmbeddedStack
 
 
 # an HTTP status the official SDKs send again, as the agent client's code for it
@@ -99,6 +102,12 @@ class GatewaySession:
 
 class GatewayAgents:
     """Opens each replayed session as a gateway conversation (what `drive` asks of a client)."""
+
+    @classmethod
+    async def of_stack(cls, stack: "EmbeddedStack", client: TalariaClient) -> "GatewayAgents":
+        """The agents of an embedded stack's gateway, each model's context limit asked of its router."""
+        assert stack.openai_base_url is not None
+        return cls(stack.openai_base_url, stack.api_key, dict((await client.info()).context_limits))
 
     def __init__(self, base_url: str, api_key: str, context_limits: dict[str, int]) -> None:
         self.base_url = base_url

@@ -293,8 +293,7 @@ async def replay_embedded(sessions: list[TraceSession], policy: PolicyConfig, sp
             before = await reported_lag(stack.redis_url, stack.key_prefix, services)
             clock = ScaledClock(spec.time_scale, stack.clock_epoch)
             if via_gateway:
-                assert stack.openai_base_url is not None
-                agents = GatewayAgents(stack.openai_base_url, stack.api_key, dict((await client.info()).context_limits))
+                agents = await GatewayAgents.of_stack(stack, client)
                 try:
                     out = await drive(agents, clock, sessions, policy.name, progress=progress)
                 finally:

@@ -635,7 +635,7 @@ def test_a_streamed_response_has_the_apis_events_in_order() -> None:
         text = tc.render([("read_file", {"path": "a.py", "limit": 5})], "hermes")
         prompt_tokens, cached_tokens, restored_tokens = 100, 64, 0
 
-    ev = tr.ResponseEvents("c1", MODEL, 0, {"max_output_tokens": 12}, held=False)
+    ev = tr.ResponseEvents("c1", MODEL, 0, {"max_output_tokens": 12}, tr.TextStream(held=False))
     first = ev.start() + ev.tokens("hel") + ev.tokens("lo")
     kinds = [k for k, _ in first]
     assert kinds == ["response.created", "response.in_progress", "response.output_item.added",
@@ -652,20 +652,20 @@ def test_a_streamed_response_has_the_apis_events_in_order() -> None:
     assert [e["sequence_number"] for _, e in first + last] == list(range(len(first + last)))
     # with tools the text is held; a call is a function_call item with its arguments in one delta
     tools = [tc.Tool("read_file", "", {"type": "object"})]
-    ev = tr.ResponseEvents("c1", MODEL, 0, {}, held=True)
+    ev = tr.ResponseEvents("c1", MODEL, 0, {}, tr.TextStream(held=True))
     answer = tr.answer_of(Reply, "hermes", tools)
     kinds = [k for k, _ in ev.start() + ev.tokens("{") + ev.finish(Reply, 300, answer)]
     assert kinds == ["response.created", "response.in_progress", "response.output_item.added",
                      "response.function_call_arguments.delta", "response.function_call_arguments.done",
                      "response.output_item.done", "response.completed"]
     # tools offered, and the model answered in words: the message comes whole at the reply
-    ev = tr.ResponseEvents("c3", MODEL, 0, {}, held=True)
+    ev = tr.ResponseEvents("c3", MODEL, 0, {}, tr.TextStream(held=True))
     out = ev.start() + ev.tokens("no call") + ev.finish(plain, 300, tr.answer_of(plain, "hermes", tools))
     assert [k for k, _ in out][2:] == ["response.output_item.added", "response.content_part.added",
                                        "response.output_text.delta", "response.output_text.done",
                                        "response.content_part.done", "response.output_item.done", "response.completed"]
     assert out[4][1]["delta"] == "hello there" and out[-1][1]["response"]["output"][0]["content"][0]["text"] == "hello there"
-    (kind, failed), = tr.ResponseEvents("c2", MODEL, 0, {}, held=True).failed("internal", "the engine went away")
+    (kind, failed), = tr.ResponseEvents("c2", MODEL, 0, {}, tr.TextStream(held=True)).failed("internal", "the engine went away")
     assert kind == "response.failed" and failed["response"]["status"] == "failed"
     assert failed["response"]["error"] == {"code": "server_error", "message": "the engine went away"}
 

@@ -105,6 +105,11 @@ class HttpError(Exception):
         self.details = details  # (Anthropic's `error.details`, which its SDK reads to recover)
 
 
+def stopping_refusal() -> HttpError:
+    """A request that reached a stopping gateway, told to be sent again (elsewhere)."""
+    return HttpError("unavailable", "this gateway is stopping: send the request again", retry_after_s=1.0)
+
+
 def error_response(api: str, err: HttpError) -> web.Response:
     if api == ANTHROPIC:
         status, body = tr.anthropic_error(err.code, err.message)
@@ -159,10 +164,13 @@ class Prepared:
 
     def answer(self, reply: CallReply) -> tr.Answer:
         """The reply read as the model wrote it: its reasoning apart, and the tool calls
-        this request allows in what it answered (none under `tool_choice: none`, where
-        vLLM applies no tool parser either: the reply is text)."""
-        readable = [] if self.tool_choice == "none" else list(self.tools)
+        this request allows in what it answered (none under `tool_choice: none`)."""
+        readable = list(self.tools) if tr.reads_calls(bool(self.tools), self.tool_choice) else []
         return tr.answer_of(reply, self.tool_format, readable, self.one_call, self.reasoning_format)
+
+    def text_stream(self) -> tr.TextStream:
+        """How the reply's text is streamed, as this request's tools allow."""
+        return tr.TextStream.for_tools(bool(self.tools), self.tool_format, self.tool_choice)
 
 
 def _cache_scope(tenant: str, model: str) -> str:
@@ -285,7 +293,7 @@ class Gateway:
             err = HttpError("expectation_failed", f"unknown Expect: {request.headers.get('Expect', '')[:100]} "
                                                   "(only 100-continue is served)")
         elif self.draining:
-            err = HttpError("unavailable", "this gateway is stopping: send the request again", retry_after_s=1.0)
+            err = stopping_refusal()
         elif tr.tenant_for(request.headers, self.keys) is None:
             err = self._unauthorized(request)
         elif (request.content_length or 0) > self.settings.gateway_max_body:
@@ -314,8 +322,7 @@ class Gateway:
         self.in_flight += api_call
         try:
             if api_call and self.draining:  # (a load balancer has been told by /health; a client retries)
-                resp = self._refused(request, shape, HttpError(
-                    "unavailable", "this gateway is stopping: send the request again", retry_after_s=1.0))
+                resp = self._refused(request, shape, stopping_refusal())
             else:
                 resp = await self._answer(request, handler, shape)
             status = 499 if request.get(CLIENT_GONE_KEY) else resp.status
@@ -1233,7 +1240,7 @@ class Gateway:
 
         async def streamer(req: web.Request, task: "asyncio.Task[CallReply]", events: "asyncio.Queue[Any]"
                            ) -> web.StreamResponse:
-            text, thought = tr.TextStream.for_tools(bool(tools), p.tool_format, p.tool_choice), rs.Splitter(p.reasoning_format)
+            text, thought = p.text_stream(), rs.Splitter(p.reasoning_format)
 
             def chunk(delta: dict[str, Any], finish: str | None = None) -> bytes:
                 return sse(tr.chat_chunk(cid, model, created, delta, finish, None, include_usage))
@@ -1330,7 +1337,7 @@ class Gateway:
                 err.param = err.param.replace(".function.", ".", 1)
                 err.message = err.message.replace(".function.", ".", 1)
             raise
-        model, max_tokens, tools = p.model, p.max_tokens, list(p.tools)
+        model, max_tokens = p.model, p.max_tokens
         cid, created = p.ids.call_id, int(time.time())
         kept = [store and self.redis is not None and self.settings.gateway_responses_ttl_s > 0]
         offered = tr.responses_offered(original.get("tools"))
@@ -1353,8 +1360,8 @@ class Gateway:
 
         async def streamer(req: web.Request, task: "asyncio.Task[CallReply]", events: "asyncio.Queue[Any]"
                            ) -> web.StreamResponse:
-            out = tr.ResponseEvents(cid, model, created, original, held=bool(tools), reasoning_format=p.reasoning_format,
-                                    store=kept[0], text=tr.TextStream.for_tools(bool(tools), p.tool_format, p.tool_choice))
+            out = tr.ResponseEvents(cid, model, created, original, p.text_stream(), reasoning_format=p.reasoning_format,
+                                    store=kept[0])
 
             def written(evs: list[tuple[str, dict[str, Any]]]) -> list[bytes]:
                 return [sse(data, kind) for kind, data in evs]
@@ -1440,7 +1447,7 @@ class Gateway:
                             "conversation in messages", "thread",
                             details={"error_code": "thread_unsupported_request", "unsupported": ["thread"]})
         p = await self._prepare_chat(request, tenant, raw, body, ANTHROPIC, ("max_tokens",))
-        model, max_tokens, tools, prompt = p.model, p.max_tokens, list(p.tools), p.prompt
+        model, max_tokens, prompt = p.model, p.max_tokens, p.prompt
         cid = p.ids.call_id
 
         def whole(reply: CallReply) -> dict[str, Any]:
@@ -1454,7 +1461,7 @@ class Gateway:
                        "usage": {"input_tokens": prompt.tokens, "output_tokens": 0}}
                 return [sse({"type": "message_start", "message": msg}, "message_start"), sse({"type": "ping"}, "ping")]
 
-            text, thought = tr.TextStream.for_tools(bool(tools), p.tool_format, p.tool_choice), rs.Splitter(p.reasoning_format)
+            text, thought = p.text_stream(), rs.Splitter(p.reasoning_format)
             # each block opens with its first piece, as the whole reply's blocks are: the
             # thinking (where asked for), the text, then each call
             index: dict[str, int] = {}  # block kind -> its index, once opened

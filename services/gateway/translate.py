@@ -872,7 +872,7 @@ class TextStream:
     @classmethod
     def for_tools(cls, offered: bool, tool_format: str, tool_choice: str | None) -> "TextStream":
         """The stream of a reply to a request that offered tools (or not) in `tool_format`."""
-        if not offered or tool_choice == "none":  # (no call is read from the reply: it is text)
+        if not reads_calls(offered, tool_choice):  # (the reply is text)
             return cls(held=False)
         if tool_choice is not None:  # a forced call: whole
             return cls(held=True)
@@ -917,6 +917,12 @@ class TextStream:
         if final.startswith(sent):
             return final[len(sent):]
         return ""  # the engine's final detokenisation differs from its stream: what was sent stands
+
+
+def reads_calls(offered: bool, tool_choice: str | None) -> bool:
+    """Whether a reply is read for tool calls: tools were offered, and not with `tool_choice:
+    none` (where vLLM applies no tool parser either)."""
+    return offered and tool_choice != "none"
 
 
 def _opening_of(text: str, marker: str) -> int:
@@ -1717,12 +1723,12 @@ class ResponseEvents:
     delta); then `response.completed` (or `response.incomplete` at
     max_output_tokens, `response.failed` on an error)."""
 
-    def __init__(self, call_id: str, model: str, created: int, request: Mapping[str, Any], held: bool,
-                 reasoning_format: str = "none", store: bool = False, text: TextStream | None = None) -> None:
+    def __init__(self, call_id: str, model: str, created: int, request: Mapping[str, Any], text: TextStream,
+                 reasoning_format: str = "none", store: bool = False) -> None:
         self.call_id, self.model, self.created, self.request = call_id, model, created, request
         self.store = store  # (the response's `store`: cleared where keeping it failed before the end)
         self.offered = responses_offered(request.get("tools"))
-        self.text = text if text is not None else TextStream(held)  # (`text`: the request's tools say how)
+        self.text = text  # (how the request's tools have its text streamed: TextStream.for_tools)
         self.thought = reasoning.Splitter(reasoning_format)
         self.seq = 0
         self.reasoning_open = self.reasoning_done = False

@@ -452,8 +452,7 @@ async def _run_once(sessions: list[TraceSession], spec: StackSpec, *, plan: list
         client = await TalariaClient.from_deployment(stack.deployment(), silence_s=silence_s, retries=50)
         agents: TalariaClient | GatewayAgents = client
         if spec.gateway:  # the agents speak HTTP to the gateway; the client above only asks the limits
-            assert stack.openai_base_url is not None
-            agents = GatewayAgents(stack.openai_base_url, stack.api_key, dict((await client.info()).context_limits))
+            agents = await GatewayAgents.of_stack(stack, client)
         flight = Flight()
         t0 = time.monotonic()
         flight.last_progress = t0

@@ -85,6 +85,12 @@ def scenario_catalog(sc: Scenario) -> Catalog:
     return load_catalog(_catalog_path(sc))
 
 
+def tuned_on(seeds: list[int]) -> str | None:
+    """What is wrong with scoring `seeds`, where some were used to tune the policies (else None)."""
+    tuned = sorted(set(seeds) & set(TUNE_SEEDS))
+    return f"{tuned} were used to tune the policies and cannot be scored" if tuned else None
+
+
 def load_scenario(path: str | Path) -> Scenario:
     p = Path(path)
     sc = load_toml_struct(p, Scenario, ScenarioError, "scenario",
@@ -115,9 +121,8 @@ def load_scenario(path: str | Path) -> Scenario:
         problems.append("seeds must name at least one seed")
     if len(set(sc.seeds)) != len(sc.seeds):
         problems.append(f"seeds has duplicates: {sc.seeds}")
-    tuned_on = sorted(set(sc.seeds) & set(TUNE_SEEDS))
-    if tuned_on:
-        problems.append(f"seeds {tuned_on} were used to tune the policies and cannot be scored")
+    if (tuned := tuned_on(sc.seeds)) is not None:
+        problems.append(f"seeds {tuned}")
     if problems:
         raise ScenarioError(f"{p}: " + "; ".join(problems))
     return sc
@@ -170,9 +175,8 @@ def compare(path: str | Path, *, jobs: int = 1, check: bool = False, progress: b
     """`seeds`: run these instead of the scenario's own."""
     sc = load_scenario(path)
     if seeds is not None:
-        tuned_on = sorted(set(seeds) & set(TUNE_SEEDS))
-        if tuned_on:  # (as a scenario's own seeds are refused)
-            raise ScenarioError(f"--seeds: {tuned_on} were used to tune the policies and cannot be scored")
+        if (tuned := tuned_on(seeds)) is not None:  # (as a scenario's own seeds are refused)
+            raise ScenarioError(f"--seeds: {tuned}")
         sc = msgspec.structs.replace(sc, seeds=list(seeds))
     work = [(str(path), seed, name, check) for seed in sc.seeds for name in sc.policies]
     results: dict[tuple[int, str], dict] = {}
