@@ -23,6 +23,8 @@ SMOKE = ROOT / "traces" / "smoke-4.jsonl"
 
 
 def _assert_clean(r: dict, sessions: list, kinds: tuple[str, ...]) -> None:
+    """(Every reply heard is asserted only where the bus is not faulted: the command's own
+    listener is a NATS client too, and misses replies while its node is killed or stopped.)"""
     assert not r["faults_not_injected"], r["faults_not_injected"]
     assert sorted(f["kind"] for f in r["faults"]) == sorted(kinds)
     assert all(f["in_flight"] > 0 for f in r["faults"]), r["faults"]  # every fault hit calls in flight
@@ -31,7 +33,6 @@ def _assert_clean(r: dict, sessions: list, kinds: tuple[str, ...]) -> None:
     assert r["calls_lost"] == 0, r
     assert r["calls_generated_twice"] == 0, r
     assert r["calls_delivered_twice"] == 0, r
-    assert r["replies_observed"] == r["calls_total"], r  # (so `delivered twice` heard the replies it judges)
     assert r["calls_completed"] == r["calls_total"]
     assert not r["session_failures"], r["session_failures"]
     assert all(f["recovered_s"] is not None and f["recovered_s"] < 60 for f in r["faults"]), r["faults"]
@@ -51,6 +52,7 @@ async def test_chaos_smoke_service_faults_lose_nothing(tmp_path: Path) -> None:
     sessions = load_trace(SMOKE)
     r = await run_chaos(sessions, seed=1, time_scale=5.0, log_dir=tmp_path, kinds=SERVICE_FAULTS)
     _assert_clean(r, sessions, SERVICE_FAULTS)
+    assert r["replies_observed"] == r["calls_total"], r  # (so `delivered twice` heard the replies it judges)
 
 
 @pytest.mark.timeout(300)
@@ -86,6 +88,7 @@ async def test_chaos_smoke_agents_over_http_lose_nothing_when_the_gateway_or_a_s
     r = await run_chaos(sessions, seed=1, time_scale=5.0, log_dir=tmp_path, kinds=VIA_GATEWAY_FAULTS,
                         via_gateway=True)
     _assert_clean(r, sessions, VIA_GATEWAY_FAULTS)
+    assert r["replies_observed"] == r["calls_total"], r
 
 
 @pytest.mark.timeout(180)
