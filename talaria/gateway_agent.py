@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 
 from services.gateway import translate as tr
+from services.gateway.prefix import MESSAGE_FRAME_TOKENS
 from shared.schema import CallReply
 from talaria.client import TalariaClient, TalariaError
 
@@ -61,9 +62,9 @@ class GatewaySession:
     def _grow_to(self, prompt_tokens: int, label: str) -> None:
         """Append a user message so the conversation counts `prompt_tokens` (or as close as the
         message framing allows); a prompt smaller than what is there starts anew (compaction)."""
-        if prompt_tokens < self.tokens + tr.MESSAGE_FRAME_TOKENS + 1:
+        if prompt_tokens < self.tokens + MESSAGE_FRAME_TOKENS + 1:
             self.messages, self.tokens = [], 0
-        size = 4 * max(1, prompt_tokens - self.tokens - tr.MESSAGE_FRAME_TOKENS)
+        size = 4 * max(1, prompt_tokens - self.tokens - MESSAGE_FRAME_TOKENS)
         self._append("user", (label + " " + "tool output " * (size // 12 + 1))[:size])
 
     async def call(self, *, prompt_tokens: int, prefix_tokens: int, max_tokens: int, call_id: str,

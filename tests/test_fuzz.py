@@ -46,7 +46,7 @@ from hypothesis import strategies as st
 import shared.schema as _schema
 from shared.catalog import load_catalog
 from shared.call_record import CallRecords
-from shared.keys import CALL_TTL_S, Keys
+from shared.keys import CALL_TTL_S
 from shared.schema import (
     ApiError, CallAccepted, CallQueued, CallReply, CallRequest, CallRunning, ControlOk, EndSession, Info,
     InfoRequest, Ok, OpenSession, SessionOpened, StageRequest, Submitted, SwitchRequest, SwitchResult,
