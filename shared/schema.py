@@ -121,6 +121,10 @@ class Sampling(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, fo
     min_p: Annotated[float, Meta(ge=0, le=1)] | None = None
     min_tokens: Annotated[int, Meta(ge=0)] | None = None
     ignore_eos: bool | None = None
+    # the tokens the model may think before its thought is closed for it: Messages'
+    # `thinking.budget_tokens`, vLLM's own `thinking_token_budget` (the vllm backend enforces
+    # it for a model that thinks in tags; docs/front-door.md)
+    thinking_token_budget: Annotated[int, Meta(ge=0)] | None = None
     # the JSON Schema (as JSON text) the output must match: OpenAI's `response_format`
     # (json_object: any object); the vllm backend enforces it by structured output
     json_schema: Annotated[str, Meta(max_length=JSON_SCHEMA_MAX_BYTES)] | None = None

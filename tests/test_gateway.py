@@ -128,7 +128,7 @@ def test_keys_and_token_estimate() -> None:
     assert tr.estimate_tokens("abcd") == 1 and tr.estimate_tokens("abcde") == 2
     p = tr.chat_prompt([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"},
                         {"role": "user", "content": [{"type": "text", "text": "again"}]}])
-    assert p.tokens == 3 * tr.MESSAGE_FRAME_TOKENS + 1 + 1 + 2
+    assert p.tokens == 3 * px.MESSAGE_FRAME_TOKENS + 1 + 1 + 2
     # a message's ids depend on it alone: the first two messages' ids open the conversation's
     two = tr.chat_prompt([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}])
     assert p.ids[:two.tokens] == two.ids and p.continued("")[:p.tokens] == p.ids
@@ -391,6 +391,34 @@ def test_vllms_own_sampling_fields_reach_the_engine_or_are_refused_by_name() -> 
         tr.sampling_of({"guided_regex": "a+"}, "openai")
     # Anthropic's API has none of them: its fields alone are read
     assert tr.sampling_of({"min_p": 0.5}, "anthropic").min_p is None
+
+
+def test_a_thinking_budget_reaches_an_engine_that_bounds_thought() -> None:
+    """Messages' `thinking.budget_tokens` and vLLM's own `thinking_token_budget` are the
+    engine's thinking budget, as vLLM's servers hand them on; they had been checked and
+    dropped, so a thinking model thought on to `max_tokens`. The vllm backend passes the
+    budget where its engine has a reasoning config (vLLM refuses one otherwise), and sets
+    that config itself for a model that thinks in `<think>` tags."""
+    from services.engine.vllm_backend import reasoning_config_args, sampling_kwargs
+
+    enabled = {"thinking": {"type": "enabled", "budget_tokens": 2048}}
+    assert tr.sampling_of(enabled, "anthropic", 4096).thinking_token_budget == 2048
+    for thinking in ({"type": "adaptive"}, {"type": "disabled"}, None):
+        assert tr.sampling_of({"thinking": thinking}, "anthropic", 4096).thinking_token_budget is None
+    assert tr.sampling_of({"thinking_token_budget": 64.0}, "openai", 128).thinking_token_budget == 64
+    assert tr.ignored_fields({"model": MODEL, "messages": [], "thinking_token_budget": 8}, "chat") == {}
+    for bad in (-1, "many", 1.5):
+        with pytest.raises(tr.BadRequest) as e:
+            tr.sampling_of({"thinking_token_budget": bad}, "openai")
+        assert e.value.param == "thinking_token_budget", (bad, e.value)
+    sp = tr.sampling_of(enabled, "anthropic", 4096)
+    assert sampling_kwargs(sp, 4096, budgets_thinking=True)["thinking_token_budget"] == 2048
+    assert "thinking_token_budget" not in sampling_kwargs(sp, 4096, budgets_thinking=False)
+    pytest.importorskip("vllm", reason="the reasoning config is vLLM's (make vllm-cpu)")
+    config = reasoning_config_args("think", {})["reasoning_config"]
+    assert (config.reasoning_start_str, config.reasoning_end_str) == ("<think>", "</think>")
+    assert reasoning_config_args("harmony", {}) == reasoning_config_args("none", {}) == {}
+    assert reasoning_config_args("think", {"reasoning_parser": "qwen3"}) == {}  # the operator's own stands
 
 
 def test_response_format_is_the_schema_the_engine_enforces_or_a_400_by_name() -> None:
@@ -754,7 +782,7 @@ async def test_chat_completion_whole_and_streamed_with_usage(stack: EmbeddedStac
     r = await client.chat.completions.create(model=MODEL, max_tokens=8,
                                              messages=[{"role": "user", "content": "hello " * 100}])
     assert r.object == "chat.completion" and r.choices[0].message.role == "assistant"
-    assert r.usage.completion_tokens == 8 and r.usage.prompt_tokens == tr.MESSAGE_FRAME_TOKENS + 150
+    assert r.usage.completion_tokens == 8 and r.usage.prompt_tokens == px.MESSAGE_FRAME_TOKENS + 150
     assert r.usage.total_tokens == r.usage.prompt_tokens + 8 and r.choices[0].finish_reason == "length"
     assert r.usage.prompt_tokens_details.cached_tokens == 0
     # the engine says why it stopped: a reply whose own end is its last allowed token is
@@ -2291,7 +2319,7 @@ async def test_a_rewritten_history_keeps_only_the_prefix_before_the_change(stack
     rewritten = [system, {"role": "user", "content": edited}, {"role": "assistant", "content": ""},
                  {"role": "user", "content": "more " * 30}]
     r2 = await client.chat.completions.create(model=MODEL, max_tokens=8, extra_headers=hdr, messages=rewritten)
-    first_change = tr.chat_prompt([system]).tokens + tr.MESSAGE_FRAME_TOKENS + edited.index("FIX") // 4
+    first_change = tr.chat_prompt([system]).tokens + px.MESSAGE_FRAME_TOKENS + edited.index("FIX") // 4
     # the engine's own count: what it held of the session, up to the block the change falls in
     assert r2.usage.prompt_tokens_details.cached_tokens == (first_change // px.BLOCK_TOKENS) * px.BLOCK_TOKENS
     assert 0 < r2.usage.prompt_tokens_details.cached_tokens < r1.usage.prompt_tokens
@@ -3037,7 +3065,7 @@ async def test_a_trace_replays_through_the_gateway_with_its_output_lengths(tmp_p
         for pc in plan_session(s):
             r = by_call[(s.session_id, pc.index)]
             assert r.output_tokens == min(pc.sim_stop_tokens, pc.max_tokens), (r, pc)
-            assert abs(r.prompt_tokens - pc.prompt_tokens) <= tr.MESSAGE_FRAME_TOKENS + 1, (r, pc)
+            assert abs(r.prompt_tokens - pc.prompt_tokens) <= px.MESSAGE_FRAME_TOKENS + 1, (r, pc)
             if pc.index and not pc.compact:  # the engine held the conversation so far, block-rounded
                 assert r.cached_tokens + r.restored_tokens >= 0.9 * (pc.prefix_tokens // px.BLOCK_TOKENS) * px.BLOCK_TOKENS
 

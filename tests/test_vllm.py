@@ -153,6 +153,7 @@ async def test_two_vllm_cpu_engine_workers_prefix_hits_and_kv_events(tmp_path: P
                 await _a_response_format_gets_json_of_its_schema(stack)
                 await _whole_and_streamed_replies_are_one_text(stack)
                 await _a_responses_conversation_reuses_its_prefix(stack)
+                await _a_thinking_budget_closes_the_thought(stack)
             finally:
                 await client.close()
                 await r.aclose()
@@ -377,6 +378,30 @@ async def _whole_and_streamed_replies_are_one_text(stack) -> None:  # type: igno
     penalised = (await client.chat.completions.create(
         **greedy, extra_body={"repetition_penalty": 2.0})).choices[0].message.content  # type: ignore[call-overload]
     assert penalised != base, base
+
+
+async def _a_thinking_budget_closes_the_thought(stack) -> None:  # type: ignore[no-untyped-def]
+    """A thinking budget on the real engine: the engine-worker gives the engine a reasoning
+    config for the catalog model's `<think>` tags, and vLLM closes a thought once the
+    budget's tokens are spent. The tiny model never opens a thought of its own, so the
+    conversation's last assistant turn opens one and the reply continues it; greedy, the
+    same request without a budget writes no `</think>` in its 24 tokens."""
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=stack.openai_base_url, api_key=stack.api_key, max_retries=0)
+    ask = {"model": vb.MODEL, "max_tokens": 24, "temperature": 0.0,
+           "messages": [{"role": "user", "content": "think about ships"}, {"role": "assistant", "content": "<think>\n"}]}
+
+    async def thought(**budget: int) -> str:
+        reply = await client.chat.completions.create(  # type: ignore[call-overload]
+            **ask, extra_body={"continue_final_message": True, **budget})
+        return reply.choices[0].message.content or ""
+
+    assert "</think>" not in await thought()
+    for budget in (0, 4):
+        text = await thought(thinking_token_budget=budget)
+        assert "</think>" in text, (budget, text)
+        assert len(text.split("</think>")[0]) <= 12 * budget, (budget, text)  # (a few bytes a token)
 
 
 async def _a_responses_conversation_reuses_its_prefix(stack) -> None:  # type: ignore[no-untyped-def]

@@ -107,11 +107,13 @@ def sleep_level_for_platform(configured: int | None) -> int:
     return 1 if current_platform.is_sleep_mode_available() else 0
 
 
-def sampling_kwargs(sampling: Sampling | None, max_tokens: int) -> dict[str, Any]:
+def sampling_kwargs(sampling: Sampling | None, max_tokens: int, budgets_thinking: bool = False) -> dict[str, Any]:
     """vLLM SamplingParams for a call. No `Sampling`: a replayed trace's call, greedy to
     its bound (end of sequence ignored, so its output length is the trace's). With one
     (an agent at the front door): the agent's fields, vLLM's defaults for the rest, and
-    the model may stop by itself."""
+    the model may stop by itself. `budgets_thinking`: the engine has a reasoning config
+    (`reasoning_config`), without which vLLM refuses a thinking budget; a model with none
+    writes no thought for a budget to bound, so the budget is dropped there."""
     if sampling is None:
         return {"max_tokens": max_tokens, "ignore_eos": True, "temperature": 0.0}
     out: dict[str, Any] = {"max_tokens": max_tokens}
@@ -120,9 +122,25 @@ def sampling_kwargs(sampling: Sampling | None, max_tokens: int) -> dict[str, Any
         v = getattr(sampling, name)
         if v is not None:
             out[name] = v
+    if budgets_thinking and sampling.thinking_token_budget is not None:
+        out["thinking_token_budget"] = sampling.thinking_token_budget
     if sampling.stop:
         out["stop"] = list(sampling.stop)
     return out
+
+
+def reasoning_config_args(reasoning_format: str, engine_args: dict[str, Any]) -> dict[str, Any]:
+    """The engine arguments that let vLLM bound a thought (`thinking_token_budget`): for a
+    model that thinks between `<think>` and `</think>` (the catalog's `think`: GLM-4.5,
+    Qwen3), a reasoning config with those tags, so that vLLM closes the thought once its
+    budget is spent (what `--reasoning-config` gives its own server). None for other
+    formats (harmony's channels are not tags vLLM forces), nor where the operator's
+    `TALARIA_VLLM_ENGINE_ARGS` set one of their own."""
+    if reasoning_format != "think" or {"reasoning_config", "reasoning_parser"} & set(engine_args):
+        return {}
+    from vllm.config.reasoning import ReasoningConfig
+
+    return {"reasoning_config": ReasoningConfig(reasoning_start_str="<think>", reasoning_end_str="</think>")}
 
 
 def forced_tool_call(hint: EngineHint | None, fmt: str) -> Any:
@@ -261,6 +279,7 @@ class VllmBackend(EngineBackend):
         self.power_lock = asyncio.Lock()
         self.block_size = cfg.block_size
         self.max_model_len = cfg.max_model_len
+        self.budgets_thinking = False  # the engine bounds a thought (`reasoning_config_args`), once started
         self.matcher = BlockMatcher()
         self.kv_queue: asyncio.Queue[KvEvent] = asyncio.Queue()
         self.kv_thread_stop = threading.Event()
@@ -319,6 +338,7 @@ class VllmBackend(EngineBackend):
         )
         if self.sleep_level >= 1:
             kw["enable_sleep_mode"] = True
+        kw.update(reasoning_config_args(w.catalog.model(s.model).reasoning_format, self.cfg.engine_args))
         kw.update(self.cfg.engine_args)
         self.log.info("engine.vllm_starting", model_dir=model_dir, block_size=self.block_size,
                       max_model_len=self.max_model_len, kv_port=self.kv_port, sleep_level=self.sleep_level,
@@ -339,13 +359,16 @@ class VllmBackend(EngineBackend):
         w.metrics.reexport(REGISTRY, "vllm:", CONTRACT_NAMES)
         tok = self.llm.get_tokenizer()
         self.tokenizer = await tok if asyncio.iscoroutine(tok) else tok
+        reasoning = getattr(self.llm.vllm_config, "reasoning_config", None)
+        self.budgets_thinking = bool(reasoning is not None and reasoning.enabled)
         start_s = time.monotonic() - t0
         self.ready = True
         self.engine_hash = {"backend": "vllm", "state": "ready", "start_wall_s": f"{start_s:.2f}",
                             "block_size": self.block_size, "model_dir": model_dir, "context_limit": self.context_limit or 0}
         await w.redis.hset(w.keys.engine(s.server_id, s.model), mapping=self._engine_hash_now())
         w.spawn(self._keep_engine_hash(), "engine-hash")
-        self.log.info("engine.vllm_ready", start_wall_s=round(start_s, 2), context_limit=self.context_limit)
+        self.log.info("engine.vllm_ready", start_wall_s=round(start_s, 2), context_limit=self.context_limit,
+                      budgets_thinking=self.budgets_thinking)
         await self._apply_power()
 
     def _engine_hash_now(self) -> dict[str, Any]:
@@ -521,7 +544,8 @@ class VllmBackend(EngineBackend):
                 self.log.warning("engine.refused", reason="malformed", detail=str(exc))
                 await w.refuse(rc, "malformed", str(exc))
                 return
-            sp = SamplingParams(**sampling_kwargs(rc.engine.sampling, max_tokens), structured_outputs=forced,
+            sp = SamplingParams(**sampling_kwargs(rc.engine.sampling, max_tokens, self.budgets_thinking),
+                                structured_outputs=forced,
                                 skip_special_tokens=not keeps_special_tokens(rc.engine.hint, fmt))
             self.matcher.track(live.request_id, rc.session_id, ids)
             await w.nc.publish(rc.reply_to, encode(CallRunning(call_id=rc.call_id, server_id=s.server_id)))

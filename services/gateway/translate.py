@@ -33,7 +33,6 @@ import msgspec
 
 from services.gateway import prefix as px
 from services.gateway import reasoning
-from services.gateway.prefix import MESSAGE_FRAME_TOKENS
 from shared import tool_calls
 from shared.schema import JSON_SCHEMA_MAX_BYTES, Sampling
 
@@ -663,7 +662,7 @@ _OPENAI_SAMPLING = {"temperature": "temperature", "top_p": "top_p", "top_k": "to
                     "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
                     # vLLM's, as its server takes them in a chat or completions request
                     "repetition_penalty": "repetition_penalty", "min_p": "min_p", "min_tokens": "min_tokens",
-                    "ignore_eos": "ignore_eos"}
+                    "ignore_eos": "ignore_eos", "thinking_token_budget": "thinking_token_budget"}
 _ANTHROPIC_SAMPLING = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "stop_sequences": "stop"}
 # asked for and not served: refused with a 400 that names the field, never silently dropped
 _OPENAI_REFUSED = ("logprobs", "top_logprobs", "logit_bias", "audio")
@@ -806,7 +805,9 @@ def sampling_of(body: Mapping[str, Any], api: str, max_tokens: int | None = None
             continue
         if ours == "stop" and isinstance(v, str):
             v = [v]
-        fields[ours] = whole(v) if ours in ("top_k", "seed") else v
+        fields[ours] = whole(v) if ours in ("top_k", "seed", "thinking_token_budget") else v
+    if api == "anthropic" and (budget := thinking_budget(body)) is not None:
+        fields["thinking_token_budget"] = budget
     if api == "anthropic" and isinstance(fields.get("temperature"), (int, float)) and fields["temperature"] > 1:
         raise BadRequest("temperature must be between 0 and 1", "temperature")
     if max_tokens is not None and isinstance(fields.get("min_tokens"), int) and fields["min_tokens"] > max_tokens:
@@ -961,7 +962,7 @@ THINKING_MIN_BUDGET = 1024  # Anthropic's least `thinking.budget_tokens`
 
 def check_thinking(body: Mapping[str, Any], max_tokens: int) -> None:
     """`thinking` as Anthropic's API takes it: enabled with a `budget_tokens` of at least
-    1,024 and below `max_tokens` (the budget is read, not enforced here)."""
+    1,024 and below `max_tokens` (the engine enforces it: `thinking_budget`)."""
     thinking = body.get("thinking")
     if thinking is None:
         return
@@ -976,6 +977,17 @@ def check_thinking(body: Mapping[str, Any], max_tokens: int) -> None:
     if budget >= max_tokens:
         raise BadRequest(f"max_tokens ({max_tokens}) must be greater than thinking.budget_tokens ({budget})",
                          "thinking.budget_tokens")
+
+
+def thinking_budget(body: Mapping[str, Any]) -> int | None:
+    """The thinking budget of a Messages request (`thinking: {type: enabled, budget_tokens}`,
+    checked by `check_thinking`), as vLLM's Anthropic server hands it to the engine; None
+    for thinking disabled or adaptive (the model decides, beneath `max_tokens`)."""
+    thinking = body.get("thinking")
+    if not isinstance(thinking, Mapping) or thinking.get("type") != "enabled":
+        return None
+    budget = whole(thinking.get("budget_tokens"))
+    return budget if isinstance(budget, int) and not isinstance(budget, bool) else None
 
 
 def thinking_asked(body: Mapping[str, Any]) -> bool:
