@@ -33,7 +33,10 @@ again is safe because every conditional write carries a message id of its own
 refused as a wrong revision (nats-server checks the expected revision before its
 duplicate window), and the refusal is then told apart from a lost race by
 reading the key from the stream's leader: if its newest message carries this
-write's id, the write landed and its revision is returned.
+write's id, the write landed and its revision is returned. A retry that reaches
+the stream while the first try is still being stored is refused as in process
+(`WRITE_IN_PROCESS`), which is waited out like a timeout: the next try finds the
+write landed, or not.
 """
 
 from __future__ import annotations
@@ -63,6 +66,9 @@ _BACKOFF_S = (0.02, 0.05, 0.1, 0.2, 0.5)
 # the JetStream error codes a conditional delete is refused with when the key moved on
 # (10071: wrong last sequence; 10164 is what the server answered for it in chaos runs)
 WRONG_LAST_SEQUENCE = (10071, 10164)
+# a retry whose message id the stream is still storing from an earlier try (that try's ack
+# was lost while a node stalled): not an answer but "not yet", waited out like a timeout
+WRITE_IN_PROCESS = 10158
 
 
 class CallRecordUnavailable(RuntimeError):
@@ -98,9 +104,10 @@ class Claim:
 
 def is_transient(exc: BaseException) -> bool:
     """A node restarting or a leader election (timeouts, no responders, a 5xx from
-    JetStream): wait it out. A refusal (4xx: wrong revision, bad request) is an answer."""
+    JetStream, a retry's write still in process): wait it out. A refusal (4xx: wrong
+    revision, bad request) is an answer."""
     if isinstance(exc, nats.js.errors.APIError):
-        return (exc.code or 0) >= 500
+        return (exc.code or 0) >= 500 or exc.err_code == WRITE_IN_PROCESS
     return isinstance(exc, (nats.errors.Error, asyncio.TimeoutError, OSError))
 
 

@@ -66,6 +66,31 @@ async def engine_only(nats_server: NatsServer, redis_server: RedisServer, subjec
         await svc.stop()
 
 
+async def test_a_finish_that_failed_is_tried_again_until_it_is_told(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The vllm backend's finish of a generated call: a failed write (the call record past
+    its deadline while a NATS node was stopped, in a chaos run) is logged and tried again,
+    not raised out of the run, which had left the call held by the worker with no answer
+    ever stored, so every resend of it was ignored."""
+    import structlog
+
+    from services.engine import worker
+
+    monkeypatch.setattr(worker, "FINISH_RETRY_WALL_S", (0.0,))
+    tries: list[int] = []
+
+    async def finish() -> None:
+        tries.append(len(tries))
+        if len(tries) < 3:
+            raise RuntimeError("call record unavailable")
+
+    log = structlog.get_logger()
+    with structlog.testing.capture_logs() as logs:
+        await worker.finish_until_told(finish, log, "c9")
+    assert len(tries) == 3
+    assert [(e["event"], e["call_id"], e["attempt"]) for e in logs] == [("engine.finish_failed", "c9", 1),
+                                                                       ("engine.finish_failed", "c9", 2)]
+
+
 async def test_a_run_already_answered_is_answered_again_with_its_finish(engine_only: Any,
                                                                           redis_server: RedisServer) -> None:
     svc, nc = engine_only

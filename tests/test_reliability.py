@@ -1441,6 +1441,45 @@ async def test_a_call_record_write_whose_ack_is_lost_is_retried_to_its_own_revis
         await nc.close()
 
 
+async def test_a_retry_refused_as_still_in_process_is_waited_out(nats_server: NatsServer, subject_prefix: str) -> None:
+    """A write's first try is stored but its ack is lost, and the retry reaches the stream
+    while that try is still in process (JetStream's 10158, "duplicate message id is in
+    process": seen in chaos runs while a NATS node was stopped). That is not an answer:
+    the step waits it out and returns the first try's revision. It had been taken for a
+    refusal and raised, failing the engine's claim or answer of a call it was running."""
+    import nats.errors
+    import nats.js.errors
+    from nats.aio.client import Client as NATS
+
+    from shared.call_record import WRITE_IN_PROCESS, CallRecords
+    from shared.keys import CALL_TTL_S
+    from shared.schema import CallRecord
+
+    nc = NATS()
+    await nc.connect(nats_server.url)
+    try:
+        records = await CallRecords.open(nc, subject_prefix, replicas=1, ttl_s=CALL_TTL_S)
+        real_publish = records.js.publish
+        tries: list[str] = []
+
+        async def publish(subject: str, payload: bytes = b"", **kw: Any) -> Any:
+            tries.append(subject)
+            if len(tries) == 2:
+                raise nats.js.errors.BadRequestError(code=400, err_code=WRITE_IN_PROCESS,
+                                                     description="duplicate message id is in process")
+            ack = await real_publish(subject, payload, **kw)
+            if len(tries) == 1:
+                raise nats.errors.TimeoutError  # stored, but the client never hears it
+            return ack
+
+        records.js.publish = publish  # type: ignore[method-assign]
+        rev = await records.create("s-1", "c-1", CallRecord(state="placing"))
+        assert len(tries) == 3 and rev is not None
+        assert await records.get("s-1", "c-1") == (CallRecord(state="placing"), rev)
+    finally:
+        await nc.close()
+
+
 async def test_the_call_record_bucket_keeps_to_its_bound_dropping_its_oldest_records(
         nats_server: NatsServer, subject_prefix: str) -> None:
     """Past `max_bytes` the bucket drops its oldest records, and every write still lands (a

@@ -50,7 +50,7 @@ from typing import Any
 import structlog
 
 from services.engine.kv_index import BlockMatcher, KvIndex, hash_str
-from services.engine.worker import EngineBackend, EngineWorker
+from services.engine.worker import EngineBackend, EngineWorker, finish_until_told
 from shared.clock import done_within
 from shared.logs import route_vllm_logs
 from shared.net import free_port
@@ -602,8 +602,10 @@ class VllmBackend(EngineBackend):
             )
             await self._kv_settle()
             # no kv_locality write here: the KV events say what the engine holds
-            await w.finish(rc, reply, len(ids) + len(live.tokens))
-            self.live.pop(rc.call_id, None)
+            try:
+                await finish_until_told(lambda: w.finish(rc, reply, len(ids) + len(live.tokens)), self.log, rc.call_id)
+            finally:
+                self.live.pop(rc.call_id, None)
             self.log.info("engine.finished", prompt_tokens=len(ids), cached_tokens=cached,
                           output_tokens=len(live.tokens), wall_ttft_s=round(ttft, 4), wall_decode_s=round(decode, 4),
                           wall_total_s=round(t_end - t0, 4), aborted=aborted, figures="wall seconds (real engine)")

@@ -26,11 +26,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import time
 import uuid
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
@@ -60,6 +61,26 @@ DRAIN_POLL_WALL_S = 0.05
 ENGINE_STATE_WRITE_WALL_S = 1.0  # how long a drain or a start waits to write the engine hash's state
 ANSWERED_KEPT = 4096  # call ids a worker remembers answering (a late resend's stale claim is checked again)
 EARLY_CANCELS_KEPT = 4096  # cancels heard before their run (every worker hears every cancel; few runs come)
+
+
+FINISH_RETRY_WALL_S = (0.2, 0.5, 1.0, 2.0, 5.0)  # waits between a failed finish's tries, the last repeated
+
+
+async def finish_until_told(finish: Callable[[], Awaitable[None]], log: Any, call_id: str) -> None:
+    """Finish a generated call, trying again while the finish fails (the call record past its
+    deadline while NATS is down, a refused write): the reply is generated and is not thrown
+    away, and until it is told, the call stays held here, so a resend of it waits for this
+    answer instead of generating again. The sim backend keeps such finishes queued instead."""
+    for attempt in itertools.count():
+        try:
+            await finish()
+            return
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            wait_s = FINISH_RETRY_WALL_S[min(attempt, len(FINISH_RETRY_WALL_S) - 1)]
+            log.exception("engine.finish_failed", call_id=call_id, attempt=attempt + 1, retry_in_wall_s=wait_s)
+            await asyncio.sleep(wait_s)
 
 
 class EngineBackend(ABC):
@@ -217,7 +238,7 @@ class EngineWorker(ServiceProcess):
         deadline = time.monotonic() + ENGINE_DRAIN_WALL_S
 
         def running() -> int:  # (a run waiting for a wake is not running: it goes to the next worker)
-            return len(self.claims.keys() - self.pending.keys()) + len(self.finishing)
+            return len((self.claims.keys() - self.pending.keys()) | self.finishing)
 
         if running():
             self.log.info("engine.draining", running=running(), within_s=ENGINE_DRAIN_WALL_S)
@@ -350,16 +371,22 @@ class EngineWorker(ServiceProcess):
         s = self.settings
         data = encode(reply)
         self._generation_span(rc, reply)
-        claim = self.claims.pop(rc.call_id, None)
+        # the claim is let go once the answer is stored, not before: a finish tried again after
+        # a failed write answers on the same claim, so it finds its own earlier answer landed
+        # or another process's, and never writes over the stored one
+        claim = self.claims.get(rc.call_id)
         self.asked_by.pop(rc.call_id, None)
         hdrs = trace_headers(reply.session_id, reply.call_id)
         first = True
-        if not reply.aborted:
+        if reply.aborted:
+            self.claims.pop(rc.call_id, None)
+        else:
             if claim is None:  # (never: a run starts only after its claim)
                 claim = await self.call_records.claim(rc.session_id, rc.call_id, server_id=s.server_id,
                                                       owner=self.instance, epoch=self.epoch)
             # stored before it is published, on this process's claim: the first stored reply is the answer
             published, first = await self.call_records.answer(reply.session_id, reply.call_id, data, claim)
+            self.claims.pop(rc.call_id, None)
             if published is None:
                 self.log.error("engine.fenced", reason="another process of this worker took the call over",
                                call_id=rc.call_id, session_id=rc.session_id)
