@@ -125,9 +125,10 @@ class Keys:
 
     # -- the gateway's (services/gateway/prefix.py): any replica finds a session's prefix
     def gateway_chain(self, session_id: str) -> str:
-        """String: the chained block hashes (8 bytes each) of what the session's engine
-        holds after its last call: that call's prompt and its reply."""
-        return f"{self.prefix}gw:chain:{session_id}"
+        """String: what the session's engine holds after its last calls, as the chained block
+        hashes (8 bytes each) of each branch's last prompt and reply, newest first, each
+        after its block count (4 bytes; `prefix.pack_branches`)."""
+        return f"{self.prefix}gw:branches:{session_id}"
 
     def gateway_open(self, tenant: str, model: str) -> str:
         """Hash: session id -> `blocks:tail-hash:updated_at`, the tenant's header-less

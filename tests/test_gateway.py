@@ -744,6 +744,28 @@ async def test_a_continued_conversation_never_claims_more_prefix_than_its_engine
     assert [e["reprefill_tokens"] for e in engine] == [0] * 12, engine
 
 
+async def test_a_side_call_under_the_sessions_header_leaves_the_conversations_prefix_held(stack: EmbeddedStack) -> None:
+    """OpenCode asks for the session's title under the conversation's own `x-session-id`,
+    with a short prompt of its own. The conversation's next turn had been reckoned to hold
+    nothing (prefix 0, after 1,808 tokens the turn before, in a probe): the session kept its
+    last call's chain alone. Now it keeps its branches, and the turn holds its conversation."""
+    client, hdr = oai(stack), {"x-session-id": "title-side-call"}
+    msgs: list[dict[str, Any]] = [{"role": "system", "content": "you are a coding agent " * 40},
+                                  {"role": "user", "content": "fix the failing test " * 30}]
+    for turn in range(2):
+        r = await client.chat.completions.create(model=MODEL, max_tokens=16, messages=msgs, extra_headers=hdr)
+        msgs += [{"role": "assistant", "content": r.choices[0].message.content},
+                 {"role": "user", "content": f"tool output {turn} " * 20}]
+    await client.chat.completions.create(model=MODEL, max_tokens=16, extra_headers=hdr, messages=[
+        {"role": "system", "content": "Generate a short title for this conversation."},
+        {"role": "user", "content": "fix the failing test"}])
+    await client.chat.completions.create(model=MODEL, max_tokens=16, messages=msgs, extra_headers=hdr)
+    calls = [e for e in events(stack, "gateway", "gateway.call") if e.get("session_name") == "title-side-call"]
+    prefixes = [e["prefix_tokens"] for e in calls]
+    assert len(prefixes) == 4 and prefixes[0] == prefixes[2] == 0, prefixes
+    assert prefixes[3] > prefixes[1] > 0, prefixes  # the conversation's, grown by the turn before
+
+
 @pytest.mark.timeout(120)
 async def test_deployment_names_the_front_door(stack: EmbeddedStack) -> None:
     dep = stack.deployment()

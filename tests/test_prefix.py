@@ -73,6 +73,29 @@ def test_open_chains_encode_and_refuse_garbage() -> None:
     assert px.OpenChain.decode("s", "nonsense") is None and px.OpenChain.decode("s", "1:zz:3") is None
 
 
+def test_a_sessions_branches_keep_what_a_side_call_did_not_extend() -> None:
+    """A title call under the conversation's own header leaves a branch of its own; the
+    conversation's next turn still holds what the conversation's branch holds."""
+    h = [bytes([i]) * px.HASH_BYTES for i in range(40)]
+    talk, title = h[:30], h[30:33]
+    branches = px.with_branch(px.with_branch([], talk), title)
+    assert branches == [title, talk]
+    assert px.held_blocks(branches, h[:35]) == 30 and px.held_blocks(branches, title + h[:2]) == 3
+    # the conversation continued replaces its own branch, and the title's is kept beside it
+    assert px.with_branch(branches, h[:36]) == [h[:36], title]
+    # at most BRANCHES_KEPT, the newest first; a branch the new chain extends is not kept twice
+    many = [[bytes([100 + i]) * px.HASH_BYTES] for i in range(px.BRANCHES_KEPT + 2)]
+    kept: list = []
+    for b in many:
+        kept = px.with_branch(kept, b)
+    assert kept == many[::-1][:px.BRANCHES_KEPT]
+    assert px.unpack_branches(px.pack_branches(kept)) == kept and px.unpack_branches(None) == []
+    # what is cut short or malformed ends the list (soft state: never an error)
+    packed = px.pack_branches([talk, title])
+    assert px.unpack_branches(packed[:-1]) == [talk] and px.unpack_branches(b"\0\0\0\0junk") == []
+    assert px.held_blocks([], talk) == 0
+
+
 def test_stand_in_ids_count_as_the_estimate_and_frames_never_collide_with_text() -> None:
     rng = random.Random(0)
     for _ in range(200):

@@ -182,6 +182,45 @@ def unpack(data: bytes | None) -> list[bytes]:
     return [data[i:i + HASH_BYTES] for i in range(0, len(data) - HASH_BYTES + 1, HASH_BYTES)]
 
 
+# -- a named session's branches ----------------------------------------------------------------------
+# A session named by its header may send calls that are not its conversation continued: OpenCode
+# asks for the session's title under the same header, with its own short prompt. The engine's
+# prefix cache still holds the conversation after such a call, so the session keeps the chains
+# of its last few branches, and a call holds what the branch it extends holds.
+BRANCHES_KEPT = 4
+_COUNT_BYTES = 4  # each branch is its block count, then its hashes
+
+
+def with_branch(branches: Sequence[Sequence[bytes]], chain: Sequence[bytes]) -> list[Sequence[bytes]]:
+    """A session's branches once a call left `chain`: it first, then the earlier branches it
+    does not extend, newest first, at most BRANCHES_KEPT."""
+    kept = [b for b in branches if common_blocks(b, chain) < len(b)]
+    return [chain, *kept][:BRANCHES_KEPT] if chain else kept[:BRANCHES_KEPT]
+
+
+def held_blocks(branches: Sequence[Sequence[bytes]], chain: Sequence[bytes]) -> int:
+    """How many leading blocks of `chain` the session holds: the most any branch shares."""
+    return max((common_blocks(b, chain) for b in branches), default=0)
+
+
+def pack_branches(branches: Sequence[Sequence[bytes]]) -> bytes:
+    return b"".join(len(b).to_bytes(_COUNT_BYTES, "big") + pack(b) for b in branches)
+
+
+def unpack_branches(data: bytes | None) -> list[list[bytes]]:
+    """The branches `pack_branches` wrote; what is cut short or malformed ends them."""
+    out: list[list[bytes]] = []
+    at = 0
+    while data and at + _COUNT_BYTES <= len(data):
+        n = int.from_bytes(data[at:at + _COUNT_BYTES], "big")
+        end = at + _COUNT_BYTES + n * HASH_BYTES
+        if n == 0 or end > len(data):
+            break
+        out.append(unpack(data[at + _COUNT_BYTES:end]))
+        at = end
+    return out
+
+
 # -- sessions without a header ----------------------------------------------------------------------
 @dataclass(frozen=True)
 class OpenChain:

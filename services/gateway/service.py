@@ -886,7 +886,7 @@ class Gateway:
 
     async def _held_blocks(self, sid: str, chain: list[bytes]) -> int:
         assert self.redis is not None
-        return px.common_blocks(px.unpack(await self.redis.get(self.rkeys.gateway_chain(sid))), chain)
+        return px.held_blocks(px.unpack_branches(await self.redis.get(self.rkeys.gateway_chain(sid))), chain)
 
     async def _join_or_fork(self, tenant: str, model: str, cid: str, chain: list[bytes]) -> tuple[str, int]:
         assert self.redis is not None
@@ -923,8 +923,12 @@ class Gateway:
         out_ids = list(reply.token_ids) if reply.token_ids and reply.engine != "sim" else None  # a real engine's own
         chain = self.chains.chain(_cache_scope(tenant, model),
                                   prompt.continued(reply.text or "", out_ids, reply.output_tokens))
+        # a named session's other branches are kept (a header-less one's call only ever extends its chain)
+        branches = (px.unpack_branches(await self.redis.get(self.rkeys.gateway_chain(ids.session_id)))
+                    if ids.named else [])
         async with self.redis.pipeline(transaction=False) as p:
-            p.set(self.rkeys.gateway_chain(ids.session_id), px.pack(chain), ex=SESSION_TTL_S)
+            p.set(self.rkeys.gateway_chain(ids.session_id), px.pack_branches(px.with_branch(branches, chain)),
+                  ex=SESSION_TTL_S)
             if not ids.named and chain:
                 p.hset(self.rkeys.gateway_open(tenant, model), ids.session_id,
                        px.OpenChain(ids.session_id, len(chain), chain[-1], time.time()).encode())
