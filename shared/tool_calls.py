@@ -111,7 +111,15 @@ def _call_id(call_key: str, i: int) -> str:
 # -- requests ----------------------------------------------------------------------------------------
 def openai_tools(body: Mapping[str, Any]) -> tuple[list[Tool], str | None]:
     """The request's tools and its tool choice (None: the model decides; `none`; or a tool's name)."""
-    return _tools(body.get("tools"), "tools", lambda t: (t.get("function") if t.get("type") == "function" else None),
+    raw = body.get("tools")
+    for i, t in enumerate(raw if isinstance(raw, list) else []):
+        kind = t.get("type") if isinstance(t, Mapping) else None
+        if isinstance(kind, str) and kind != "function":  # (a tool of another type had been told it had no name)
+            where = "custom (freeform) tools are served on the Responses API, /v1/responses" if kind == "custom" else \
+                "only function tools are served here"
+            raise ToolsError(f"tools[{i}].type {kind[:40]!r} is not served on chat completions: {where}",
+                             f"tools[{i}].type")
+    return _tools(raw, "tools", lambda t: (t.get("function") if t.get("type") == "function" else None),
                   "parameters", "function.parameters"), _openai_choice(body.get("tool_choice"))
 
 

@@ -189,6 +189,18 @@ def test_a_tool_whose_arguments_are_not_an_object_is_refused_naming_the_field(sc
         "properties": {"a": {"type": "string"}}}}}]})[0][0].name == "x"
 
 
+def test_a_chat_tool_of_another_type_is_refused_by_its_type() -> None:
+    """OpenAI's custom (freeform) tool sent to chat completions had been told it "must be a
+    function tool with a name", though it has one: the refusal names its type, and where
+    custom tools are served."""
+    with pytest.raises(tc.ToolsError) as e:
+        tc.openai_tools({"tools": [{"type": "custom", "custom": {"name": "cx", "description": "d"}}]})
+    assert e.value.param == "tools[0].type" and "/v1/responses" in str(e.value)
+    with pytest.raises(tc.ToolsError) as e:
+        tc.openai_tools({"tools": [{"type": "function", "function": {"name": "x"}}, {"type": "web_search"}]})
+    assert e.value.param == "tools[1].type" and "only function tools" in str(e.value)
+
+
 def test_a_refused_tool_name_is_named_where_each_api_writes_it() -> None:
     with pytest.raises(tc.ToolsError) as e:
         tc.openai_tools({"tools": [{"type": "function", "function": {"name": "has space"}}]})
