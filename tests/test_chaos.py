@@ -13,7 +13,7 @@ import pytest
 
 from shared.policy import resolve_policy
 from talaria.workload.trace import load_trace
-from talaria.lab.chaos import EXTRA_KINDS, FAULT_KINDS, GATEWAY_KINDS, run_chaos
+from talaria.lab.chaos import EXTRA_KINDS, FAULT_KINDS, GATEWAY_KINDS, format_report, format_table, run_chaos
 from talaria.ops.stack import EmbeddedStack, StackSpec
 
 from replaying import replay_with_a_fault
@@ -40,6 +40,21 @@ def _assert_clean(r: dict, sessions: list, kinds: tuple[str, ...]) -> None:
 
 SERVICE_FAULTS = ("router", "admission", "substrate", "engine", "hang", "overlap")
 STORE_AND_BUS_FAULTS = ("nats", "redis", "redis-stall", "nats-redis", "switch")
+
+
+def test_the_report_says_on_how_many_replies_delivered_twice_was_judged() -> None:
+    """A probe's runs with a NATS node stopped heard 804 of 960 replies and printed a clean
+    "delivered twice 0" all the same: the report now says what the check saw."""
+    sct = {"mean": 100.0, "p50": 90.0, "p90": 150.0}
+    r = {"trace_sessions": 30, "seed": 7, "policy": "talaria", "servers": 1, "nats_nodes": 3, "time_scale": 200.0,
+         "via_gateway": False, "faults": [], "faults_not_injected": [], "calls_total": 960, "calls_completed": 960,
+         "calls_lost": 0, "calls_generated_twice": 0, "calls_delivered_twice": 0, "replies_from_cache": 0,
+         "replies_observed": 804, "stalled": False, "stuck_calls": [], "session_failures": [],
+         "worst_recovery_s": {}, "sct_reference": sct, "sct_chaos": sct, "sct_mean_ratio": 1.0}
+    assert "judged on the 804 of 960 replies the listener heard (it missed 156" in format_report(r)
+    assert "judged on" not in format_report({**r, "replies_observed": 960})
+    head, row = format_table([r]).splitlines()[:2]
+    assert "heard" in head and row.split()[head.split().index("heard")] == "804"
 
 
 def test_the_two_chaos_tests_cover_every_kind() -> None:

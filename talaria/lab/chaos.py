@@ -611,6 +611,10 @@ def format_report(r: dict) -> str:
     lines.append(f"calls: total {r['calls_total']}  completed {r['calls_completed']}  lost {r['calls_lost']}  "
                  f"generated twice {r['calls_generated_twice']}  delivered twice {r['calls_delivered_twice']}  "
                  f"(retries answered with the stored reply: {r['replies_from_cache']})")
+    if (heard := r.get("replies_observed", r["calls_completed"])) < r["calls_completed"]:
+        # the listener is a NATS client too: replies sent while its node was down went unheard
+        lines.append(f"delivered twice is judged on the {heard} of {r['calls_completed']} replies the listener heard "
+                     f"(it missed {r['calls_completed'] - heard} while its NATS node was down)")
     if r["stalled"]:
         lines.append(f"STALLED: the watchdog ended the run; stuck calls: {', '.join(r['stuck_calls'][:20])}")
     lines.append("worst recovery (wall s, health + next completed call): "
@@ -626,17 +630,20 @@ def format_report(r: dict) -> str:
 def format_table(results: list[dict]) -> str:
     """One line per seed (`--seeds`), then the worst recovery per kind over all of them."""
     head = (f"{'seed':>5} {'faults':>6} {'skip':>4} {'completed':>11} {'lost':>4} {'gen2':>4} {'del2':>4} "
-            f"{'cached':>6} {'stall':>5} {'SCT ratio':>9}")
+            f"{'heard':>5} {'cached':>6} {'stall':>5} {'SCT ratio':>9}")
     lines = [head]
     worst: dict[str, float] = {}
     for r in results:
         lines.append(f"{r['seed']:>5} {len(r['faults']):>6} {len(r['faults_not_injected']):>4} "
                      f"{r['calls_completed']:>5}/{r['calls_total']:<5} {r['calls_lost']:>4} "
-                     f"{r['calls_generated_twice']:>4} {r['calls_delivered_twice']:>4} {r['replies_from_cache']:>6} "
+                     f"{r['calls_generated_twice']:>4} {r['calls_delivered_twice']:>4} "
+                     f"{r.get('replies_observed', r['calls_completed']):>5} {r['replies_from_cache']:>6} "
                      f"{'yes' if r['stalled'] else 'no':>5} {r['sct_mean_ratio']:>9.3f}")
         for k, v in r["worst_recovery_s"].items():
             worst[k] = max(worst.get(k, 0.0), v)
     lines.append("worst recovery over all seeds (wall s): " + ", ".join(f"{k} {v:.2f}" for k, v in sorted(worst.items())))
+    lines.append("(del2 is judged on the replies heard: the listener, a NATS client, misses those sent while its "
+                 "node is down)")
     return "\n".join(lines)
 
 
