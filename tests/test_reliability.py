@@ -1441,6 +1441,19 @@ async def test_a_call_record_write_whose_ack_is_lost_is_retried_to_its_own_revis
         await nc.close()
 
 
+@contextlib.asynccontextmanager
+async def _call_records(nats_server: NatsServer, subject_prefix: str) -> AsyncIterator[Any]:
+    """A bucket of call records on its own NATS connection."""
+    from shared.call_record import CallRecords
+    from shared.keys import CALL_TTL_S
+
+    nc = await nats.connect(nats_server.url)
+    try:
+        yield await CallRecords.open(nc, subject_prefix, replicas=1, ttl_s=CALL_TTL_S)
+    finally:
+        await nc.close()
+
+
 async def test_a_retry_refused_as_still_in_process_is_waited_out(nats_server: NatsServer, subject_prefix: str) -> None:
     """A write's first try is stored but its ack is lost, and the retry reaches the stream
     while that try is still in process (JetStream's 10158, "duplicate message id is in
@@ -1449,16 +1462,11 @@ async def test_a_retry_refused_as_still_in_process_is_waited_out(nats_server: Na
     refusal and raised, failing the engine's claim or answer of a call it was running."""
     import nats.errors
     import nats.js.errors
-    from nats.aio.client import Client as NATS
 
-    from shared.call_record import WRITE_IN_PROCESS, CallRecords
-    from shared.keys import CALL_TTL_S
+    from shared.call_record import WRITE_IN_PROCESS
     from shared.schema import CallRecord
 
-    nc = NATS()
-    await nc.connect(nats_server.url)
-    try:
-        records = await CallRecords.open(nc, subject_prefix, replicas=1, ttl_s=CALL_TTL_S)
+    async with _call_records(nats_server, subject_prefix) as records:
         real_publish = records.js.publish
         tries: list[str] = []
 
@@ -1476,8 +1484,6 @@ async def test_a_retry_refused_as_still_in_process_is_waited_out(nats_server: Na
         rev = await records.create("s-1", "c-1", CallRecord(state="placing"))
         assert len(tries) == 3 and rev is not None
         assert await records.get("s-1", "c-1") == (CallRecord(state="placing"), rev)
-    finally:
-        await nc.close()
 
 
 async def test_the_call_record_bucket_keeps_to_its_bound_dropping_its_oldest_records(
