@@ -209,6 +209,40 @@ def resolve_policy(name: str, overrides: dict[str, object] | None = None, *, tun
         raise PolicyError(f"policy {name!r}: {exc}") from None
 
 
+def policy_overrides(fields: str) -> dict[str, object]:
+    """`field=value,field=value` as PolicyConfig overrides: each value as JSON where it
+    reads as JSON (300, 1.5, true), else as the bare word it is (a string field such as
+    `retention=ttl`)."""
+    out: dict[str, object] = {}
+    for item in filter(None, (f.strip() for f in fields.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            raise PolicyError(f"{item!r} is not field=value")
+        try:
+            out[key.strip()] = msgspec.json.decode(value.strip())
+        except msgspec.DecodeError:
+            out[key.strip()] = value.strip()
+    return out
+
+
+def parse_policy(text: str) -> PolicyConfig:
+    """A policy as an operator writes it (`TALARIA_POLICY`, `--policy`): a preset's name
+    (`talaria`), a preset with some of its tuned parameters changed
+    (`talaria:slot_s=300,hold_max_s=60`), or a whole PolicyConfig as JSON."""
+    text = text.strip()
+    if text.startswith("{"):
+        return decode_policy(text)
+    name, colon, fields = text.partition(":")
+    if not colon:
+        return resolve_policy(name.strip())
+    overrides = policy_overrides(fields)
+    policy = resolve_policy(name.strip(), overrides)
+    # named as written, so what a service logs and `talaria status` shows is not taken for the preset
+    changed = ",".join(f"{k}={msgspec.json.encode(v).decode() if not isinstance(v, str) else v}"
+                       for k, v in overrides.items())
+    return msgspec.structs.replace(policy, name=f"{name.strip()}:{changed}" if changed else name.strip())
+
+
 def encode_policy(p: PolicyConfig) -> str:
     return msgspec.json.encode(p).decode()
 

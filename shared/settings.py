@@ -19,7 +19,7 @@ from typing import Any
 import msgspec
 
 from shared.auth import nats_password_from_env
-from shared.policy import PolicyConfig, decode_policy, resolve_policy
+from shared.policy import PolicyConfig, parse_policy, resolve_policy
 from shared.redis_client import RedisUrlError, login, parse_redis_url
 
 
@@ -274,7 +274,7 @@ class Settings:
         p.add_argument("--key-prefix", default=_env("TALARIA_KEY_PREFIX", "talaria:"))
         p.add_argument("--time-scale", type=float, default=_float(src, "TALARIA_TIME_SCALE", 1.0))
         p.add_argument("--clock-epoch", type=float, default=_float(src, "TALARIA_CLOCK_EPOCH", 0.0))
-        p.add_argument("--policy", default=_env("TALARIA_POLICY", "baseline"), help="preset name or JSON PolicyConfig")
+        p.add_argument("--policy", default=_env("TALARIA_POLICY", "baseline"), help="preset name (talaria), a preset with fields changed (talaria:slot_s=300), or JSON PolicyConfig")
         p.add_argument("--servers", default=_env("TALARIA_SERVERS", "s0"))
         p.add_argument("--server-profile", default=_env("TALARIA_SERVER_PROFILE", "h100x8"))
         p.add_argument("--models", default=_env("TALARIA_MODELS", "glm-4.5-fp8,qwen3-235b-a22b-fp8,glm-4.5-air-fp8"))
@@ -357,9 +357,8 @@ class Settings:
         vllm = None
         if a.engine == "vllm":
             vllm = VllmSettings.from_env(src)
-        pol = a.policy.strip()
         try:
-            policy = decode_policy(pol) if pol.startswith("{") else resolve_policy(pol)
+            policy = parse_policy(a.policy)
         except (ValueError, msgspec.ValidationError, msgspec.DecodeError) as exc:  # (PolicyError is a ValueError)
             raise SettingsError(f"TALARIA_POLICY: {exc}") from None
         _check_ranges(a)

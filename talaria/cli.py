@@ -16,7 +16,7 @@ import msgspec
 
 from shared.auth import nats_password_from_env, role_password_var
 from shared.catalog import CatalogError, load_catalog
-from shared.policy import PRESETS, PolicyError, resolve_policy
+from shared.policy import PRESETS, PolicyError, parse_policy, resolve_policy
 from shared.settings import GATEWAY_DRAIN_WALL_S, parse_api_keys
 from talaria.workload.trace import TraceError, TraceSession, load_runnable_trace
 from talaria.workload import generate as gen
@@ -369,7 +369,7 @@ def cmd_up(a: argparse.Namespace) -> int:
     catalog.server(a.server_profile)
     for m in models:
         catalog.model(m)
-    policy = resolve_policy(a.policy)
+    policy = parse_policy(a.policy)
     if a.no_gateway and a.gateway_port:
         return _fail("--gateway-port names the port of the gateway that --no-gateway leaves out")
     more_keys = os.environ.get(API_KEYS_VAR, "")  # further tenants, as compose's env file gives them
@@ -519,7 +519,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     u = sub.add_parser("up", help="bring up NATS, Redis, every service and the HTTP front door for agents; Ctrl-C stops everything")
     u.add_argument("--policy", default="talaria",  # what it serves with, as compose's defaults do
-                   help=f"the policy every service runs (default talaria; one of {', '.join(PRESETS)})")
+                   help=f"the policy every service runs (default talaria; one of {', '.join(PRESETS)}), or a "
+                        "preset with fields changed, e.g. talaria:slot_s=300 (docs/scheduler.md)")
     u.add_argument("--models", default=",".join(DEFAULT_MODELS),
                    help="comma-separated catalog models to serve, one engine-worker each per server "
                         f"(default {','.join(DEFAULT_MODELS)}; the catalog, shared/data/catalog.toml, has gpt-oss-120b and "

@@ -78,6 +78,27 @@ def test_bad_policy_names() -> None:
         resolve_policy("talaria@baseline")
 
 
+def test_a_policy_as_an_operator_writes_it_a_preset_with_fields_changed() -> None:
+    """`TALARIA_POLICY` and `talaria up --policy` take a preset with some of its tuned
+    parameters changed (`talaria:slot_s=300`), so an operator who bounds how long a model
+    waits for its turn need not write out a whole PolicyConfig as JSON; it is named as
+    written, and a mistake is refused by name."""
+    from shared.policy import encode_policy, parse_policy
+    from shared.settings import SettingsError, Settings
+
+    p = parse_policy(" talaria:slot_s=300, retention=ttl ")
+    tuned = resolve_policy("talaria")
+    assert (p.slot_s, p.retention, p.hold_max_s, p.name) == (300.0, "ttl", tuned.hold_max_s, "talaria:slot_s=300,retention=ttl")
+    assert parse_policy("talaria") == tuned and parse_policy(encode_policy(tuned)) == tuned
+    for bad, says in (("talaria:slot_s", "not field=value"), ("talaria:nope=1", "unknown policy fields"),
+                      ("talaria:slot_s=-5", "slot_s must be"), ("nope:slot_s=5", "unknown policy")):
+        with pytest.raises(PolicyError, match=says):
+            parse_policy(bad)
+    assert Settings.from_env([], {"TALARIA_POLICY": "talaria:slot_s=300"}).policy.slot_s == 300.0
+    with pytest.raises(SettingsError, match="TALARIA_POLICY: .*slot_s must be"):
+        Settings.from_env([], {"TALARIA_POLICY": "talaria:slot_s=0"})
+
+
 # -- placement rules (table-driven on rank) --------------------------------------------------
 
 

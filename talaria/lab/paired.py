@@ -26,7 +26,7 @@ from typing import Any
 import msgspec
 
 from shared.catalog import load_catalog
-from shared.policy import PolicyError, resolve_policy
+from shared.policy import PolicyError, policy_overrides, resolve_policy
 from talaria.argtypes import output_file, positive_int, seed_list, write_output
 from talaria.results.bound import trace_bound
 from talaria.results.paired import Paired, meets, paired
@@ -47,14 +47,8 @@ def variant(text: str) -> tuple[str, tuple[str, dict[str, Any]]]:
     """`LABEL=PRESET:field=value,field=value`: a preset with its tuned parameters and these changed."""
     label, _, rest = text.partition("=")
     base, _, fields = rest.partition(":")
-    overrides: dict[str, Any] = {}
-    for item in filter(None, (f.strip() for f in fields.split(","))):
-        key, _, value = item.partition("=")
-        try:
-            overrides[key] = json.loads(value)
-        except ValueError:
-            overrides[key] = value  # a bare word: a string field (e.g. retention=ttl)
     try:
+        overrides: dict[str, Any] = policy_overrides(fields)
         resolve_policy(base, overrides)
     except (PolicyError, ValueError) as exc:
         raise argparse.ArgumentTypeError(f"bad variant {text!r}: {exc}") from None
