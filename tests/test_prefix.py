@@ -88,12 +88,17 @@ def test_a_sessions_branches_keep_what_a_side_call_did_not_extend() -> None:
     kept: list = []
     for b in many:
         kept = px.with_branch(kept, b)
-    assert kept == many[::-1][:px.BRANCHES_KEPT]
+    assert kept == many[::-1][:2]  # (branches of one length: twice the longest holds two)
+    kept = px.with_branch([[bytes([100 + i]) * px.HASH_BYTES] for i in range(6)], h[:10])
+    assert len(kept) == px.BRANCHES_KEPT and kept[0] == h[:10]
     assert px.unpack_branches(px.pack_branches(kept)) == kept and px.unpack_branches(None) == []
     # what is cut short or malformed ends the list (soft state: never an error)
     packed = px.pack_branches([talk, title])
     assert px.unpack_branches(packed[:-1]) == [talk] and px.unpack_branches(b"\0\0\0\0junk") == []
     assert px.held_blocks([], talk) == 0
+    # a history compacted again and again keeps at most twice its longest branch's blocks
+    long = [[bytes([200 + i]) * px.HASH_BYTES] * 100 for i in range(3)]
+    assert px.with_branch(px.with_branch([long[0]], long[1]), long[2]) == [long[2], long[1]]
 
 
 def test_stand_in_ids_count_as_the_estimate_and_frames_never_collide_with_text() -> None:

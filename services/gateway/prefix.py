@@ -193,9 +193,17 @@ _COUNT_BYTES = 4  # each branch is its block count, then its hashes
 
 def with_branch(branches: Sequence[Sequence[bytes]], chain: Sequence[bytes]) -> list[Sequence[bytes]]:
     """A session's branches once a call left `chain`: it first, then the earlier branches it
-    does not extend, newest first, at most BRANCHES_KEPT."""
-    kept = [b for b in branches if common_blocks(b, chain) < len(b)]
-    return [chain, *kept][:BRANCHES_KEPT] if chain else kept[:BRANCHES_KEPT]
+    does not extend, newest first, at most BRANCHES_KEPT and, in all, at most twice the
+    longest one's blocks (a session whose history is compacted again and again would
+    otherwise keep several long chains where it kept one)."""
+    candidates = ([chain] if chain else []) + [b for b in branches if common_blocks(b, chain) < len(b)]
+    budget = 2 * max((len(b) for b in candidates), default=0)
+    kept: list[Sequence[bytes]] = []
+    for b in candidates[:BRANCHES_KEPT]:
+        if len(b) <= budget:
+            kept.append(b)
+            budget -= len(b)
+    return kept
 
 
 def held_blocks(branches: Sequence[Sequence[bytes]], chain: Sequence[bytes]) -> int:
