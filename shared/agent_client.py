@@ -31,7 +31,7 @@ import functools
 import logging
 import time
 import uuid
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import Any, Self
 
@@ -57,6 +57,7 @@ from shared.prompt_store import PromptStore, PromptStoreUnavailable, encode_payl
 from shared.subjects import AGENT_NAMESPACE, HEADER_RECEIPT, Subjects, inbox_prefix, is_namespace
 
 NO_ROUTER_RETRY_S = 0.2       # wall seconds between two sends of a call while no router is subscribed
+SHARED_INBOX = "call"        # the inboxes named by their call id alone, within a namespace (`shared_inbox`)
 RECONNECTED = object()        # put in each open call's inbox queue when the connection came back
 
 log = logging.getLogger("talaria.client")
@@ -320,15 +321,26 @@ class TalariaClient:
         tool_choice: str | None = None,
         tool_call_format: str | None = None,
         tool_rounds: int | None = None,
+        shared_inbox: bool = False,
+        still_asked: Callable[[], Awaitable[bool]] | None = None,
     ) -> CallReply:
         """`prompt_token_ids` / `prompt_text`: the real prompt, for a real engine
         (`vllm` backend; the sim reads only the counts). `sim_output_tokens`: the
         sim engine's stopping point (an engine hint no decision sees). `stream`:
         ask for `CallTokens` as they are generated (`on_event` sees them; the vllm
         backend always streams). Streamed tokens are collected; a reply without
-        `token_ids` gets them filled in."""
+        `token_ids` gets them filled in, where none were missed.
+
+        `shared_inbox`: the call's inbox is named by its call id within this client's
+        namespace, not by this client, so every process of the namespace that asks for
+        the call (gateway replicas behind one load balancer, a retry landing on another)
+        hears its news and its reply there. Each asking from an inbox of its own, they
+        took the call's news from each other in turn: each heard nothing for a silence,
+        asked again, and gave up after its attempts. `still_asked`: called when this
+        client gives up on the call; True where another asker still waits for it, so it
+        is not cancelled."""
         cid = call_id or uuid.uuid4().hex
-        inbox = self.subjects.reply_inbox(self.client_id, cid)
+        inbox = self.subjects.reply_inbox(f"{self.namespace}.{SHARED_INBOX}" if shared_inbox else self.client_id, cid)
         hint = (EngineHint(sim_output_tokens=sim_output_tokens, tools_json=tools_json, tool_choice=tool_choice,
                            tool_call_format=tool_call_format if tools_json else None,
                            tool_rounds=tool_rounds if tools_json else None)
@@ -357,6 +369,7 @@ class TalariaClient:
         sub = await self.nc.subscribe(inbox, cb=deliver)
         self._open_calls.add(inbox_msgs)
         streamed: list[int] = []
+        missed = False
         done = False
         # the call's span (a root for an agent on NATS; under the gateway's request span there)
         call_span = tracing.span(f"chat {model}", kind=SpanKind.CLIENT,
@@ -431,7 +444,7 @@ class TalariaClient:
                                                   "gen_ai.usage.output_tokens": ev.output_tokens,
                                                   "gen_ai.usage.cache_read.input_tokens": ev.cached_tokens,
                                                   "talaria.server_id": ev.server_id})
-                            if ev.token_ids is None and streamed:
+                            if ev.token_ids is None and streamed and not missed:
                                 ev = msgspec.structs.replace(ev, token_ids=streamed)
                             return ev
                         case ApiError():
@@ -439,6 +452,9 @@ class TalariaClient:
                             span_.set_attribute("error.type", ev.code)
                             raise_for(ev)
                         case CallTokens(index=i, token_ids=t):
+                            if i > len(streamed):  # (tokens sent before this client asked: not ours to fill)
+                                missed = True
+                                continue
                             del streamed[i:]
                             streamed.extend(t)
                             continue
@@ -447,9 +463,11 @@ class TalariaClient:
             raise CallTimeout("timeout", f"call {cid}: no answer for {self.silence_s:.0f} s, {attempts} attempts")
         finally:
             if not done and not self.nc.is_closed:
-                # we give up (timeout or the caller cancelled us): a real engine running it aborts it
+                # we give up (timeout or the caller cancelled us): a real engine running it aborts
+                # it, unless another asker still waits for it
                 try:
-                    await self.nc.publish(self.subjects.call_cancel(self.namespace), encode(CancelCall(call_id=cid)))
+                    if still_asked is None or not await still_asked():
+                        await self.nc.publish(self.subjects.call_cancel(self.namespace), encode(CancelCall(call_id=cid)))
                 except Exception:
                     pass
                 if prompt_ref is not None:  # no engine answers it now to delete it: not kept for the store's age
@@ -487,6 +505,8 @@ class Session:
         tool_choice: str | None = None,
         tool_call_format: str | None = None,
         tool_rounds: int | None = None,
+        shared_inbox: bool = False,
+        still_asked: Callable[[], Awaitable[bool]] | None = None,
     ) -> CallReply:
         """One call of this session (see `TalariaClient.call`). Refused here,
         before anything is sent, when the session has ended or when the prompt
@@ -505,7 +525,8 @@ class Session:
         kw = dict(prompt_tokens=prompt_tokens, prefix_tokens=prefix_tokens, max_tokens=max_tokens, call_id=call_id,
                   sim_output_tokens=sim_output_tokens, on_event=on_event, prompt_token_ids=prompt_token_ids,
                   prompt_text=prompt_text, stream=stream, sampling=sampling, tools_json=tools_json,
-                  tool_choice=tool_choice, tool_call_format=tool_call_format, tool_rounds=tool_rounds)
+                  tool_choice=tool_choice, tool_call_format=tool_call_format, tool_rounds=tool_rounds,
+                  shared_inbox=shared_inbox, still_asked=still_asked)
         try:
             return await self.client.call(self.session_id, self.model, **kw)  # type: ignore[arg-type]
         except UnknownSession:

@@ -151,6 +151,12 @@ class Keys:
         """String: the session a header-less call was given, so its HTTP retry lands there too."""
         return f"{self.prefix}gw:call:{call_id}"
 
+    def gateway_askers(self, call_id: str) -> str:
+        """Set: the gateway replicas waiting for a call (their agent clients' ids), so the one
+        that gives up cancels it only where no other still asks (a retry behind a load
+        balancer lands on another replica)."""
+        return f"{self.prefix}gw:askers:{call_id}"
+
     def gateway_item(self, item_digest: str) -> str:
         """String: the stored response (its id) whose output holds an item (per tenant), for
         an `item_reference` to it (`translate.item_digest`)."""
@@ -193,6 +199,7 @@ DURABILITY: dict[str, Durability] = {
     "gateway_request": "soft",         # (lost: an SDK retry becomes a call of its own)
     "gateway_idempotency": "soft",     # (lost: a key reused with another request is its own call, never refused)
     "gateway_call": "soft",            # (a retry after its loss is answered by the call record if its session matches again)
+    "gateway_askers": "soft",          # (lost: a replica that gives up cancels the call, as one alone would)
     "gateway_thread": "soft",          # (lost: its responses are previous_response_not_found, as expired ones)
     "gateway_response": "soft",        # (lost: a continuation of it is previous_response_not_found, as an expired one)
     "gateway_item": "soft",            # (lost: a reference to the item is not found, as an expired one's)

