@@ -157,6 +157,11 @@ class Keys:
         balancer lands on another replica)."""
         return f"{self.prefix}gw:askers:{call_id}"
 
+    def gateway_replica(self, client_id: str) -> str:
+        """String: a gateway replica that is up (its agent client's id), rewritten by its beat
+        every few seconds with a short expiry: gone, its calls are no longer asked for by it."""
+        return f"{self.prefix}gw:replica:{client_id}"
+
     def gateway_item(self, item_digest: str) -> str:
         """String: the stored response (its id) whose output holds an item (per tenant), for
         an `item_reference` to it (`translate.item_digest`)."""
@@ -200,6 +205,7 @@ DURABILITY: dict[str, Durability] = {
     "gateway_idempotency": "soft",     # (lost: a key reused with another request is its own call, never refused)
     "gateway_call": "soft",            # (a retry after its loss is answered by the call record if its session matches again)
     "gateway_askers": "soft",          # (lost: a replica that gives up cancels the call, as one alone would)
+    "gateway_replica": "soft",         # (lost: rewritten by the replica's next beat; meanwhile its calls may be cancelled)
     "gateway_thread": "soft",          # (lost: its responses are previous_response_not_found, as expired ones)
     "gateway_response": "soft",        # (lost: a continuation of it is previous_response_not_found, as an expired one)
     "gateway_item": "soft",            # (lost: a reference to the item is not found, as an expired one's)

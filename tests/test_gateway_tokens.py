@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import anthropic
 import openai
 import pytest
@@ -31,6 +32,7 @@ from shared.settings import Settings  # noqa: E402
 from shared.subjects import GATEWAY_NAMESPACE  # noqa: E402
 from talaria.ops import tinymodel  # noqa: E402
 from talaria.ops.stack import EmbeddedStack, StackSpec  # noqa: E402
+from polling import until  # noqa: E402
 
 MODEL = "glm-4.5-air-fp8"
 KEY_B = "sk-tokens-tenant-b"
@@ -326,6 +328,34 @@ async def test_one_call_asked_for_from_two_replicas_is_answered_to_both_and_run_
                                             extra_body=long)
     call_id = again.id.removeprefix("chatcmpl-")
     assert (_engine_events(stack, "engine.started", call_id), _engine_events(stack, "engine.cancel", call_id)) == (1, 0)
+
+
+@pytest.mark.timeout(120)
+async def test_a_replica_gone_without_a_word_does_not_keep_a_call_from_being_cancelled(
+        stack: EmbeddedStack, two_replicas: list[str]) -> None:
+    """A replica killed while it waited for a call left its name among the call's askers
+    for the call record's six hours, so no other replica's client leaving could cancel the
+    call: it ran to its end for nobody (a probe: 45 s of generation, and a switch other
+    models waited for). An asker counts only while its replica says it is up."""
+    settings = Settings.from_env([], env={**stack.base_env(), **stack.gateway_env()})
+    r = aioredis.Redis.from_url(settings.redis_url, **settings.redis_credentials())
+    keys = Keys(stack.key_prefix)
+    body = {"model": MODEL, "max_tokens": 30000, "stream": True, "talaria": {"sim_output_tokens": 25000},
+            "messages": [{"role": "user", "content": "an answer nobody will read"}]}
+    try:
+        async with aiohttp.ClientSession() as http:
+            async with http.post(f"{two_replicas[0]}/chat/completions", json=body,
+                                 headers={"Authorization": f"Bearer {KEY_B}", "x-session-id": "gone-replica"}) as resp:
+                call_id = resp.headers["x-request-id"]
+                await resp.content.readline()  # (it runs)
+                # a replica that asked for the same call and was killed: named, never up
+                await r.sadd(keys.gateway_askers(call_id), "gateway.0123456789ab")
+        # the client left a streamed call: cancelled at once, the dead replica's name notwithstanding
+        await until(lambda: _engine_events(stack, "engine.cancel", call_id) == 1, 20,
+                    "the call ran on for a replica that is gone")
+        assert not await r.sismember(keys.gateway_askers(call_id), "gateway.0123456789ab")
+    finally:
+        await r.aclose()
 
 
 def test_a_tokenizer_folder_that_is_not_one_is_named() -> None:

@@ -39,7 +39,7 @@ import sys
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,6 +77,11 @@ BUS_RETRY_AFTER_S = 2.0        # what a request refused while NATS is away is to
 SOFT_STATE_PAUSE_S = 5.0       # how long the gateway does without its soft state after Redis failed to answer
 SOFT_STATE_WAIT_S = 1.0        # how long one soft step waits on Redis (a stalled one answers nothing at all)
 SOFT_STATE_PROBE_S = 0.5       # while it is set aside: a PING this often (and waited on this long) ends the pause
+# a replica says it is up this often, and is taken for gone (its calls no longer asked for by it)
+# once not heard of for REPLICA_TTL_WALL_S: a replica killed while it waited for a call had kept
+# that call from ever being cancelled by the others
+REPLICA_BEAT_WALL_S = 2.0
+REPLICA_TTL_WALL_S = 10
 IGNORED_FIELDS_LOGGED = 256   # (API, field) pairs a gateway logs as ignored, once each (a client could send any)
 RETRY_WINDOW_S = 3600          # how long a first attempt's call id waits for its SDK's retries (timeouts x retries: minutes)
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -256,7 +261,28 @@ class Gateway:
         app.router.add_get("/v1/responses/{response_id}/input_items", self.response_input_items)
         app.router.add_delete("/v1/responses/{response_id}", self.delete_response)
         app.on_response_prepare.append(self._request_id)
+        app.cleanup_ctx.append(self._replica_beat)
         return app
+
+    async def _replica_beat(self, _app: web.Application) -> AsyncIterator[None]:
+        """While it serves, the replica says in Redis that it is up (`gw:replica:<id>`), so
+        another replica can tell whether it still asks for a call (`_others_ask`)."""
+        async def beat() -> None:
+            while True:
+                await self._soft(lambda: self.redis.set(self._replica_key, b"1", ex=REPLICA_TTL_WALL_S), None)  # type: ignore[union-attr]
+                await asyncio.sleep(REPLICA_BEAT_WALL_S)
+
+        task = asyncio.ensure_future(beat()) if self.redis is not None else None
+        yield
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+            await self._soft(lambda: self.redis.delete(self._replica_key), None)  # type: ignore[union-attr]
+
+    @property
+    def _replica_key(self) -> str:
+        return self.rkeys.gateway_replica(self.client.client_id)
 
     @staticmethod
     async def _request_id(request: web.Request, resp: web.StreamResponse) -> None:
@@ -941,16 +967,33 @@ class Gateway:
         async with self.redis.pipeline(transaction=False) as p:
             p.sadd(self.rkeys.gateway_askers(cid), self.client.client_id)
             p.expire(self.rkeys.gateway_askers(cid), CALL_TTL_S)
+            p.set(self._replica_key, b"1", ex=REPLICA_TTL_WALL_S)  # (up, before its first beat)
             await p.execute()
 
     async def _others_ask(self, cid: str) -> bool:
-        """This replica no longer asks for the call: whether another still does."""
+        """This replica no longer asks for the call: whether another replica that is up
+        still does (one gone without a word, killed, is dropped from the askers)."""
         assert self.redis is not None
+        key = self.rkeys.gateway_askers(cid)
         async with self.redis.pipeline(transaction=True) as p:
-            p.srem(self.rkeys.gateway_askers(cid), self.client.client_id)
-            p.scard(self.rkeys.gateway_askers(cid))
-            _, left = await p.execute()
-        return bool(left)
+            p.srem(key, self.client.client_id)
+            p.smembers(key)
+            _, members = await p.execute()
+        others = sorted(m.decode() for m in members)
+        if not others:
+            return False
+        async with self.redis.pipeline(transaction=False) as p:
+            for other in others:
+                p.exists(self.rkeys.gateway_replica(other))
+            up = await p.execute()
+        gone = [o for o, alive in zip(others, up) if not alive]
+        if gone:
+            await self.redis.srem(key, *gone)
+        if len(gone) < len(others):
+            self.log.info("gateway.left_to_another_replica", call_id=cid,
+                          reason="another replica still asks for the call: not cancelled")
+            return True
+        return False
 
     async def _forget(self, sid: str) -> None:
         assert self.redis is not None
