@@ -967,7 +967,6 @@ class Gateway:
         async with self.redis.pipeline(transaction=False) as p:
             p.sadd(self.rkeys.gateway_askers(cid), self.client.client_id)
             p.expire(self.rkeys.gateway_askers(cid), CALL_TTL_S)
-            p.set(self._replica_key, b"1", ex=REPLICA_TTL_WALL_S)  # (up, before its first beat)
             await p.execute()
 
     async def _others_ask(self, cid: str) -> bool:

@@ -970,8 +970,8 @@ def check_thinking(body: Mapping[str, Any], max_tokens: int) -> None:
         raise BadRequest("thinking must be an object whose type is enabled, disabled or adaptive", "thinking")
     if thinking.get("type") != "enabled":
         return
-    budget = whole(thinking.get("budget_tokens"))
-    if not isinstance(budget, int) or isinstance(budget, bool) or budget < THINKING_MIN_BUDGET:
+    budget = thinking_budget(body)
+    if budget is None or budget < THINKING_MIN_BUDGET:
         raise BadRequest(f"thinking.budget_tokens must be an integer of at least {THINKING_MIN_BUDGET}",
                          "thinking.budget_tokens")
     if budget >= max_tokens:
