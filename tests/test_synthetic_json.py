@@ -3,6 +3,7 @@ makes is one the schema admits, checked with a JSON Schema validator."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jsonschema
@@ -132,8 +133,10 @@ def test_a_number_is_whole_where_a_whole_number_fits() -> None:
     for k in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")}))
 def test_a_number_meets_any_bounds_that_admit_one(bounds: dict[str, float]) -> None:
     schema = {"type": "number", **bounds}
-    lo = max([bounds.get("minimum", -1e9), bounds.get("exclusiveMinimum", -1e9)])
-    hi = min([bounds.get("maximum", 1e9), bounds.get("exclusiveMaximum", 1e9)])
+    # the least and the greatest float the bounds admit (an exclusive bound admits the next float
+    # past it: no float lies strictly between 0 and 5e-324, which hypothesis found)
+    lo = max([bounds.get("minimum", -1e9), math.nextafter(bounds.get("exclusiveMinimum", -1e9), math.inf)])
+    hi = min([bounds.get("maximum", 1e9), math.nextafter(bounds.get("exclusiveMaximum", 1e9), -math.inf)])
     if lo >= hi:
         return  # (no value, or a single one the synthetic value need not find)
     jsonschema.validate(example(schema, "c"), schema)
