@@ -81,6 +81,12 @@ async def test_status_names_every_service_and_each_servers_active_model(
         engine_key = Keys(dep.key_prefix).engine("s0", "glm-4.5-fp8")
         try:
             assert await r.hget(engine_key, "state") == b"ready"  # (every engine-worker says so as it starts)
+            # the embedded Redis is capped and evicts as compose's does, so a stack left up for days is bounded
+            conf = dict(line.split(None, 1) for line in (ROOT / "deploy/redis/redis.conf").read_text().splitlines()
+                        if line.startswith("maxmemory"))
+            assert conf == {"maxmemory": "4gb", "maxmemory-policy": "volatile-lru"}
+            assert (await r.config_get("maxmemory"))["maxmemory"] == str(4 * 1024 ** 3)
+            assert (await r.config_get("maxmemory-policy"))["maxmemory-policy"] == "volatile-lru"
             await r.hset(engine_key, "state", "draining")
             draining = await status.gather(dep)
             await r.hset(engine_key, "state", "ready")

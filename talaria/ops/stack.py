@@ -44,6 +44,10 @@ from talaria.ops.prometheus import write_atomically
 from talaria.ops.redis_server import RedisServer
 
 DEFAULT_MODELS = ["glm-4.5-fp8", "qwen3-235b-a22b-fp8", "glm-4.5-air-fp8"]
+# the embedded Redis is capped as compose's is (deploy/redis/redis.conf): its per-session and per-call
+# keys expire after hours, so at a steady call rate it settles near rate x 6 h; past the cap the
+# keys with a TTL go first, never the per-server state (docs/deploy.md, sizing)
+REDIS_MEMORY_LIMITS = ("maxmemory 4gb", "maxmemory-policy volatile-lru")
 STORE_CHECK_S = 0.25        # wall seconds between looks at the embedded NATS and Redis processes
 STORE_RESTART_MIN_S, STORE_RESTART_MAX_S = 1.0, 30.0  # back-off between failed restarts of one
 LOCK_FILE = ".stack.lock"  # in the log folder: held while a stack runs from it, its pid in it
@@ -307,7 +311,8 @@ class EmbeddedStack:
         if not self.spec.redis_url:
             self.redis = RedisServer(log_file=self.log_dir / "redis-server.log",
                                      acl_users={c.redis_user: c.redis_password} if c else None,
-                                     password=secrets.token_urlsafe(18) if c else None)
+                                     password=secrets.token_urlsafe(18) if c else None,
+                                     extra_config=REDIS_MEMORY_LIMITS)
             await self.redis.astart()
         env = self.base_env()
         # (the children inherit this process's environment under the stack's own settings:
