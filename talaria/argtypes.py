@@ -75,6 +75,17 @@ def positive_int(text: str) -> int:
     return v
 
 
+MAX_SERVERS = 4096  # a fleet past this is a typo (10**7 servers filled memory for minutes without a word)
+
+
+def server_count(text: str) -> int:
+    """A number of servers, 1 to MAX_SERVERS."""
+    v = positive_int(text)
+    if v > MAX_SERVERS:
+        raise argparse.ArgumentTypeError(f"at most {MAX_SERVERS} servers, got {text}")
+    return v
+
+
 MAX_SEEDS = 10_000  # more is a typo (`1-1000000000` ran on without a word), not a study
 _SEED_PART = re.compile(r"(\d+)(?:-(\d+))?")
 

@@ -22,12 +22,13 @@ from talaria.workload.trace import TraceError, TraceSession, load_runnable_trace
 from talaria.workload import generate as gen
 from talaria.argtypes import (
     SPEED_SCALE_RANGE, OutputError, model_seconds, output_file, output_folder, port_number, positive_float, positive_int,
-    speed_scale,
+    server_count, speed_scale,
 )
 from talaria.client import AgentLogin, Deployment
 from talaria.results.report import add_speedups, format_table, oracle_sct, slowest_sessions, summarize
 from talaria.workload.agent import DEFAULT_MAX_TOKENS
-from talaria.ops.stack import DEFAULT_MODELS, EmbeddedStack, LogDirInUse, StackSpec, StackStartError, default_log_dir
+from talaria.ops.stack import (DEFAULT_MODELS, EmbeddedStack, LogDirInUse, StackSpec, StackStartError, default_log_dir,
+                               local_fleet_problem)
 
 if TYPE_CHECKING:
     from talaria.replay import Progress, ReplayOutcome
@@ -184,6 +185,27 @@ def _deployment(a: argparse.Namespace) -> Deployment | None:
     return msgspec.structs.replace(dep, **{k: v for k, v in given.items() if v is not None})
 
 
+def _wall_words(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 5400:
+        return f"{seconds / 60:.0f} min"
+    if seconds < 2 * 86400:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 86400:,.0f} days"
+
+
+def replay_span_note(sessions: list[TraceSession], oracle: dict[str, float], time_scale: float, runs: int) -> str:
+    """How long a replay takes at the least: its last session cannot end before its
+    arrival plus its own work alone (a trace spread over days at a time scale of 50
+    had sat at its first calls with no word of how long it would take)."""
+    span = max((s.arrival_s + oracle[s.session_id] for s in sessions), default=0.0)
+    each = span / time_scale
+    total = f"; {_wall_words(each * runs)} for the {runs} policies" if runs > 1 else ""
+    return (f"the trace's last session ends no sooner than {span:,.0f} model s: at least {_wall_words(each)} "
+            f"of wall time a policy at --time-scale {time_scale:g}{total}")
+
+
 def cmd_replay(a: argparse.Namespace) -> int:
     from talaria.replay import Progress, ReplayTargetError, replay_embedded, replay_external
 
@@ -221,6 +243,8 @@ def cmd_replay(a: argparse.Namespace) -> int:
             output_folder(a.log_dir)
         except argparse.ArgumentTypeError as exc:
             return _fail(f"--log-dir: {exc}")
+        if (too_many := local_fleet_problem(a.servers, len(_models_of(sessions)), a.routers)):
+            return _fail(too_many)
     calls = sum(len(s.calls) for s in sessions)
     progress = Progress("the deployment's policy", calls, len(sessions))
     run_dir: Path | None = None
@@ -234,6 +258,7 @@ def cmd_replay(a: argparse.Namespace) -> int:
             # one folder per run (a policy's logs under it): two replays never append to the same files
             run_dir = new_run_dir(Path(a.log_dir))
             print(f"logs of this run in {run_dir}", file=sys.stderr, flush=True)
+            print(replay_span_note(sessions, oracle, a.time_scale, len(policies)), file=sys.stderr, flush=True)
             for pol in policies:
                 progress = Progress(pol.name, calls, len(sessions))
                 spec = StackSpec(policy=pol, models=_models_of(sessions), servers=a.servers, routers=a.routers,
@@ -463,7 +488,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True)
 
     def common(sp: argparse.ArgumentParser) -> None:
-        sp.add_argument("--servers", type=positive_int, default=1, help="number of servers (default 1)")
+        sp.add_argument("--servers", type=server_count, default=1, help="number of servers (default 1)")
         sp.add_argument("--server-profile", default="h100x8", help="server profile from the catalog (default h100x8)")
         sp.add_argument("--switch-cost-scale", type=positive_float, default=1.0, help="sensitivity: scale model-switch costs")
         sp.add_argument("--prefill-speed-scale", type=speed_scale, default=1.0,
@@ -540,7 +565,7 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--log-dir", type=output_folder, default=str(default_log_dir() / "up"),
                    help=f"the services' logs and credentials.json (default {default_log_dir() / 'up'}, "
                         "apart from the replays' run folders; one running stack per folder)")
-    u.add_argument("--servers", type=positive_int, default=1, help="GPU servers to emulate (default 1)")
+    u.add_argument("--servers", type=server_count, default=1, help="GPU servers to emulate (default 1)")
     u.add_argument("--routers", type=positive_int, default=1, help="router replicas (one queue group)")
     u.add_argument("--server-profile", default="h100x8", help="hardware profile from the catalog (default h100x8)")
     u.set_defaults(fn=cmd_up)

@@ -43,6 +43,10 @@ TRACE = str(ROOT / "traces" / "swebench-30.jsonl")
         (["compare", "x.toml", "--jobs=1.5"], "--jobs: not a whole number"),
         (["chaos", TRACE, "--rounds=0"], "--rounds: must be 1 or more"),
         (["chaos", TRACE, "--servers=0"], "--servers: must be 1 or more"),
+        # a fleet past the limit is a typo: 10**7 servers had filled memory for minutes without a word
+        (["sim", TRACE, "--servers=5000"], "--servers: at most 4096 servers, got 5000"),
+        (["replay", TRACE, "--servers=99999999999999999999"], "--servers: at most 4096 servers"),
+        (["chaos", TRACE, "--servers=10000"], "--servers: at most 4096 servers"),
         (["fidelity", "--time-scale=-50"], "--time-scale: must be above zero"),
         (["fidelity", "--seeds=a,b"], "--seeds: not a seed list"),
         (["fidelity", "--seeds=,"], "--seeds: not a seed list"),
@@ -83,6 +87,9 @@ def test_bad_numbers_are_usage_errors(argv: list[str], fragment: str, capsys: py
         (["up", "--server-profile", "tpu"], "unknown server profile 'tpu'"),
         (["up", "--policy", "nonsense"], "unknown policy 'nonsense'"),
         (["up", "--no-gateway", "--gateway-port", "8080"], "--gateway-port names the port of the gateway that --no-gateway"),
+        # each emulated server is processes on this host: a fleet too large for one is refused before any starts
+        (["up", "--servers", "200"], "are 1001 service processes on this host (at most 512"),
+        (["replay", TRACE, "--servers", "300"], "service processes on this host (at most 512"),
         (["sim", TRACE, "--policy", "baseline,talaria,baseline"], "names baseline more than once"),
         (["replay", TRACE, "--policy", "talaria, talaria"], "names talaria more than once"),
         # an empty --policy ran the baseline
@@ -740,3 +747,19 @@ def test_the_lag_guard_judges_one_stall_by_the_median_sct_and_stalls_that_add_up
     after = LagReport(worst=("router-0", 0.3), stalled_s={"router-0": 0.7, "admission-s0": 0.1, "engine-s0-m": 0.2})
     assert after.stalled_since(before) == pytest.approx({"router-0": 0.3, "admission-s0": 0.0, "engine-s0-m": 0.2})
     assert after.stalled_since(None) == after.stalled_s
+
+
+def test_a_replay_says_at_the_start_how_long_its_trace_takes_at_the_least() -> None:
+    from talaria.cli import replay_span_note
+    from talaria.workload.trace import TraceCall, TraceSession
+
+    sessions = [TraceSession(session_id="late", model="glm-4.5-fp8", arrival_s=9.99e8,
+                             calls=[TraceCall(new_input_tokens=100, output_tokens=10, tool_s=0.0)]),
+                TraceSession(session_id="early", model="glm-4.5-fp8", arrival_s=0.0,
+                             calls=[TraceCall(new_input_tokens=100, output_tokens=10, tool_s=0.0)])]
+    oracle = {"late": 2.0, "early": 2.0}
+    note = replay_span_note(sessions, oracle, 50.0, 2)
+    assert note.startswith("the trace's last session ends no sooner than 999,000,002 model s")
+    assert "at least 231 days of wall time a policy at --time-scale 50; 463 days for the 2 policies" in note
+    assert "at least 40 s of wall time a policy at --time-scale 50" in replay_span_note(
+        sessions[1:], {"early": 2000.0}, 50.0, 1)

@@ -5,6 +5,7 @@ simulator's conservation checks for every peer on a small multi-server trace."""
 from __future__ import annotations
 
 import itertools
+import re
 from collections import Counter
 from pathlib import Path
 
@@ -292,6 +293,11 @@ def test_default_scenario_is_the_default_trace() -> None:
         ("name = 'x'\n[trace]\nmodels = ['gpt-9']\n", "gpt-9"),
         ("name = 'x'\n[trace]\ntool_gap_style = 'slow'\n", "tool_gap_style"),
         ("name = = 'x'\n", "invalid TOML"),
+        # no model at all: said as the generator says it (the fit check had raised from max() of nothing)
+        ("name = 'x'\n[trace]\nsessions = 4\ncalls_total = 20\nmodels = []\n", "models must name at least one model"),
+        # a fleet past the limit is a typo, not minutes of filling memory without a word
+        ("name = 'x'\nservers = 10000000\n", "servers"),
+        ("name = 'x'\nseeds = [-1, 2]\n", "seeds must be 0 or more"),
     ],
 )
 def test_bad_scenario_gives_a_clear_error(tmp_path: Path, text: str, match: str) -> None:
@@ -309,6 +315,38 @@ def test_compare_runs_the_seeds_it_is_given_and_refuses_the_tuning_ones() -> Non
     assert result["scenario"]["seeds"] == [5, 6] and {r["seed"] for r in result["runs"]} == {5, 6}
     with pytest.raises(ScenarioError, match="tune"):
         compare(ROOT / "scenarios" / "1x30x3.toml", seeds=[5, 1002], progress=False)
+
+
+def _catalog_with(tmp_path: Path, name: str, context_limit: int, file: str = "catalog.toml") -> Path:
+    """The shipped catalog with one model more: glm-4.5-fp8's block under `name`, its context changed."""
+    text = (ROOT / "shared" / "data" / "catalog.toml").read_text()
+    start = text.index('[models."glm-4.5-fp8"]')
+    end = text.index("\n[", start + 1)
+    block = text[start:end].replace('[models."glm-4.5-fp8"]', f'[models."{name}"]')
+    block = re.sub(r"(?m)^context_limit\s*=.*$", f"context_limit = {context_limit}", block)
+    assert f"context_limit = {context_limit}" in block
+    f = tmp_path / file
+    f.write_text(text + "\n" + block + "\n")
+    return f
+
+
+def test_a_scenarios_own_catalog_names_its_models_and_bounds_their_contexts(tmp_path: Path) -> None:
+    from talaria.workload.scenarios import scenario_catalog, trace_of
+    from talaria.workload.trace import session_prompts
+
+    _catalog_with(tmp_path, "my-model", 40_000)
+    f = tmp_path / "sc.toml"
+    f.write_text("name = 'mine'\ncatalog = 'catalog.toml'\nseeds = [3]\n"
+                 "[trace]\nsessions = 3\ncalls_total = 90\nmodels = ['my-model']\n")
+    sc = load_scenario(f)  # (a model of its own catalog had been refused by the shipped one's names)
+    limit = scenario_catalog(sc).model("my-model").context_limit
+    prompts = [p + c.output_tokens for s in trace_of(sc, 3) for (p, _), c in zip(session_prompts(s), s.calls)]
+    assert max(prompts) <= limit < 131_072, "the sessions compact within the scenario's own context"
+    # a context too small for the generator's fresh prompts is refused by the same catalog
+    _catalog_with(tmp_path, "my-model", 20_000, "small.toml")
+    f.write_text(f.read_text().replace("catalog.toml", "small.toml"))
+    with pytest.raises(ScenarioError, match="my-model.*compact_at_fraction"):
+        load_scenario(f)
 
 
 def test_missing_scenario_file(tmp_path: Path) -> None:

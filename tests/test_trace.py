@@ -224,3 +224,14 @@ def test_invalid_json_says_where_once() -> None:
         parse_trace('{"session_id": "a\n')
     assert "invalid JSON: Unterminated string starting at column 16" in str(info.value)
     assert "at at" not in str(info.value)
+
+
+@pytest.mark.parametrize(("extra", "said"), [
+    ("[" * 1000 + "]" * 1000, "invalid JSON: nested too deeply"),
+    ("9" * 5000, "invalid JSON: an integer of more than"),
+])
+def test_json_past_the_parsers_limits_is_refused_by_line(extra: str, said: str) -> None:
+    # even in a field the format ignores: these had raised RecursionError and ValueError
+    line = _line("a")[:-1] + f', "meta": {extra}}}'
+    with pytest.raises(TraceError, match="line 2: " + said):
+        parse_trace(_line("b") + "\n" + line + "\n")

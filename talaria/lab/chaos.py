@@ -66,7 +66,7 @@ from shared.policy import resolve_policy
 from shared.catalog import load_catalog
 from shared.subjects import GATEWAY_NAMESPACE, Subjects
 from talaria.workload.trace import TraceSession, load_runnable_trace
-from talaria.argtypes import output_file, positive_float, positive_int, seed_list
+from talaria.argtypes import output_file, positive_float, positive_int, seed_list, server_count
 from talaria.client import TalariaClient
 from talaria.gateway_agent import GatewayAgents
 from talaria.replay import ReplayOutcome, drive, write_json
@@ -672,7 +672,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", default="talaria", help="the policy the stack runs (default talaria)")
     p.add_argument("--time-scale", type=positive_float, default=50.0, help="model seconds per wall second (default 50)")
     p.add_argument("--nats-nodes", type=positive_int, default=3, help="nodes of the embedded NATS cluster, one of which is killed (default 3)")
-    p.add_argument("--servers", type=positive_int, default=1,
+    p.add_argument("--servers", type=server_count, default=1,
                    help="servers of the stack (default 1); a fault picks its target among all of them")
     p.add_argument("--rounds", type=positive_int, default=1, help="how many times each fault kind is injected")
     p.add_argument("--silence-s", type=positive_float, default=5.0, help="the agents' silence before a retry (wall s)")

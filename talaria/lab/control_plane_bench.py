@@ -31,7 +31,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from talaria.argtypes import output_file, positive_float, positive_float_list, positive_int, write_output
+from talaria.argtypes import output_file, positive_float, positive_float_list, positive_int, server_count, write_output
 from talaria.lab.load import measure_rate, open_loop
 
 MODEL = "glm-4.5-air-fp8"
@@ -188,7 +188,7 @@ def configure_parser(p: argparse.ArgumentParser, default_log_dir: Path) -> None:
     p.add_argument("--rates", type=positive_float_list, default=(100.0, 200.0, 500.0, 1000.0),
                    help="calls asked per second, comma-separated (default 100,200,500,1000)")
     p.add_argument("--duration", type=positive_float, default=10.0, help="wall seconds per rate")
-    p.add_argument("--servers", type=positive_int, nargs="+", default=[1], help="servers per stack (e.g. 1 4)")
+    p.add_argument("--servers", type=server_count, nargs="+", default=[1], help="servers per stack (e.g. 1 4)")
     p.add_argument("--routers", type=positive_int, nargs="+", default=[1], help="router replicas (e.g. 1 2)")
     p.add_argument("--sessions", type=positive_int, default=64, help="sessions the calls go round")
     p.add_argument("--time-scale", type=positive_float, default=1000.0, help="model seconds per wall second")

@@ -48,6 +48,8 @@ DEFAULT_MODELS = ["glm-4.5-fp8", "qwen3-235b-a22b-fp8", "glm-4.5-air-fp8"]
 # keys expire after hours, so at a steady call rate it settles near rate x 6 h; past the cap the
 # keys with a TTL go first, never the per-server state (docs/deploy.md, sizing)
 REDIS_MEMORY_LIMITS = ("maxmemory 4gb", "maxmemory-policy volatile-lru")
+# each emulated server is its engine-workers, its admission and its substrate-manager, all on this host
+MAX_LOCAL_PROCESSES = 512
 STORE_CHECK_S = 0.25        # wall seconds between looks at the embedded NATS and Redis processes
 STORE_RESTART_MIN_S, STORE_RESTART_MAX_S = 1.0, 30.0  # back-off between failed restarts of one
 LOCK_FILE = ".stack.lock"  # in the log folder: held while a stack runs from it, its pid in it
@@ -120,6 +122,16 @@ def set_aside_logs(log_dir: Path) -> list[Path]:
     for f in old:
         f.rename(previous / f.name)
     return old
+
+
+def local_fleet_problem(servers: int, models: int, routers: int) -> str | None:
+    """Why an embedded stack of this size cannot start on one host, else None."""
+    processes = servers * (models + 2) + routers
+    if processes <= MAX_LOCAL_PROCESSES:
+        return None
+    return (f"{servers} servers of {models} models and {routers} routers are {processes} service processes "
+            f"on this host (at most {MAX_LOCAL_PROCESSES}, about 60 MB each); a larger fleet runs in the simulator "
+            "(talaria sim, talaria compare) or as a deployment (docs/deploy.md)")
 
 
 @dataclass
@@ -366,6 +378,8 @@ class EmbeddedStack:
         """What would make the stack's own processes exit at once, again and again, refused
         before anything starts: a gateway port in use, real engines without vLLM installed
         (each had crash-looped with its reason in its log only)."""
+        if (too_many := local_fleet_problem(self.spec.servers, len(self.spec.models), self.spec.routers)):
+            raise StackStartError(too_many)
         if self.spec.gateway and self.spec.gateway_port and not port_free(self.spec.gateway_port):
             raise StackStartError(f"--gateway-port {self.spec.gateway_port}: the port is in use on {LOOPBACK}")
         engine = self.spec.extra_env.get("TALARIA_ENGINE") or os.environ.get("TALARIA_ENGINE")

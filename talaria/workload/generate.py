@@ -25,7 +25,8 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from shared.catalog import CatalogError, load_catalog
+from shared.catalog import Catalog, CatalogError, load_catalog
+from talaria.argtypes import MAX_SERVERS
 from talaria.workload.trace import MAX_MODEL_S, TraceCall, TraceSession, encode_trace, session_prompts
 from talaria.workload.tomlfile import load_toml_struct
 
@@ -98,11 +99,13 @@ class GeneratorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True,
     round_digits: Annotated[int, msgspec.Meta(ge=0, le=9)] = 3  # floats rounded so the JSONL is stable
     # Defaults recorded for the replay (not used by the generator itself).
     server: str = "h100x8"  # catalog server profile
-    servers: Pos = 1  # number of such servers
+    servers: Annotated[int, msgspec.Meta(ge=1, le=MAX_SERVERS)] = 1  # number of such servers
 
 
-def check_settings(s: GeneratorSettings) -> GeneratorSettings:
-    """Cross-field checks msgspec cannot express; also that names exist in the catalog."""
+def check_settings(s: GeneratorSettings, catalog: Catalog | None = None) -> GeneratorSettings:
+    """Cross-field checks msgspec cannot express; also that names exist in the catalog
+    (`catalog`, a scenario's own; else shared/data/catalog.toml) and that a fresh
+    context fits each model's."""
     problems: list[str] = []
     if not s.models:
         problems.append("models must name at least one model")
@@ -122,7 +125,7 @@ def check_settings(s: GeneratorSettings) -> GeneratorSettings:
                         f"~{(s.sessions - 1) / s.arrival_rate_per_s:.3g} s; at most {MAX_MODEL_S / 10:.3g} s "
                         f"keeps every arrival within a trace's limit")
     try:
-        cat = load_catalog()
+        cat = catalog if catalog is not None else load_catalog()
         # a median past every context would only be clipped (and an infinite one breaks the rounding)
         longest = max(m.context_limit for m in cat.models.values())
         for name in ("append_median", "append_large_median", "output_median"):
@@ -235,11 +238,14 @@ def _session_calls(s: GeneratorSettings, n: int, context_limit: int, rng: random
     return calls
 
 
-def generate(settings: GeneratorSettings, seed: int | None = None) -> list[TraceSession]:
-    """Sessions `swe-000`, `swe-001`, ... in arrival order; the same settings and seed give the same trace."""
+def generate(settings: GeneratorSettings, seed: int | None = None, catalog: Catalog | None = None
+             ) -> list[TraceSession]:
+    """Sessions `swe-000`, `swe-001`, ... in arrival order; the same settings and seed give the same trace.
+    Each session compacts its history within its model's context in `catalog` (a scenario's
+    own; else shared/data/catalog.toml)."""
     s = settings
     base = s.seed if seed is None else seed
-    cat = load_catalog()
+    cat = catalog if catalog is not None else load_catalog()
     counts = call_counts(s, random.Random(f"talaria-gen:{base}:counts"))
     models = _assign_models(s, random.Random(f"talaria-gen:{base}:models"))
     arr_rng = random.Random(f"talaria-gen:{base}:arrivals")

@@ -34,7 +34,7 @@ from shared.policy import PolicyConfig, PolicyError, resolve_policy
 from talaria.workload.trace import TraceSession
 from talaria.workload.tomlfile import load_toml_struct
 from talaria.workload.agent import DEFAULT_MAX_TOKENS
-from talaria.argtypes import output_file, positive_float, positive_int, seed_list, write_output
+from talaria.argtypes import MAX_SERVERS, output_file, positive_float, positive_int, seed_list, write_output
 from talaria.workload.generate import GeneratorSettings, SettingsError, check_settings, generate
 from talaria.results.report import oracle_sct, summarize
 
@@ -47,6 +47,7 @@ BENCH_SCENARIO = ROOT / "scenarios" / "bench-16x3000x5.toml"
 DEFAULT_TRACE = ROOT / "traces" / "swebench-30.jsonl"
 
 Pos = Annotated[int, msgspec.Meta(ge=1)]
+Servers = Annotated[int, msgspec.Meta(ge=1, le=MAX_SERVERS)]
 
 
 class ScenarioError(ValueError):
@@ -56,7 +57,7 @@ class ScenarioError(ValueError):
 class Scenario(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     name: str
     description: str = ""
-    servers: Pos = 1
+    servers: Servers = 1
     server_profile: str = "h100x8"
     catalog: str = ""  # path to a catalog TOML (relative to the scenario's folder); "" = shared/data/catalog.toml
     policies: list[str] = msgspec.field(default_factory=lambda: ["baseline", "talaria"])
@@ -99,15 +100,22 @@ def load_scenario(path: str | Path) -> Scenario:
         sc = msgspec.structs.replace(sc, catalog=_resolve_catalog(sc.catalog, p))
     problems: list[str] = []
     try:
-        check_settings(sc.trace)
-    except SettingsError as exc:
-        problems.append(f"trace: {exc}")
-    try:
-        cat = load_catalog(_catalog_path(sc))
-        server = cat.server(sc.server_profile)
-        check_fit(server, [cat.model(m) for m in sc.trace.models])
+        cat: Catalog | None = load_catalog(_catalog_path(sc))
     except (CatalogError, OSError) as exc:
+        cat = None
         problems.append(f"catalog: {exc}")
+    if cat is not None:
+        # the generator's checks on the scenario's own catalog: its models' names and contexts
+        try:
+            check_settings(sc.trace, cat)
+        except SettingsError as exc:
+            problems.append(f"trace: {exc}")
+        try:
+            server = cat.server(sc.server_profile)
+            if sc.trace.models:  # (none is the trace's problem, said above)
+                check_fit(server, [cat.model(m) for m in sc.trace.models])
+        except CatalogError as exc:
+            problems.append(f"catalog: {exc}")
     if not sc.policies:
         problems.append("policies must name at least one policy")
     if len(set(sc.policies)) != len(sc.policies):
@@ -119,6 +127,8 @@ def load_scenario(path: str | Path) -> Scenario:
             problems.append(f"policies: {exc}")
     if not sc.seeds:
         problems.append("seeds must name at least one seed")
+    if any(seed < 0 for seed in sc.seeds):  # (as --seeds takes them)
+        problems.append(f"seeds must be 0 or more: {sc.seeds}")
     if len(set(sc.seeds)) != len(sc.seeds):
         problems.append(f"seeds has duplicates: {sc.seeds}")
     if (tuned := tuned_on(sc.seeds)) is not None:
@@ -130,7 +140,7 @@ def load_scenario(path: str | Path) -> Scenario:
 
 # -- running -----------------------------------------------------------------------
 def trace_of(sc: Scenario, seed: int) -> list[TraceSession]:
-    return generate(sc.trace, seed=seed)
+    return generate(sc.trace, seed=seed, catalog=scenario_catalog(sc))
 
 
 def simulate_run(sessions: list[TraceSession], catalog: Catalog, policy: PolicyConfig, *,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import sys
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
@@ -198,6 +199,11 @@ def parse_trace(
             raw = json.loads(raw_line)
         except json.JSONDecodeError as exc:
             raise TraceError(source, lineno, "", f"invalid JSON: {exc.msg.removesuffix(' at')} at column {exc.colno}") from None
+        except RecursionError:  # (nesting past the parser's depth, even in a field the format ignores)
+            raise TraceError(source, lineno, "", "invalid JSON: nested too deeply") from None
+        except ValueError:  # an integer of more digits than Python converts
+            raise TraceError(source, lineno, "", "invalid JSON: an integer of more than "
+                             f"{sys.get_int_max_str_digits()} digits") from None
         try:
             session = msgspec.convert(raw, TraceSession)
         except msgspec.ValidationError as exc:
