@@ -53,7 +53,8 @@ from shared.schema import (
 from shared import tracing
 from shared.net import NATS_KEEPALIVE, no_responders
 from shared.accept_timer import AcceptTimer
-from shared.prompt_store import PromptStore, PromptStoreUnavailable, encode_payload, object_name
+from shared.prompt_store import (FULL_RETRY_AFTER_S, PromptStore, PromptStoreFull, PromptStoreUnavailable, encode_payload,
+                                 object_name)
 from shared.subjects import AGENT_NAMESPACE, HEADER_RECEIPT, Subjects, inbox_prefix, is_namespace
 
 NO_ROUTER_RETRY_S = 0.2       # wall seconds between two sends of a call while no router is subscribed
@@ -281,10 +282,16 @@ class TalariaClient:
             self._prompts = PromptStore(self.nc, self.subjects.prefix)
         try:
             await self._prompts.put(self.namespace, name, data)
-        except PromptStoreUnavailable as exc:
-            raise TalariaError("internal", f"the prompt store did not take the prompt: {exc}") from None
-        except nats.js.errors.APIError as exc:  # e.g. the store is full
-            raise TalariaError("too_large", f"the prompt store refused the prompt: {exc}") from None
+        except PromptStoreFull:
+            # (the store empties as the calls in it end: sent again shortly, it is taken)
+            raise NoCapacity("no_capacity", "the store of prompts sent by reference is full "
+                             "(TALARIA_PROMPT_STORE_MAX_BYTES): send the request again shortly",
+                             FULL_RETRY_AFTER_S) from None
+        except PromptStoreUnavailable:  # (what it waited out is in the log: store.unavailable)
+            raise Unavailable("unavailable", "the store of prompts sent by reference did not answer: "
+                              "send the request again shortly", 1.0) from None
+        except nats.js.errors.APIError as exc:  # another refusal: the request's, not the store's state
+            raise TalariaError("too_large", f"the prompt store refused the prompt: {exc.description or exc}") from None
 
     async def info(self) -> Info:
         out = await self._request(self.subjects.api_info, InfoRequest())

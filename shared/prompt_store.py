@@ -35,8 +35,23 @@ _payload_decoder = msgspec.msgpack.Decoder(PromptPayload)
 GET_TIMEOUT_S = 5.0  # wall seconds one read of a prompt may take before it is looked at again
 
 
+STORE_FAILED = 10077  # JetStream's "store failed": with "maximum bytes exceeded", the bucket is full
+FULL_RETRY_AFTER_S = 2.0  # what a caller refused for a full bucket is told to wait: its calls' prompts go as they end
+
+
 class PromptStoreUnavailable(RuntimeError):
     """The prompt store did not answer within the retry deadline, or is not there."""
+
+
+class PromptStoreFull(RuntimeError):
+    """The namespace's bucket holds its `TALARIA_PROMPT_STORE_MAX_BYTES`: an answer, not an
+    outage, so it is not waited out (a flood of large prompts from one tenant had held every
+    other tenant's large prompt for the retry deadline, 20 s, then failed it as internal)."""
+
+
+def is_full(exc: BaseException) -> bool:
+    return (isinstance(exc, nats.js.errors.APIError) and exc.err_code == STORE_FAILED
+            and "maximum bytes" in (exc.description or ""))
 
 
 def object_name(session_id: str, call_id: str) -> str:
@@ -91,7 +106,12 @@ class PromptStore:
         store = await self._store(ns)
 
         async def step() -> None:
-            await store.put(name, data)
+            try:
+                await store.put(name, data)
+            except nats.js.errors.APIError as exc:
+                if is_full(exc):
+                    raise PromptStoreFull(f"the prompt store of namespace {ns} is full") from None
+                raise
 
         await retry_transient("put prompt", step, self.deadline_s, PromptStoreUnavailable)
 

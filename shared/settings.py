@@ -43,6 +43,8 @@ def parse_api_keys(spec: str) -> dict[str, str]:
         if not item:
             continue
         tenant, sep, key = item.partition(":")
+        # (a space after the colon had made a key no request could present: keys are stripped as sent)
+        tenant, key = tenant.strip(), key.strip()
         if not sep:
             tenant, key = "k" + hashlib.sha256(item.encode()).hexdigest()[:12], item
         if not key or not tenant:

@@ -111,6 +111,8 @@ def test_keys_and_token_estimate() -> None:
     keys = parse_api_keys("a:k1, b:k2,bare")
     assert keys["k1"] == "a" and keys["k2"] == "b" and keys["bare"].startswith("k")
     assert parse_api_keys("a:k1,a:k1") == {"k1": "a"}
+    # spaces around the colon: a key no request could present (keys are stripped as sent), a tenant named "c "
+    assert parse_api_keys("a:kA, b: kB,c :kC") == {"kA": "a", "kB": "b", "kC": "c"}
     for bad, says in (("a:k1,b:k1", "one key is given to two tenants, a and b"), ("a:", "empty"), (":k", "empty")):
         with pytest.raises(ValueError, match=says):
             parse_api_keys(bad)
@@ -1052,6 +1054,13 @@ async def test_401_and_404_in_each_apis_shape(stack: EmbeddedStack) -> None:
                              headers={"Authorization": f"Bearer {stack.api_key}"}) as r:
             body = await r.json()
             assert r.status == 400 and set(body["error"]) == {"message", "type", "param", "code"}
+        # a key sent under another scheme is said to be one, not "no API key" (and is not echoed)
+        for auth in (f"Basic {stack.api_key}", str(stack.api_key)):
+            async with http.post(f"{stack.openai_base_url}/chat/completions", data=b"{}",
+                                 headers={"Authorization": auth}) as r:
+                body = await r.json()
+                assert r.status == 401 and "is not `Bearer <key>`" in body["error"]["message"], body
+                assert str(stack.api_key) not in json.dumps(body)
     # a base URL one /v1 off (LiteLLM's anthropic/ callers build `/v1/v1/messages` from some bases):
     # the 404 in the shape of the API its SDK speaks, which it reads
     with pytest.raises(anthropic.NotFoundError) as ea:

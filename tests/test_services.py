@@ -667,6 +667,32 @@ async def test_a_prompt_sent_by_reference_is_deleted_when_its_call_is_given_up(n
     assert reply.output_tokens == 8
 
 
+async def test_a_full_prompt_store_refuses_at_once_as_no_capacity(nc: NATS, subject_prefix: str) -> None:
+    """A namespace's bucket at its bound is an answer, not an outage: the put is refused at
+    once and the agent told to send again shortly (429 at the front door). It had been
+    waited out for the retry deadline (20 s) by every caller of the namespace, so one
+    tenant's flood of large prompts held the others', then failed as internal (500)."""
+    from shared.agent_client import NoCapacity
+    from shared.prompt_store import FULL_RETRY_AFTER_S, PromptStoreFull
+    from talaria.client import TalariaClient
+
+    await PromptStore(nc, subject_prefix).create([AGENT_NAMESPACE], replicas=1, ttl_s=60, max_bytes=1024 * 1024)
+    client = TalariaClient(nc, subject_prefix=subject_prefix)
+    chunk = os.urandom(300 * 1024)
+    for i in range(3):
+        await client._put_prompt(f"p{i}", chunk)
+    t0 = time.monotonic()
+    with pytest.raises(PromptStoreFull):
+        await PromptStore(nc, subject_prefix).put(AGENT_NAMESPACE, "over", chunk)
+    with pytest.raises(NoCapacity) as refused:
+        await client._put_prompt("over", chunk)
+    assert time.monotonic() - t0 < 5.0, "a full store was waited out as if it were away"
+    assert refused.value.code == "no_capacity" and refused.value.retry_after_s == FULL_RETRY_AFTER_S
+    assert "full" in refused.value.message and "nats" not in refused.value.message.lower()
+    await PromptStore(nc, subject_prefix).delete(PromptRef(namespace=AGENT_NAMESPACE, name="p0"))
+    await client._put_prompt("over", chunk)  # taken once a call's prompt has gone
+
+
 class BigNats(NatsServer):
     """A nats-server whose max_payload lets a message over the router's front-door limit through."""
 

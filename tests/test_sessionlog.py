@@ -168,6 +168,24 @@ def test_an_http_agent_finds_its_calls_by_its_session_name_or_a_request_id(
     assert {r["call_id"] for r in recs} == {second} and {r["source"] for r in recs} == {"gateway", "router-0"}
 
 
+def test_a_session_name_two_tenants_sent_is_refused_with_both_sessions_named(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # each tenant's `x-session-id: shared-1` is its own session: the first tenant's alone had been
+    # shown, as if it were the only one
+    alice, bob = "gw-aaaaaaaaaaaaaaaa", "gw-bbbbbbbbbbbbbbbb"
+    _write(tmp_path / "up" / "gateway.log",
+           _line("38.000000", "gateway.call", session=alice, call="gwc-1", session_name="shared-1", tenant="alice",
+                 model="m", status=200),
+           _line("39.000000", "gateway.call", session=bob, call="gwc-2", session_name="shared-1", tenant="bob",
+                 model="m", status=200))
+    assert main(["logs", "shared-1", "--log-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert (f"shared-1 names 2 sessions: {alice} (tenant alice, model m), {bob} (tenant bob, model m); "
+            "give one of their ids") in err
+    assert main(["logs", bob, "--log-dir", str(tmp_path), "--json"]) == 0
+    assert {json.loads(x)["tenant"] for x in capsys.readouterr().out.splitlines()} == {"bob"}
+
+
 def test_an_unknown_run_is_refused_and_the_runs_there_named(logs: Path, capsys: pytest.CaptureFixture[str]) -> None:
     # it printed every run's timeline with exit 0, as if --run were not given
     _write(logs / "up" / "router-0.log", _line("50.000000", "router.placed", session="r5c397f-swe-007"))

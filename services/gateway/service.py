@@ -444,7 +444,13 @@ class Gateway:
 
     @staticmethod
     def _unauthorized(request: web.Request) -> HttpError:
-        why = "invalid API key" if tr.presented_keys(request.headers) else "no API key"
+        auth = request.headers.get("authorization", "")
+        if tr.presented_keys(request.headers):
+            why = "invalid API key"
+        elif auth.strip():  # (a key under another scheme, or with none, was answered "no API key")
+            why = "the Authorization header is not `Bearer <key>` (Basic, or a key with no scheme, is not read)"
+        else:
+            why = "no API key"
         return HttpError("unauthorized", f"{why}: send `Authorization: Bearer <key>` or `x-api-key: <key>`")
 
     async def _body(self, request: web.Request) -> tuple[bytes, dict[str, Any]]:

@@ -17,7 +17,7 @@ import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from shared.logs import read_log_events
 
@@ -155,19 +155,28 @@ def _run_roots(log_dir: Path, run: str) -> list[Path]:
     return sorted(d for d in log_dir.rglob(run) if d.is_dir())
 
 
-def session_named(log_dir: Path, name: str) -> tuple[str, str | None] | None:
-    """The session a gateway call's id or an agent's own session name stands for: (its
-    session id, the call id where `name` is one), from the gateway's lines."""
+class NamedSession(NamedTuple):
+    session_id: str
+    call_id: str | None  # where the name is a call's id
+    tenant: str
+    model: str
+
+
+def sessions_named(log_dir: Path, name: str) -> list[NamedSession]:
+    """The sessions a gateway call's id or an agent's own session name stands for, from the
+    gateway's lines: a call's id names one; a session name may name several (each tenant's
+    sessions are its own, and a name may be sent with several models), in order of first call."""
+    found: dict[str, NamedSession] = {}
     for path in sorted(log_dir.rglob("*.log")):
         for rec in read_log_events(path):
             sid = rec.get("session_id")
             if not isinstance(sid, str):
                 continue
             if rec.get("call_id") == name:
-                return sid, name
-            if rec.get("event") == "gateway.call" and rec.get("session_name") == name:
-                return sid, None
-    return None
+                return [NamedSession(sid, name, str(rec.get("tenant") or ""), str(rec.get("model") or ""))]
+            if rec.get("event") == "gateway.call" and rec.get("session_name") == name and sid not in found:
+                found[sid] = NamedSession(sid, None, str(rec.get("tenant") or ""), str(rec.get("model") or ""))
+    return sorted(found.values(), key=lambda n: n.session_id)
 
 
 def refusal_named(log_dir: Path, request_id: str) -> dict[str, Any] | None:
@@ -252,10 +261,17 @@ def cmd_logs(a: argparse.Namespace) -> int:
     if not runs and call is None:
         # what an HTTP agent holds: its own session name (the gateway logs it) or a call's id
         # (a reply's `x-request-id`): the session they name, and with a call id that call alone
-        for root in roots:
-            found = session_named(root, session)
-            if found is not None:
-                session, call = found
+        named = {n.session_id: n for root in roots for n in sessions_named(root, session)}
+        if len(named) > 1:
+            # (two tenants' sessions of one name: the first alone was shown, as if it were the only one)
+            which = ", ".join(f"{n.session_id} (tenant {n.tenant or '?'}, model {n.model or '?'})"
+                              for n in named.values())
+            print(f"talaria: error: {session} names {len(named)} sessions: {which}; give one of their ids",
+                  file=sys.stderr)
+            return 2
+        for n in named.values():
+            session, call = n.session_id, n.call_id
+            for root in roots:
                 runs.update(session_lines(root, session, call))
     if not runs and call is None and not a.run:
         # a request refused before it made a call: its request id names no session
