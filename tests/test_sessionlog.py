@@ -180,10 +180,19 @@ def test_a_session_name_two_tenants_sent_is_refused_with_both_sessions_named(
                  model="m", status=200))
     assert main(["logs", "shared-1", "--log-dir", str(tmp_path)]) == 2
     err = capsys.readouterr().err
-    assert (f"shared-1 names 2 sessions: {alice} (tenant alice, model m), {bob} (tenant bob, model m); "
-            "give one of their ids") in err
+    assert (f"shared-1 names 2 sessions of different tenants: {alice} (tenant alice, model m), "
+            f"{bob} (tenant bob, model m); give one of their ids") in err
     assert main(["logs", bob, "--log-dir", str(tmp_path), "--json"]) == 0
     assert {json.loads(x)["tenant"] for x in capsys.readouterr().out.splitlines()} == {"bob"}
+    # one tenant's name sent with two models (Claude Code's main and small model): both sessions, together
+    small = "gw-cccccccccccccccc"
+    _write(tmp_path / "up" / "gateway.log",
+           _line("38.000000", "gateway.call", session=alice, call="gwc-1", session_name="task", tenant="alice",
+                 model="m", status=200),
+           _line("38.500000", "gateway.call", session=small, call="gwc-3", session_name="task", tenant="alice",
+                 model="small", status=200))
+    assert main(["logs", "task", "--log-dir", str(tmp_path), "--json"]) == 0
+    assert [json.loads(x)["call_id"] for x in capsys.readouterr().out.splitlines()] == ["gwc-1", "gwc-3"]
 
 
 def test_an_unknown_run_is_refused_and_the_runs_there_named(logs: Path, capsys: pytest.CaptureFixture[str]) -> None:

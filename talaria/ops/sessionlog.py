@@ -50,13 +50,16 @@ class CallSummary:
     problems: list[str] = field(default_factory=list)
 
 
-def session_lines(log_dir: Path, session_id: str, call_id: str | None = None) -> dict[Path, list[LogLine]]:
+def session_lines(log_dir: Path, session_id: str | frozenset[str], call_id: str | None = None
+                  ) -> dict[Path, list[LogLine]]:
     """The session's (or one call's) log lines per run folder, in wall-clock
-    order (ISO-8601 UTC stamps from one machine's clock sort as text)."""
+    order (ISO-8601 UTC stamps from one machine's clock sort as text); several
+    sessions' together where given a set of ids (one agent's, one per model)."""
+    wanted = session_id if isinstance(session_id, frozenset) else frozenset({session_id})
     runs: dict[Path, list[LogLine]] = {}
     for path in sorted(log_dir.rglob("*.log")):
         for rec in read_log_events(path):
-            if rec.get("session_id") != session_id:
+            if rec.get("session_id") not in wanted:
                 continue
             if call_id is not None and rec.get("call_id") != call_id:
                 continue
@@ -164,8 +167,9 @@ class NamedSession(NamedTuple):
 
 def sessions_named(log_dir: Path, name: str) -> list[NamedSession]:
     """The sessions a gateway call's id or an agent's own session name stands for, from the
-    gateway's lines: a call's id names one; a session name may name several (each tenant's
-    sessions are its own, and a name may be sent with several models), in order of first call."""
+    gateway's lines: a call's id names one; a session name may name several (one per model
+    it was sent with, as Claude Code sends its main and its small model's calls; and each
+    tenant's sessions are its own), sorted by id."""
     found: dict[str, NamedSession] = {}
     for path in sorted(log_dir.rglob("*.log")):
         for rec in read_log_events(path):
@@ -262,17 +266,17 @@ def cmd_logs(a: argparse.Namespace) -> int:
         # what an HTTP agent holds: its own session name (the gateway logs it) or a call's id
         # (a reply's `x-request-id`): the session they name, and with a call id that call alone
         named = {n.session_id: n for root in roots for n in sessions_named(root, session)}
-        if len(named) > 1:
+        if len({n.tenant for n in named.values()}) > 1:
             # (two tenants' sessions of one name: the first alone was shown, as if it were the only one)
             which = ", ".join(f"{n.session_id} (tenant {n.tenant or '?'}, model {n.model or '?'})"
                               for n in named.values())
-            print(f"talaria: error: {session} names {len(named)} sessions: {which}; give one of their ids",
-                  file=sys.stderr)
+            print(f"talaria: error: {session} names {len(named)} sessions of different tenants: {which}; "
+                  "give one of their ids", file=sys.stderr)
             return 2
-        for n in named.values():
-            session, call = n.session_id, n.call_id
+        if named:  # one agent's: every model's session of the name, together
+            call = next(iter(named.values())).call_id if len(named) == 1 else None
             for root in roots:
-                runs.update(session_lines(root, session, call))
+                runs.update(session_lines(root, frozenset(named), call))
     if not runs and call is None and not a.run:
         # a request refused before it made a call: its request id names no session
         refusal = next((r for root in roots if (r := refusal_named(root, session)) is not None), None)
