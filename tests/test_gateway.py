@@ -40,6 +40,7 @@ from shared.schema import (
 from shared.settings import GATEWAY_MAX_BODY, Settings, SettingsError, parse_api_keys
 from shared.subjects import GATEWAY_NAMESPACE
 from talaria.ops.nats_server import NatsServer
+from talaria.ops.redis_server import RedisServer
 from talaria.ops.stack import EmbeddedStack, StackSpec
 
 from polling import until
@@ -3271,6 +3272,71 @@ async def test_expect_100_continue_is_refused_before_the_body_where_the_body_can
         async with http.post(f"{url}/v1/chat/completions", headers={"Authorization": "Bearer k"},
                              data=body, expect100=True) as r:
             assert r.status == 429
+
+
+async def test_a_burst_of_calls_waits_for_the_gateways_redis_connections(redis_server: RedisServer) -> None:
+    """redis-py's default pool refused the 101st concurrent command at once (a probe's
+    burst of 120 calls), and the gateway then did without its soft state for 5 s."""
+    from services.gateway.service import REDIS_CONNECTIONS, gateway_redis
+
+    redis = gateway_redis(Settings(redis_url=redis_server.url))
+    try:
+        # each holds its connection 0.2 s: three times the pool, all answered
+        got = await asyncio.gather(*(redis.blpop([f"gw-burst-{i}"], timeout=0.2) for i in range(3 * REDIS_CONNECTIONS)))
+        assert got == [None] * (3 * REDIS_CONNECTIONS)
+    finally:
+        await redis.aclose()
+
+
+@pytest.fixture
+def short_idle(monkeypatch: pytest.MonkeyPatch) -> float:
+    """The gateway's idle-connection limit at 1 s (75 s as deployed), for a gateway started after it."""
+    import services.gateway.service as gateway_service
+
+    monkeypatch.setattr(gateway_service, "IDLE_CONNECTION_S", 1.0)
+    return 1.0
+
+
+@pytest.mark.timeout(60)
+async def test_a_connection_that_sends_no_request_is_closed_and_an_oversize_body_refused_at_once(
+        short_idle: float, refusing_gateway: tuple[str, dict[str, Any]]) -> None:
+    """Connections held with nothing sent, half a request head, or idle after an answer had
+    stayed open for aiohttp's hour: a probe's 20,000 of them used up the gateway's file
+    descriptors and took it down with every stream. And a declared Content-Length over the
+    limit, sent without `Expect`, was read up to the limit before its 413."""
+    url, ctl = refusing_gateway
+    port = int(url.rsplit(":", 1)[1])
+
+    async def closed_after(first: bytes) -> float:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        t0 = time.monotonic()
+        try:
+            if first:
+                writer.write(first)
+                await writer.drain()
+            got = await asyncio.wait_for(reader.read(), 10)
+            while got.startswith(b"HTTP/1.1 200"):  # (an answer first: the idle time starts after it)
+                got = await asyncio.wait_for(reader.read(), 10)
+            return time.monotonic() - t0
+        finally:
+            writer.close()
+
+    for first in (b"", b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n", b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"):
+        took = await closed_after(first)
+        assert short_idle * 0.9 <= took < short_idle + 5, (first, took)
+    gw = ctl["gateway"]
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write((f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer k\r\n"
+                      f"Content-Type: application/json\r\nContent-Length: {gw.settings.gateway_max_body + 1}\r\n\r\n"
+                      ).encode() + b"{" + b" " * 1000)
+        await writer.drain()
+        t0 = time.monotonic()
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        assert time.monotonic() - t0 < 2 and head.startswith(b"HTTP/1.1 413"), head[:200]
+        assert b"Connection: close" in head
+    finally:
+        writer.close()
 
 
 @pytest.mark.timeout(60)

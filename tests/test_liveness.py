@@ -11,6 +11,7 @@ import signal
 import textwrap
 import time
 import urllib.request
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -303,6 +304,18 @@ async def test_a_stopped_service_is_killed_and_restarted(tmp_path: Path) -> None
                 pass
 
 
+@contextlib.asynccontextmanager
+async def watched_gateway(tmp_path: Path) -> AsyncIterator[tuple[EmbeddedStack, int]]:
+    """A stack with its gateway under the liveness watch, past its grace: (the stack, the gateway's pid)."""
+    spec = StackSpec(policy=resolve_policy("talaria"), models=[AIR], time_scale=20.0, log_dir=tmp_path / "logs",
+                     liveness=True, liveness_grace_s=1.0, gateway=True)
+    async with EmbeddedStack(spec) as stack:
+        await asyncio.sleep(1.5)  # past the grace
+        pid = stack.group.pids()["gateway"]
+        assert pid is not None
+        yield stack, pid
+
+
 @pytest.mark.e2e
 @pytest.mark.timeout(120)
 async def test_a_stopped_gateway_is_killed_and_restarted(tmp_path: Path) -> None:
@@ -310,12 +323,7 @@ async def test_a_stopped_gateway_is_killed_and_restarted(tmp_path: Path) -> None
     /health, and a SIGSTOPped one is replaced like any service."""
     import aiohttp
 
-    spec = StackSpec(policy=resolve_policy("talaria"), models=[AIR], time_scale=20.0, log_dir=tmp_path / "logs",
-                     liveness=True, liveness_grace_s=1.0, gateway=True)
-    async with EmbeddedStack(spec) as stack:
-        await asyncio.sleep(1.5)  # past the grace
-        pid = stack.group.pids()["gateway"]
-        assert pid is not None
+    async with watched_gateway(tmp_path) as (stack, pid):
         os.kill(pid, signal.SIGSTOP)
         try:
             t0 = time.monotonic()
@@ -335,6 +343,28 @@ async def test_a_stopped_gateway_is_killed_and_restarted(tmp_path: Path) -> None
                 os.kill(pid, signal.SIGCONT)
             except OSError:
                 pass
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(120)
+async def test_a_gateway_slow_to_answer_is_left_alone(tmp_path: Path) -> None:
+    """A gateway whose loop is busy (a burst of a thousand streams answered /health in about
+    half a second) answers late, not never: it is not killed, which had cut every stream it
+    relayed. Stalls of 4 s at a time (SIGSTOP, then SIGCONT for 0.5 s) stand for it: each
+    ping waits for the loop to come back, as under load."""
+    async with watched_gateway(tmp_path) as (stack, pid):
+        try:
+            for _ in range(3):
+                os.kill(pid, signal.SIGSTOP)
+                await asyncio.sleep(4.0)
+                assert stack.group.pids()["gateway"] == pid, "a gateway slow to answer was killed as hung"
+                os.kill(pid, signal.SIGCONT)
+                await asyncio.sleep(0.5)
+            await asyncio.sleep(2.0)
+            assert stack.group.pids()["gateway"] == pid, "a gateway slow to answer was killed as hung"
+        finally:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGCONT)
 
 
 @pytest.mark.timeout(120)

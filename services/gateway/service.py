@@ -74,6 +74,9 @@ MODELS_TTL_S = 5.0             # how long the served-model list is reused
 MODELS_RETRY_S = 1.0           # ... and, the router not answering, how soon it is asked again
 BUSY_TTL_S = 3600.0            # a header-less session's in-flight mark outlives any call (and is deleted after it)
 BUS_RETRY_AFTER_S = 2.0        # what a request refused while NATS is away is told to wait (a reconnect takes seconds)
+IDLE_CONNECTION_S = 75.0       # an HTTP connection with no request in progress is closed after this (nginx's default)
+REDIS_CONNECTIONS = 64         # the gateway's pool: a command waits for one, up to SOFT_STATE_WAIT_S (redis-py's
+                               # default pool of 100 refused the 101st at once, and soft state was set aside)
 SOFT_STATE_PAUSE_S = 5.0       # how long the gateway does without its soft state after Redis failed to answer
 SOFT_STATE_WAIT_S = 1.0        # how long one soft step waits on Redis (a stalled one answers nothing at all)
 SOFT_STATE_PROBE_S = 0.5       # while it is set aside: a PING this often (and waited on this long) ends the pause
@@ -391,7 +394,7 @@ class Gateway:
         the request id its headers carry, so `talaria logs <request id>` says why; a
         call's own answer is its `gateway.call` line."""
         resp = error_response(shape, err)
-        if err.code == "body_timeout":
+        if err.code in ("body_timeout", "too_large"):
             resp.force_close()  # (the connection holds the unread rest of a body)
         if request.get(REQUEST_ID_KEY) is None:
             rid = request[REQUEST_ID_KEY] = "req_" + uuid.uuid4().hex
@@ -455,6 +458,10 @@ class Gateway:
 
     async def _body(self, request: web.Request) -> tuple[bytes, dict[str, Any]]:
         limit_s = self.settings.gateway_body_timeout_s
+        if (request.content_length or 0) > self.settings.gateway_max_body:
+            # said at once, not once the limit's 32 MiB have been read (or the body timeout passed)
+            raise HttpError("too_large", f"request body over {self.settings.gateway_max_body} bytes "
+                                         f"(Content-Length: {request.content_length})")
         try:
             async with asyncio.timeout(limit_s):
                 sent = await request.read()
@@ -1636,7 +1643,11 @@ async def start_gateway(settings: Settings, client: TalariaClient, redis: aiored
     if not gw.keys:
         gw.log.warning("gateway.no_keys", reason="TALARIA_API_KEYS is empty: every API request gets 401")
     # auto_decompress off: `Gateway._body` decodes a compressed body, bounded, and refuses a corrupt one by name
+    # keepalive_timeout: a connection idle that long is closed, whether it sent nothing yet, part of a
+    # request's head, or nothing since its last answer (aiohttp's hour let held connections use up the
+    # process's file descriptors: a probe's 20,000 held ones took the gateway down, with every stream)
     runner = web.AppRunner(gw.app(), handler_cancellation=True, access_log=None, auto_decompress=False,
+                           keepalive_timeout=IDLE_CONNECTION_S,
                            shutdown_timeout=1.0)  # (Gateway.drain has let the calls in flight finish)
     await runner.setup()
     site = web.TCPSite(runner, settings.gateway_host, settings.gateway_port)
@@ -1666,6 +1677,15 @@ class MalformedHttpAsInfo(logging.Filter):
         return True
 
 
+def gateway_redis(settings: Settings) -> aioredis.Redis:
+    """The gateway's Redis client. Soft state: it fails fast rather than wait out a Redis
+    restart as the services' pools do, and a burst of calls waits for one of its pool's
+    connections rather than being refused one."""
+    return open_redis(settings.redis_url, socket_timeout=2.0, socket_connect_timeout=2.0,
+                      max_connections=REDIS_CONNECTIONS, pool_wait_s=SOFT_STATE_WAIT_S,
+                      **settings.redis_credentials())
+
+
 async def serve(settings: Settings) -> None:
     log = configure_logging("gateway", settings.log_format, settings.log_level)
     logging.getLogger("aiohttp.server").addFilter(MalformedHttpAsInfo())
@@ -1673,9 +1693,7 @@ async def serve(settings: Settings) -> None:
     client = await TalariaClient.connect(settings.nats_urls, user=settings.nats_user, password=settings.nats_password,
                                          subject_prefix=settings.subject_prefix, connect_timeout_s=30.0,
                                          namespace=GATEWAY_NAMESPACE)
-    # soft state: fail fast rather than wait out a Redis restart as the services' pools do
-    redis = open_redis(settings.redis_url, socket_timeout=2.0, socket_connect_timeout=2.0,
-                       **settings.redis_credentials())
+    redis = gateway_redis(settings)
     try:
         await check_target(redis, settings.redis_url)
         runner, port = await start_gateway(settings, client, redis)

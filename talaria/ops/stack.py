@@ -34,9 +34,9 @@ from shared.settings import GATEWAY_DRAIN_WALL_S, STREAMS_STOP_WALL_S, Settings,
 from shared.subjects import Subjects
 from talaria.client import AgentLogin, Deployment
 from talaria.ops.healthcheck import connect_once
-from talaria.ops.liveness import (GATEWAY_LIVENESS_MISSES, LIVENESS_INTERVAL_S, LIVENESS_TICK_S, LIVENESS_TIMEOUT_S,
-                                  SERVICE_GRACE_S, SERVICE_STARTUP_S, STARTUP_GRACE_S, LivenessWatch, PingRounds,
-                                  BusProbe)
+from talaria.ops.liveness import (GATEWAY_LIVENESS_MISSES, GATEWAY_LIVENESS_TIMEOUT_S, LIVENESS_INTERVAL_S,
+                                  LIVENESS_TICK_S, LIVENESS_TIMEOUT_S, SERVICE_GRACE_S, SERVICE_STARTUP_S,
+                                  STARTUP_GRACE_S, LivenessWatch, PingRounds, BusProbe)
 from talaria.ops.nats_server import NatsServer, start_cluster
 from talaria.ops import prometheus
 from talaria.ops.processes import Child, ProcessGroup, ServerBase
@@ -499,7 +499,8 @@ class EmbeddedStack:
                                 max(STARTUP_GRACE_S, self.spec.liveness_startup_s))
         if self.spec.gateway:
             names.append("gateway")  # (judged by its HTTP health: it has no NATS endpoint, being an agent)
-            # killing it cuts every agent's stream: compose's patience (12 rounds, 3 s), not the services' 1 s
+            # killing it cuts every agent's stream: 12 rounds of 3-s pings (about 6 s of silence), not the
+            # services' 3 rounds of 0.3 s
             watch.allow("gateway", self.spec.liveness_grace_s, self.spec.liveness_startup_s, GATEWAY_LIVENESS_MISSES)
         pids: dict[str, int | None] = {}
         try:
@@ -511,7 +512,7 @@ class EmbeddedStack:
         async def ping(name: str) -> bool | None:
             try:
                 if name == "gateway":
-                    return await self._gateway_answers(LIVENESS_TIMEOUT_S, alive=True)
+                    return await self._gateway_answers(GATEWAY_LIVENESS_TIMEOUT_S, alive=True)
                 await nc.request(subjects.health(name), b"", timeout=LIVENESS_TIMEOUT_S)
                 return True
             except NoRespondersError:  # nobody listens: starting or tearing down, not hung

@@ -41,8 +41,8 @@ from talaria.argtypes import positive_float
 from talaria.ops.healthcheck import SERVICES, http_check, instance_name, service_settings
 from talaria.argtypes import positive_int
 from talaria.ops.processes import set_pdeathsig
-from talaria.ops.liveness import (LIVENESS_INTERVAL_S, LIVENESS_MISSES, LIVENESS_TIMEOUT_S, LivenessWatch, PingRounds,
-                                  BusProbe)
+from talaria.ops.liveness import (GATEWAY_LIVENESS_TIMEOUT_S, LIVENESS_INTERVAL_S, LIVENESS_MISSES, LIVENESS_TIMEOUT_S,
+                                  LivenessWatch, PingRounds, BusProbe)
 
 HUNG_EXIT_CODE = 75  # EX_TEMPFAIL: the watched service was hung and killed; restart the container
 DEFAULT_GRACE_S = 30.0  # wall seconds after the start before a hang is judged (engines: set more, weights load)
@@ -90,7 +90,7 @@ class Watchdog:
     async def ping(self, nc: object | None) -> bool:
         if self.service == "gateway":
             url = f"http://127.0.0.1:{self.settings.gateway_port}/health"
-            ok, _ = await asyncio.to_thread(http_check, url, LIVENESS_TIMEOUT_S)
+            ok, _ = await asyncio.to_thread(http_check, url, GATEWAY_LIVENESS_TIMEOUT_S)
             return ok
         try:
             await nc.request(Subjects(self.settings.subject_prefix).health(instance_name(self.service)),  # type: ignore[attr-defined]
