@@ -2646,6 +2646,47 @@ async def test_a_stored_response_is_read_back_and_continued_with_previous_respon
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.timeout(120)
+async def test_truncation_auto_leaves_out_the_oldest_turns_that_keep_a_conversation_over_the_context(
+        stack: EmbeddedStack) -> None:
+    """`truncation: "auto"` (the Agents SDK's `ModelSettings(truncation="auto")`): a conversation
+    over the model's context drops turns from its beginning until it fits, as OpenAI's API
+    does, its instructions kept and a tool call with its result; it had been refused
+    whatever `truncation` said."""
+    client = oai(stack)
+    page = "lorem ipsum dolor sit amet " * 1500  # (about 10k tokens a turn: 16 turns are over 131,072)
+    items: list[Any] = [{"type": "message", "role": "user", "content": f"turn 0 {page}"},
+                        {"type": "function_call", "call_id": "call_0", "name": "read_file", "arguments": "{}"},
+                        {"type": "function_call_output", "call_id": "call_0", "output": f"file {page}"}]
+    for i in range(1, 16):
+        items += [{"type": "message", "role": "user", "content": f"turn {i} {page}"},
+                  {"type": "message", "role": "assistant", "content": f"answer {i}"}]
+    items.append({"type": "message", "role": "user", "content": "and now?"})
+    tools = [{"type": "function", **READ_FILE}]
+    with pytest.raises(openai.BadRequestError) as refused:
+        await client.responses.create(model=MODEL, input=items, tools=tools, instructions="be brief",
+                                      max_output_tokens=64, store=False)
+    assert refused.value.body["code"] == "context_length_exceeded"
+    full = (await client.responses.input_tokens.count(model=MODEL, input=items, tools=tools,
+                                                      instructions="be brief")).input_tokens
+    r = await client.responses.create(model=MODEL, input=items, tools=tools, instructions="be brief",
+                                      max_output_tokens=64, store=False, truncation="auto")
+    assert r.status in ("completed", "incomplete") and r.truncation == "auto"
+    assert r.usage.input_tokens + 64 <= 131_072 < full + 64
+    # the fewest of the oldest messages left out that fit, a tool call going with its result (items 1-2)
+    starts = [0, 1] + list(range(3, len(items)))
+    counts = [(await client.responses.input_tokens.count(model=MODEL, input=items[start:], tools=tools,
+                                                         instructions="be brief")).input_tokens for start in starts[:12]]
+    fits = next(k for k, n in enumerate(counts) if n + 64 <= 131_072)
+    assert fits >= 2 and r.usage.input_tokens == counts[fits], (counts, r.usage.input_tokens)
+    # its last turn alone over the context is still refused
+    with pytest.raises(openai.BadRequestError) as alone:
+        await client.responses.create(model=MODEL, input=items[:1] + [{"type": "message", "role": "user",
+                                                                        "content": page * 15}],
+                                      max_output_tokens=64, store=False, truncation="auto")
+    assert alone.value.body["code"] == "context_length_exceeded"
+
+
 async def test_responses_input_tokens_is_the_prompt_a_response_would_send(stack: EmbeddedStack) -> None:
     """`POST /v1/responses/input_tokens` through the SDK: the very prompt a `responses.create`
     of the same body is charged, instructions and tools included; no call is made."""

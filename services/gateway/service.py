@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import signal
@@ -685,6 +686,34 @@ class Gateway:
             return tr.with_items_resolved(original, found)
         except BadRequest as exc:
             raise HttpError("malformed", str(exc), exc.param) from None
+
+    async def _prepare_responses(self, request: web.Request, tenant: str, raw: bytes, body: dict[str, Any],
+                                 original: dict[str, Any]) -> Prepared:
+        """A Responses request prepared as chat; with `truncation: "auto"`, one over the context
+        is sent with the fewest of its oldest turns left out that make it fit (found by halving:
+        each try renders the prompt, and one that does not fit is refused before any call)."""
+        prepare = functools.partial(self._prepare_chat, request, tenant, raw, original=original,
+                                    dialect=OPENAI, max_names=("max_output_tokens",))
+        try:
+            return await prepare(body=body)
+        except HttpError as err:
+            messages = body.get("messages")
+            if err.code != "context_limit" or original.get("truncation") != "auto" or not isinstance(messages, list):
+                raise
+            lo, hi, best = 1, tr.droppable_turns(messages), None
+            while lo <= hi:
+                mid = (lo + hi) // 2
+                try:
+                    best = await prepare(body={**body, "messages": tr.truncated_turns(messages, mid)})
+                    hi = mid - 1
+                except HttpError as again:
+                    if again.code != "context_limit":
+                        raise
+                    lo = mid + 1
+            if best is None:
+                raise err from None  # (its last turn alone is over the context)
+            self.log.info("gateway.truncated", turns_left_out=lo, turns=tr.droppable_turns(messages) + 1)
+            return best
 
     async def _responses_as_chat(self, tenant: str, original: dict[str, Any]
                                  ) -> tuple[dict[str, Any], list[Any], tr.StoredResponse | None]:
@@ -1408,7 +1437,7 @@ class Gateway:
         original = await self._referenced_items(tenant, original)
         body, previous, continued = await self._responses_as_chat(tenant, original)
         try:
-            p = await self._prepare_chat(request, tenant, raw, body, OPENAI, ("max_output_tokens",), original=original)
+            p = await self._prepare_responses(request, tenant, raw, body, original)
         except HttpError as err:
             if err.param is not None and err.param.startswith("messages"):
                 err.param = "input"  # (read as chat's messages; a Responses body's conversation is its input)

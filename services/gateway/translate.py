@@ -1382,6 +1382,32 @@ def input_items_page(conversation: list[Any], response: Mapping[str, Any],
     return _list_page(items[start:end], has_more)
 
 
+def _turn_starts(messages: list[Any]) -> tuple[int, list[int]]:
+    """(how many leading system and developer messages, the index where each turn after them begins)."""
+    head = 0
+    while head < len(messages) and isinstance(messages[head], dict) and \
+            messages[head].get("role") in ("system", "developer"):
+        head += 1
+    return head, [i for i in range(head, len(messages))
+                  if not (isinstance(messages[i], dict) and messages[i].get("role") == "tool")]
+
+
+def droppable_turns(messages: list[Any]) -> int:
+    """The turns `truncated_turns` can leave out: all but the last."""
+    return max(0, len(_turn_starts(messages)[1]) - 1)
+
+
+def truncated_turns(messages: list[Any], dropped: int) -> list[Any]:
+    """`truncation: "auto"`: the conversation with its `dropped` oldest turns left out, as
+    OpenAI's API drops items from its beginning to fit the context. The leading system and
+    developer messages (the instructions) are kept, and a turn goes whole (an assistant's
+    tool calls with their results: a result without its call is no conversation a
+    template renders)."""
+    head, starts = _turn_starts(messages)
+    assert 0 <= dropped <= max(0, len(starts) - 1)
+    return messages[:head] + messages[starts[dropped]:] if dropped else list(messages)
+
+
 def responses_request(body: Mapping[str, Any], previous: list[Any] | None = None) -> dict[str, Any]:
     """A Responses request as the chat request it asks for: `instructions` and the `input`
     items, after the `previous` conversation it continues (a stored response's, which
