@@ -50,6 +50,9 @@ TASK = ("The test suite of this repository fails on a parser edge case. Find the
         "and explain the bug. Use the tools; answer when you know.")
 
 
+SKIPPED_FOLDERS = {"node_modules", "__pycache__", "site-packages", "venv", "build", "dist"}
+
+
 class Tools:
     """The tools, confined to one folder."""
 
@@ -62,6 +65,16 @@ class Tools:
             raise ValueError(f"{rel} is outside the repository")
         return p
 
+    def _sources(self) -> list[Path]:
+        """The repository's own .py files: hidden folders (a virtualenv, .git) and installed
+        packages are skipped, as a coding agent's search skips them (walking a virtualenv
+        with vLLM and torch took a search 14 s)."""
+        found: list[Path] = []
+        for folder, dirs, files in os.walk(self.root):
+            dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d not in SKIPPED_FOLDERS)
+            found += [Path(folder) / f for f in sorted(files) if f.endswith(".py")]
+        return found
+
     def run(self, name: str, args: dict[str, Any]) -> str:
         try:
             if name == "list_files":
@@ -72,7 +85,7 @@ class Tools:
                 return "".join(self._path(args["path"]).read_text(errors="replace").splitlines(True)[:limit])
             if name == "search":
                 text, hits = str(args["text"]), []
-                for f in sorted(self.root.rglob("*.py"))[:2000]:
+                for f in self._sources()[:2000]:
                     for i, line in enumerate(f.read_text(errors="replace").splitlines(), 1):
                         if text in line:
                             hits.append(f"{f.relative_to(self.root)}:{i}: {line.strip()}")

@@ -3048,6 +3048,22 @@ async def test_the_synthetic_model_answers_after_four_tool_rounds_unless_a_call_
     assert r3.choices[0].finish_reason == "tool_calls"
 
 
+def test_the_example_agents_search_reads_the_repositorys_own_files(tmp_path: Path) -> None:
+    """Its search had walked the virtualenv too: sorted first, `.venv`'s files filled its
+    2,000 and the repository's own were never read, and the walk took 14 s in a CI run,
+    past the header-less session's idle window, so the next call began another session."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("sdk_agent", Path(__file__).resolve().parents[1] / "examples" / "sdk_agent.py")
+    assert spec is not None and spec.loader is not None
+    agent = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(agent)
+    for rel in (".venv/lib/site-packages/pkg/mod.py", "node_modules/x/y.py", "src/parser.py"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("def parse_edge_case():\n    pass\n")
+    assert agent.Tools(tmp_path).run("search", {"text": "parse_edge_case"}) == "src/parser.py:1: def parse_edge_case():"
+
+
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("api", ["openai", "anthropic", "responses"])
 async def test_the_example_sdk_agent_runs_its_tool_loop_end_to_end(stack: EmbeddedStack, api: str) -> None:
