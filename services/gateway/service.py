@@ -326,9 +326,8 @@ class Gateway:
             err = stopping_refusal()
         elif tr.tenant_for(request.headers, self.keys) is None:
             err = self._unauthorized(request)
-        elif (request.content_length or 0) > self.settings.gateway_max_body:
-            err = HttpError("too_large", f"request body over {self.settings.gateway_max_body} bytes "
-                                         f"(Content-Length: {request.content_length})")
+        elif (over := self._declared_too_large(request)) is not None:
+            err = over
         else:
             if request.version >= (1, 1):
                 await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
@@ -457,12 +456,17 @@ class Gateway:
             why = "no API key"
         return HttpError("unauthorized", f"{why}: send `Authorization: Bearer <key>` or `x-api-key: <key>`")
 
+    def _declared_too_large(self, request: web.Request) -> HttpError | None:
+        """The refusal of a body whose declared `Content-Length` is over the limit, else None."""
+        if (request.content_length or 0) <= self.settings.gateway_max_body:
+            return None
+        return HttpError("too_large", f"request body over {self.settings.gateway_max_body} bytes "
+                                      f"(Content-Length: {request.content_length})")
+
     async def _body(self, request: web.Request) -> tuple[bytes, dict[str, Any]]:
         limit_s = self.settings.gateway_body_timeout_s
-        if (request.content_length or 0) > self.settings.gateway_max_body:
-            # said at once, not once the limit's 32 MiB have been read (or the body timeout passed)
-            raise HttpError("too_large", f"request body over {self.settings.gateway_max_body} bytes "
-                                         f"(Content-Length: {request.content_length})")
+        if (over := self._declared_too_large(request)) is not None:
+            raise over  # said at once, not once the limit's 32 MiB have been read (or the body timeout passed)
         try:
             async with asyncio.timeout(limit_s):
                 sent = await request.read()
@@ -700,7 +704,8 @@ class Gateway:
             messages = body.get("messages")
             if err.code != "context_limit" or original.get("truncation") != "auto" or not isinstance(messages, list):
                 raise
-            lo, hi, best = 1, tr.droppable_turns(messages), None
+            droppable = tr.droppable_turns(messages)
+            lo, hi, best = 1, droppable, None
             while lo <= hi:
                 mid = (lo + hi) // 2
                 try:
@@ -712,7 +717,7 @@ class Gateway:
                     lo = mid + 1
             if best is None:
                 raise err from None  # (its last turn alone is over the context)
-            self.log.info("gateway.truncated", turns_left_out=lo, turns=tr.droppable_turns(messages) + 1)
+            self.log.info("gateway.truncated", turns_left_out=lo, turns=droppable + 1)
             return best
 
     async def _responses_as_chat(self, tenant: str, original: dict[str, Any]

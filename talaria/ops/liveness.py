@@ -23,9 +23,9 @@ from typing import Any
 LIVENESS_INTERVAL_S = 0.25  # wall seconds between two rounds of health pings
 LIVENESS_TIMEOUT_S = 0.3    # wall seconds a ping may take (a served ping takes about 1 ms)
 GATEWAY_LIVENESS_MISSES = 12  # the gateway's (as compose gives it): a kill cuts every stream it relays
-# the gateway's ping (GET /health) may take seconds: a loop busy
-# relaying a thousand streams answers in about half a second, and at the services' 0.3 s it was
-# killed as hung, cutting every stream (a hung one is killed about 6 s after it stops answering)
+# the gateway's ping (GET /health) may take seconds: a loop busy relaying a thousand streams answers
+# in about half a second, and at the services' 0.3 s it was killed as hung, cutting every stream
+# (a hung one is killed about 6 s after it stops answering)
 GATEWAY_LIVENESS_TIMEOUT_S = 3.0
 LIVENESS_MISSES = 3         # rounds in a row without an answer before a kill (about 1 s of silence: rounds
                             # start every interval, each judged when its pings answer or time out)

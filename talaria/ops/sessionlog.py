@@ -164,6 +164,11 @@ class NamedSession(NamedTuple):
     tenant: str
     model: str
 
+    @classmethod
+    def of(cls, rec: dict[str, Any], session_id: str, call_id: str | None) -> "NamedSession":
+        """The session a gateway log line names, with the tenant and model it logged."""
+        return cls(session_id, call_id, str(rec.get("tenant") or ""), str(rec.get("model") or ""))
+
 
 def sessions_named(log_dir: Path, name: str) -> list[NamedSession]:
     """The sessions a gateway call's id or an agent's own session name stands for, from the
@@ -177,9 +182,9 @@ def sessions_named(log_dir: Path, name: str) -> list[NamedSession]:
             if not isinstance(sid, str):
                 continue
             if rec.get("call_id") == name:
-                return [NamedSession(sid, name, str(rec.get("tenant") or ""), str(rec.get("model") or ""))]
+                return [NamedSession.of(rec, sid, name)]
             if rec.get("event") == "gateway.call" and rec.get("session_name") == name and sid not in found:
-                found[sid] = NamedSession(sid, None, str(rec.get("tenant") or ""), str(rec.get("model") or ""))
+                found[sid] = NamedSession.of(rec, sid, None)
     return sorted(found.values(), key=lambda n: n.session_id)
 
 

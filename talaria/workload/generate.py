@@ -59,6 +59,9 @@ class SettingsError(ValueError):
     """The generator settings file is unreadable or inconsistent."""
 
 
+ServerCount = Annotated[int, msgspec.Meta(ge=1, le=MAX_SERVERS)]  # (a scenario's `servers` too)
+
+
 class GeneratorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """Knobs of the generator; defaults are the figures of docs/calibration.md. Unknown keys are errors (typos)."""
 
@@ -99,7 +102,7 @@ class GeneratorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True,
     round_digits: Annotated[int, msgspec.Meta(ge=0, le=9)] = 3  # floats rounded so the JSONL is stable
     # Defaults recorded for the replay (not used by the generator itself).
     server: str = "h100x8"  # catalog server profile
-    servers: Annotated[int, msgspec.Meta(ge=1, le=MAX_SERVERS)] = 1  # number of such servers
+    servers: ServerCount = 1  # number of such servers
 
 
 def check_settings(s: GeneratorSettings, catalog: Catalog | None = None) -> GeneratorSettings:

@@ -34,8 +34,8 @@ from shared.policy import PolicyConfig, PolicyError, resolve_policy
 from talaria.workload.trace import TraceSession
 from talaria.workload.tomlfile import load_toml_struct
 from talaria.workload.agent import DEFAULT_MAX_TOKENS
-from talaria.argtypes import MAX_SERVERS, output_file, positive_float, positive_int, seed_list, write_output
-from talaria.workload.generate import GeneratorSettings, SettingsError, check_settings, generate
+from talaria.argtypes import output_file, positive_float, positive_int, seed_list, write_output
+from talaria.workload.generate import GeneratorSettings, ServerCount, SettingsError, check_settings, generate
 from talaria.results.report import oracle_sct, summarize
 
 if TYPE_CHECKING:
@@ -47,7 +47,6 @@ BENCH_SCENARIO = ROOT / "scenarios" / "bench-16x3000x5.toml"
 DEFAULT_TRACE = ROOT / "traces" / "swebench-30.jsonl"
 
 Pos = Annotated[int, msgspec.Meta(ge=1)]
-Servers = Annotated[int, msgspec.Meta(ge=1, le=MAX_SERVERS)]
 
 
 class ScenarioError(ValueError):
@@ -57,7 +56,7 @@ class ScenarioError(ValueError):
 class Scenario(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     name: str
     description: str = ""
-    servers: Servers = 1
+    servers: ServerCount = 1
     server_profile: str = "h100x8"
     catalog: str = ""  # path to a catalog TOML (relative to the scenario's folder); "" = shared/data/catalog.toml
     policies: list[str] = msgspec.field(default_factory=lambda: ["baseline", "talaria"])
