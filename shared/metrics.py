@@ -177,6 +177,9 @@ class Metrics:
         self.http_duration = Histogram("talaria_http_request_duration_seconds", "Wall seconds of an HTTP call at "
                                        "the gateway (a streamed one: until its last event).", ["api"],
                                        buckets=WALL_SECONDS_BUCKETS + (60.0, 300.0, 600.0), registry=r)
+        self.http_calls_shed = Counter("talaria_http_calls_shed", "API requests refused at once for a bound on "
+                                       "requests in flight: the gateway's (`gateway`: 429, Anthropic 529) or the "
+                                       "tenant's (`tenant`: 429).", ["limit"], registry=r)
         # -- every process ------------------------------------------------------------------------
         self.loop_lag = Gauge("talaria_event_loop_lag_seconds", "Worst event-loop lag since the process "
                               "started (wall seconds).", registry=r)
@@ -188,6 +191,14 @@ class Metrics:
         self.dependency_up = Gauge("talaria_dependency_up", "1 while this process reaches the dependency (nats, "
                                    "redis) as its own use of it last found, 0 while it does not.", ["dependency"],
                                    registry=r)
+
+    def gateway_calls(self, held: Callable[[], float], most: int) -> None:
+        """The gateway's API requests in flight and its bound on them; called by the gateway
+        alone (an unlabelled gauge is exposed, as 0, by every process that defines it)."""
+        Gauge("talaria_http_calls_in_flight", "API requests the gateway is answering now (a stream until its "
+              "last event).", registry=self.registry).set_function(held)
+        Gauge("talaria_http_calls_max", "The gateway's bound on API requests in flight "
+              "(TALARIA_GATEWAY_MAX_CALLS; 0: none).", registry=self.registry).set(most)
 
     def reexport(self, source: CollectorRegistry, prefix: str, skip: frozenset[str]) -> None:
         """Expose another registry's metrics named `prefix*` here too (a real engine's own

@@ -24,6 +24,9 @@ from shared.redis_client import RedisUrlError, login, parse_redis_url
 
 
 ENGINE_BACKENDS = ("sim", "vllm")
+# API requests one gateway answers at once: 1,000 concurrent streams were served on the 2-core
+# development machine (health answered within 1.3 s), 2,000 lagged its loop 7 s and got it killed
+GATEWAY_MAX_CALLS = 1024
 GATEWAY_MAX_BODY = 32 * 1024 * 1024  # the default request body limit: Anthropic's own 32 MB, for conversations carrying images
 GATEWAY_RESPONSES_TTL_S = 6 * 3600   # how long a stored Responses-API response can be continued (an agent session's span)
 GATEWAY_DRAIN_WALL_S = 25.0    # on SIGTERM: how long calls in flight may finish (under compose's 30-s stop grace)
@@ -98,6 +101,8 @@ _RANGES: tuple[tuple[str, str, float, bool, float], ...] = (
     ("TALARIA_GATEWAY_BODY_TIMEOUT_S", "gateway_body_timeout_s", 0, True, math.inf),
     ("TALARIA_GATEWAY_SEND_TIMEOUT_S", "gateway_send_timeout_s", 0, True, math.inf),
     ("TALARIA_GATEWAY_MAX_BODY", "gateway_max_body", 0, True, math.inf),
+    ("TALARIA_GATEWAY_MAX_CALLS", "gateway_max_calls", 0, False, math.inf),
+    ("TALARIA_GATEWAY_TENANT_MAX_CALLS", "gateway_tenant_max_calls", 0, False, math.inf),
     ("TALARIA_GATEWAY_RESPONSES_TTL_S", "gateway_responses_ttl_s", 0, False, math.inf),
     ("TALARIA_CALL_RECORD_REPLICAS", "call_record_replicas", 1, False, 5),
     ("TALARIA_PROMPT_STORE_MAX_BYTES", "prompt_store_max_bytes", 0, True, math.inf),
@@ -223,6 +228,8 @@ class Settings:
     gateway_body_timeout_s: float = 60.0  # wall seconds a request's whole body may take to arrive (past it: 408)
     gateway_send_timeout_s: float = 60.0  # wall seconds a stream's client may take nothing of it (past it: closed)
     gateway_max_body: int = GATEWAY_MAX_BODY  # bytes of an HTTP request body (decoded) above which the gateway answers 413 (Anthropic: 32 MB)
+    gateway_max_calls: int = GATEWAY_MAX_CALLS  # API requests one gateway answers at once; past it 429/529 (0 = no bound)
+    gateway_tenant_max_calls: int = 0  # ... of one tenant; past it 429 (0 = none but the gateway's)
     gateway_responses_ttl_s: int = GATEWAY_RESPONSES_TTL_S  # wall seconds a stored response is kept (0: none stored)
     gateway_tokenizers: str = ""    # `model=FOLDER,...` (`*` every model): chat template and tokenizer per model; else stand-in ids
     gateway_tool_parsers: str = ""  # `model=FORMAT,...` (`*` every model): a tool-call format over the catalog's
@@ -324,6 +331,13 @@ class Settings:
                             "the connection is closed (a client that stopped reading held its call's output for ever)")
         p.add_argument("--gateway-max-body", type=int, default=_int(src, "TALARIA_GATEWAY_MAX_BODY", GATEWAY_MAX_BODY),
                        help="largest HTTP request body in bytes (larger: 413)")
+        p.add_argument("--gateway-max-calls", type=int,
+                       default=_int(src, "TALARIA_GATEWAY_MAX_CALLS", GATEWAY_MAX_CALLS),
+                       help="API requests one gateway answers at once (a stream until its end); past it a request "
+                            "is refused at once as no capacity, 429 (Anthropic: 529), with Retry-After (0 = no bound)")
+        p.add_argument("--gateway-tenant-max-calls", type=int, default=_int(src, "TALARIA_GATEWAY_TENANT_MAX_CALLS", 0),
+                       help="API requests of one tenant one gateway answers at once; past it 429 rate_limit_error "
+                            "with Retry-After (0 = no bound but --gateway-max-calls)")
         p.add_argument("--gateway-responses-ttl-s", type=int,
                        default=_int(src, "TALARIA_GATEWAY_RESPONSES_TTL_S", GATEWAY_RESPONSES_TTL_S),
                        help="wall seconds a Responses-API response asked to be stored (store, the default) can be "
@@ -413,6 +427,8 @@ class Settings:
             gateway_body_timeout_s=max(0.1, a.gateway_body_timeout_s),
             gateway_send_timeout_s=a.gateway_send_timeout_s,
             gateway_max_body=max(1024, a.gateway_max_body),
+            gateway_max_calls=a.gateway_max_calls,
+            gateway_tenant_max_calls=a.gateway_tenant_max_calls,
             gateway_responses_ttl_s=a.gateway_responses_ttl_s,
             gateway_tokenizers=a.gateway_tokenizers,
             gateway_tool_parsers=a.gateway_tool_parsers,

@@ -3456,3 +3456,115 @@ async def test_each_calls_tenant_reaches_admission_and_an_agent_cannot_claim_one
     gateway_calls = [e for e in events(stack, "gateway", "gateway.call") if e.get("tenant") == "tenant-b"]
     assert gateway_calls and {e["tenant"] for e in queued if e["session_id"] == gateway_calls[-1]["session_id"]} \
         == {"tenant-b"}
+
+
+def test_call_slots_bound_the_gateway_and_each_tenant() -> None:
+    from services.gateway.limits import GATEWAY_FULL, TENANT_FULL, CallSlots
+
+    slots = CallSlots(most=3, most_per_tenant=2)
+    slots.take("a")
+    slots.take("a")
+    assert slots.refusal("a") == TENANT_FULL and slots.refusal("b") is None
+    slots.take("b")
+    assert slots.refusal("b") == GATEWAY_FULL and slots.refusal("c") == GATEWAY_FULL
+    slots.give_back("a")
+    assert slots.refusal("a") is None and slots.refusal("c") is None
+    for tenant in ("a", "b"):
+        slots.give_back(tenant)
+    assert slots.held == 0 and slots.held_by_tenant == {}  # (no tenant's count outlives its calls)
+    unbounded = CallSlots(most=0, most_per_tenant=0)
+    for _ in range(10_000):
+        unbounded.take("a")
+    assert unbounded.refusal("a") is None
+
+
+@pytest.mark.timeout(60)
+async def test_requests_over_the_gateways_or_a_tenants_bound_are_refused_at_once_and_the_rest_served(
+        refusing_gateway: tuple[str, dict[str, Any]]) -> None:
+    """Every request in flight holds a share of the gateway's one event loop: 2,000
+    concurrent streams on the 2-core machine lagged it 7 s and got it killed with them
+    all. Past its bound (and past a tenant's) a request is refused before its body is
+    read, as the APIs refuse for capacity, and a slot comes back when its stream ends."""
+    from services.gateway.limits import CallSlots
+
+    url, ctl = refusing_gateway
+    gw = ctl["gateway"]
+    gw.keys = {**gw.keys, "k2": "u"}
+    registry = gw.metrics.registry
+    slow = {"model": MODEL, "stream": True, "messages": [{"role": "user", "content": "slow"}]}
+
+    async def held_stream(http: aiohttp.ClientSession, key: str) -> aiohttp.ClientResponse:
+        resp = await http.post(f"{url}/v1/chat/completions", json=slow, headers={"Authorization": f"Bearer {key}"})
+        assert resp.status == 200, await resp.text()
+        await resp.content.readuntil(b"\n\n")  # (its first keep-alive: it holds its slot)
+        return resp
+
+    async with aiohttp.ClientSession() as http:
+        gw.slots = CallSlots(most=2, most_per_tenant=0)
+        held = [await held_stream(http, "k"), await held_stream(http, "k2")]
+        assert registry.get_sample_value("talaria_http_calls_in_flight") == 2
+        calls_before = ctl["calls"]
+        for path, want_status, want in (
+                ("/v1/chat/completions", 429, {"type": "rate_limit_error", "code": "no_capacity"}),
+                ("/v1/responses", 429, {"type": "rate_limit_error", "code": "no_capacity"}),
+                ("/v1/messages", 529, {"type": "overloaded_error"}),
+                ("/v1/messages/count_tokens", 529, {"type": "overloaded_error"})):
+            async with http.post(f"{url}{path}", json={**slow, "max_tokens": 10},
+                                 headers={"Authorization": "Bearer k"}) as r:
+                body = await r.json()
+                assert r.status == want_status and r.headers["Retry-After"] == "1", (path, r.status, body)
+                assert want.items() <= body["error"].items(), (path, body)
+                assert "TALARIA_GATEWAY_MAX_CALLS" in body["error"]["message"]
+        assert ctl["calls"] == calls_before  # (nothing was sent on the bus)
+        # reads of what is stored, the model list and health are not calls: still answered
+        async with http.get(f"{url}/v1/models", headers={"Authorization": "Bearer k"}) as r:
+            assert r.status == 200
+        # an upload waiting on `Expect: 100-continue` is refused before it is sent
+        reader, writer = await asyncio.open_connection("127.0.0.1", int(url.rsplit(":", 1)[1]))
+        try:
+            writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer k\r\n"
+                         b"Content-Type: application/json\r\nContent-Length: 100000\r\nExpect: 100-continue\r\n\r\n")
+            await writer.drain()
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+            assert head.startswith(b"HTTP/1.1 429"), head[:200]
+        finally:
+            writer.close()
+        assert registry.get_sample_value("talaria_http_calls_shed_total", {"limit": "gateway"}) == 5
+        held[0].close()  # a stream ends: its slot comes back
+        await until(lambda: gw.slots.held == 1, timeout_s=5)
+        held[0] = await held_stream(http, "k")
+
+        # a tenant's own bound: its next request refused, another tenant's served
+        for resp in held:
+            resp.close()
+        await until(lambda: gw.slots.held == 0, timeout_s=5)
+        gw.slots = CallSlots(most=100, most_per_tenant=2)
+        held = [await held_stream(http, "k"), await held_stream(http, "k")]
+        async with http.post(f"{url}/v1/chat/completions", json=slow, headers={"Authorization": "Bearer k"}) as r:
+            body = await r.json()
+            assert r.status == 429 and r.headers["Retry-After"] == "1", body
+            assert body["error"]["type"] == "rate_limit_error" and body["error"]["code"] == "rate_limit_exceeded"
+            assert "TALARIA_GATEWAY_TENANT_MAX_CALLS" in body["error"]["message"]
+        async with http.post(f"{url}/v1/messages", json={**slow, "max_tokens": 10}, headers={"x-api-key": "k"}) as r:
+            assert r.status == 429 and (await r.json())["error"]["type"] == "rate_limit_error"
+        held.append(await held_stream(http, "k2"))
+        assert registry.get_sample_value("talaria_http_calls_shed_total", {"limit": "tenant"}) == 2
+        # a request with no valid key is told so, not that it is over a bound
+        async with http.post(f"{url}/v1/chat/completions", json=slow, headers={"Authorization": "Bearer nope"}) as r:
+            assert r.status == 401
+        for resp in held:
+            resp.close()
+        await until(lambda: gw.slots.held == 0 and not gw.slots.held_by_tenant, timeout_s=5)
+        assert registry.get_sample_value("talaria_http_calls_in_flight") == 0
+
+
+def test_the_bounds_on_requests_in_flight_are_settings_with_ranges() -> None:
+    s = Settings.from_env([], {"TALARIA_GATEWAY_MAX_CALLS": "50", "TALARIA_GATEWAY_TENANT_MAX_CALLS": "5"})
+    assert (s.gateway_max_calls, s.gateway_tenant_max_calls) == (50, 5)
+    s = Settings.from_env([], {})
+    assert (s.gateway_max_calls, s.gateway_tenant_max_calls) == (1024, 0)
+    s = Settings.from_env(["--gateway-max-calls", "0"], {})  # (0: no bound)
+    assert s.gateway_max_calls == 0
+    for name in ("TALARIA_GATEWAY_MAX_CALLS", "TALARIA_GATEWAY_TENANT_MAX_CALLS"):
+        with pytest.raises(SettingsError, match=name):
+            Settings.from_env([], {name: "-1"})

@@ -54,6 +54,7 @@ from services.gateway import prefix as px
 from services.gateway import reasoning as rs
 from services.gateway import tokens as tk
 from services.gateway import translate as tr
+from services.gateway.limits import GATEWAY_FULL, CallSlots
 from services.gateway.relay import RerunDiverged, StreamedTokens
 from services.gateway.translate import BadRequest, Prompt
 from shared import tool_calls as tc
@@ -74,6 +75,7 @@ SESSIONS_KEPT = 50_000         # opened sessions remembered (a forgotten one is 
 MODELS_TTL_S = 5.0             # how long the served-model list is reused
 MODELS_RETRY_S = 1.0           # ... and, the router not answering, how soon it is asked again
 BUSY_TTL_S = 3600.0            # a header-less session's in-flight mark outlives any call (and is deleted after it)
+SHED_RETRY_AFTER_S = 1.0       # what a request over the gateway's or its tenant's bound is told to wait
 BUS_RETRY_AFTER_S = 2.0        # what a request refused while NATS is away is told to wait (a reconnect takes seconds)
 IDLE_CONNECTION_S = 75.0       # an HTTP connection with no request in progress is closed after this (nginx's default)
 REDIS_CONNECTIONS = 64         # the gateway's pool: a command waits for one, up to SOFT_STATE_WAIT_S (redis-py's
@@ -91,6 +93,7 @@ RETRY_WINDOW_S = 3600          # how long a first attempt's call id waits for it
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 REQUEST_ID_HEADER, ANTHROPIC_REQUEST_ID_HEADER = "x-request-id", "request-id"
 REQUEST_ID_KEY = web.RequestKey("talaria.call_id", str)  # a request's call id, for its answer's headers
+TENANT_KEY = web.RequestKey("talaria.tenant", str)  # a request's tenant, once its key was read
 CLIENT_GONE_KEY = web.RequestKey("talaria.client_gone", int)  # set when the client left before its answer: 499
 # the error code a streamed answer ended in after it had begun (its status already sent: 200)
 STREAM_ERROR_KEY = web.RequestKey("talaria.stream_error", str)
@@ -127,7 +130,7 @@ def error_response(api: str, err: HttpError) -> web.Response:
     else:
         status, body = tr.openai_error(err.code, err.message, err.param)
     headers = {}
-    if err.code in ("no_capacity", "unavailable"):
+    if err.code in ("no_capacity", "rate_limited", "unavailable"):
         headers["Retry-After"] = str(max(1, round(err.retry_after_s or 1)))
     return web.json_response(body, status=status, headers=headers)
 
@@ -243,6 +246,8 @@ class Gateway:
         self.metrics = Metrics()
         self.draining = False  # SIGTERM: API requests in flight finish, new ones are sent elsewhere
         self.in_flight = 0     # API requests being answered (a stream until its end)
+        self.slots = CallSlots(settings.gateway_max_calls, settings.gateway_tenant_max_calls)
+        self.metrics.gateway_calls(lambda: self.slots.held, self.slots.most)
         self.streams_stop = asyncio.Event()  # the drain's time is up: streams end with the API's error event
         self.drain_cut_asked = asyncio.Event()  # a second SIGTERM: the drain's time is up now
         self._ignored_said: set[tuple[str, str]] = set()  # (API, field) this process has logged as ignored
@@ -328,6 +333,8 @@ class Gateway:
             err = self._unauthorized(request)
         elif (over := self._declared_too_large(request)) is not None:
             err = over
+        elif (over := self._over_limit(self._known_tenant(request) or "")) is not None:
+            err = over  # (its upload would only be read to be refused)
         else:
             if request.version >= (1, 1):
                 await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
@@ -348,11 +355,20 @@ class Gateway:
         shape = self._shape(request)
         t0, status = time.monotonic(), 500
         api_call = request.path.startswith("/v1/")
+        # the tenant whose slot this request would hold: an API POST with a valid key (a
+        # read of a stored response or the model list is cheap; a keyless request gets its 401)
+        tenant = self._known_tenant(request) if api_call and request.method == "POST" else None
+        holds_slot = False
         self.in_flight += api_call
         try:
             if api_call and self.draining:  # (a load balancer has been told by /health; a client retries)
                 resp = self._refused(request, shape, stopping_refusal())
+            elif tenant is not None and (over := self._over_limit(tenant)) is not None:
+                resp = self._refused(request, shape, over)  # (before its body is read or anything is sent)
             else:
+                if tenant is not None:
+                    self.slots.take(tenant)
+                    holds_slot = True
                 resp = await self._answer(request, handler, shape)
             status = 499 if request.get(CLIENT_GONE_KEY) else resp.status
             return resp
@@ -364,6 +380,8 @@ class Gateway:
             raise
         finally:
             self.in_flight -= api_call
+            if holds_slot:
+                self.slots.give_back(tenant)  # type: ignore[arg-type]
             if api_call:
                 self._count(request, shape, status, t0)
 
@@ -439,11 +457,33 @@ class Gateway:
                 self._ignored_said.add((api, name))
                 self.log.info("gateway.field_ignored", api=api, field=name[:100], why=why)
 
+    def _known_tenant(self, request: web.Request) -> str | None:
+        """The tenant of the request's key (read once a request), else None."""
+        if (tenant := request.get(TENANT_KEY)) is None:
+            tenant = tr.tenant_for(request.headers, self.keys)
+            if tenant is not None:
+                request[TENANT_KEY] = tenant
+        return tenant
+
     def _tenant(self, request: web.Request) -> str:
-        tenant = tr.tenant_for(request.headers, self.keys)
+        tenant = self._known_tenant(request)
         if tenant is None:
             raise self._unauthorized(request)
         return tenant
+
+    def _over_limit(self, tenant: str) -> HttpError | None:
+        """The refusal of a request of `tenant` while the gateway, or that tenant, holds its
+        most requests in flight (`limits.CallSlots`), else None."""
+        if (limit := self.slots.refusal(tenant)) is None:
+            return None
+        self.metrics.http_calls_shed.labels(limit=limit).inc()
+        if limit == GATEWAY_FULL:
+            return HttpError("no_capacity", f"this gateway is answering its most requests at once "
+                                            f"({self.slots.most}, TALARIA_GATEWAY_MAX_CALLS): retry shortly",
+                             retry_after_s=SHED_RETRY_AFTER_S)
+        return HttpError("rate_limited", f"this key's tenant has its most requests in flight at once "
+                                         f"({self.slots.most_per_tenant}, TALARIA_GATEWAY_TENANT_MAX_CALLS): "
+                                         "retry once one has ended", retry_after_s=SHED_RETRY_AFTER_S)
 
     @staticmethod
     def _unauthorized(request: web.Request) -> HttpError:

@@ -1164,6 +1164,7 @@ _ERROR_MAP: dict[str, tuple[int, str, str | None, str]] = {
     "body_timeout": (408, "invalid_request_error", "request_timeout", "invalid_request_error"),
     "context_limit": (400, "invalid_request_error", "context_length_exceeded", "invalid_request_error"),
     "no_capacity": (429, "rate_limit_error", "no_capacity", "overloaded_error"),
+    "rate_limited": (429, "rate_limit_error", "rate_limit_exceeded", "rate_limit_error"),  # a tenant over its bound
     "timeout": (504, "timeout", "timeout", "timeout_error"),
     "unavailable": (503, "server_error", "service_unavailable", "api_error"),
     "internal": (500, "server_error", None, "api_error"),
