@@ -2679,6 +2679,13 @@ async def test_truncation_auto_leaves_out_the_oldest_turns_that_keep_a_conversat
                                                          instructions="be brief")).input_tokens for start in starts[:12]]
     fits = next(k for k, n in enumerate(counts) if n + 64 <= 131_072)
     assert fits >= 2 and r.usage.input_tokens == counts[fits], (counts, r.usage.input_tokens)
+    # counted with the same truncation, it is what is sent (it had counted the whole conversation)
+    counted = await client.responses.input_tokens.count(model=MODEL, input=items, tools=tools, instructions="be brief",
+                                                        truncation="auto", extra_body={"max_output_tokens": 64})
+    assert counted.input_tokens == r.usage.input_tokens
+    counted = await client.responses.input_tokens.count(model=MODEL, input=items, tools=tools, instructions="be brief",
+                                                        truncation="auto")  # (as the SDK sends it: a reply's room)
+    assert counted.input_tokens == next(n for n in counts if n < 131_072)
     # its last turn alone over the context is still refused
     with pytest.raises(openai.BadRequestError) as alone:
         await client.responses.create(model=MODEL, input=items[:1] + [{"type": "message", "role": "user",

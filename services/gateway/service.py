@@ -42,7 +42,7 @@ import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 import redis.asyncio as aioredis
@@ -100,6 +100,7 @@ STREAM_ERROR_KEY = web.RequestKey("talaria.stream_error", str)
 SSE_KEEPALIVE = b": keep-alive\n\n"  # an SSE comment: clients skip it; writing it finds a client that has gone
 
 OPENAI, ANTHROPIC = "openai", "anthropic"
+T = TypeVar("T")
 OPENAI_PATHS = ("/v1/chat/", "/v1/completions", "/v1/responses")  # OpenAI's own: its shape whatever the headers
 RESPONSES = "responses"  # OpenAI's Responses API: OpenAI's error shapes, its own label in metrics and traces
 
@@ -741,24 +742,33 @@ class Gateway:
         try:
             return await prepare(body=body)
         except HttpError as err:
-            messages = body.get("messages")
-            if err.code != "context_limit" or original.get("truncation") != "auto" or not isinstance(messages, list):
+            if err.code != "context_limit" or original.get("truncation") != "auto":
                 raise
-            droppable = tr.droppable_turns(messages)
-            lo, hi, best = 1, droppable, None
-            while lo <= hi:
-                mid = (lo + hi) // 2
-                try:
-                    best = await prepare(body={**body, "messages": tr.truncated_turns(messages, mid)})
-                    hi = mid - 1
-                except HttpError as again:
-                    if again.code != "context_limit":
-                        raise
-                    lo = mid + 1
-            if best is None:
+            if (fitted := await self._fewest_turns_left_out(body, prepare)) is None:
                 raise err from None  # (its last turn alone is over the context)
+            return fitted
+
+    async def _fewest_turns_left_out(self, body: dict[str, Any], attempt: Callable[..., Awaitable[T]]) -> T | None:
+        """`truncation: "auto"` for a chat-shaped body over the context: `attempt(body=...)` on
+        it with the fewest of its oldest turns left out that `attempt` takes without a context
+        refusal (found by halving), else None: its last turn alone is over the context."""
+        messages = body.get("messages")
+        if not isinstance(messages, list):
+            return None
+        droppable = tr.droppable_turns(messages)
+        lo, hi, best = 1, droppable, None
+        while lo <= hi:
+            mid = (lo + hi) // 2
+            try:
+                best = await attempt(body={**body, "messages": tr.truncated_turns(messages, mid)})
+                hi = mid - 1
+            except HttpError as again:
+                if again.code != "context_limit":
+                    raise
+                lo = mid + 1
+        if best is not None:
             self.log.info("gateway.truncated", turns_left_out=lo, turns=droppable + 1)
-            return best
+        return best
 
     async def _responses_as_chat(self, tenant: str, original: dict[str, Any]
                                  ) -> tuple[dict[str, Any], list[Any], tr.StoredResponse | None]:
@@ -1697,7 +1707,21 @@ class Gateway:
         tenant = self._tenant(request)
         _, original = await self._body(request)
         original = await self._referenced_items(tenant, original)
-        prompt = await self._prompt_only(tenant, (await self._responses_as_chat(tenant, original))[0], OPENAI)
+        body = (await self._responses_as_chat(tenant, original))[0]
+        async def fitting(body: dict[str, Any]) -> Prompt:
+            """The body's prompt, or the context refusal its call would get."""
+            prompt = await self._prompt_only(tenant, body, OPENAI)
+            self._max_tokens(body, ("max_output_tokens",), prompt, await self._model(body))
+            return prompt
+
+        prompt = await self._prompt_only(tenant, body, OPENAI)
+        if original.get("truncation") == "auto":  # (counted as it would be sent: truncated to fit)
+            try:
+                await fitting(body)
+            except HttpError as err:
+                if err.code != "context_limit":
+                    raise
+                prompt = await self._fewest_turns_left_out(body, fitting) or prompt  # (None: counted whole)
         return web.json_response({"object": "response.input_tokens", "input_tokens": prompt.tokens})
 
 
