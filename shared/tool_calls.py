@@ -52,7 +52,38 @@ def schema_error(schema: Mapping[str, Any]) -> str | None:
     """Why `schema` is not a JSON Schema (checked against its metaschema, draft 2020-12
     unless it names another), or None: what both APIs refuse in a tool's parameters or a
     structured output (`"type": "strin"`), and vLLM's grammar cannot enforce."""
+    if (why := schema_depth_error(schema)) is not None:  # (before it is written out: a deep one cannot be)
+        return why
     return schema_text_error(json.dumps(schema, separators=(",", ":")))
+
+
+def schema_depth_error(schema: Any) -> str | None:
+    """Why `schema` nests too deep to be checked, written out or used (else None)."""
+    depth = json_depth(schema)
+    return _too_deep(depth) if depth > MAX_SCHEMA_DEPTH else None
+
+
+def _too_deep(depth: int | None) -> str:
+    return f"it nests {'over 900' if depth is None else depth} objects and arrays deep, over {MAX_SCHEMA_DEPTH}"
+
+
+# Objects and arrays a schema may nest (32 levels of `properties`; tools' schemas nest a
+# handful): the metaschema check, the grammar and the sim engine's made-up arguments all
+# recurse on it, and one nested some 200 deep passed the gateway's check yet failed the
+# engine's (less stack left there), so its call was refused and sent again for ever
+MAX_SCHEMA_DEPTH = 64
+
+
+def json_depth(value: Any) -> int:
+    """How deep `value`'s objects and arrays nest (0 for a scalar); without recursion."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        v, depth = todo.pop()
+        items = v.values() if isinstance(v, Mapping) else v if isinstance(v, list) else None
+        if items is not None:
+            deepest = max(deepest, depth)
+            todo.extend((item, depth + 1) for item in items)
+    return deepest
 
 
 @functools.lru_cache(maxsize=1024)  # (an agent sends the same tools with every call)
@@ -60,12 +91,21 @@ def schema_text_error(text: str) -> str | None:
     """`schema_error` of a schema already written as JSON text (checked once per text)."""
     from jsonschema import Draft202012Validator, SchemaError, validators
 
-    schema = json.loads(text)
+    try:
+        schema = json.loads(text)
+    except RecursionError:
+        return _too_deep(None)
+    if (why := schema_depth_error(schema)) is not None:
+        return why
+    if isinstance(schema, Mapping) and "$schema" in schema and not isinstance(schema["$schema"], str):
+        return "$schema must be a metaschema's URI (a string)"  # (jsonschema raised on it)
     try:
         validators.validator_for(schema, default=Draft202012Validator).check_schema(schema)
     except SchemaError as exc:
         where = "/".join(str(p) for p in exc.path)
         return exc.message[:200] + (f" (at {where})" if where else "")
+    except (RecursionError, ValueError, TypeError, AttributeError, LookupError) as exc:
+        return f"it cannot be checked against its metaschema ({type(exc).__name__})"  # (a schema, not a server, fault)
     return None
 
 

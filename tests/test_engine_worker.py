@@ -17,6 +17,7 @@ from nats.aio.client import Client as NATS
 
 from polling import until
 from services.engine.sim_backend import placeholder_tokens
+from services.engine.worker import EngineBackend
 from shared.call_record import CallRecords, record_key
 from shared.keys import CALL_TTL_S, Keys
 from shared.subjects import AGENT_NAMESPACE
@@ -37,6 +38,24 @@ def _run(call_id: str, session_id: str, reply_to: str, *, out: int = 20, stream:
     return RunCall(call=AdmissionCall(call_id, session_id, MODEL_A, 1000, 0, bound, 0.0, False),
                    engine=EnginePayload(hint=EngineHint(sim_output_tokens=out), stream=stream),
                    reply_to=reply_to, reserved_tokens=1000 + bound, waited_s=0.0, switch_wait_s=0.0, round_wait=False)
+
+
+class _AwakeBackend(EngineBackend):
+    """A backend in this process that is awake and runs nothing: a test gives it its `run`."""
+
+    can_run = awake = True  # type: ignore[assignment]
+
+    def running(self) -> list[RunCall]:
+        return []
+
+    async def run(self, rc: RunCall) -> None: ...
+
+    async def sleep(self) -> dict[str, int]:
+        return {}
+
+    async def wake(self, cmd: Wake) -> None: ...
+    async def abort(self, call_id: str, at: float | None) -> None: ...
+    async def cancel(self, call_id: str) -> None: ...
 
 
 async def _collect(nc: NATS, subject: str) -> tuple[list[bytes], Any]:
@@ -227,24 +246,13 @@ async def test_a_resend_whose_claim_was_read_before_the_answer_is_answered_not_r
     was stored), so it ran again, a second generation. It is answered from the record."""
     from shared.call_record import Claim
     from shared.settings import Settings
-    from services.engine.worker import EngineBackend, EngineWorker
+    from services.engine.worker import EngineWorker
 
-    class Backend(EngineBackend):
+    class Backend(_AwakeBackend):
         runs: list[str] = []
-        can_run = awake = True  # type: ignore[assignment]
-
-        def running(self) -> list[RunCall]:
-            return []
 
         async def run(self, rc: RunCall) -> None:
             self.runs.append(rc.call_id)
-
-        async def sleep(self) -> dict[str, int]:
-            return {}
-
-        async def wake(self, cmd: Wake) -> None: ...
-        async def abort(self, call_id: str, at: float | None) -> None: ...
-        async def cancel(self, call_id: str) -> None: ...
 
     class Records:
         def __init__(self) -> None:
@@ -366,3 +374,48 @@ async def test_a_vllm_worker_says_its_context_limit_as_it_starts(redis_server: R
         assert started  # (the load itself, not run here)
     finally:
         await r.aclose()
+
+
+async def test_a_run_the_backend_raises_on_is_refused_to_its_agent_and_frees_its_slot(service_logging: None) -> None:
+    """A run whose own content makes the backend raise (a tool schema the sim engine could
+    not read, in a probe) was answered to admission as "try again": it was sent again every
+    10 s for ever, counted as running, and held its model's slot open, so every other model
+    of the server waited. It is refused: its agent hears why, admission frees its slot."""
+    from shared.call_record import Claim
+    from shared.schema import ApiError
+    from shared.settings import Settings
+    from services.engine.worker import EngineWorker
+
+    class Backend(_AwakeBackend):
+        held: set[str] = set()
+
+        def holds(self, call_id: str) -> bool:
+            return call_id in self.held
+
+        async def run(self, rc: RunCall) -> None:
+            if rc.call_id == "taken":  # (taken, then failed: the backend's to finish)
+                self.held.add(rc.call_id)
+            raise RecursionError("maximum recursion depth exceeded")
+
+    class Records:
+        async def claim(self, session_id: str, call_id: str, **_: Any) -> Claim:
+            return Claim("run", CallRecord(state="claimed", owner="engine", epoch="e"), 1)
+
+    published: list[tuple[str, bytes]] = []
+
+    class Bus:
+        async def publish(self, subject: str, data: bytes, headers: Any = None) -> None:
+            published.append((subject, data))
+
+    w = EngineWorker(Settings(model=MODEL_A), Backend)
+    w.call_records, w.nc = Records(), Bus()  # type: ignore[assignment]
+    await w._take_run(_run("poison", "S1", "inbox.p"))
+    (err,) = [call_event_decoder.decode(d) for s, d in published if s == "inbox.p"]
+    assert isinstance(err, ApiError) and err.code == "internal" and "RecursionError" in err.message
+    (done,) = [finished_decoder.decode(d) for s, d in published if s == w.subjects.call_finished(w.settings.server_id)]
+    assert (done.call_id, done.context_tokens) == ("poison", 0)
+    assert not w._taken("poison") and "poison" not in w.claims  # (a retry of it is taken afresh)
+    published.clear()
+    with pytest.raises(RecursionError):
+        await w._take_run(_run("taken", "S2", "inbox.t"))
+    assert not published

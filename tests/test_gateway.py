@@ -3575,3 +3575,83 @@ def test_the_bounds_on_requests_in_flight_are_settings_with_ranges() -> None:
     for name in ("TALARIA_GATEWAY_MAX_CALLS", "TALARIA_GATEWAY_TENANT_MAX_CALLS"):
         with pytest.raises(SettingsError, match=name):
             Settings.from_env([], {name: "-1"})
+
+
+def _nested_schema(levels: int) -> dict[str, Any]:
+    schema: dict[str, Any] = {"type": "object"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
+@pytest.mark.timeout(60)
+async def test_a_schema_too_deep_or_unreadable_is_a_400_in_every_api_never_a_500(
+        refusing_gateway: tuple[str, dict[str, Any]]) -> None:
+    """A tool schema nested some 100 deep passed the gateway's check and failed the engine's
+    (a RecursionError with less stack left), which refused it as "try again" for ever; one
+    200 deep, or naming a `$schema` that is no string, was a text/plain 500 from the gateway."""
+    from shared.tool_calls import MAX_SCHEMA_DEPTH
+
+    url, ctl = refusing_gateway
+    deep = _nested_schema(MAX_SCHEMA_DEPTH)  # (two levels of JSON a level of properties)
+    msgs = [{"role": "user", "content": "hi"}]
+    cases = [("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f", "parameters": s}}]})
+             for s in (deep, _nested_schema(200), _nested_schema(420), {"$schema": 5, "type": "object"})]
+    cases += [("/v1/chat/completions", {"response_format": {"type": "json_schema",
+                                                            "json_schema": {"name": "x", "schema": deep}}}),
+              ("/v1/messages", {"tools": [{"name": "f", "input_schema": deep}], "max_tokens": 10}),
+              ("/v1/messages/count_tokens", {"tools": [{"name": "f", "input_schema": {"$schema": [], "type": "object"}}]}),
+              ("/v1/responses", {"tools": [{"type": "function", "name": "f", "parameters": deep}]}),
+              ("/v1/responses/input_tokens", {"text": {"format": {"type": "json_schema", "name": "x", "schema": deep}}})]
+    calls_before = ctl["calls"]
+    async with aiohttp.ClientSession() as http:
+        for path, extra in cases:
+            body = {"model": MODEL, **({"input": "hi"} if path.startswith("/v1/responses") else {"messages": msgs}),
+                    **extra}
+            async with http.post(f"{url}{path}", json=body, headers={"Authorization": "Bearer k"}) as r:
+                assert r.status == 400 and r.content_type == "application/json", (path, r.status, await r.text())
+                err = (await r.json())["error"]
+                assert err["type"] == "invalid_request_error" and "JSON Schema" in err["message"], (path, err)
+    assert ctl["calls"] == calls_before
+
+
+@pytest.mark.timeout(60)
+async def test_a_gateway_fault_is_a_500_in_the_apis_shape_with_its_request_id_logged(
+        refusing_gateway: tuple[str, dict[str, Any]], monkeypatch: pytest.MonkeyPatch) -> None:
+    url, ctl = refusing_gateway
+    gw = ctl["gateway"]
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(gw, "_tools", broken)
+    async with aiohttp.ClientSession() as http:
+        with structlog.testing.capture_logs() as logs:
+            for path, shape in (("/v1/chat/completions", "openai"), ("/v1/messages", "anthropic")):
+                body = {"model": MODEL, "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}
+                async with http.post(f"{url}{path}", json=body, headers={"Authorization": "Bearer k"}) as r:
+                    got = await r.json()
+                    assert r.status == 500, got
+                    if shape == "anthropic":
+                        assert got["type"] == "error" and got["error"]["type"] == "api_error", got
+                    else:
+                        assert got["error"]["type"] == "server_error", got
+                    rid = r.headers["x-request-id"]
+                    assert rid in got["error"]["message"]
+                    assert any(e["event"] == "gateway.failed" and e["request_id"] == rid for e in logs), logs
+        monkeypatch.undo()
+        async with http.post(f"{url}/v1/chat/completions", json={"model": MODEL, "messages": "x"},
+                             headers={"Authorization": "Bearer k"}) as r:
+            assert r.status == 400  # (the client's faults are still its own)
+
+
+async def test_a_schema_at_the_depth_bound_is_served_by_the_sim_engine(stack: EmbeddedStack) -> None:
+    """The bound is under what the engine's own reading of a schema takes: a tool whose
+    schema nests to it is called, not refused by the engine (nor sent again for ever)."""
+    from shared.tool_calls import MAX_SCHEMA_DEPTH
+
+    schema = _nested_schema(MAX_SCHEMA_DEPTH // 2 - 1)
+    r = await asyncio.wait_for(oai(stack).chat.completions.create(
+        model=MODEL, max_tokens=200, messages=[{"role": "user", "content": "call it"}], tool_choice="required",
+        tools=[{"type": "function", "function": {"name": "deep", "parameters": schema}}]), 60)
+    assert r.choices[0].message.tool_calls and r.choices[0].message.tool_calls[0].function.name == "deep"

@@ -458,7 +458,7 @@ async def _real_prompts_must_fit_the_engine(client, probe) -> None:  # type: ign
     agents are told and held to: a real prompt that leaves no room for its max_tokens is
     refused with `context_limit` by the router (by its count) and by the engine (by its
     ids, whatever count the caller claimed), never cut short."""
-    from talaria.client import ContextLimit
+    from talaria.client import ContextLimit, Malformed
 
     limit = 2048
     info = await client.info()
@@ -472,6 +472,11 @@ async def _real_prompts_must_fit_the_engine(client, probe) -> None:  # type: ign
         await client.call(sid, vb.MODEL, prompt_tokens=100, prompt_token_ids=[7] * (limit - 50), max_tokens=100,
                           call_id="kv-probe#understated")
     assert "2048" in str(exc.value)
+    # a token id outside the vocabulary: vLLM refuses the request, and so does the engine, by
+    # name (it had been left running for ever, its model's slot held open with it)
+    with pytest.raises(Malformed, match="vocabulary"):
+        await asyncio.wait_for(client.call(sid, vb.MODEL, prompt_tokens=3, prompt_token_ids=[7, 10**7, 7],
+                                           max_tokens=4, call_id="kv-probe#outside-the-vocabulary"), 60)
     ok = await client.call(sid, vb.MODEL, prompt_tokens=limit - 100, prompt_token_ids=[7] * (limit - 100),
                            max_tokens=8, call_id="kv-probe#fits")
     assert ok.prompt_tokens == limit - 100 and len(ok.token_ids or []) == 8  # nothing cut

@@ -79,6 +79,12 @@ def synthetic_prompt(session_id: str, n: int, vocab: int = 1000) -> list[int]:
     return out[:n]
 
 
+def request_fault(exc: BaseException) -> bool:
+    """vLLM's word that the request itself is at fault: its client errors (a token id
+    outside the vocabulary, a parameter out of range), ValueError in older releases."""
+    return isinstance(exc, ValueError) or any(c.__name__ == "VLLMClientError" for c in type(exc).__mro__)
+
+
 @dataclass
 class Live:
     rc: RunCall
@@ -529,9 +535,7 @@ class VllmBackend(EngineBackend):
         with structlog.contextvars.bound_contextvars(session_id=rc.session_id, call_id=rc.call_id):
             prompt = self._prompt(rc)
             if isinstance(prompt, str):
-                self.live.pop(rc.call_id, None)
-                self.log.warning("engine.refused", reason="context_limit", detail=prompt)
-                await w.refuse(rc, "context_limit", prompt)
+                await self._refuse(live, "context_limit", prompt)
                 return
             ids, source, max_tokens = prompt
             # a named tool_choice, or a response_format, is enforced by structured output, as
@@ -539,14 +543,12 @@ class VllmBackend(EngineBackend):
             try:
                 fmt = w.catalog.model(s.model).tool_call_format
                 forced = structured_output(rc.engine.hint, rc.engine.sampling, fmt)
-            except ValueError as exc:
-                self.live.pop(rc.call_id, None)
-                self.log.warning("engine.refused", reason="malformed", detail=str(exc))
-                await w.refuse(rc, "malformed", str(exc))
+                sp = SamplingParams(**sampling_kwargs(rc.engine.sampling, max_tokens, self.budgets_thinking),
+                                    structured_outputs=forced,
+                                    skip_special_tokens=not keeps_special_tokens(rc.engine.hint, fmt))
+            except Exception as exc:  # (vLLM's own checks of the sampling parameters too)
+                await self._refuse(live, "malformed" if request_fault(exc) else "internal", str(exc)[:300])
                 return
-            sp = SamplingParams(**sampling_kwargs(rc.engine.sampling, max_tokens, self.budgets_thinking),
-                                structured_outputs=forced,
-                                skip_special_tokens=not keeps_special_tokens(rc.engine.hint, fmt))
             self.matcher.track(live.request_id, rc.session_id, ids)
             await w.nc.publish(rc.reply_to, encode(CallRunning(call_id=rc.call_id, server_id=s.server_id)))
             self.log.info("engine.started", prompt_tokens=len(ids), prompt_source=source, max_tokens=max_tokens)
@@ -572,6 +574,14 @@ class VllmBackend(EngineBackend):
                 if not live.finished_by_agent:  # admission's preempt: admission already moved on
                     self.live.pop(rc.call_id, None)
                     raise
+            except Exception as exc:
+                # vLLM refused the request (a token id outside its vocabulary, a grammar it
+                # could not build: ValueError) or failed on it: the agent hears why and admission
+                # frees its slot (the call had been left running for ever, its stream silent)
+                bad_input = request_fault(exc) and not live.tokens
+                await self._refuse(live, "malformed" if bad_input else "internal",
+                                   f"vLLM: {type(exc).__name__}: {str(exc)[:300]}")
+                return
             finally:
                 live.generating = False
             # the agent gave up and vLLM's abort ended the loop before the cancel reached it
@@ -609,6 +619,12 @@ class VllmBackend(EngineBackend):
             self.log.info("engine.finished", prompt_tokens=len(ids), cached_tokens=cached,
                           output_tokens=len(live.tokens), wall_ttft_s=round(ttft, 4), wall_decode_s=round(decode, 4),
                           wall_total_s=round(t_end - t0, 4), aborted=aborted, figures="wall seconds (real engine)")
+
+    async def _refuse(self, live: Live, code: str, why: str) -> None:
+        """A run that cannot go on: its agent hears `code` and why, admission frees its slot."""
+        self.live.pop(live.rc.call_id, None)
+        self.log.warning("engine.refused", reason=code, detail=why)
+        await self.worker.refuse(live.rc, code, why)
 
     async def reset_prefix_cache(self) -> bool:
         from vllm import SamplingParams, TokensPrompt

@@ -342,16 +342,31 @@ class EngineWorker(ServiceProcess):
                 self.pending[rc.call_id] = rc
                 self.log.info("engine.run_deferred", reason="asleep or starting")
                 return
-            self.started_wall[rc.call_id] = time.time()
+            await self._start(rc)
+
+    async def _start(self, rc: RunCall) -> None:
+        """Hand a claimed run to the backend. One the backend raised on without taking it
+        is refused (`internal`, naming the error): it is this call's own (its content),
+        which a resend would raise on again, and admission, told to send it again, had
+        held its model's slot open for ever with it (a tool schema the sim engine could
+        not read, in a probe). One the backend holds is its to finish."""
+        self.started_wall[rc.call_id] = time.time()
+        try:
             await self.backend.run(rc)
+        except Exception as exc:
+            if self.backend.holds(rc.call_id):
+                raise
+            self.started_wall.pop(rc.call_id, None)
+            self.log.exception("engine.run_failed", call_id=rc.call_id, session_id=rc.session_id)
+            await self.refuse(rc, "internal", f"the engine could not run this call: {type(exc).__name__}: "
+                                              f"{str(exc)[:200]}")
 
     async def start_pending(self) -> None:
         """The engine can run again: start what waited, in arrival order."""
         while self.pending and self.backend.can_run:
             _, rc = next(iter(self.pending.items()))
             del self.pending[rc.call_id]
-            self.started_wall[rc.call_id] = time.time()
-            await self.backend.run(rc)
+            await self._start(rc)
 
     async def stream_tokens(self, rc: RunCall, index: int, token_ids: list[int], text: str | None = None) -> None:
         """Tokens of `rc` from position `index` of its output (and their text), to the agent."""

@@ -407,6 +407,16 @@ class Gateway:
                 "method_not_allowed", f"{request.method} is not allowed on {request.path}"))
             resp.headers["Allow"] = ", ".join(sorted(exc.allowed_methods))
             return resp
+        except web.HTTPException:
+            raise
+        except Exception:
+            if request.writer is not None and request.writer.output_size:
+                raise  # (a stream's head is out: only the connection's close can end it now)
+            # a fault of the gateway's own: still the API's shape (aiohttp's is a text/plain 500), logged
+            rid = request[REQUEST_ID_KEY] = request.get(REQUEST_ID_KEY) or "req_" + uuid.uuid4().hex
+            self.log.exception("gateway.failed", request_id=rid, method=request.method, path=request.path)
+            return error_response(shape, HttpError("internal", f"the gateway failed on this request ({rid} in "
+                                                               "its log says why)"))
 
     def _refused(self, request: web.Request, shape: str, err: HttpError) -> web.Response:
         """An error answer. One that made no call is logged too (`gateway.refused`), under

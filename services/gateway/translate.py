@@ -714,6 +714,8 @@ def output_schema(kind: Any, schema: Any, label: str, param: str) -> str | None:
         schema = {"type": "object"}
     elif not isinstance(schema, Mapping):
         raise BadRequest(f"{label}: the schema must be a JSON Schema object", param)
+    if (why := tool_calls.schema_depth_error(schema)) is not None:
+        raise BadRequest(f"{label}: not a valid JSON Schema: {why}", param)
     text = json.dumps(schema, separators=(",", ":"))
     if len(text.encode()) > JSON_SCHEMA_MAX_BYTES:
         raise BadRequest(f"{label}: the schema is over {JSON_SCHEMA_MAX_BYTES} bytes", param)
