@@ -205,3 +205,23 @@ def test_an_unknown_run_is_refused_and_the_runs_there_named(logs: Path, capsys: 
     _write(logs / "up" / "router-1.log", _line("51.000000", "router.placed", session="r0000ff-swe-008"))
     assert main(["logs", "swe-007", "--run", "r0000ff", "--log-dir", str(logs)]) == 1
     assert "no log line names session r0000ff-swe-007" in capsys.readouterr().err
+
+
+def test_a_clients_text_in_a_log_field_is_shown_escaped_never_as_control_characters(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A session header or a path is the client's text: shown raw, a newline in it forged a
+    line of the timeline and an escape sequence drove the reader's terminal."""
+    forged = "evil\x1b]0;pwned\x07\x1b[31m\nswe-007#999 s9 forged line\u202e"
+    _write(tmp_path / "up" / "gateway.log",
+           _line("38.100000", "gateway.call", session_name=forged, path="/v1/chat/completions"),
+           {"event": "gateway.refused", "request_id": "req_1", "level": "info", "timestamp": "2026-11-30T03:21:39Z",
+            "method": "GET", "path": "/v1/\x1b[31mX\n{\"event\":\"forged\"}", "status": 404, "code": "not_found",
+            "message": "no such endpoint\r\nforged"})
+    for session in ("swe-007", "req_1"):
+        assert main(["logs", session, "--log-dir", str(tmp_path)]) == 0
+        out = capsys.readouterr().out
+        assert not any(c in out for c in "\x1b\x07\r\u202e"), out
+        lines = out.splitlines()
+        assert "forged" in out and not any(ln.startswith(("swe-007#999", '{"event"', "forged")) for ln in lines), out
+        assert "\\x1b" in out and "\\x0a" in out
+    assert len(out.strip().splitlines()) == 1  # (the refusal: one line)

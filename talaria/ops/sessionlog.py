@@ -72,6 +72,17 @@ def session_lines(log_dir: Path, session_id: str | frozenset[str], call_id: str 
     return runs
 
 
+# control characters and bidirectional overrides, as escapes: a client's text in a log field
+# (a session header, a path) would otherwise forge lines or drive the reader's terminal
+_ESCAPED = {c: f"\\x{c:02x}" if c < 256 else f"\\u{c:04x}"
+            for c in (*range(0x20), *range(0x7F, 0xA0), *range(0x202A, 0x202F), *range(0x2066, 0x206A))}
+
+
+def printable(text: str) -> str:
+    """`text` with every control character written as its escape."""
+    return text.translate(_ESCAPED)
+
+
 def details(record: dict[str, Any]) -> str:
     """The line's own fields as `key=value`, placement candidates condensed."""
     parts: list[str] = []
@@ -145,7 +156,7 @@ def render(runs: dict[Path, list[LogLine]]) -> str:
                            f"{_fmt(c.prefill_s, '.2f'):>10} {_fmt(c.decode_s, '.2f'):>9}  "
                            f"{', '.join(c.problems) or '-'}")
         out.append("")
-    return "\n".join(out)
+    return "\n".join(printable(line) for line in out)
 
 
 def _run_roots(log_dir: Path, run: str) -> list[Path]:
@@ -289,10 +300,10 @@ def cmd_logs(a: argparse.Namespace) -> int:
             if a.json:
                 _print_lines([json.dumps(refusal)])
             else:
-                _print_lines([f"{refusal.get('timestamp', '')} gateway refused {refusal.get('method')} "
-                              f"{refusal.get('path')} before any call: {refusal.get('status')} {refusal.get('code')}"
-                              + (f" ({refusal['param']})" if refusal.get("param") else "")
-                              + f": {refusal.get('message')}"])
+                _print_lines([printable(
+                    f"{refusal.get('timestamp', '')} gateway refused {refusal.get('method')} "
+                    f"{refusal.get('path')} before any call: {refusal.get('status')} {refusal.get('code')}"
+                    + (f" ({refusal['param']})" if refusal.get("param") else "") + f": {refusal.get('message')}")])
             return 0
     if not runs:
         what = f"call {call} of session {session}" if call else f"session {session}"
