@@ -100,7 +100,12 @@ def test_a_compressed_body_is_decoded_bounded_and_a_bad_one_refused_by_name() ->
     assert tr.decode_body(raw_deflate.compress(body) + raw_deflate.flush(), "deflate", 100) == body
     assert tr.decode_body(gzip.compress(gzip.compress(body)), "gzip, gzip", 100) == body
     assert tr.decode_body(body, None, 100) == tr.decode_body(body, "identity", 100) == body
+    # gzip members one after another are one body (RFC 1952; the first alone had been read)
+    assert tr.decode_body(gzip.compress(body[:5]) + gzip.compress(body[5:]), "x-gzip", 100) == body
     for data, coding, code in ((body, "gzip", "malformed"), (gzip.compress(body)[:-6], "gzip", "malformed"),
+                               (gzip.compress(body) + b"junk", "gzip", "malformed"),  # (had been dropped)
+                               (zlib.compress(body) + b"x", "deflate", "malformed"),
+                               (gzip.compress(b" " * 600) * 2, "gzip", "too_large"),  # (the members together)
                                (body, "br", "unsupported_encoding"), (body, "zstd", "unsupported_encoding"),
                                (gzip.compress(b" " * 10_000), "gzip", "too_large")):  # (a small body that inflates)
         with pytest.raises(tr.BodyEncodingError) as e:
@@ -2238,6 +2243,11 @@ async def test_compressed_bodies_and_wrong_methods_are_answered_in_the_apis_shap
             assert r.status == 405 and r.headers["Allow"] == "POST" and (await r.json())["error"]["code"] == "method_not_allowed"
         async with http.put(f"{stack.openai_base_url}/messages", headers=auth) as r:
             assert r.status == 405 and (await r.json())["type"] == "error"
+        for name in ("input_tokens", "compact"):  # (POST endpoints under /v1/responses/: not a response's id)
+            for method in ("GET", "DELETE"):
+                async with http.request(method, f"{stack.openai_base_url}/responses/{name}", headers=auth) as r:
+                    body = await r.json()
+                    assert r.status == 405 and r.headers["Allow"] == "POST", (method, name, r.status, body)
     assert "RequestPayloadError" not in (Path(stack.log_dir) / "gateway.log").read_text()  # (aiohttp's traceback)
 
 
@@ -3234,6 +3244,9 @@ async def test_a_path_off_by_one_v1_is_answered_with_the_path_meant(
         for method, path, hint in (
                 ("POST", "/chat/completions", "(the API is under /v1: POST /v1/chat/completions)"),
                 ("POST", "/v1/v1/messages", "(/v1 twice: POST /v1/messages; the base URL ends in /v1"),
+                ("POST", "//v1/chat/completions", "(did you mean POST /v1/chat/completions?)"),
+                ("POST", "/V1/messages/", "(did you mean POST /v1/messages?)"),
+                ("POST", "/nothing", None),
                 ("HEAD", "/v1", None), ("GET", "/v1", None), ("POST", "/v1/nothing", None)):
             headers = {"Authorization": "Bearer k", "anthropic-version": "2023-06-01"}
             async with http.request(method, f"{url}{path}", headers=headers, json={}) as r:

@@ -105,6 +105,12 @@ OPENAI_PATHS = ("/v1/chat/", "/v1/completions", "/v1/responses")  # OpenAI's own
 RESPONSES = "responses"  # OpenAI's Responses API: OpenAI's error shapes, its own label in metrics and traces
 
 
+def _static_paths(app: web.Application) -> frozenset[str]:
+    """The paths the gateway serves that name no variable part."""
+    return frozenset(r.resource.canonical for r in app.router.routes()
+                     if r.resource is not None and "{" not in r.resource.canonical)
+
+
 class HttpError(Exception):
     """An answer in the API's own error shape (`code` is a Talaria error code or `unauthorized`)."""
 
@@ -396,12 +402,8 @@ class Gateway:
             return self._refused(request, shape, HttpError(
                 "too_large", f"request body over {self.settings.gateway_max_body} bytes"))
         except web.HTTPNotFound:
-            under_v1 = request.path == "/v1" or request.path.startswith("/v1/")
-            hint = "" if under_v1 else f" (the API is under /v1: {request.method} /v1{request.path})"
-            if request.path.startswith("/v1/v1/"):  # (a base URL ending in /v1 where the SDK adds its own)
-                hint = (f" (/v1 twice: {request.method} {request.path[3:]}; the base URL ends in /v1 where the "
-                        "client adds it itself: ANTHROPIC_BASE_URL is the gateway's URL without /v1)")
-            return self._refused(request, shape, HttpError("not_found", f"no such endpoint: {request.method} {request.path}{hint}"))
+            return self._refused(request, shape, HttpError(
+                "not_found", f"no such endpoint: {request.method} {request.path}{self._path_hint(request)}"))
         except web.HTTPMethodNotAllowed as exc:
             resp = self._refused(request, shape, HttpError(
                 "method_not_allowed", f"{request.method} is not allowed on {request.path}"))
@@ -417,6 +419,21 @@ class Gateway:
             self.log.exception("gateway.failed", request_id=rid, method=request.method, path=request.path)
             return error_response(shape, HttpError("internal", f"the gateway failed on this request ({rid} in "
                                                                "its log says why)"))
+
+    @staticmethod
+    def _path_hint(request: web.Request) -> str:
+        """The endpoint a path not found was likely meant for, said in a 404 (else ""): a base
+        URL set one /v1 off is the commonest setup mistake; `//v1/...` and `/V1/...` too."""
+        canonical = "/" + "/".join(part for part in request.path.split("/") if part)
+        if canonical.lower().startswith("/v1/v1/"):  # (a base URL ending in /v1 where the SDK adds its own)
+            return (f" (/v1 twice: {request.method} {canonical[3:]}; the base URL ends in /v1 where the client "
+                    "adds it itself: ANTHROPIC_BASE_URL is the gateway's URL without /v1)")
+        under_v1 = canonical.lower() == "/v1" or canonical.lower().startswith("/v1/")
+        meant = "/v1" + (canonical[3:] if under_v1 else canonical)
+        if meant == request.path or meant not in _static_paths(request.app):
+            return ""
+        return f" (did you mean {request.method} {meant}?)" if under_v1 else \
+            f" (the API is under /v1: {request.method} {meant})"
 
     def _refused(self, request: web.Request, shape: str, err: HttpError) -> web.Response:
         """An error answer. One that made no call is logged too (`gateway.refused`), under
@@ -1558,12 +1575,21 @@ class Gateway:
         raise HttpError("not_found", "POST /v1/responses/compact is not served here: compact the conversation in "
                         "the client (Codex does, with a /v1/responses call of its own) or send it whole")
 
+    @staticmethod
+    def _response_id(request: web.Request) -> str:
+        """The stored response a path names; a POST endpoint's own name under /v1/responses/
+        (`input_tokens`, `compact`) is a 405, not a response that is not found."""
+        rid = request.match_info["response_id"]
+        if f"/v1/responses/{rid}" in _static_paths(request.app):
+            raise web.HTTPMethodNotAllowed(request.method, ["POST"])
+        return rid
+
     async def stored_response(self, request: web.Request) -> web.Response:
         """A stored response read back (`GET /v1/responses/{id}`), as it was answered. Its
         stream again (`?stream=true`, OpenAI's resumption of a background response) is
         refused by name: answered with the whole object, the SDK's stream yielded nothing."""
         tenant = self._tenant(request)
-        rid = request.match_info["response_id"]
+        rid = self._response_id(request)
         if request.query.get("stream", "false").lower() not in ("false", "0", ""):
             raise HttpError("malformed", "stream is not served for a stored response: it is read back whole "
                             "(GET without stream); only POST /v1/responses streams", "stream")
@@ -1576,7 +1602,7 @@ class Gateway:
         """The items a stored response was generated from (`GET /v1/responses/{id}/input_items`),
         a page at a time."""
         tenant = self._tenant(request)
-        rid = request.match_info["response_id"]
+        rid = self._response_id(request)
         stored = await self._read_conversation(tenant, rid)
         if stored is None:
             raise HttpError("not_found", f"Response with id '{rid[:256]}' not found.")
@@ -1589,7 +1615,7 @@ class Gateway:
         """A stored response deleted (`DELETE /v1/responses/{id}`): it can no longer be read
         back or continued; the responses continuing it keep their own conversations."""
         tenant = self._tenant(request)
-        rid = request.match_info["response_id"]
+        rid = self._response_id(request)
         deleted = self.redis is not None and await self._response_store(lambda r: r.delete(self._response_key(tenant, rid)))
         if not deleted:
             raise HttpError("not_found", f"Response with id '{rid[:256]}' not found.")

@@ -317,16 +317,24 @@ def decode_body(raw: bytes, content_encoding: str | None, limit: int) -> bytes:
 
 
 def _inflate(raw: bytes, coding: str, limit: int) -> bytes:
+    """One coding undone. A gzip body may be several members one after the other (RFC 1952,
+    as `gzip.decompress` reads them; the first alone had been taken, the rest dropped); any
+    other bytes after the end are refused, as a truncated body is."""
     for wbits in _DECODERS[coding]:
-        d = zlib.decompressobj(wbits)
+        out, rest = bytearray(), raw
         try:
-            out = d.decompress(raw, limit + 1)
+            while True:
+                d = zlib.decompressobj(wbits)
+                out += d.decompress(rest, limit + 1 - len(out))
+                if len(out) > limit:
+                    raise BodyEncodingError("too_large", f"request body over {limit} bytes once decoded ({coding})")
+                rest = d.unused_data
+                if not d.eof or not rest or coding not in ("gzip", "x-gzip"):
+                    break
         except zlib.error:
             continue
-        if len(out) > limit:
-            raise BodyEncodingError("too_large", f"request body over {limit} bytes once decoded ({coding})")
-        if d.eof:
-            return out
+        if d.eof and not rest:
+            return bytes(out)
     raise BodyEncodingError("malformed", f"the body is not valid {coding} (Content-Encoding: {coding})")
 
 
