@@ -34,7 +34,7 @@ from nats.micro.service import EndpointConfig, ServiceConfig
 
 from shared.call_record import CallRecords
 from shared.catalog import Catalog, load_catalog
-from shared.clock import LagMonitor, ScaledClock
+from shared.clock import LAG_REPORT_WALL_S, LagMonitor, ScaledClock
 from shared.keys import CALL_TTL_S, Keys
 from shared.logs import configure_logging, rotate_logs
 from shared import tracing
@@ -291,13 +291,17 @@ class ServiceProcess:
         return t
 
     async def reply_error(self, reply: str | None, code: str, message: str, call_id: str | None = None,
-                          retry_after_s: float | None = None) -> None:
+                          retry_after_s: float | None = None, to_agent: bool = True) -> None:
+        """An error reply. `to_agent` false: it answers another service (admission's refusal
+        to a router, which answers the agent; an engine's to admission, which sends again),
+        so it is not counted as a failed call: each call's failure is counted once, by the
+        service that tells its agent (`talaria_calls_failed_total` was twice the calls)."""
         # a hostile message can carry a near-1 MiB id or model name: never echo it whole (an error
         # reply over the bus's max payload would fail to send, and so would the request's answer)
         message = message if len(message) <= 2000 else message[:2000] + "..."
         call_id = call_id if call_id is None or len(call_id) <= 1024 else call_id[:1024]
         self.log.warning("request.rejected", code=code, reason=message, call_id=call_id)
-        if call_id is not None:
+        if call_id is not None and to_agent:
             self.metrics.calls_failed.labels(code=code).inc()
         if reply:
             await self.nc.publish(reply, encode(ApiError(code=code, message=message, call_id=call_id, retry_after_s=retry_after_s)))  # type: ignore[arg-type]
@@ -444,16 +448,12 @@ class ServiceProcess:
     async def _lag_reporter(self) -> None:
         counted_stalls_s = 0.0
         while True:
-            await asyncio.sleep(1.0)
-            self.metrics.loop_lag.set(self.lag.worst_s)
-            self.metrics.loop_lag_recent.set(self.lag.recent_worst_s(time.monotonic()))
-            stalled_s = self.lag.stalled_s
-            self.metrics.loop_stalled.inc(stalled_s - counted_stalls_s)
-            counted_stalls_s = stalled_s
+            await asyncio.sleep(LAG_REPORT_WALL_S)
+            counted_stalls_s = self.metrics.report_lag(self.lag, counted_stalls_s)
             with contextlib.suppress(Exception):
                 # one round trip, the stalls first: a reader waits for the worst's report, then reads both
                 pipe = self.redis.pipeline(transaction=False)
-                pipe.set(self.keys.stalled(self.instance), f"{stalled_s:.4f}", ex=3600)
+                pipe.set(self.keys.stalled(self.instance), f"{counted_stalls_s:.4f}", ex=3600)
                 pipe.set(self.keys.lag(self.instance), f"{self.lag.worst_s:.4f}", ex=3600)
                 await pipe.execute()
                 self.redis_answered_at = time.monotonic()  # (the report is also this process's Redis probe)

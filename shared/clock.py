@@ -52,6 +52,7 @@ async def done_within(aw: Awaitable[object], timeout_s: float) -> bool:
     return True
 
 
+LAG_REPORT_WALL_S = 1.0  # how often a process's lag figures reach its metrics (and Redis, for a replay's guard)
 LAG_WINDOW_S = 30.0  # the recent worst lag covers the last 30-60 wall s
 STALL_MIN_WALL_S = 0.01  # a wake-up at least this late is a stall (the loop held up), not the timer's jitter
 SOURCE_LAG_MAX_WALL_S = 5.0  # how far back an event's source time is taken: a hop's latency, not a stall's

@@ -27,6 +27,7 @@ Rules (docs/observability.md has the table):
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, make_server
@@ -35,6 +36,8 @@ import structlog
 from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, disable_created_metrics,
                                make_wsgi_app)
 from prometheus_client.exposition import ThreadingWSGIServer
+
+from shared.clock import LagMonitor
 
 WSGIApp = Callable[[dict[str, Any], Any], Iterable[bytes]]
 
@@ -191,6 +194,14 @@ class Metrics:
         self.dependency_up = Gauge("talaria_dependency_up", "1 while this process reaches the dependency (nats, "
                                    "redis) as its own use of it last found, 0 while it does not.", ["dependency"],
                                    registry=r)
+
+    def report_lag(self, lag: LagMonitor, counted_stalls_s: float) -> float:
+        """The loop-lag gauges and stall counter from `lag` (every second); the stalls
+        counted so far, to pass next time."""
+        self.loop_lag.set(lag.worst_s)
+        self.loop_lag_recent.set(lag.recent_worst_s(time.monotonic()))
+        self.loop_stalled.inc(lag.stalled_s - counted_stalls_s)
+        return lag.stalled_s
 
     def gateway_calls(self, held: Callable[[], float], most: int) -> None:
         """The gateway's API requests in flight and its bound on them; called by the gateway

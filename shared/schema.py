@@ -111,7 +111,7 @@ class Sampling(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, fo
 
     temperature: Annotated[float, Meta(ge=0, le=2)] | None = None
     top_p: Annotated[float, Meta(gt=0, le=1)] | None = None
-    top_k: Annotated[int, Meta(ge=-1)] | None = None
+    top_k: Annotated[int, Meta(ge=-1, le=2**31 - 1)] | None = None  # (vLLM's is an int32)
     stop: Annotated[list[Annotated[str, Meta(min_length=1, max_length=200)]], Meta(max_length=4)] = []
     seed: Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)] | None = None  # (OpenAI's int64)
     presence_penalty: Annotated[float, Meta(ge=-2, le=2)] | None = None

@@ -331,7 +331,8 @@ def test_sampling_fields_are_carried_or_refused_by_name() -> None:
                              ({"function_call": "none"}, "openai", "function_call"),  # (with tools: tool_choice)
                              ({"echo": True}, "openai", "echo"), ({"suffix": "}"}, "openai", "suffix"),
                              ({"best_of": 3}, "openai", "best_of"),
-                             ({"seed": 2**64}, "openai", "seed")):  # (OpenAI's seed is an int64; vLLM's torch's too)
+                             ({"seed": 2**64}, "openai", "seed"),  # (OpenAI's seed is an int64; vLLM's torch's too)
+                             ({"top_k": 1e30}, "anthropic", "top_k")):  # (vLLM's top_k is an int32)
         with pytest.raises(tr.BadRequest) as e:
             tr.sampling_of(body, api)
         assert e.value.param == field, (body, e.value)
@@ -3668,3 +3669,106 @@ async def test_a_schema_at_the_depth_bound_is_served_by_the_sim_engine(stack: Em
         model=MODEL, max_tokens=200, messages=[{"role": "user", "content": "call it"}], tool_choice="required",
         tools=[{"type": "function", "function": {"name": "deep", "parameters": schema}}]), 60)
     assert r.choices[0].message.tool_calls and r.choices[0].message.tool_calls[0].function.name == "deep"
+
+
+@pytest.mark.timeout(60)
+async def test_fields_typed_strictly_by_the_apis_are_refused_when_mistyped(
+        refusing_gateway: tuple[str, dict[str, Any]]) -> None:
+    """Each of these had been taken as some other value (no metadata, parallel calls on,
+    no stream options, one stop sequence, n=1) where both APIs answer 400."""
+    url, ctl = refusing_gateway
+    msgs = [{"role": "user", "content": "x"}]
+    cases = [("/v1/chat/completions", {"metadata": "x"}, "metadata"),
+             ("/v1/chat/completions", {"parallel_tool_calls": "x"}, "parallel_tool_calls"),
+             ("/v1/chat/completions", {"stream": True, "stream_options": "x"}, "stream_options"),
+             ("/v1/chat/completions", {"n": True}, "n"),
+             ("/v1/completions", {"prompt": "x", "n": True}, "n"),
+             ("/v1/responses", {"input": "x", "metadata": ["x"]}, "metadata"),
+             ("/v1/responses", {"input": "x", "parallel_tool_calls": 1}, "parallel_tool_calls"),
+             ("/v1/messages", {"max_tokens": 5, "stop_sequences": "x"}, "stop_sequences"),
+             ("/v1/messages", {"max_tokens": 5, "metadata": "x"}, "metadata"),
+             ("/v1/messages", {"max_tokens": 5, "top_k": 1e30}, "top_k")]
+    calls_before = ctl["calls"]
+    async with aiohttp.ClientSession() as http:
+        for path, extra, field in cases:
+            body = {"model": MODEL, **({} if path in ("/v1/responses", "/v1/completions") else {"messages": msgs}),
+                    **extra}
+            async with http.post(f"{url}{path}", json=body, headers={"Authorization": "Bearer k"}) as r:
+                got = await r.json()
+                assert r.status == 400, (path, extra, r.status, got)
+                assert field in got["error"]["message"] and (path == "/v1/messages" or got["error"]["param"] == field)
+        # well typed, the same fields are served (the stand-in router refuses every call for capacity)
+        for path, extra in (("/v1/chat/completions", {"metadata": {"a": "b"}, "parallel_tool_calls": False, "n": 1}),
+                            ("/v1/messages", {"max_tokens": 5, "stop_sequences": ["x"], "metadata": {"user_id": "u"}})):
+            body = {"model": MODEL, "messages": msgs, **extra}
+            async with http.post(f"{url}{path}", json=body, headers={"Authorization": "Bearer k"}) as r:
+                assert r.status in (429, 529), (path, r.status, await r.text())
+    assert ctl["calls"] == calls_before + 2
+
+
+class _SwitchedRedis:
+    """The real Redis, or, while `away`, one whose every command fails as a lost one's does."""
+
+    def __init__(self, real: aioredis.Redis) -> None:
+        self.real, self.away = real, False
+
+    def __getattr__(self, name: str) -> Any:
+        if not self.away:
+            return getattr(self.real, name)
+
+        async def failed(*args: Any, **kwargs: Any) -> Any:
+            raise ConnectionError("Redis is away")
+        return failed
+
+
+@pytest.mark.timeout(60)
+async def test_the_gateways_redis_reads_down_for_as_long_as_redis_is_away(
+        nats_server: NatsServer, redis_client: aioredis.Redis, key_prefix: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`talaria_dependency_up{dependency="redis"}` had read the pause the gateway takes after
+    a failed step: 0 for 5 s, then 1 until the next failure, so through a 90-s outage it
+    flapped and the one-minute alert never fired for the gateway."""
+    import services.gateway.service as gateway_service
+
+    monkeypatch.setattr(gateway_service, "SOFT_STATE_PAUSE_S", 0.3)
+    # its use of Redis while no call comes, out of step with the pause (as the deployed 2-s beat and 5-s pause)
+    monkeypatch.setattr(gateway_service, "REPLICA_BEAT_WALL_S", 0.25)
+    settings = Settings(nats_urls=[nats_server.url], subject_prefix=f"gwr{time.time_ns() % 10**8}",
+                        key_prefix=key_prefix, gateway_host="127.0.0.1", gateway_port=0, api_keys="t:k")
+    bus = await TalariaClient.connect([nats_server.url], subject_prefix=settings.subject_prefix,
+                                      namespace=GATEWAY_NAMESPACE)
+    redis = _SwitchedRedis(redis_client)
+    runner, _ = await start_gateway(settings, bus, redis=redis)  # type: ignore[arg-type]
+    gw = runner.app[GATEWAY_KEY]
+
+    def up() -> float | None:
+        return gw.metrics.registry.get_sample_value("talaria_dependency_up", {"dependency": "redis"})
+
+    try:
+        assert up() == 1.0
+        redis.away = True
+        await until(lambda: up() == 0.0, timeout_s=5)
+        seen = set()
+        for _ in range(30):  # several pauses long: down throughout
+            await asyncio.sleep(0.05)
+            seen.add(up())
+        assert seen == {0.0}
+        redis.away = False
+        await until(lambda: up() == 1.0, timeout_s=5)
+    finally:
+        await runner.cleanup()
+        await bus.close()
+
+
+@pytest.mark.timeout(60)
+async def test_the_gateway_measures_its_own_event_loops_lag(refusing_gateway: tuple[str, dict[str, Any]]) -> None:
+    """The lag gauges every process exposes had stayed 0 at the gateway whatever its loop
+    did (no monitor ran there), so its lag alert could never fire."""
+    _, ctl = refusing_gateway
+    registry = ctl["gateway"].metrics.registry
+    await asyncio.sleep(0.2)
+    time.sleep(1.0)  # the loop (the gateway's too: it runs in this process) held past an idle monitor's sleep
+    await until(lambda: (registry.get_sample_value("talaria_event_loop_lag_recent_seconds") or 0) >= 0.15,
+                timeout_s=5, what="the gateway's lag never reported")
+    assert registry.get_sample_value("talaria_event_loop_lag_seconds") >= 0.15
+    assert registry.get_sample_value("talaria_event_loop_stalled_seconds_total") >= 0.15

@@ -1355,3 +1355,31 @@ async def test_an_engine_down_with_its_substrate_is_waited_for_without_errors(
     finally:
         await client.close()
         await svc.stop()
+
+
+async def test_a_call_refused_between_services_is_counted_failed_once_by_whoever_tells_its_agent() -> None:
+    """Admission's refusal of a submit answers the router, which answers the agent; an
+    engine's refusal of a dispatch answers admission, which sends it again. Both had been
+    counted in `talaria_calls_failed_total` beside the router's answer to the agent, so its
+    sum over processes was twice the calls refused (and every resend of a refused dispatch
+    counted an `internal` failure that no agent saw)."""
+    import inspect
+
+    from shared.bus import ServiceProcess
+    from services.admission.service import AdmissionService
+
+    published: list[str] = []
+
+    class Bus:
+        async def publish(self, subject: str, data: bytes, headers: Any = None) -> None:
+            published.append(subject)
+
+    svc = ServiceProcess(Settings())
+    svc.nc = Bus()  # type: ignore[assignment]
+    await svc.reply_error("inbox.router", "no_capacity", "full", "c1", to_agent=False)
+    await svc.reply_error("inbox.agent", "no_capacity", "no server could take it", "c1")
+    assert published == ["inbox.router", "inbox.agent"]
+    assert svc.metrics.registry.get_sample_value("talaria_calls_failed_total", {"code": "no_capacity"}) == 1
+    # admission never answers an agent: none of its refusals is counted
+    source = inspect.getsource(AdmissionService)
+    assert source.count("self.reply_error(") == source.count("to_agent=False") > 0

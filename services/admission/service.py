@@ -325,14 +325,15 @@ class AdmissionService(ServiceProcess):
         c = sub.call
         with structlog.contextvars.bound_contextvars(session_id=c.session_id, call_id=c.call_id):
             if c.model not in self.scheduler.models:
-                await self.reply_error(msg.reply, "unknown_model", f"{c.model} is not served on {self.settings.server_id}", c.call_id)
+                await self.reply_error(msg.reply, "unknown_model", f"{c.model} is not served on {self.settings.server_id}",
+                                       c.call_id, to_agent=False)
                 return
             held = self.payloads.get(c.call_id)
             if held is not None and held.call.session_id != c.session_id:
                 # one call id in flight for two sessions at once: refuse, never merge them
                 await self.reply_error(msg.reply, "malformed",
                                        f"call id {c.call_id} is in flight for another session; use unique call ids",
-                                       c.call_id)
+                                       c.call_id, to_agent=False)
                 return
             known = held is not None
             bound = self.settings.max_queued
@@ -340,7 +341,7 @@ class AdmissionService(ServiceProcess):
                 held_by = self.scheduler.queued_by_tenant().get(c.tenant, 0)
                 await self.reply_error(msg.reply, "no_capacity", f"{self.settings.server_id} has {self.scheduler.queued()} "
                                        f"calls queued (bound {bound}; {held_by} of them this tenant's)",
-                                       c.call_id, retry_after_s=1.0)
+                                       c.call_id, retry_after_s=1.0, to_agent=False)
                 return
             if known and held is not None and sub.reply_to != held.reply_to:
                 await self._redirect(c.call_id, held, sub.reply_to)

@@ -273,13 +273,15 @@ class EngineWorker(ServiceProcess):
         rc = run_decoder.decode(msg.data)
         if self.stale_admission(rc.admission_epoch):
             await self.reply_error(msg.reply, "superseded", f"admission epoch {rc.admission_epoch} is older than "
-                                   f"{self.admission_epoch}: a newer admission holds {self.settings.server_id}", rc.call_id)
+                                   f"{self.admission_epoch}: a newer admission holds {self.settings.server_id}", rc.call_id,
+                                   to_agent=False)
             return
         try:
             await self._take_run(rc)
         except Exception as exc:  # say which call could not be taken: admission backs off and sends it again
             self.log.exception("handler.failed", handler="run", call_id=rc.call_id, session_id=rc.session_id)
-            await self.reply_error(msg.reply, "internal", f"run: {type(exc).__name__}: {exc}", rc.call_id)
+            await self.reply_error(msg.reply, "internal", f"run: {type(exc).__name__}: {exc}", rc.call_id,
+                                   to_agent=False)
             return
         if msg.reply:  # admission sends a dispatch until it hears this
             await self.nc.publish(msg.reply, encode(RunAccepted(call_id=rc.call_id)))

@@ -61,6 +61,7 @@ from shared import tool_calls as tc
 from shared.bus import run_loop
 from shared.agent_client import Session, TalariaClient, TalariaError
 from shared.catalog import Catalog, load_catalog
+from shared.clock import LAG_REPORT_WALL_S, LagMonitor
 from shared.keys import CALL_TTL_S, SESSION_TTL_S, Keys
 from shared.logs import configure_logging, rotate_logs
 from shared.schema import CallReply, CallRunning, CallTokens, Sampling, context_limit_message
@@ -232,6 +233,9 @@ class Gateway:
         # so every prefix is taken as empty and a header-less request is a session of its own
         self.redis = redis
         self.soft_state_away_until = 0.0  # (monotonic) Redis did not answer: done without until then
+        # Redis answered the last step tried on it (a failure sets it false until one answers:
+        # `talaria_dependency_up`, which a pause that ended read as up while Redis was still away)
+        self.redis_answering = True
         self._soft_state_probe: asyncio.Future[None] | None = None  # asks Redis meanwhile, to end it sooner
         self.rkeys = Keys(settings.key_prefix)
         self.chains = px.ChainCache()
@@ -278,7 +282,25 @@ class Gateway:
         app.router.add_delete("/v1/responses/{response_id}", self.delete_response)
         app.on_response_prepare.append(self._request_id)
         app.cleanup_ctx.append(self._replica_beat)
+        app.cleanup_ctx.append(self._watch_lag)
         return app
+
+    async def _watch_lag(self, _app: web.Application) -> AsyncIterator[None]:
+        """The event loop's lag, measured and reported as every service's is: a gateway
+        relaying many streams lags first, and its lag alert had read 0 for ever."""
+        lag = LagMonitor()
+
+        async def report() -> None:
+            counted_stalls_s = 0.0
+            while True:
+                await asyncio.sleep(LAG_REPORT_WALL_S)
+                counted_stalls_s = self.metrics.report_lag(lag, counted_stalls_s)
+
+        tasks = [asyncio.ensure_future(lag.run()), asyncio.ensure_future(report())]
+        yield
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _replica_beat(self, _app: web.Application) -> AsyncIterator[None]:
         """While it serves, the replica says in Redis that it is up (`gw:replica:<id>`), so
@@ -633,10 +655,25 @@ class Gateway:
             raise HttpError("malformed", "stream must be a boolean", "stream")
         return stream
 
+    @staticmethod
+    def _check_types(body: dict[str, Any], anthropic: bool) -> None:
+        """Fields the APIs type strictly, refused as they refuse them: a string taken as
+        `metadata`, `parallel_tool_calls` or `stream_options` was read as no value, and
+        Anthropic's `stop_sequences` as a string was read as one sequence."""
+        for name, kind, what in (("metadata", dict, "an object"), ("stream_options", dict, "an object"),
+                                 ("parallel_tool_calls", bool, "a boolean")):
+            if body.get(name) is not None and not isinstance(body[name], kind):
+                raise HttpError("malformed", f"{name} must be {what}", name)
+        stops = body.get("stop_sequences")
+        if anthropic and stops is not None and not (isinstance(stops, list) and all(isinstance(s, str) for s in stops)):
+            raise HttpError("malformed", "stop_sequences must be an array of strings", "stop_sequences")
+
     @classmethod
     def _check_common(cls, body: dict[str, Any]) -> bool:
         stream = cls._stream(body)
-        if body.get("n") not in (None, 1):
+        cls._check_types(body, anthropic=False)
+        n = body.get("n")
+        if n is not None and (isinstance(n, bool) or n != 1):  # (true == 1 in Python: `n: true` had passed)
             raise HttpError("malformed", "only n=1 is served", "n")
         if body.get("stream_options") is not None and not stream:
             # (as OpenAI and vLLM: options of a stream not asked for are a mistake to say, not to drop)
@@ -709,6 +746,8 @@ class Gateway:
         model = await self._model(body)
         anthropic = dialect == ANTHROPIC
         stream = self._stream(body) if anthropic else self._check_common(body)
+        if original is not None or anthropic:  # (the body as the agent sent it: Responses' own fields)
+            self._check_types(original if original is not None else body, anthropic)
         tools, choice, fmt = self._tools(body, dialect, model)
         tools_json = tc.tools_text(tools) if tools else None
         prompt = await self._chat_prompt(tenant, model, body, dialect, fmt, tools, tools_json)
@@ -895,6 +934,7 @@ class Gateway:
         again (asked each SOFT_STATE_PROBE_S meanwhile): a blind pause gave every call in the
         seconds after a stall ended no prefix (its engine still held its KV) and no store."""
         self.soft_state_away_until = time.monotonic() + SOFT_STATE_PAUSE_S
+        self.redis_answering = False
         if self._soft_state_probe is None or self._soft_state_probe.done():
             self._soft_state_probe = asyncio.ensure_future(self._probe_soft_state())
 
@@ -907,6 +947,7 @@ class Gateway:
                     await self.redis.ping()
             except Exception:  # noqa: BLE001 - still away: asked again
                 continue
+            self.redis_answering = True
             if time.monotonic() < self.soft_state_away_until:
                 self.soft_state_away_until = 0.0
                 self.log.info("gateway.prefix_state_back")
@@ -1028,7 +1069,9 @@ class Gateway:
         try:
             # (not the commands' own retry budget: the call goes on without what it would have known)
             async with asyncio.timeout(SOFT_STATE_WAIT_S):
-                return await op()
+                done = await op()
+            self.redis_answering = True
+            return done
         except Exception as exc:  # noqa: BLE001 - soft state: log, do without
             self._soft_state_aside()
             self.log.warning(failed, error=type(exc).__name__, paused_s=SOFT_STATE_PAUSE_S, **fields)
@@ -1772,7 +1815,7 @@ async def start_gateway(settings: Settings, client: TalariaClient, redis: aiored
     up = gw.metrics.dependency_up  # (as each scrape finds it; Redis as the gateway's own use of it last found)
     up.labels("nats").set_function(lambda: float(client.nc.is_connected))
     if redis is not None:
-        up.labels("redis").set_function(lambda: float(time.monotonic() >= gw.soft_state_away_until))
+        up.labels("redis").set_function(lambda: float(gw.redis_answering))
     gw.metrics.serve(settings.metrics_port, settings.metrics_host)
     if not gw.keys:
         gw.log.warning("gateway.no_keys", reason="TALARIA_API_KEYS is empty: every API request gets 401")
