@@ -419,3 +419,33 @@ async def test_a_run_the_backend_raises_on_is_refused_to_its_agent_and_frees_its
     with pytest.raises(RecursionError):
         await w._take_run(_run("taken", "S2", "inbox.t"))
     assert not published
+
+
+async def test_a_vllm_run_that_raises_before_its_answer_is_refused_not_left_running() -> None:
+    """The vLLM backend runs each call in a task: one that raised before its answer (its
+    prompt's tokenizing, a request vLLM refused) was logged and left live, so its agent
+    waited for ever and admission held its slot. It is refused; one answered or refused
+    already is not refused again."""
+    import structlog
+
+    from services.engine.vllm_backend import Live, VllmBackend
+
+    refused: list[tuple[str, str]] = []
+
+    class Worker:
+        async def refuse(self, rc: RunCall, code: str, message: str) -> None:
+            refused.append((rc.call_id, code))
+
+    backend = VllmBackend.__new__(VllmBackend)  # (no engine: only its run's bookkeeping)
+    backend.worker, backend.live, backend.log = Worker(), {}, structlog.get_logger("test")  # type: ignore[assignment]
+
+    async def raises(live: Live) -> None:
+        raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "a tokenizer's fault")
+
+    backend._serve_call = raises  # type: ignore[method-assign]
+    live = backend.live["c1"] = Live(rc=_run("c1", "S1", "inbox.1"), request_id="c1~x")
+    await backend._serve(live)
+    assert refused == [("c1", "internal")] and "c1" not in backend.live
+    with pytest.raises(UnicodeDecodeError):  # (no longer live: answered or refused, not refused again)
+        await backend._serve(live)
+    assert refused == [("c1", "internal")]

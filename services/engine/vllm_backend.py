@@ -528,6 +528,18 @@ class VllmBackend(EngineBackend):
         return ids, "synthetic", max_tokens
 
     async def _serve(self, live: Live) -> None:
+        """A call's run, start to answer. Whatever it raises on before its answer or refusal
+        (its prompt's tokenizing, say) refuses it (`internal`): left live, the call had run
+        for ever with no answer while admission held its slot."""
+        try:
+            await self._serve_call(live)
+        except Exception as exc:
+            if self.live.get(live.rc.call_id) is not live:
+                raise  # (answered or refused already: the failure is the task's to log)
+            self.log.exception("engine.run_failed", call_id=live.rc.call_id, session_id=live.rc.session_id)
+            await self._refuse(live, "internal", f"vLLM: {type(exc).__name__}: {str(exc)[:300]}")
+
+    async def _serve_call(self, live: Live) -> None:
         from vllm import SamplingParams, TokensPrompt
 
         rc, w = live.rc, self.worker

@@ -358,11 +358,11 @@ class Gateway:
                                                   "(only 100-continue is served)")
         elif self.draining:
             err = stopping_refusal()
-        elif tr.tenant_for(request.headers, self.keys) is None:
+        elif (tenant := self._known_tenant(request)) is None:
             err = self._unauthorized(request)
         elif (over := self._declared_too_large(request)) is not None:
             err = over
-        elif (over := self._over_limit(self._known_tenant(request) or "")) is not None:
+        elif (over := self._over_limit(tenant)) is not None:
             err = over  # (its upload would only be read to be refused)
         else:
             if request.version >= (1, 1):
