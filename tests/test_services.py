@@ -36,7 +36,7 @@ from shared.keys import CALL_TTL_S, Keys
 from shared.settings import Settings
 from shared.logs import read_log_events
 from shared.schema import (
-    EngineHint,
+    EngineHint, EnginePayload,
     MAX_MESSAGE_BYTES, ApiError, CallAccepted, CallQueued, CallReply, CallRunning, api_reply_decoder,
     call_event_decoder, encode, CallRequest, CancelCall, PromptRef,
 )
@@ -1383,3 +1383,40 @@ async def test_a_call_refused_between_services_is_counted_failed_once_by_whoever
     # admission never answers an agent: none of its refusals is counted
     source = inspect.getsource(AdmissionService)
     assert source.count("self.reply_error(") == source.count("to_agent=False") > 0
+
+
+async def test_a_stored_call_of_another_subject_prefix_is_dropped_at_recovery(
+        nats_server: NatsServer, redis_server: RedisServer, subject_prefix: str, key_prefix: str,
+        tmp_path: Path) -> None:
+    """`talaria up` started again on a Redis kept across restarts (the same key prefix) and a
+    fresh subject prefix: its admission recovered the calls the last stack had accepted and
+    ran them for replies nobody could hear, and every publish of them was refused as a
+    permissions violation, once a second. They are dropped, and said so; its own are run."""
+    from shared.schema import AdmissionCall, SubmitCall
+
+    own, foreign = f"{subject_prefix}-own-0", f"{subject_prefix}-foreign-0"
+    r = aioredis.Redis.from_url(redis_server.url)
+    try:
+        for cid, prefix in ((own, subject_prefix), (foreign, "an-older-stack")):
+            sub = SubmitCall(call=AdmissionCall(cid, f"s-{cid}", MODEL_A, 1000, 0, 64, 0.0, False),
+                             reply_to=f"{prefix}.reply.{AGENT_NAMESPACE}.c.{cid}",
+                             engine=EnginePayload(hint=EngineHint(sim_output_tokens=5)))
+            await r.hset(Keys(key_prefix).admission_calls(SERVER), cid, encode(sub))
+        svc = Services(nats_server.url, redis_server.url, subject_prefix, key_prefix, tmp_path / "logs",
+                       models=[MODEL_A])
+        await svc.start()
+        try:
+            await until(lambda: any(d.get("event") == "admission.recover_foreign"
+                                    for d in svc.log_lines(svc.admission)), 20, "no foreign call dropped")
+            (said,) = [d for d in svc.log_lines(svc.admission) if d.get("event") == "admission.recover_foreign"]
+            assert said["call_ids"] == [foreign]
+            await until(lambda: any(d.get("event") == "engine.finished" and d.get("call_id") == own
+                                    for d in svc.log_lines(svc.engine(MODEL_A))), 30, "its own call never ran")
+            async def none_stored() -> bool:  # (the foreign one deleted, the own one once answered)
+                return await r.hlen(Keys(key_prefix).admission_calls(SERVER)) == 0
+            await until(none_stored, 20, "stored calls left")
+            assert not any(d.get("call_id") == foreign for d in svc.log_lines(svc.engine(MODEL_A)))
+        finally:
+            await svc.stop()
+    finally:
+        await r.aclose()

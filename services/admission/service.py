@@ -168,6 +168,16 @@ class AdmissionService(ServiceProcess):
                 stored[cid.decode()] = stored_submit_decoder.decode(data)
             except Exception:  # noqa: BLE001 - a corrupt entry is skipped, not fatal
                 self.log.warning("admission.recover_bad_entry", call_id=cid.decode(errors="replace"))
+        # a call whose reply goes to another deployment's subjects (a stack started again with
+        # the same Redis key prefix and a new subject prefix): nobody here can hear its answer,
+        # and its every publish was refused as a permissions violation, once a second
+        foreign = sorted(cid for cid, sub in stored.items() if not self.subjects.is_reply_inbox(sub.reply_to))
+        for cid in foreign:
+            del stored[cid]
+            self.spawn(self._unpersist(cid), "unpersist")
+        if foreign:
+            self.log.warning("admission.recover_foreign", calls=len(foreign), call_ids=foreign[:20],
+                             reason="their replies go to another subject prefix: dropped")
         awake: tuple[str, int] | None = None
         running: list[RunCall] = []
 
