@@ -203,11 +203,14 @@ class Metrics:
         self.loop_stalled.inc(lag.stalled_s - counted_stalls_s)
         return lag.stalled_s
 
-    def gateway_calls(self, held: Callable[[], float], most: int) -> None:
-        """The gateway's API requests in flight and its bound on them; called by the gateway
-        alone (an unlabelled gauge is exposed, as 0, by every process that defines it)."""
+    def gateway_calls(self, held: Callable[[], float], waiting: Callable[[], float], most: int) -> None:
+        """The gateway's API requests in flight, those waiting in line for a slot, and its bound;
+        called by the gateway alone (an unlabelled gauge is exposed, as 0, by every process that
+        defines it)."""
         Gauge("talaria_http_calls_in_flight", "API requests the gateway is answering now (a stream until its "
               "last event).", registry=self.registry).set_function(held)
+        Gauge("talaria_http_calls_waiting", "API requests waiting in line for a slot (over the gateway's or "
+              "their tenant's bound).", registry=self.registry).set_function(waiting)
         Gauge("talaria_http_calls_max", "The gateway's bound on API requests in flight "
               "(TALARIA_GATEWAY_MAX_CALLS; 0: none).", registry=self.registry).set(most)
 

@@ -103,6 +103,7 @@ _RANGES: tuple[tuple[str, str, float, bool, float], ...] = (
     ("TALARIA_GATEWAY_MAX_BODY", "gateway_max_body", 0, True, math.inf),
     ("TALARIA_GATEWAY_MAX_CALLS", "gateway_max_calls", 0, False, math.inf),
     ("TALARIA_GATEWAY_TENANT_MAX_CALLS", "gateway_tenant_max_calls", 0, False, math.inf),
+    ("TALARIA_GATEWAY_QUEUE_WAIT_S", "gateway_queue_wait_s", 0, False, math.inf),
     ("TALARIA_GATEWAY_RESPONSES_TTL_S", "gateway_responses_ttl_s", 0, False, math.inf),
     ("TALARIA_CALL_RECORD_REPLICAS", "call_record_replicas", 1, False, 5),
     ("TALARIA_PROMPT_STORE_MAX_BYTES", "prompt_store_max_bytes", 0, True, math.inf),
@@ -230,6 +231,7 @@ class Settings:
     gateway_max_body: int = GATEWAY_MAX_BODY  # bytes of an HTTP request body (decoded) above which the gateway answers 413 (Anthropic: 32 MB)
     gateway_max_calls: int = GATEWAY_MAX_CALLS  # API requests one gateway answers at once; past it 429/529 (0 = no bound)
     gateway_tenant_max_calls: int = 0  # ... of one tenant; past it 429 (0 = none but the gateway's)
+    gateway_queue_wait_s: float = 60.0  # wall seconds a request over either bound waits in line for a slot (0: refused at once)
     gateway_responses_ttl_s: int = GATEWAY_RESPONSES_TTL_S  # wall seconds a stored response is kept (0: none stored)
     gateway_tokenizers: str = ""    # `model=FOLDER,...` (`*` every model): chat template and tokenizer per model; else stand-in ids
     gateway_tool_parsers: str = ""  # `model=FORMAT,...` (`*` every model): a tool-call format over the catalog's
@@ -334,10 +336,14 @@ class Settings:
         p.add_argument("--gateway-max-calls", type=int,
                        default=_int(src, "TALARIA_GATEWAY_MAX_CALLS", GATEWAY_MAX_CALLS),
                        help="API requests one gateway answers at once (a stream until its end); past it a request "
-                            "is refused at once as no capacity, 429 (Anthropic: 529), with Retry-After (0 = no bound)")
+                            "waits in line (--gateway-queue-wait-s), then is refused as no capacity, 429 (Anthropic: "
+                            "529), with Retry-After (0 = no bound)")
         p.add_argument("--gateway-tenant-max-calls", type=int, default=_int(src, "TALARIA_GATEWAY_TENANT_MAX_CALLS", 0),
                        help="API requests of one tenant one gateway answers at once; past it 429 rate_limit_error "
                             "with Retry-After (0 = no bound but --gateway-max-calls)")
+        p.add_argument("--gateway-queue-wait-s", type=float, default=_float(src, "TALARIA_GATEWAY_QUEUE_WAIT_S", 60.0),
+                       help="wall seconds a request over --gateway-max-calls or --gateway-tenant-max-calls waits in "
+                            "line for a slot, first come first served, before its 429 (0: refused at once)")
         p.add_argument("--gateway-responses-ttl-s", type=int,
                        default=_int(src, "TALARIA_GATEWAY_RESPONSES_TTL_S", GATEWAY_RESPONSES_TTL_S),
                        help="wall seconds a Responses-API response asked to be stored (store, the default) can be "
@@ -429,6 +435,7 @@ class Settings:
             gateway_max_body=max(1024, a.gateway_max_body),
             gateway_max_calls=a.gateway_max_calls,
             gateway_tenant_max_calls=a.gateway_tenant_max_calls,
+            gateway_queue_wait_s=a.gateway_queue_wait_s,
             gateway_responses_ttl_s=a.gateway_responses_ttl_s,
             gateway_tokenizers=a.gateway_tokenizers,
             gateway_tool_parsers=a.gateway_tool_parsers,

@@ -3483,20 +3483,39 @@ def test_call_slots_bound_the_gateway_and_each_tenant() -> None:
     from services.gateway.limits import GATEWAY_FULL, TENANT_FULL, CallSlots
 
     slots = CallSlots(most=3, most_per_tenant=2)
-    slots.take("a")
-    slots.take("a")
-    assert slots.refusal("a") == TENANT_FULL and slots.refusal("b") is None
-    slots.take("b")
+    assert slots.try_take("a") and slots.try_take("a")
+    assert slots.refusal("a") == TENANT_FULL and not slots.try_take("a") and slots.refusal("b") is None
+    assert slots.try_take("b")
     assert slots.refusal("b") == GATEWAY_FULL and slots.refusal("c") == GATEWAY_FULL
-    slots.give_back("a")
+    assert slots.wait("c") is None  # (no line: refused at once)
+    assert slots.give_back("a") == []
     assert slots.refusal("a") is None and slots.refusal("c") is None
     for tenant in ("a", "b"):
         slots.give_back(tenant)
     assert slots.held == 0 and slots.held_by_tenant == {}  # (no tenant's count outlives its calls)
     unbounded = CallSlots(most=0, most_per_tenant=0)
-    for _ in range(10_000):
-        unbounded.take("a")
-    assert unbounded.refusal("a") is None
+    assert all(unbounded.try_take("a") for _ in range(10_000))
+
+
+def test_a_request_over_a_bound_waits_in_line_first_come_first_served() -> None:
+    """A slot given back goes to the first waiter its bounds allow, before any newcomer; a
+    waiter whose tenant is at its own bound lets the next one pass."""
+    from services.gateway.limits import CallSlots
+
+    slots = CallSlots(most=2, most_per_tenant=1, most_waiting=3)
+    assert slots.try_take("a") and slots.try_take("b")
+    a2, c1, b2 = slots.wait("a"), slots.wait("c"), slots.wait("b")
+    assert a2 and c1 and b2 and slots.wait("d") is None  # (the line is full)
+    assert slots.give_back("b") == [c1] and c1.granted  # (a2's tenant is at its bound: c1 passes it)
+    assert not slots.try_take("d")  # (no newcomer takes a freed slot from the line)
+    assert slots.give_back("a") == [a2]
+    assert list(slots.waiting) == [b2]
+    assert slots.leave(a2) == [b2] and b2.granted  # (a2 left as it was granted: its slot goes on)
+    assert slots.leave(c1) == [] and slots.held == 1  # (c1 left: nobody waits)
+    slots.wait("x")
+    assert [w.tenant for w in slots.refuse_all()] == ["x"] and not slots.waiting
+    slots.give_back("b")
+    assert slots.held == 0 and slots.held_by_tenant == {}
 
 
 @pytest.mark.timeout(60)
@@ -3528,8 +3547,7 @@ async def test_requests_over_the_gateways_or_a_tenants_bound_are_refused_at_once
         for path, want_status, want in (
                 ("/v1/chat/completions", 429, {"type": "rate_limit_error", "code": "no_capacity"}),
                 ("/v1/responses", 429, {"type": "rate_limit_error", "code": "no_capacity"}),
-                ("/v1/messages", 529, {"type": "overloaded_error"}),
-                ("/v1/messages/count_tokens", 529, {"type": "overloaded_error"})):
+                ("/v1/messages", 529, {"type": "overloaded_error"})):
             async with http.post(f"{url}{path}", json={**slow, "max_tokens": 10},
                                  headers={"Authorization": "Bearer k"}) as r:
                 body = await r.json()
@@ -3550,7 +3568,11 @@ async def test_requests_over_the_gateways_or_a_tenants_bound_are_refused_at_once
             assert head.startswith(b"HTTP/1.1 429"), head[:200]
         finally:
             writer.close()
-        assert registry.get_sample_value("talaria_http_calls_shed_total", {"limit": "gateway"}) == 5
+        # a token count calls no model and streams nothing: answered whatever the bound
+        async with http.post(f"{url}/v1/messages/count_tokens", json={"model": MODEL, "messages": slow["messages"]},
+                             headers={"x-api-key": "k"}) as r:
+            assert r.status == 200, await r.text()
+        assert registry.get_sample_value("talaria_http_calls_shed_total", {"limit": "gateway"}) == 4
         held[0].close()  # a stream ends: its slot comes back
         await until(lambda: gw.slots.held == 1, timeout_s=5)
         held[0] = await held_stream(http, "k")
@@ -3583,10 +3605,11 @@ def test_the_bounds_on_requests_in_flight_are_settings_with_ranges() -> None:
     s = Settings.from_env([], {"TALARIA_GATEWAY_MAX_CALLS": "50", "TALARIA_GATEWAY_TENANT_MAX_CALLS": "5"})
     assert (s.gateway_max_calls, s.gateway_tenant_max_calls) == (50, 5)
     s = Settings.from_env([], {})
-    assert (s.gateway_max_calls, s.gateway_tenant_max_calls) == (1024, 0)
+    assert (s.gateway_max_calls, s.gateway_tenant_max_calls, s.gateway_queue_wait_s) == (1024, 0, 60.0)
+    assert Settings.from_env([], {"TALARIA_GATEWAY_QUEUE_WAIT_S": "0"}).gateway_queue_wait_s == 0
     s = Settings.from_env(["--gateway-max-calls", "0"], {})  # (0: no bound)
     assert s.gateway_max_calls == 0
-    for name in ("TALARIA_GATEWAY_MAX_CALLS", "TALARIA_GATEWAY_TENANT_MAX_CALLS"):
+    for name in ("TALARIA_GATEWAY_MAX_CALLS", "TALARIA_GATEWAY_TENANT_MAX_CALLS", "TALARIA_GATEWAY_QUEUE_WAIT_S"):
         with pytest.raises(SettingsError, match=name):
             Settings.from_env([], {name: "-1"})
 
@@ -3772,3 +3795,55 @@ async def test_the_gateway_measures_its_own_event_loops_lag(refusing_gateway: tu
                 timeout_s=5, what="the gateway's lag never reported")
     assert registry.get_sample_value("talaria_event_loop_lag_seconds") >= 0.15
     assert registry.get_sample_value("talaria_event_loop_stalled_seconds_total") >= 0.15
+
+
+@pytest.mark.timeout(60)
+async def test_a_request_over_the_bound_is_served_when_a_slot_comes_free_within_its_wait(
+        refusing_gateway: tuple[str, dict[str, Any]]) -> None:
+    """Refused at once, a tenant's calls past its bound failed in the SDKs, which retry a 429
+    twice a second apart, whenever no slot came free within two seconds (a probe's: 20 of 24).
+    They wait in line for one, up to TALARIA_GATEWAY_QUEUE_WAIT_S; one whose client leaves
+    takes no slot; a stopping gateway sends the line elsewhere."""
+    import dataclasses
+
+    from services.gateway.limits import CallSlots
+
+    url, ctl = refusing_gateway
+    gw = ctl["gateway"]
+    gw.slots = CallSlots(most=100, most_per_tenant=1, most_waiting=10)
+    gw.settings = dataclasses.replace(gw.settings, gateway_queue_wait_s=20.0)
+    registry = gw.metrics.registry
+    slow = {"model": MODEL, "stream": True, "messages": [{"role": "user", "content": "slow"}]}
+    auth = {"Authorization": "Bearer k"}
+    async with aiohttp.ClientSession() as http:
+        first = await http.post(f"{url}/v1/chat/completions", json=slow, headers=auth)
+        assert first.status == 200
+        await first.content.readuntil(b"\n\n")
+        waiting = asyncio.ensure_future(http.post(f"{url}/v1/chat/completions", json=slow, headers=auth))
+        gone = asyncio.ensure_future(http.post(f"{url}/v1/chat/completions", json=slow, headers=auth))
+        await until(lambda: len(gw.slots.waiting) == 2, timeout_s=5)
+        assert registry.get_sample_value("talaria_http_calls_waiting") == 2
+        gone.cancel()  # its client leaves while it waits
+        await until(lambda: len(gw.slots.waiting) == 1, timeout_s=5)
+        await asyncio.sleep(0.5)
+        assert not waiting.done()
+        first.close()  # the slot comes free: the first in line gets it
+        second = await asyncio.wait_for(waiting, 5)
+        assert second.status == 200
+        await second.content.readuntil(b"\n\n")
+        # its wait runs out: refused as its tenant's rate limit, after the wait, not at once
+        gw.settings = dataclasses.replace(gw.settings, gateway_queue_wait_s=0.5)
+        t0 = time.monotonic()
+        async with http.post(f"{url}/v1/chat/completions", json=slow, headers=auth) as r:
+            assert r.status == 429 and (await r.json())["error"]["code"] == "rate_limit_exceeded"
+            assert 0.4 < time.monotonic() - t0 < 5
+        # a stopping gateway tells its line to go elsewhere
+        gw.settings = dataclasses.replace(gw.settings, gateway_queue_wait_s=20.0)
+        third = asyncio.ensure_future(http.post(f"{url}/v1/chat/completions", json=slow, headers=auth))
+        await until(lambda: len(gw.slots.waiting) == 1, timeout_s=5)
+        drain = asyncio.ensure_future(gw.drain(0.5))
+        answer = await asyncio.wait_for(third, 5)
+        assert answer.status == 503 and "stopping" in (await answer.json())["error"]["message"]
+        second.close()
+        await drain
+    assert gw.slots.held == 0 and not gw.slots.waiting

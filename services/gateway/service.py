@@ -54,7 +54,7 @@ from services.gateway import prefix as px
 from services.gateway import reasoning as rs
 from services.gateway import tokens as tk
 from services.gateway import translate as tr
-from services.gateway.limits import GATEWAY_FULL, CallSlots
+from services.gateway.limits import GATEWAY_FULL, CallSlots, Waiter
 from services.gateway.relay import RerunDiverged, StreamedTokens
 from services.gateway.translate import BadRequest, Prompt
 from shared import tool_calls as tc
@@ -68,7 +68,7 @@ from shared.schema import CallReply, CallRunning, CallTokens, Sampling, context_
 from shared import tracing
 from shared.metrics import Metrics
 from shared.redis_client import RedisUrlError, check_target, open_redis
-from shared.settings import GATEWAY_DRAIN_WALL_S, STREAMS_STOP_WALL_S, Settings, parse_api_keys
+from shared.settings import GATEWAY_DRAIN_WALL_S, GATEWAY_MAX_CALLS, STREAMS_STOP_WALL_S, Settings, parse_api_keys
 from shared.subjects import GATEWAY_NAMESPACE
 
 DEFAULT_MAX_TOKENS = 4096      # a request naming no bound gets this much, capped by the context left
@@ -102,6 +102,7 @@ SSE_KEEPALIVE = b": keep-alive\n\n"  # an SSE comment: clients skip it; writing 
 
 OPENAI, ANTHROPIC = "openai", "anthropic"
 T = TypeVar("T")
+MODEL_CALL_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses"})
 OPENAI_PATHS = ("/v1/chat/", "/v1/completions", "/v1/responses")  # OpenAI's own: its shape whatever the headers
 RESPONSES = "responses"  # OpenAI's Responses API: OpenAI's error shapes, its own label in metrics and traces
 
@@ -257,8 +258,10 @@ class Gateway:
         self.metrics = Metrics()
         self.draining = False  # SIGTERM: API requests in flight finish, new ones are sent elsewhere
         self.in_flight = 0     # API requests being answered (a stream until its end)
-        self.slots = CallSlots(settings.gateway_max_calls, settings.gateway_tenant_max_calls)
-        self.metrics.gateway_calls(lambda: self.slots.held, self.slots.most)
+        # as many may wait in line as may be in flight (a waiter costs its connection alone)
+        waiting = (settings.gateway_max_calls or GATEWAY_MAX_CALLS) if settings.gateway_queue_wait_s > 0 else 0
+        self.slots = CallSlots(settings.gateway_max_calls, settings.gateway_tenant_max_calls, waiting)
+        self.metrics.gateway_calls(lambda: self.slots.held, lambda: len(self.slots.waiting), self.slots.most)
         self.streams_stop = asyncio.Event()  # the drain's time is up: streams end with the API's error event
         self.drain_cut_asked = asyncio.Event()  # a second SIGTERM: the drain's time is up now
         self._ignored_said: set[tuple[str, str]] = set()  # (API, field) this process has logged as ignored
@@ -362,8 +365,8 @@ class Gateway:
             err = self._unauthorized(request)
         elif (over := self._declared_too_large(request)) is not None:
             err = over
-        elif (over := self._over_limit(tenant)) is not None:
-            err = over  # (its upload would only be read to be refused)
+        elif (limit := self.slots.refusal(tenant)) is not None and self.slots.line_full():
+            err = self._over_limit(limit)  # (its upload would only be read to be refused)
         else:
             if request.version >= (1, 1):
                 await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
@@ -384,20 +387,23 @@ class Gateway:
         shape = self._shape(request)
         t0, status = time.monotonic(), 500
         api_call = request.path.startswith("/v1/")
-        # the tenant whose slot this request would hold: an API POST with a valid key (a
-        # read of a stored response or the model list is cheap; a keyless request gets its 401)
-        tenant = self._known_tenant(request) if api_call and request.method == "POST" else None
+        # the tenant whose slot this request would hold: a call of a model with a valid key (a
+        # token count, or a read of a stored response or the model list, is quick and streams
+        # nothing: Claude Code counts often, and would wait behind its own streams; a keyless
+        # request gets its 401)
+        tenant = self._known_tenant(request) if request.path in MODEL_CALL_PATHS else None
         holds_slot = False
         self.in_flight += api_call
         try:
             if api_call and self.draining:  # (a load balancer has been told by /health; a client retries)
                 resp = self._refused(request, shape, stopping_refusal())
-            elif tenant is not None and (over := self._over_limit(tenant)) is not None:
-                resp = self._refused(request, shape, over)  # (before its body is read or anything is sent)
+            elif tenant is not None and not await self._slot(tenant):
+                # (before its body is read or anything is sent)
+                over = stopping_refusal() if self.draining else \
+                    self._over_limit(self.slots.refusal(tenant) or GATEWAY_FULL)
+                resp = self._refused(request, shape, over)
             else:
-                if tenant is not None:
-                    self.slots.take(tenant)
-                    holds_slot = True
+                holds_slot = tenant is not None
                 resp = await self._answer(request, handler, shape)
             status = 499 if request.get(CLIENT_GONE_KEY) else resp.status
             return resp
@@ -410,7 +416,7 @@ class Gateway:
         finally:
             self.in_flight -= api_call
             if holds_slot:
-                self.slots.give_back(tenant)  # type: ignore[arg-type]
+                self._admitted(self.slots.give_back(tenant))  # type: ignore[arg-type]
             if api_call:
                 self._count(request, shape, status, t0)
 
@@ -489,6 +495,9 @@ class Gateway:
             return not self.in_flight
 
         self.draining = True
+        for waiter in self.slots.refuse_all():  # (told to go elsewhere, not left to wait out the line)
+            if not waiter.handle.done():
+                waiter.handle.set_result(False)
         if self.in_flight:
             self.log.info("gateway.draining", in_flight=self.in_flight, within_s=within_s)
         if not await settled(within_s):
@@ -521,11 +530,37 @@ class Gateway:
             raise self._unauthorized(request)
         return tenant
 
-    def _over_limit(self, tenant: str) -> HttpError | None:
-        """The refusal of a request of `tenant` while the gateway, or that tenant, holds its
-        most requests in flight (`limits.CallSlots`), else None."""
-        if (limit := self.slots.refusal(tenant)) is None:
-            return None
+    async def _slot(self, tenant: str) -> bool:
+        """A slot for a request of `tenant` (`limits.CallSlots`): at once, or once one comes
+        free while it waits in line, up to TALARIA_GATEWAY_QUEUE_WAIT_S; False: none came,
+        the line was full, or the gateway stops."""
+        if self.slots.try_take(tenant):
+            return True
+        waiter = self.slots.wait(tenant, asyncio.get_running_loop().create_future())
+        if waiter is None:
+            return False
+        try:
+            await asyncio.wait_for(asyncio.shield(waiter.handle), self.settings.gateway_queue_wait_s)
+        except TimeoutError:
+            pass
+        except asyncio.CancelledError:  # its client left: its place, or the slot it was just given, goes on
+            self._admitted(self.slots.leave(waiter))
+            raise
+        if waiter.granted:  # (granted as its time ran out: it is served)
+            return True
+        self._admitted(self.slots.leave(waiter))
+        return False
+
+    @staticmethod
+    def _admitted(waiters: list[Waiter]) -> None:
+        """Wake the waiters given a slot."""
+        for waiter in waiters:
+            if not waiter.handle.done():
+                waiter.handle.set_result(True)
+
+    def _over_limit(self, limit: str) -> HttpError:
+        """The refusal of a request over the gateway's bound on requests in flight (GATEWAY_FULL)
+        or its tenant's (TENANT_FULL), after its wait in line."""
         self.metrics.http_calls_shed.labels(limit=limit).inc()
         if limit == GATEWAY_FULL:
             return HttpError("no_capacity", f"this gateway is answering its most requests at once "
