@@ -43,6 +43,12 @@ from shared import harmony, synthetic_json
 
 FORMATS = ("hermes", "glm45", "pythonic", "harmony", "none")
 
+# Objects and arrays a schema may nest (32 levels of `properties`; tools' schemas nest a
+# handful): the metaschema check, the grammar and the sim engine's made-up arguments all
+# recurse on it, and one nested some 200 deep passed the gateway's check yet failed the
+# engine's (less stack left there), so its call was refused and sent again for ever
+MAX_SCHEMA_DEPTH = 64
+
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 _GLM_CALL = re.compile(r"<tool_call>\s*([^\n<]*?)\s*(?:\n|(?=<arg_key>)|(?=</tool_call>))(.*?)</tool_call>", re.DOTALL)
 _GLM_ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
@@ -65,13 +71,6 @@ def schema_depth_error(schema: Any) -> str | None:
 
 def _too_deep(depth: int | None) -> str:
     return f"it nests {'over 900' if depth is None else depth} objects and arrays deep, over {MAX_SCHEMA_DEPTH}"
-
-
-# Objects and arrays a schema may nest (32 levels of `properties`; tools' schemas nest a
-# handful): the metaschema check, the grammar and the sim engine's made-up arguments all
-# recurse on it, and one nested some 200 deep passed the gateway's check yet failed the
-# engine's (less stack left there), so its call was refused and sent again for ever
-MAX_SCHEMA_DEPTH = 64
 
 
 def json_depth(value: Any) -> int:
