@@ -3487,6 +3487,7 @@ def test_call_slots_bound_the_gateway_and_each_tenant() -> None:
     assert slots.refusal("a") == TENANT_FULL and not slots.try_take("a") and slots.refusal("b") is None
     assert slots.try_take("b")
     assert slots.refusal("b") == GATEWAY_FULL and slots.refusal("c") == GATEWAY_FULL
+    assert slots.refusal("a") == TENANT_FULL  # (its own bound named first: it holds whatever the others do)
     assert slots.wait("c") is None  # (no line: refused at once)
     assert slots.give_back("a") == []
     assert slots.refusal("a") is None and slots.refusal("c") is None
@@ -3514,6 +3515,10 @@ def test_a_request_over_a_bound_waits_in_line_first_come_first_served() -> None:
     assert slots.leave(c1) == [] and slots.held == 1  # (c1 left: nobody waits)
     slots.wait("x")
     assert [w.tenant for w in slots.refuse_all()] == ["x"] and not slots.waiting
+    # a tenant holds as many places in line as its bound allows it slots: its flood leaves
+    # the rest of the line to the others
+    assert slots.wait("f") and slots.wait("f") is None and slots.wait("g")
+    slots.refuse_all()
     slots.give_back("b")
     assert slots.held == 0 and slots.held_by_tenant == {}
 
@@ -3568,6 +3573,19 @@ async def test_requests_over_the_gateways_or_a_tenants_bound_are_refused_at_once
             assert head.startswith(b"HTTP/1.1 429"), head[:200]
         finally:
             writer.close()
+        # ... but not a token count's, which takes no slot
+        reader, writer = await asyncio.open_connection("127.0.0.1", int(url.rsplit(":", 1)[1]))
+        try:
+            writer.write(b"POST /v1/messages/count_tokens HTTP/1.1\r\nHost: x\r\nx-api-key: k\r\n"
+                         b"Content-Type: application/json\r\nContent-Length: 100\r\nExpect: 100-continue\r\n\r\n")
+            await writer.drain()
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+            assert head.startswith(b"HTTP/1.1 100"), head[:200]
+        finally:
+            writer.close()
+        # nor a method the path does not serve: a 405 at once, not a wait for a slot
+        async with http.get(f"{url}/v1/chat/completions", headers={"Authorization": "Bearer k"}) as r:
+            assert r.status == 405
         # a token count calls no model and streams nothing: answered whatever the bound
         async with http.post(f"{url}/v1/messages/count_tokens", json={"model": MODEL, "messages": slow["messages"]},
                              headers={"x-api-key": "k"}) as r:
@@ -3810,7 +3828,7 @@ async def test_a_request_over_the_bound_is_served_when_a_slot_comes_free_within_
 
     url, ctl = refusing_gateway
     gw = ctl["gateway"]
-    gw.slots = CallSlots(most=100, most_per_tenant=1, most_waiting=10)
+    gw.slots = CallSlots(most=1, most_per_tenant=0, most_waiting=10)
     gw.settings = dataclasses.replace(gw.settings, gateway_queue_wait_s=20.0)
     registry = gw.metrics.registry
     slow = {"model": MODEL, "stream": True, "messages": [{"role": "user", "content": "slow"}]}
@@ -3831,11 +3849,11 @@ async def test_a_request_over_the_bound_is_served_when_a_slot_comes_free_within_
         second = await asyncio.wait_for(waiting, 5)
         assert second.status == 200
         await second.content.readuntil(b"\n\n")
-        # its wait runs out: refused as its tenant's rate limit, after the wait, not at once
+        # its wait runs out: refused for capacity, after the wait, not at once
         gw.settings = dataclasses.replace(gw.settings, gateway_queue_wait_s=0.5)
         t0 = time.monotonic()
         async with http.post(f"{url}/v1/chat/completions", json=slow, headers=auth) as r:
-            assert r.status == 429 and (await r.json())["error"]["code"] == "rate_limit_exceeded"
+            assert r.status == 429 and (await r.json())["error"]["code"] == "no_capacity"
             assert 0.4 < time.monotonic() - t0 < 5
         # a stopping gateway tells its line to go elsewhere
         gw.settings = dataclasses.replace(gw.settings, gateway_queue_wait_s=20.0)
@@ -3847,3 +3865,30 @@ async def test_a_request_over_the_bound_is_served_when_a_slot_comes_free_within_
         second.close()
         await drain
     assert gw.slots.held == 0 and not gw.slots.waiting
+
+
+@pytest.mark.timeout(60)
+async def test_calls_held_for_retries_are_bounded_as_calls_in_flight_are(
+        refusing_gateway: tuple[str, dict[str, Any]]) -> None:
+    """A whole call whose client leaves, and which its client will retry, runs on for the
+    retry to join it, holding no slot (its retry's request takes one): clients that left at
+    once ran calls past both bounds (a probe's 18 of one tenant against its 3). A tenant holds
+    at most its bound of them; past it a call is cancelled as its client leaves."""
+    from services.gateway.limits import CallSlots
+
+    url, ctl = refusing_gateway
+    gw = ctl["gateway"]
+    gw.slots = CallSlots(most=100, most_per_tenant=2)
+    slow = {"model": MODEL, "messages": [{"role": "user", "content": "slow"}]}
+
+    def held() -> int:
+        return sum(sc.grace is not None for sc in gw.shared_calls.values())
+
+    async with aiohttp.ClientSession() as http:
+        for i in range(5):
+            with contextlib.suppress(asyncio.TimeoutError):
+                await http.post(f"{url}/v1/chat/completions", json=slow, timeout=aiohttp.ClientTimeout(total=0.5),
+                                headers={"Authorization": "Bearer k", "Idempotency-Key": f"held-{i}"})
+            await until(lambda: gw.slots.held == 0, timeout_s=5)  # (its client left: its slot is back)
+    await until(lambda: len(ctl.get("cancelled", [])) == 3, timeout_s=5, what="the calls past the bound ran on")
+    assert held() == 2

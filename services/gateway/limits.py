@@ -49,11 +49,12 @@ class CallSlots:
     waiting: deque[Waiter] = field(default_factory=deque)
 
     def refusal(self, tenant: str) -> str | None:
-        """Which bound a request of `tenant` is over now (GATEWAY_FULL, TENANT_FULL), else None."""
-        if self.most and self.held >= self.most:
-            return GATEWAY_FULL
+        """Which bound a request of `tenant` is over now (TENANT_FULL, GATEWAY_FULL), else
+        None; its own first, which holds whatever the others do."""
         if self.most_per_tenant and self.held_by_tenant.get(tenant, 0) >= self.most_per_tenant:
             return TENANT_FULL
+        if self.most and self.held >= self.most:
+            return GATEWAY_FULL
         return None
 
     def try_take(self, tenant: str) -> bool:
@@ -64,8 +65,11 @@ class CallSlots:
         return True
 
     def wait(self, tenant: str, handle: Any = None) -> Waiter | None:
-        """A place in line for a request over a bound, else None: the line is full."""
-        if self.line_full():
+        """A place in line for a request over a bound, else None: the line is full, or the
+        tenant holds as many places in it as its bound allows it slots (one tenant's flood
+        would fill the line, and every other tenant's request over the gateway's bound was
+        refused at once)."""
+        if self.line_full(tenant):
             return None
         waiter = Waiter(tenant, handle)
         self.waiting.append(waiter)
@@ -92,9 +96,13 @@ class CallSlots:
             self.waiting.remove(waiter)
         return []
 
-    def line_full(self) -> bool:
-        """A request over a bound now would be refused at once, finding no place in line."""
-        return len(self.waiting) >= self.most_waiting
+    def line_full(self, tenant: str) -> bool:
+        """A request of `tenant` over a bound now would be refused at once, finding no place
+        in line for it."""
+        if len(self.waiting) >= self.most_waiting:
+            return True
+        return bool(self.most_per_tenant) and \
+            sum(w.tenant == tenant for w in self.waiting) >= self.most_per_tenant
 
     def refuse_all(self) -> list[Waiter]:
         """Every waiter out of line (the gateway stops)."""

@@ -95,6 +95,7 @@ SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
 REQUEST_ID_HEADER, ANTHROPIC_REQUEST_ID_HEADER = "x-request-id", "request-id"
 REQUEST_ID_KEY = web.RequestKey("talaria.call_id", str)  # a request's call id, for its answer's headers
 TENANT_KEY = web.RequestKey("talaria.tenant", str)  # a request's tenant, once its key was read
+SLOT_KEY = web.RequestKey("talaria.slot", str)  # whose call slot the request holds (absent: none)
 CLIENT_GONE_KEY = web.RequestKey("talaria.client_gone", int)  # set when the client left before its answer: 499
 # the error code a streamed answer ended in after it had begun (its status already sent: 200)
 STREAM_ERROR_KEY = web.RequestKey("talaria.stream_error", str)
@@ -365,7 +366,8 @@ class Gateway:
             err = self._unauthorized(request)
         elif (over := self._declared_too_large(request)) is not None:
             err = over
-        elif (limit := self.slots.refusal(tenant)) is not None and self.slots.line_full():
+        elif request.path in MODEL_CALL_PATHS and (limit := self.slots.refusal(tenant)) is not None \
+                and self.slots.line_full(tenant):
             err = self._over_limit(limit)  # (its upload would only be read to be refused)
         else:
             if request.version >= (1, 1):
@@ -391,8 +393,7 @@ class Gateway:
         # token count, or a read of a stored response or the model list, is quick and streams
         # nothing: Claude Code counts often, and would wait behind its own streams; a keyless
         # request gets its 401)
-        tenant = self._known_tenant(request) if request.path in MODEL_CALL_PATHS else None
-        holds_slot = False
+        tenant = self._known_tenant(request) if request.method == "POST" and request.path in MODEL_CALL_PATHS else None
         self.in_flight += api_call
         try:
             if api_call and self.draining:  # (a load balancer has been told by /health; a client retries)
@@ -403,7 +404,8 @@ class Gateway:
                     self._over_limit(self.slots.refusal(tenant) or GATEWAY_FULL)
                 resp = self._refused(request, shape, over)
             else:
-                holds_slot = tenant is not None
+                if tenant is not None:
+                    request[SLOT_KEY] = tenant
                 resp = await self._answer(request, handler, shape)
             status = 499 if request.get(CLIENT_GONE_KEY) else resp.status
             return resp
@@ -415,8 +417,8 @@ class Gateway:
             raise
         finally:
             self.in_flight -= api_call
-            if holds_slot:
-                self._admitted(self.slots.give_back(tenant))  # type: ignore[arg-type]
+            if (holder := request.get(SLOT_KEY)) is not None:
+                self._admitted(self.slots.give_back(holder))
             if api_call:
                 self._count(request, shape, status, t0)
 
@@ -1233,13 +1235,22 @@ class Gateway:
         same call after its backoff: the call runs on for the grace, for the retry to
         join. Any other is cancelled now. True when the call was held."""
         grace = self.settings.gateway_retry_grace_s
-        if retries and grace > 0:
+        if retries and grace > 0 and not self._holds_most_for_retries(shared.tenant):
             shared.grace = asyncio.get_running_loop().call_later(grace, self._expire, cid, shared)
             self.log.info("gateway.held_for_retry", grace_s=grace)
             return True
         shared.task.cancel()  # the agent client sends CancelCall
         self.log.info("gateway.cancelled", reason="client disconnected")
         return False
+
+    def _holds_most_for_retries(self, tenant: str) -> bool:
+        """Whether `tenant` has as many calls held for their retries as its bound on calls in
+        flight (the gateway's, with none of its own): a held call holds no slot (its retry's
+        request takes one to join it), so without this bound clients leaving at once ran
+        calls past both bounds (a probe's 18 of one tenant against its 3)."""
+        most = self.slots.most_per_tenant or self.slots.most
+        return bool(most) and sum(sc.tenant == tenant and sc.grace is not None
+                                  for sc in self.shared_calls.values()) >= most
 
     def _expire(self, cid: str, shared: SharedCall) -> None:
         shared.grace = None
