@@ -3563,26 +3563,20 @@ async def test_requests_over_the_gateways_or_a_tenants_bound_are_refused_at_once
         # reads of what is stored, the model list and health are not calls: still answered
         async with http.get(f"{url}/v1/models", headers={"Authorization": "Bearer k"}) as r:
             assert r.status == 200
-        # an upload waiting on `Expect: 100-continue` is refused before it is sent
-        reader, writer = await asyncio.open_connection("127.0.0.1", int(url.rsplit(":", 1)[1]))
-        try:
-            writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer k\r\n"
-                         b"Content-Type: application/json\r\nContent-Length: 100000\r\nExpect: 100-continue\r\n\r\n")
-            await writer.drain()
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
-            assert head.startswith(b"HTTP/1.1 429"), head[:200]
-        finally:
-            writer.close()
-        # ... but not a token count's, which takes no slot
-        reader, writer = await asyncio.open_connection("127.0.0.1", int(url.rsplit(":", 1)[1]))
-        try:
-            writer.write(b"POST /v1/messages/count_tokens HTTP/1.1\r\nHost: x\r\nx-api-key: k\r\n"
-                         b"Content-Type: application/json\r\nContent-Length: 100\r\nExpect: 100-continue\r\n\r\n")
-            await writer.drain()
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
-            assert head.startswith(b"HTTP/1.1 100"), head[:200]
-        finally:
-            writer.close()
+        async def expect_answer(path: str) -> bytes:
+            """The head an upload waiting on `Expect: 100-continue` gets first."""
+            reader, writer = await asyncio.open_connection("127.0.0.1", int(url.rsplit(":", 1)[1]))
+            try:
+                writer.write(f"POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer k\r\nContent-Type: "
+                             "application/json\r\nContent-Length: 100000\r\nExpect: 100-continue\r\n\r\n".encode())
+                await writer.drain()
+                return await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+            finally:
+                writer.close()
+
+        # a call's upload is refused before it is sent; a token count's, which takes no slot, is not
+        assert (head := await expect_answer("/v1/chat/completions")).startswith(b"HTTP/1.1 429"), head[:200]
+        assert (head := await expect_answer("/v1/messages/count_tokens")).startswith(b"HTTP/1.1 100"), head[:200]
         # nor a method the path does not serve: a 405 at once, not a wait for a slot
         async with http.get(f"{url}/v1/chat/completions", headers={"Authorization": "Bearer k"}) as r:
             assert r.status == 405
