@@ -7,12 +7,22 @@ in the TOML file; this module only gives it types.
 from __future__ import annotations
 
 import math
+import os
+import re
 import tomllib
 from dataclasses import dataclass, MISSING
 from functools import lru_cache
 from pathlib import Path
 
 DEFAULT_CATALOG_PATH = Path(__file__).parent / "data" / "catalog.toml"
+CATALOG_VAR = "TALARIA_CATALOG"  # another catalog file, for the services and every command alike
+# the formats a model may write its tool calls and its reasoning in (shared/tool_calls.py,
+# services/gateway/reasoning.py, whose parsers read them)
+TOOL_CALL_FORMATS = ("hermes", "glm45", "pythonic", "harmony", "none")
+REASONING_FORMATS = ("think", "harmony", "none")
+# a model's name is a NATS subject token and a file name (its engine's log): no spaces, no
+# wildcards, and two names may not differ only in case
+MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 GB = 1e9
 
 
@@ -105,19 +115,32 @@ _MAY_BE_ZERO = frozenset({"kv_bytes_per_seq", "attn_flops_per_pair", "runtime_re
                           "wake_residual_s", "sleep_residual_s", "remap_s", "reinit_s"})
 
 
-def _build(cls: type, name: str, table: dict) -> object:
+def _build(cls: type, name: str, table: object) -> object:
+    if not isinstance(table, dict):
+        raise CatalogError(f"{cls.__name__} {name!r} must be a table of fields, got {table!r}"[:300])
     fields = [f for f in cls.__dataclass_fields__ if f != "name"]
     missing = [f for f in fields if f not in table and cls.__dataclass_fields__[f].default is MISSING]
     if missing:
         raise CatalogError(f"{cls.__name__} {name!r} lacks {missing}")
+    unknown = sorted(set(table) - set(fields))
+    if unknown:  # (a misspelt `tool_call_fromat` had left the model quietly with none)
+        raise CatalogError(f"{cls.__name__} {name!r} has unknown fields {unknown}; its fields are {fields}")
     for f in fields:
-        if cls.__dataclass_fields__[f].type not in ("int", "float") or f not in table:
+        if f not in table:
             continue
-        v = table[f]
+        v, kind = table[f], cls.__dataclass_fields__[f].type
+        if kind == "str" and not isinstance(v, str):
+            raise CatalogError(f"{cls.__name__} {name!r}: {f} must be a string, got {v!r}"[:300])
+        if kind not in ("int", "float"):
+            continue
         least = "0 or more" if f in _MAY_BE_ZERO else "above 0"
-        if (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
+        what = "a whole number" if kind == "int" else "a finite number"
+        if (isinstance(v, bool) or not isinstance(v, int if kind == "int" else (int, float)) or not math.isfinite(v)
                 or v < 0 or (v == 0 and f not in _MAY_BE_ZERO)):
-            raise CatalogError(f"{cls.__name__} {name!r}: {f} must be a finite number {least}, got {v!r}")
+            raise CatalogError(f"{cls.__name__} {name!r}: {f} must be {what} {least}, got {v!r}")
+    for f, allowed in (("tool_call_format", TOOL_CALL_FORMATS), ("reasoning_format", REASONING_FORMATS)):
+        if cls is ModelSpec and table.get(f, "none") not in allowed:
+            raise CatalogError(f"ModelSpec {name!r}: {f} must be one of {', '.join(allowed)}, got {table[f]!r}")
     if cls is ServerProfile and not table["runtime_reserve_frac"] < 1:
         raise CatalogError(f"ServerProfile {name!r}: runtime_reserve_frac must be below 1 (the share of HBM "
                            f"kept from weights and KV), got {table['runtime_reserve_frac']!r}")
@@ -143,18 +166,40 @@ def check_fit(server: ServerProfile, models: list[ModelSpec]) -> None:
                            f"every model's weights ({weights / GB:g} GB)")
 
 
-@lru_cache(maxsize=8)
 def load_catalog(path: str | Path | None = None) -> Catalog:
-    p = Path(path) if path else DEFAULT_CATALOG_PATH
+    """The catalog at `path`; none given, the one TALARIA_CATALOG names (as the services
+    read it: `talaria up` and `sim` had read the shipped one whatever it said), else the
+    shipped one."""
+    return _load_catalog(Path(path or os.environ.get(CATALOG_VAR, "").strip() or DEFAULT_CATALOG_PATH))
+
+
+def _table(raw: dict, key: str, p: Path) -> dict:
+    value = raw.get(key, {})
+    if not isinstance(value, dict):
+        raise CatalogError(f"catalog {p}: [{key}] must hold one table per entry ([{key}.NAME]), got {value!r}"[:300])
+    return value
+
+
+@lru_cache(maxsize=8)
+def _load_catalog(p: Path) -> Catalog:
     try:
         raw = tomllib.loads(p.read_text())
     except (OSError, tomllib.TOMLDecodeError) as exc:
         raise CatalogError(f"cannot read catalog {p}: {exc}") from exc
     try:
-        models = {n: _build(ModelSpec, n, t) for n, t in raw.get("models", {}).items()}
-        servers = {n: _build(ServerProfile, n, t) for n, t in raw.get("servers", {}).items()}
+        models = {n: _build(ModelSpec, n, t) for n, t in _table(raw, "models", p).items()}
+        servers = {n: _build(ServerProfile, n, t) for n, t in _table(raw, "servers", p).items()}
     except CatalogError as exc:
         raise CatalogError(f"catalog {p}: {exc}") from None
+    bad = [n for n in models if not MODEL_NAME.fullmatch(n)]
+    if bad:
+        raise CatalogError(f"catalog {p}: model names must be 1-128 letters, digits, '.', '_' or '-', beginning "
+                           f"with a letter or digit (each is a NATS subject token and a log file's name): {bad}"[:400])
+    folded: dict[str, str] = {}
+    for n in models:
+        if (other := folded.setdefault(n.lower(), n)) != n:
+            raise CatalogError(f"catalog {p}: models {other!r} and {n!r} differ only in case (their log files "
+                               "would be one file where names are not case-sensitive)")
     itl = raw.get("decode_itl_ms", {})
     if not models or not servers or len(itl.get("batch", [])) != len(itl.get("ms", [])) or not itl.get("batch"):
         raise CatalogError(f"catalog {p} needs [models.*], [servers.*] and [decode_itl_ms] with batch and ms of equal length")

@@ -40,8 +40,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from shared import harmony, synthetic_json
+from shared.catalog import TOOL_CALL_FORMATS
 
-FORMATS = ("hermes", "glm45", "pythonic", "harmony", "none")
+FORMATS = TOOL_CALL_FORMATS  # (the catalog's `tool_call_format` is checked against them as it loads)
 
 # Objects and arrays a schema may nest (32 levels of `properties`; tools' schemas nest a
 # handful): the metaschema check, the grammar and the sim engine's made-up arguments all

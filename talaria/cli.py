@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from shared.auth import nats_password_from_env, role_password_var
-from shared.catalog import CatalogError, load_catalog
+from shared.catalog import CatalogError, check_fit, load_catalog
 from shared.policy import PRESETS, PolicyError, parse_policy, resolve_policy
 from shared.settings import GATEWAY_DRAIN_WALL_S, parse_api_keys
 from talaria.workload.trace import TraceError, TraceSession, load_runnable_trace
@@ -390,10 +390,12 @@ def cmd_up(a: argparse.Namespace) -> int:
     models = [m.strip() for m in a.models.split(",") if m.strip()]
     if not models:
         return _fail("--models names no model")
-    catalog = load_catalog()
-    catalog.server(a.server_profile)
-    for m in models:
-        catalog.model(m)
+    twice = sorted({m for m in models if models.count(m) > 1})
+    if twice:  # (each model is one engine-worker per server: it ended in a traceback)
+        return _fail(f"--models names {', '.join(twice)} more than once")
+    catalog = load_catalog()  # (TALARIA_CATALOG's, as the services read it)
+    # the models' weights and contexts fit the server: else its substrate failed at every start
+    check_fit(catalog.server(a.server_profile), [catalog.model(m) for m in models])
     policy = parse_policy(a.policy)
     if a.no_gateway and a.gateway_port:
         return _fail("--gateway-port names the port of the gateway that --no-gateway leaves out")

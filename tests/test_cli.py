@@ -460,7 +460,16 @@ CATALOG = ROOT / "shared" / "data" / "catalog.toml"
     # the largest model's weights left no HBM for KV: a ValueError traceback from the ledger
     ("weights_gb = 355.0", "weights_gb = 5000.0", "glm-4.5-fp8's weights (5000 GB) leave 0 GB of the 576 GB"),
     ("prefill_tok_s = 20625.0", "prefill_tok_s = 0.0", "prefill_tok_s must be a finite number above 0, got 0.0"),
-    ("kv_bytes_per_token = 376832", "kv_bytes_per_token = -5", "kv_bytes_per_token must be a finite number above 0"),
+    ("kv_bytes_per_token = 376832", "kv_bytes_per_token = -5", "kv_bytes_per_token must be a whole number above 0"),
+    # a whole number written as a float loaded, and every call of the gateway then failed (a 500)
+    ("layers = 46", "layers = 46.5", "'glm-4.5-air-fp8': layers must be a whole number above 0, got 46.5"),
+    # a format no parser reads, or a misspelt field, left the model writing no tool calls
+    ('tool_call_format = "glm45"', 'tool_call_format = "mistral"',
+     "tool_call_format must be one of hermes, glm45, pythonic, harmony, none, got 'mistral'"),
+    ('reasoning_format = "think"', 'reasoning_fromat = "think"', "has unknown fields ['reasoning_fromat']"),
+    ('sources = "zai-org/GLM-4.5-Air', 'sources = 7\nx = "', "unknown fields ['x']"),
+    ('[models."glm-4.5-air-fp8"]', '[models."glm 4.5 air"]', "model names must be"),
+    ('[models."glm-4.5-air-fp8"]', '[models."GLM-4.5-fp8"]', "'glm-4.5-fp8' and 'GLM-4.5-fp8' differ only in case"),
     ("hbm_tb_s_per_gpu = 3.35", "hbm_tb_s_per_gpu = inf", "hbm_tb_s_per_gpu must be a finite number above 0"),
     ("runtime_reserve_frac = 0.10 ", "runtime_reserve_frac = 1.0 ", "runtime_reserve_frac must be below 1"),
 ])
@@ -763,3 +772,34 @@ def test_a_replay_says_at_the_start_how_long_its_trace_takes_at_the_least() -> N
     assert "at least 231 days of wall time a policy at --time-scale 50; 463 days for the 2 policies" in note
     assert "at least 40 s of wall time a policy at --time-scale 50" in replay_span_note(
         sessions[1:], {"early": 2000.0}, 50.0, 1)
+
+
+def test_talaria_up_and_sim_read_the_catalog_the_services_read(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """TALARIA_CATALOG named the services' catalog, but `talaria up` checked --models against the
+    shipped one (a model only the operator's file had was unknown) and `sim` ran on it; a
+    catalog that could not be read, a model whose weights leave no HBM for KV or a model named
+    twice got past the start, and the stack restart-looped for 90 s or ended in a traceback."""
+    import json
+
+    text = CATALOG.read_text()
+    i = text.index('[models."glm-4.5-air-fp8"]')
+    own = tmp_path / "catalog.toml"
+    own.write_text(text + "\n" + text[i:text.index("\n[", i + 1)].replace("glm-4.5-air-fp8", "acme-moe-120b", 1))
+    trace = tmp_path / "acme.jsonl"
+    trace.write_text(json.dumps({"session_id": "a", "model": "acme-moe-120b", "arrival_s": 0,
+                                 "calls": [{"new_input_tokens": 300, "output_tokens": 20, "tool_s": 1}]}) + "\n")
+    monkeypatch.setenv("TALARIA_CATALOG", str(own))
+    assert main(["sim", str(trace), "--policy", "talaria"]) == 0
+    assert "acme-moe-120b" not in capsys.readouterr().err
+    heavy = tmp_path / "heavy.toml"
+    heavy.write_text(text.replace("weights_gb = 355.0", "weights_gb = 5000.0", 1))
+    for catalog, models, said in ((tmp_path / "absent.toml", "glm-4.5-air-fp8", "cannot read catalog"),
+                                  (heavy, "glm-4.5-fp8", "glm-4.5-fp8's weights (5000 GB) leave 0 GB"),
+                                  (own, "acme-moe-120b,glm-4.5-air-fp8,acme-moe-120b",
+                                   "--models names acme-moe-120b more than once")):
+        monkeypatch.setenv("TALARIA_CATALOG", str(catalog))
+        assert main(["up", "--models", models, "--log-dir", str(tmp_path / "logs")]) != 0
+        err = capsys.readouterr().err
+        assert said in err and err.count("\n") == 1 and "Traceback" not in err, err
+        assert not (tmp_path / "logs").exists() or not any((tmp_path / "logs").rglob("*.log"))  # (nothing started)

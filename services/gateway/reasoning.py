@@ -15,8 +15,9 @@ open with `<think>` has no reasoning; one cut off before `</think>` is all reaso
 from __future__ import annotations
 
 from shared import harmony
+from shared.catalog import REASONING_FORMATS
 
-FORMATS = ("think", "harmony", "none")
+FORMATS = REASONING_FORMATS  # (the catalog's `reasoning_format` is checked against them as it loads)
 _PART = "\n\n"  # between a harmony reply's messages of one kind
 OPEN, CLOSE = "<think>", "</think>"
 
