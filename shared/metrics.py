@@ -207,9 +207,9 @@ class Metrics:
         """The gateway's API requests in flight, those waiting in line for a slot, and its bound;
         called by the gateway alone (an unlabelled gauge is exposed, as 0, by every process that
         defines it)."""
-        Gauge("talaria_http_calls_in_flight", "API requests the gateway is answering now (a stream until its "
+        Gauge("talaria_http_calls_in_flight", "Calls of a model the gateway is answering now (a stream until its "
               "last event).", registry=self.registry).set_function(held)
-        Gauge("talaria_http_calls_waiting", "API requests waiting in line for a slot (over the gateway's or "
+        Gauge("talaria_http_calls_waiting", "Calls of a model waiting in line for a slot (over the gateway's or "
               "their tenant's bound).", registry=self.registry).set_function(waiting)
         Gauge("talaria_http_calls_max", "The gateway's bound on API requests in flight "
               "(TALARIA_GATEWAY_MAX_CALLS; 0: none).", registry=self.registry).set(most)

@@ -19,12 +19,13 @@ from typing import Any
 import msgspec
 
 from shared.auth import nats_password_from_env
+from shared.catalog import CATALOG_VAR
 from shared.policy import PolicyConfig, parse_policy, resolve_policy
 from shared.redis_client import RedisUrlError, login, parse_redis_url
 
 
 ENGINE_BACKENDS = ("sim", "vllm")
-# API requests one gateway answers at once: 1,000 concurrent streams were served on the 2-core
+# calls of a model one gateway answers at once: 1,000 concurrent streams were served on the 2-core
 # development machine (health answered within 1.3 s), 2,000 lagged its loop 7 s and got it killed
 GATEWAY_MAX_CALLS = 1024
 GATEWAY_MAX_BODY = 32 * 1024 * 1024  # the default request body limit: Anthropic's own 32 MB, for conversations carrying images
@@ -229,7 +230,7 @@ class Settings:
     gateway_body_timeout_s: float = 60.0  # wall seconds a request's whole body may take to arrive (past it: 408)
     gateway_send_timeout_s: float = 60.0  # wall seconds a stream's client may take nothing of it (past it: closed)
     gateway_max_body: int = GATEWAY_MAX_BODY  # bytes of an HTTP request body (decoded) above which the gateway answers 413 (Anthropic: 32 MB)
-    gateway_max_calls: int = GATEWAY_MAX_CALLS  # API requests one gateway answers at once; past it 429/529 (0 = no bound)
+    gateway_max_calls: int = GATEWAY_MAX_CALLS  # calls of a model one gateway answers at once; past it a line, then 429/529 (0 = no bound)
     gateway_tenant_max_calls: int = 0  # ... of one tenant; past it 429 (0 = none but the gateway's)
     gateway_queue_wait_s: float = 60.0  # wall seconds a request over either bound waits in line for a slot (0: refused at once)
     gateway_responses_ttl_s: int = GATEWAY_RESPONSES_TTL_S  # wall seconds a stored response is kept (0: none stored)
@@ -292,7 +293,7 @@ class Settings:
         p.add_argument("--server-id", default=_env("TALARIA_SERVER_ID", "s0"))
         p.add_argument("--model", default=_env("TALARIA_MODEL", ""))
         p.add_argument("--heartbeat-wall-s", type=float, default=_float(src, "TALARIA_HEARTBEAT_WALL_S", 1.0))
-        p.add_argument("--catalog", default=src.get("TALARIA_CATALOG"))
+        p.add_argument("--catalog", default=src.get(CATALOG_VAR))
         p.add_argument("--switch-cost-scale", type=float, default=_float(src, "TALARIA_SWITCH_COST_SCALE", 1.0))
         p.add_argument("--prefill-speed-scale", type=float, default=_float(src, "TALARIA_PREFILL_SPEED_SCALE", 1.0))
         p.add_argument("--nats-user", default=src.get("TALARIA_NATS_USER"))
@@ -335,12 +336,12 @@ class Settings:
                        help="largest HTTP request body in bytes (larger: 413)")
         p.add_argument("--gateway-max-calls", type=int,
                        default=_int(src, "TALARIA_GATEWAY_MAX_CALLS", GATEWAY_MAX_CALLS),
-                       help="API requests one gateway answers at once (a stream until its end); past it a request "
+                       help="calls of a model one gateway answers at once (a stream until its end); past it a call "
                             "waits in line (--gateway-queue-wait-s), then is refused as no capacity, 429 (Anthropic: "
                             "529), with Retry-After (0 = no bound)")
         p.add_argument("--gateway-tenant-max-calls", type=int, default=_int(src, "TALARIA_GATEWAY_TENANT_MAX_CALLS", 0),
-                       help="API requests of one tenant one gateway answers at once; past it 429 rate_limit_error "
-                            "with Retry-After (0 = no bound but --gateway-max-calls)")
+                       help="calls of a model of one tenant one gateway answers at once; past it one waits in line, "
+                            "then gets 429 rate_limit_error with Retry-After (0 = no bound but --gateway-max-calls)")
         p.add_argument("--gateway-queue-wait-s", type=float, default=_float(src, "TALARIA_GATEWAY_QUEUE_WAIT_S", 60.0),
                        help="wall seconds a request over --gateway-max-calls or --gateway-tenant-max-calls waits in "
                             "line for a slot, first come first served, before its 429 (0: refused at once)")

@@ -1,4 +1,4 @@
-"""How many API requests one gateway answers at once: its own bound and each tenant's.
+"""How many calls of a model one gateway answers at once: its own bound and each tenant's.
 
 Pure bookkeeping, no I/O: the gateway asks for a slot before it reads a request's
 body (`try_take`), and gives it back when the answer (a stream: its last event)

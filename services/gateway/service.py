@@ -95,7 +95,6 @@ SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
 REQUEST_ID_HEADER, ANTHROPIC_REQUEST_ID_HEADER = "x-request-id", "request-id"
 REQUEST_ID_KEY = web.RequestKey("talaria.call_id", str)  # a request's call id, for its answer's headers
 TENANT_KEY = web.RequestKey("talaria.tenant", str)  # a request's tenant, once its key was read
-SLOT_KEY = web.RequestKey("talaria.slot", str)  # whose call slot the request holds (absent: none)
 CLIENT_GONE_KEY = web.RequestKey("talaria.client_gone", int)  # set when the client left before its answer: 499
 # the error code a streamed answer ended in after it had begun (its status already sent: 200)
 STREAM_ERROR_KEY = web.RequestKey("talaria.stream_error", str)
@@ -106,12 +105,6 @@ T = TypeVar("T")
 MODEL_CALL_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses"})
 OPENAI_PATHS = ("/v1/chat/", "/v1/completions", "/v1/responses")  # OpenAI's own: its shape whatever the headers
 RESPONSES = "responses"  # OpenAI's Responses API: OpenAI's error shapes, its own label in metrics and traces
-
-
-def _static_paths(app: web.Application) -> frozenset[str]:
-    """The paths the gateway serves that name no variable part."""
-    return frozenset(r.resource.canonical for r in app.router.routes()
-                     if r.resource is not None and "{" not in r.resource.canonical)
 
 
 class HttpError(Exception):
@@ -284,6 +277,9 @@ class Gateway:
         app.router.add_get("/v1/responses/{response_id}", self.stored_response)
         app.router.add_get("/v1/responses/{response_id}/input_items", self.response_input_items)
         app.router.add_delete("/v1/responses/{response_id}", self.delete_response)
+        # the paths served that name no variable part (a 404's hint; a 405 under /v1/responses/)
+        self.static_paths = frozenset(r.resource.canonical for r in app.router.routes()
+                                      if r.resource is not None and "{" not in r.resource.canonical)
         app.on_response_prepare.append(self._request_id)
         app.cleanup_ctx.append(self._replica_beat)
         app.cleanup_ctx.append(self._watch_lag)
@@ -394,6 +390,7 @@ class Gateway:
         # nothing: Claude Code counts often, and would wait behind its own streams; a keyless
         # request gets its 401)
         tenant = self._known_tenant(request) if request.method == "POST" and request.path in MODEL_CALL_PATHS else None
+        holds_slot = False
         self.in_flight += api_call
         try:
             if api_call and self.draining:  # (a load balancer has been told by /health; a client retries)
@@ -404,8 +401,7 @@ class Gateway:
                     self._over_limit(self.slots.refusal(tenant) or GATEWAY_FULL)
                 resp = self._refused(request, shape, over)
             else:
-                if tenant is not None:
-                    request[SLOT_KEY] = tenant
+                holds_slot = tenant is not None
                 resp = await self._answer(request, handler, shape)
             status = 499 if request.get(CLIENT_GONE_KEY) else resp.status
             return resp
@@ -417,8 +413,8 @@ class Gateway:
             raise
         finally:
             self.in_flight -= api_call
-            if (holder := request.get(SLOT_KEY)) is not None:
-                self._admitted(self.slots.give_back(holder))
+            if holds_slot:
+                self._admitted(self.slots.give_back(tenant))  # type: ignore[arg-type]
             if api_call:
                 self._count(request, shape, status, t0)
 
@@ -450,8 +446,7 @@ class Gateway:
             return error_response(shape, HttpError("internal", f"the gateway failed on this request ({rid} in "
                                                                "its log says why)"))
 
-    @staticmethod
-    def _path_hint(request: web.Request) -> str:
+    def _path_hint(self, request: web.Request) -> str:
         """The endpoint a path not found was likely meant for, said in a 404 (else ""): a base
         URL set one /v1 off is the commonest setup mistake; `//v1/...` and `/V1/...` too."""
         canonical = "/" + "/".join(part for part in request.path.split("/") if part)
@@ -460,7 +455,7 @@ class Gateway:
                     "adds it itself: ANTHROPIC_BASE_URL is the gateway's URL without /v1)")
         under_v1 = canonical.lower() == "/v1" or canonical.lower().startswith("/v1/")
         meant = "/v1" + (canonical[3:] if under_v1 else canonical)
-        if meant == request.path or meant not in _static_paths(request.app):
+        if meant == request.path or meant not in self.static_paths:
             return ""
         return f" (did you mean {request.method} {meant}?)" if under_v1 else \
             f" (the API is under /v1: {request.method} {meant})"
@@ -1664,12 +1659,11 @@ class Gateway:
         raise HttpError("not_found", "POST /v1/responses/compact is not served here: compact the conversation in "
                         "the client (Codex does, with a /v1/responses call of its own) or send it whole")
 
-    @staticmethod
-    def _response_id(request: web.Request) -> str:
+    def _response_id(self, request: web.Request) -> str:
         """The stored response a path names; a POST endpoint's own name under /v1/responses/
         (`input_tokens`, `compact`) is a 405, not a response that is not found."""
         rid = request.match_info["response_id"]
-        if f"/v1/responses/{rid}" in _static_paths(request.app):
+        if f"/v1/responses/{rid}" in self.static_paths:
             raise web.HTTPMethodNotAllowed(request.method, ["POST"])
         return rid
 
@@ -1833,16 +1827,18 @@ class Gateway:
         _, original = await self._body(request)
         original = await self._referenced_items(tenant, original)
         body = (await self._responses_as_chat(tenant, original))[0]
-        async def fitting(body: dict[str, Any]) -> Prompt:
-            """The body's prompt, or the context refusal its call would get."""
-            prompt = await self._prompt_only(tenant, body, OPENAI)
+
+        async def fitting(body: dict[str, Any], prompt: Prompt | None = None) -> Prompt:
+            """The body's prompt (rendered unless given), or the context refusal its call would get."""
+            if prompt is None:
+                prompt = await self._prompt_only(tenant, body, OPENAI)
             self._max_tokens(body, ("max_output_tokens",), prompt, await self._model(body))
             return prompt
 
         prompt = await self._prompt_only(tenant, body, OPENAI)
         if original.get("truncation") == "auto":  # (counted as it would be sent: truncated to fit)
             try:
-                await fitting(body)
+                await fitting(body, prompt)
             except HttpError as err:
                 if err.code != "context_limit":
                     raise
